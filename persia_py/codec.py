@@ -1,0 +1,106 @@
+"""The wire codec: numpy arrays <-> ``Tensor`` messages (bytes + dtype + shape).
+
+Every array that crosses the wire goes through :func:`encode` and :func:`decode`.
+Decoding validates everything a peer could get wrong (dtype, shape, byte length,
+compression) and raises :class:`CodecError` with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import lz4.block
+import numpy as np
+
+from persia_py.proto import common_pb2
+
+WIRE_DTYPES = frozenset(
+    ["float16", "float32", "float64", "uint64", "int64", "int32", "int16", "int8", "uint8", "bool"]
+)
+"""Dtypes allowed on the wire."""
+
+MAX_ELEMENTS = 1 << 31
+"""Upper bound on the elements of one decoded array (a guard against absurd shapes)."""
+
+
+class CodecError(ValueError):
+    """A Tensor message that cannot be decoded; the message says which field and why."""
+
+
+def encode(array: np.ndarray, *, fp16: bool = False, compress: bool = False) -> common_pb2.Tensor:
+    """Encode ``array`` as a Tensor; ``fp16`` sends float arrays as float16."""
+    array = np.asarray(array)
+    if fp16 and array.dtype.kind == "f":
+        array = array.astype(np.float16)
+    if array.dtype.name not in WIRE_DTYPES:
+        raise CodecError(f"dtype {array.dtype.name} cannot travel; allowed: {sorted(WIRE_DTYPES)}")
+    data = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+    if compress and data:
+        data = lz4.block.compress(data, store_size=False)
+    else:
+        compress = False
+    return common_pb2.Tensor(dtype=array.dtype.name, shape=array.shape, data=data, lz4=compress)
+
+
+def decode(
+    tensor: common_pb2.Tensor,
+    *,
+    name: str = "tensor",
+    dtypes: tuple[str, ...] | None = None,
+    ndim: int | None = None,
+    as_float32: bool = False,
+) -> np.ndarray:
+    """Decode a Tensor, checking it against what the caller expects.
+
+    ``name`` is used in error messages; ``dtypes`` and ``ndim`` restrict what is
+    accepted; ``as_float32`` widens float16 payloads to float32.
+    """
+    if tensor.dtype not in WIRE_DTYPES:
+        raise CodecError(f"{name}: unknown dtype {tensor.dtype!r}; allowed: {sorted(WIRE_DTYPES)}")
+    if dtypes is not None and tensor.dtype not in dtypes:
+        raise CodecError(f"{name}: dtype {tensor.dtype} not accepted here; expected one of {dtypes}")
+    shape = tuple(tensor.shape)
+    if ndim is not None and len(shape) != ndim:
+        raise CodecError(f"{name}: expected {ndim} dimensions, got shape {shape}")
+    if any(s < 0 for s in shape):
+        raise CodecError(f"{name}: negative dimension in shape {shape}")
+    num_elements = int(np.prod(shape, dtype=np.float64))
+    if num_elements > MAX_ELEMENTS:
+        raise CodecError(f"{name}: shape {shape} has more than {MAX_ELEMENTS} elements")
+    dtype = np.dtype(tensor.dtype).newbyteorder("<")
+    expected_bytes = num_elements * dtype.itemsize
+    data = tensor.data
+    if tensor.lz4:
+        try:
+            data = lz4.block.decompress(data, uncompressed_size=expected_bytes)
+        except lz4.block.LZ4BlockError as exc:
+            raise CodecError(f"{name}: lz4 payload does not decompress: {exc}") from None
+    if len(data) != expected_bytes:
+        raise CodecError(
+            f"{name}: shape {shape} of {tensor.dtype} needs {expected_bytes} bytes, got {len(data)}"
+        )
+    array = np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+    if as_float32 and array.dtype == np.float16:
+        array = array.astype(np.float32)
+    return array
+
+
+def decode_finite(tensor: common_pb2.Tensor, *, name: str, ndim: int) -> np.ndarray:
+    """Decode a float tensor as float32 and reject NaN or infinite values."""
+    array = decode(tensor, name=name, dtypes=("float16", "float32"), ndim=ndim, as_float32=True)
+    if not np.isfinite(array).all():
+        raise CodecError(f"{name}: contains NaN or infinite values")
+    return array
+
+
+def encode_id_feature(slot: str, ids: np.ndarray, lengths: np.ndarray) -> common_pb2.IdFeature:
+    """One ID-type feature in CSR form: flat uint64 ids and int32 per-sample lengths."""
+    return common_pb2.IdFeature(
+        slot=slot, ids=encode(ids.astype(np.uint64, copy=False)),
+        lengths=encode(lengths.astype(np.int32, copy=False)),
+    )
+
+
+def decode_id_feature(feature: common_pb2.IdFeature, name: str) -> tuple[str, np.ndarray, np.ndarray]:
+    """``(slot, ids, lengths)`` of an IdFeature, shapes and dtypes checked."""
+    ids = decode(feature.ids, name=f"{name}.ids", dtypes=("uint64",), ndim=1)
+    lengths = decode(feature.lengths, name=f"{name}.lengths", dtypes=("int32",), ndim=1)
+    return feature.slot, ids, lengths

@@ -1,0 +1,265 @@
+"""The two config files, ``global_config.yml`` and ``embedding_config.yml``, read strictly.
+
+Key names follow PERSIA's. Unlike PERSIA, an unknown or misspelled key, a wrong type or
+an out-of-range value stops the process with a :class:`ConfigError` naming the file, the
+key path, what was expected and, for a misspelling, the closest valid key. Each section
+is a keyword-only dataclass; its field docstrings are the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the key path."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CommonConfig:
+    job_type: Literal["Train", "Infer"] = "Train"
+    """``Train`` or ``Infer``."""
+    max_message_bytes: int = 512 * 1024 * 1024
+    """Largest gRPC message sent or received, on every channel and server."""
+    rpc_timeout_sec: float = 120.0
+    """Deadline of every RPC; idempotent calls are retried until it passes."""
+    startup_timeout_sec: float = 300.0
+    """How long a role waits for the services it depends on to come up."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "max_message_bytes", 4 * 1024 * 1024, 2**31 - 1)
+        _check_range(self, "rpc_timeout_sec", 0.1, 86400.0)
+        _check_range(self, "startup_timeout_sec", 1.0, 86400.0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParameterServerConfig:
+    capacity: int = 1_000_000_000
+    """Most rows one parameter-server replica holds per table; beyond it the least
+    recently used rows are evicted. A slot's own ``capacity`` takes precedence."""
+    num_hashmap_internal_shards: int = 1
+    """Internal shards per table; shards are locked and served independently."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "capacity", 1, 2**62)
+        _check_range(self, "num_hashmap_internal_shards", 1, 4096)
+
+
+@dataclass(kw_only=True, frozen=True)
+class EmbeddingWorkerConfig:
+    forward_buffer_size: int = 1000
+    """Batches an embedding worker holds (received from data loaders, or looked up and
+    awaiting gradients). When full, data loaders wait; nothing is dropped."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "forward_buffer_size", 1, 1_000_000)
+
+
+@dataclass(kw_only=True, frozen=True)
+class GlobalConfig:
+    common_config: CommonConfig = field(default_factory=CommonConfig)
+    """Settings every role reads."""
+    embedding_parameter_server_config: ParameterServerConfig = field(
+        default_factory=ParameterServerConfig
+    )
+    """Settings of the embedding parameter servers."""
+    embedding_worker_config: EmbeddingWorkerConfig = field(default_factory=EmbeddingWorkerConfig)
+    """Settings of the embedding workers."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class SlotConfig:
+    dim: int
+    """Embedding dimension of the slot (required)."""
+    embedding_summation: bool = True
+    """Pool a sample's ids into one vector (``true``) or hand the model the raw sequence
+    ``[batch, sample_fixed_size, dim]`` (``false``)."""
+    pooling: Literal["sum", "mean"] = "sum"
+    """How ids are pooled when ``embedding_summation`` is true."""
+    sqrt_scaling: bool = False
+    """Divide a pooled sum by the square root of the sample's id count."""
+    sample_fixed_size: int = 10
+    """Padded length of a raw sequence. A longer sample is an error, never truncated."""
+    capacity: int | None = None
+    """Most rows of this slot per parameter-server replica (default: the global one)."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "dim", 1, 65536)
+        _check_range(self, "sample_fixed_size", 1, 1_000_000)
+        if self.capacity is not None:
+            _check_range(self, "capacity", 1, 2**62)
+
+    @property
+    def pooling_mode(self) -> str:
+        """``sum``, ``mean`` or ``raw``."""
+        return self.pooling if self.embedding_summation else "raw"
+
+
+@dataclass(kw_only=True, frozen=True)
+class EmbeddingConfig:
+    slots_config: dict[str, SlotConfig]
+    """One entry per ID-type feature (slot), by name."""
+    feature_index_prefix_bit: int = 0
+    """High bits of every id replaced by the slot's index (1-based, in file order), so
+    equal raw ids of different slots never collide; 0 disables prefixing."""
+    feature_groups: dict[str, list[str]] = field(default_factory=dict)
+    """Slots sharing one prefix. Only ``{}`` is supported yet; anything else is refused."""
+
+    def __post_init__(self) -> None:
+        if not self.slots_config:
+            raise ConfigError("slots_config: at least one slot is required")
+        _check_range(self, "feature_index_prefix_bit", 0, 16)
+        if self.feature_index_prefix_bit and len(self.slots_config) >= 2**self.feature_index_prefix_bit:
+            raise ConfigError(
+                f"feature_index_prefix_bit: {self.feature_index_prefix_bit} bits cannot number "
+                f"{len(self.slots_config)} slots"
+            )
+        if self.feature_groups:
+            raise ConfigError("feature_groups: only {} is supported in this version")
+
+    def slot(self, name: str) -> SlotConfig:
+        """The config of slot ``name``; ValueError naming the known slots if absent."""
+        try:
+            return self.slots_config[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown slot {name!r}; embedding_config has {sorted(self.slots_config)}"
+            ) from None
+
+    def slot_prefix(self, name: str) -> int:
+        """The prefix value of slot ``name`` (0 when prefixing is off)."""
+        if not self.feature_index_prefix_bit:
+            return 0
+        return list(self.slots_config).index(name) + 1
+
+
+def _check_range(obj: Any, name: str, low: float, high: float) -> None:
+    value = getattr(obj, name)
+    if not low <= value <= high:
+        raise ConfigError(f"{name}: {value} is out of range; expected {low} <= {name} <= {high}")
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if origin is dict:
+        return "a mapping"
+    if origin is list:
+        return "a list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; build nested dataclasses."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for arg in typing.get_args(tp):
+            if arg is type(None) and value is None:
+                return None
+            try:
+                return _convert(arg, value, path)
+            except ConfigError:
+                continue
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_tp, val_tp = typing.get_args(tp)
+            return {
+                _convert(key_tp, k, f"{path}.{k}"): _convert(val_tp, v, f"{path}.{k}")
+                for k, v in value.items()
+            }
+    elif origin is list:
+        if isinstance(value, list):
+            (item_tp,) = typing.get_args(tp)
+            return [_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or '<top level>'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    prefix = f"{path}." if path else ""
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{prefix}{key}: unknown key (valid keys here: {sorted(fields)}){hint}"
+            )
+        kwargs[key] = _convert(hints[key], value, f"{prefix}{key}")
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and (
+            f.default_factory is dataclasses.MISSING
+        ):
+            raise ConfigError(f"{prefix}{name}: required key is missing")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}{exc}") from None
+
+
+def _load(cls: type, path: str | os.PathLike) -> Any:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return _build(cls, data, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def load_global_config(path: str | os.PathLike | None) -> GlobalConfig:
+    """Read ``global_config.yml``; ``None`` gives every default."""
+    return GlobalConfig() if path is None else _load(GlobalConfig, path)
+
+
+def load_embedding_config(path: str | os.PathLike) -> EmbeddingConfig:
+    """Read ``embedding_config.yml``."""
+    return _load(EmbeddingConfig, path)
+
+
+def global_config_from_dict(data: dict) -> GlobalConfig:
+    """Build a GlobalConfig from a mapping, with the same checks as a file."""
+    return _build(GlobalConfig, data, "")
+
+
+def embedding_config_from_dict(data: dict) -> EmbeddingConfig:
+    """Build an EmbeddingConfig from a mapping, with the same checks as a file."""
+    return _build(EmbeddingConfig, data, "")

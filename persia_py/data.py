@@ -1,0 +1,67 @@
+"""Datasets and the DataLoader of an NN worker (as PERSIA's ``persia.data``).
+
+* :class:`StreamingDataset`: the batches that data-loader processes send.
+* :class:`IterableDataset`: batches made in this process (e.g. a test set); subclass it
+  and yield :class:`~persia_py.embedding.data.PersiaBatch` from ``__iter__``.
+
+:class:`DataLoader` turns either into batches whose embeddings are looked up, ready for
+``ctx.forward``. It belongs to the enclosing ``TrainCtx`` / ``eval_ctx`` / ``InferCtx``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from persia_py.embedding.data import PersiaBatch
+from persia_py.workers.nn_worker import TrainingBatch
+
+
+class IterableDataset:
+    """Base of datasets made in the NN-worker process; subclasses implement ``__iter__``."""
+
+    def __init__(self, buffer_size: int = 10) -> None:
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        self.buffer_size = buffer_size
+
+    def __iter__(self) -> Iterator[PersiaBatch]:
+        raise NotImplementedError
+
+
+class StreamingDataset(IterableDataset):
+    """The stream of batches the data loaders send to this job."""
+
+    def __iter__(self) -> Iterator[PersiaBatch]:
+        raise TypeError("a StreamingDataset is read through DataLoader, not iterated directly")
+
+
+class DataLoader:
+    """Batches with their embeddings looked up, for the current context.
+
+    Args:
+        dataset: a :class:`StreamingDataset` or an :class:`IterableDataset`.
+        reproducible: visit data loaders in a fixed order, so that with one NN worker and
+            ``embedding_staleness=1`` the batch order, and so the run, is reproducible.
+        embedding_staleness: most batches of this NN worker looked up but whose
+            embedding updates are not yet acknowledged (default 1: synchronous).
+    """
+
+    def __init__(self, dataset: IterableDataset, *, reproducible: bool = False,
+                 embedding_staleness: int | None = None) -> None:
+        from persia_py.ctx import current_ctx
+
+        if not isinstance(dataset, IterableDataset):
+            raise TypeError(f"dataset must be a persia_py.data.IterableDataset, got "
+                            f"{type(dataset).__name__}")
+        self.ctx = current_ctx()
+        self.dataset = dataset
+        self.reproducible = reproducible
+        self.embedding_staleness = 1 if embedding_staleness is None else embedding_staleness
+        if self.embedding_staleness < 1:
+            raise ValueError(f"embedding_staleness must be >= 1, got {embedding_staleness}")
+
+    def __iter__(self) -> Iterator[TrainingBatch]:
+        if isinstance(self.dataset, StreamingDataset):
+            return self.ctx.stream(self.dataset, reproducible=self.reproducible,
+                                   embedding_staleness=self.embedding_staleness)
+        return (self.ctx.prepare(batch) for batch in self.dataset)

@@ -1,0 +1,96 @@
+"""The process environment of a persia_py role, read once at the process entry.
+
+The NN-worker variables are torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT). Service addresses come from ``PERSIA_*`` variables that
+``persia-launcher`` (or a Kubernetes manifest) sets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+ENV_GLOBAL_CONFIG = "PERSIA_GLOBAL_CONFIG"
+ENV_EMBEDDING_CONFIG = "PERSIA_EMBEDDING_CONFIG"
+ENV_PS_ADDRS = "PERSIA_PS_ADDRS"
+ENV_EMBEDDING_WORKER_ADDRS = "PERSIA_EMBEDDING_WORKER_ADDRS"
+ENV_DATA_LOADER_ADDRS = "PERSIA_DATA_LOADER_ADDRS"
+ENV_DATA_LOADER_REPLICA_INDEX = "PERSIA_DATA_LOADER_REPLICA_INDEX"
+ENV_DATA_LOADER_PORT = "PERSIA_DATA_LOADER_PORT"
+ENV_DATA_LOADER_REPLICA_SIZE = "PERSIA_DATA_LOADER_REPLICA_SIZE"
+ENV_NN_WORLD_SIZE = "PERSIA_NN_WORKER_WORLD_SIZE"
+ENV_BIND_HOST = "PERSIA_BIND_HOST"
+
+
+def _addrs(value: str | None) -> tuple[str, ...]:
+    return tuple(a.strip() for a in (value or "").split(",") if a.strip())
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersiaEnv:
+    """Everything a role reads from its environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    global_config: str | None = None
+    embedding_config: str | None = None
+    ps_addrs: tuple[str, ...] = ()
+    embedding_worker_addrs: tuple[str, ...] = ()
+    data_loader_addrs: tuple[str, ...] = ()
+    data_loader_replica_index: int = 0
+    data_loader_port: int = 0
+    data_loader_replica_size: int = 1
+    nn_world_size: int = 1
+    bind_host: str = "127.0.0.1"
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> "PersiaEnv":
+        env = os.environ if env is None else env
+        return cls(
+            rank=_int(env, "RANK", 0),
+            world_size=_int(env, "WORLD_SIZE", 1),
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            global_config=env.get(ENV_GLOBAL_CONFIG) or None,
+            embedding_config=env.get(ENV_EMBEDDING_CONFIG) or None,
+            ps_addrs=_addrs(env.get(ENV_PS_ADDRS)),
+            embedding_worker_addrs=_addrs(env.get(ENV_EMBEDDING_WORKER_ADDRS)),
+            data_loader_addrs=_addrs(env.get(ENV_DATA_LOADER_ADDRS)),
+            data_loader_replica_index=_int(env, ENV_DATA_LOADER_REPLICA_INDEX, 0),
+            data_loader_port=_int(env, ENV_DATA_LOADER_PORT, 0),
+            data_loader_replica_size=_int(env, ENV_DATA_LOADER_REPLICA_SIZE, 1),
+            nn_world_size=_int(env, ENV_NN_WORLD_SIZE, 1),
+            bind_host=env.get(ENV_BIND_HOST) or "127.0.0.1",
+        )
+
+    def require(self, field: str, variable: str) -> None:
+        """Raise a clear error when a needed setting is absent."""
+        if not getattr(self, field):
+            raise RuntimeError(f"{variable} is not set; start this role with persia-launcher "
+                               f"or set it to the service addresses")
+
+
+def get_rank() -> int:
+    """This NN worker's rank (torchrun's RANK; 0 outside a distributed job)."""
+    return PersiaEnv.from_environ().rank
+
+
+def get_world_size() -> int:
+    """Number of NN-worker ranks (torchrun's WORLD_SIZE; 1 outside a distributed job)."""
+    return PersiaEnv.from_environ().world_size
+
+
+def get_local_rank() -> int:
+    """This NN worker's rank on its machine (torchrun's LOCAL_RANK)."""
+    return PersiaEnv.from_environ().local_rank

@@ -1,0 +1,1 @@
+"""``persia-launcher``: one subcommand per role, plus ``local`` for a whole cluster."""

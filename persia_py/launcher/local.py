@@ -1,0 +1,243 @@
+"""``persia-launcher local``: a whole cluster on this machine, supervised.
+
+Every role runs as its own process (its own session, so it can be stopped with all its
+children). Each output line is prefixed with the role and replica. When any role fails,
+everything stops; when training ends, the data loaders are waited for and the servers
+stopped. The launcher exits with the training's exit code and leaves no process behind,
+on Ctrl-C too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from persia_py.env import (
+    ENV_DATA_LOADER_ADDRS,
+    ENV_EMBEDDING_CONFIG,
+    ENV_EMBEDDING_WORKER_ADDRS,
+    ENV_GLOBAL_CONFIG,
+    ENV_NN_WORLD_SIZE,
+    ENV_PS_ADDRS,
+)
+
+_STOP_GRACE_SEC = 10.0
+
+
+def free_ports(count: int, host: str) -> list[int]:
+    """``count`` distinct ports that are free right now (bound to port 0, then released)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@dataclass
+class Role:
+    name: str
+    command: list[str]
+    process: subprocess.Popen | None = None
+    reader: threading.Thread | None = None
+    kind: str = field(default="server")  # "server", "data-loader" or "nn-worker"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc walk)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class LocalCluster:
+    """Starts, watches and stops the processes of one local job."""
+
+    def __init__(self, roles: list[Role], env: dict[str, str]) -> None:
+        self.roles = roles
+        self.env = env
+        self._print_lock = threading.Lock()
+        self._exited = threading.Event()
+
+    def _pump(self, role: Role) -> None:
+        assert role.process is not None and role.process.stdout is not None
+        for line in role.process.stdout:
+            with self._print_lock:
+                sys.stdout.write(f"[{role.name}] {line.decode(errors='replace')}")
+                sys.stdout.flush()
+        role.process.wait()
+        self._exited.set()
+
+    def start(self) -> None:
+        for role in self.roles:
+            role.process = subprocess.Popen(
+                role.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+            role.reader = threading.Thread(target=self._pump, args=(role,), daemon=True)
+            role.reader.start()
+
+    def _log(self, message: str) -> None:
+        with self._print_lock:
+            print(f"[launcher] {message}", flush=True)
+
+    def run(self) -> int:
+        """Wait for training to end or any role to fail; stop everything; return the code."""
+        try:
+            while True:
+                self._exited.wait(timeout=1.0)
+                self._exited.clear()
+                nn = [r for r in self.roles if r.kind == "nn-worker"]
+                for role in self.roles:
+                    code = role.process.poll()
+                    if code is None:
+                        continue
+                    if code != 0:
+                        self._log(f"{role.name} exited with code {code}; stopping the job")
+                        return code
+                    if role.kind == "server":
+                        self._log(f"{role.name} exited before training ended; stopping the job")
+                        return 1
+                if all(r.process.poll() == 0 for r in nn):
+                    return self._finish()
+        except KeyboardInterrupt:
+            self._log("interrupted; stopping every process")
+            return 130
+        finally:
+            self.stop()
+
+    def _finish(self) -> int:
+        deadline = time.monotonic() + 60.0
+        for role in self.roles:
+            if role.kind == "data-loader":
+                try:
+                    code = role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._log(f"{role.name} still running 60s after training ended")
+                    return 1
+                if code != 0:
+                    self._log(f"{role.name} exited with code {code}")
+                    return code
+        self._log("training finished")
+        return 0
+
+    def stop(self) -> None:
+        """SIGTERM every process and its children; SIGKILL what is left after a grace period."""
+        pids = []
+        for role in self.roles:
+            if role.process is not None and role.process.poll() is None:
+                pids.append(role.process.pid)
+                pids.extend(_descendants(role.process.pid))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _STOP_GRACE_SEC
+        for role in self.roles:
+            if role.process is None:
+                continue
+            try:
+                role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for role in self.roles:
+            if role.process is not None:
+                role.process.wait()
+            if role.reader is not None:
+                role.reader.join(timeout=5.0)
+
+
+def run_local(args: argparse.Namespace) -> int:
+    host = args.bind
+    num_ps, num_ew, num_dl = args.num_ps, args.num_embedding_workers, args.num_data_loaders
+    for name in ("num_ps", "num_embedding_workers", "num_data_loaders", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    ports = free_ports(num_ps + num_ew + num_dl + 1, host)
+    ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
+    dl_ports, master_port = ports[num_ps + num_ew:-1], ports[-1]
+    env = dict(os.environ)
+    env.update({
+        ENV_EMBEDDING_CONFIG: os.path.abspath(args.embedding_config),
+        ENV_PS_ADDRS: ",".join(f"{host}:{p}" for p in ps_ports),
+        ENV_EMBEDDING_WORKER_ADDRS: ",".join(f"{host}:{p}" for p in ew_ports),
+        ENV_DATA_LOADER_ADDRS: ",".join(f"{host}:{p}" for p in dl_ports),
+        ENV_NN_WORLD_SIZE: str(args.nproc_per_node),
+        "PERSIA_BIND_HOST": host,
+        "PYTHONUNBUFFERED": "1",
+    })
+    if args.global_config:
+        env[ENV_GLOBAL_CONFIG] = os.path.abspath(args.global_config)
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
+    roles = [
+        Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
+                         "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps)])
+        for i, p in enumerate(ps_ports)
+    ]
+    roles += [
+        Role(f"embedding-worker-{i}", [*launcher, "embedding-worker", "--port", str(p),
+                                       "--bind", host, "--replica-index", str(i),
+                                       "--replica-size", str(num_ew)])
+        for i, p in enumerate(ew_ports)
+    ]
+    roles += [
+        Role(f"data-loader-{i}", [*launcher, "data-loader", "--port", str(p),
+                                  "--replica-index", str(i), "--replica-size", str(num_dl),
+                                  args.data_loader, *shlex.split(args.data_loader_args)],
+             kind="data-loader")
+        for i, p in enumerate(dl_ports)
+    ]
+    roles.append(Role("nn-worker", [*launcher, "nn-worker",
+                                    "--nproc-per-node", str(args.nproc_per_node),
+                                    "--master-addr", host, "--master-port", str(master_port),
+                                    args.nn_worker, *shlex.split(args.nn_worker_args)],
+                      kind="nn-worker"))
+    cluster = LocalCluster(roles, env)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster.run()

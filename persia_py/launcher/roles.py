@@ -1,0 +1,123 @@
+"""Entry points of the server roles and of the user-script roles."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from persia_py.config import load_embedding_config, load_global_config
+from persia_py.env import (
+    ENV_DATA_LOADER_PORT,
+    ENV_DATA_LOADER_REPLICA_INDEX,
+    ENV_DATA_LOADER_REPLICA_SIZE,
+    ENV_EMBEDDING_CONFIG,
+    ENV_GLOBAL_CONFIG,
+    ENV_PS_ADDRS,
+    PersiaEnv,
+)
+
+logger = logging.getLogger("persia_py.launcher")
+
+
+def _config_paths(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    return (args.global_config or os.environ.get(ENV_GLOBAL_CONFIG) or None,
+            args.embedding_config or os.environ.get(ENV_EMBEDDING_CONFIG) or None)
+
+
+def _serve_until_signal(server, what: str) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"{what} ready", flush=True)
+    stop.wait()
+    server.stop(grace=2.0).wait(10.0)
+    return 0
+
+
+def run_parameter_server(args: argparse.Namespace) -> int:
+    from persia_py.servers.parameter_server import ParameterServer
+    from persia_py.servers.service import create_ps_server
+
+    global_path, embedding_path = _config_paths(args)
+    if embedding_path is None:
+        raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
+    ps = ParameterServer(load_global_config(global_path), load_embedding_config(embedding_path),
+                         replica_index=args.replica_index, replica_size=args.replica_size)
+    server, port = create_ps_server(ps, f"{args.bind}:{args.port}")
+    try:
+        return _serve_until_signal(
+            server, f"embedding-parameter-server {args.replica_index} on port {port}")
+    finally:
+        ps.close()
+
+
+def run_embedding_worker(args: argparse.Namespace) -> int:
+    from persia_py.workers.embedding_worker import EmbeddingWorker
+    from persia_py.workers.embedding_worker_service import create_embedding_worker_server
+    from persia_py.workers.ps_client import PSClient
+
+    global_path, embedding_path = _config_paths(args)
+    if embedding_path is None:
+        raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
+    global_config = load_global_config(global_path)
+    ps_addrs = args.ps_addrs.split(",") if args.ps_addrs else PersiaEnv.from_environ().ps_addrs
+    if not ps_addrs:
+        raise SystemExit(f"--ps-addrs (or {ENV_PS_ADDRS}) is required")
+    clients = [PSClient(a, global_config.common_config) for a in ps_addrs]
+    for c in clients:
+        c.wait_ready()
+    worker = EmbeddingWorker(global_config, load_embedding_config(embedding_path), clients,
+                             index=args.replica_index)
+    server, port = create_embedding_worker_server(worker, f"{args.bind}:{args.port}")
+    try:
+        return _serve_until_signal(server, f"embedding-worker {args.replica_index} on port {port}")
+    finally:
+        worker.close()
+
+
+def _run_child(command: list[str], env: dict[str, str]) -> int:
+    """Run a child in the foreground; pass SIGTERM/SIGINT on to it."""
+    child = subprocess.Popen(command, env=env)
+
+    def forward(signum, _frame):
+        child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    return child.wait()
+
+
+def run_nn_worker(args: argparse.Namespace) -> int:
+    """The user's training script under torchrun (torch.distributed elastic)."""
+    env = dict(os.environ)
+    global_path, embedding_path = _config_paths(args)
+    if global_path:
+        env[ENV_GLOBAL_CONFIG] = global_path
+    if embedding_path:
+        env[ENV_EMBEDDING_CONFIG] = embedding_path
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
+        f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+        f"--master-port={args.master_port}", args.script, *args.script_args,
+    ]
+    return _run_child(command, env)
+
+
+def run_data_loader(args: argparse.Namespace) -> int:
+    """The user's data-loader script, told its replica index and port."""
+    env = dict(os.environ)
+    global_path, embedding_path = _config_paths(args)
+    if global_path:
+        env[ENV_GLOBAL_CONFIG] = global_path
+    if embedding_path:
+        env[ENV_EMBEDDING_CONFIG] = embedding_path
+    env[ENV_DATA_LOADER_REPLICA_INDEX] = str(args.replica_index)
+    env[ENV_DATA_LOADER_REPLICA_SIZE] = str(args.replica_size)
+    env[ENV_DATA_LOADER_PORT] = str(args.port)
+    return _run_child([sys.executable, args.script, *args.script_args], env)

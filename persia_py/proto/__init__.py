@@ -1,0 +1,1 @@
+"""Generated gRPC and protobuf modules (from ``proto/``; regenerate with scripts/gen_protos.sh)."""

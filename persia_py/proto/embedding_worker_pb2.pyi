@@ -1,0 +1,84 @@
+from persia_py.proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutBatchRequest(_message.Message):
+    __slots__ = ("features", "batch_size", "requires_grad")
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    features: _containers.RepeatedCompositeFieldContainer[_common_pb2.IdFeature]
+    batch_size: int
+    requires_grad: bool
+    def __init__(self, features: _Optional[_Iterable[_Union[_common_pb2.IdFeature, _Mapping]]] = ..., batch_size: _Optional[int] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
+
+class PutBatchResponse(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: int
+    def __init__(self, ref: _Optional[int] = ...) -> None: ...
+
+class LookupBatchRequest(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: int
+    def __init__(self, ref: _Optional[int] = ...) -> None: ...
+
+class LookupDirectRequest(_message.Message):
+    __slots__ = ("features", "batch_size")
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    features: _containers.RepeatedCompositeFieldContainer[_common_pb2.IdFeature]
+    batch_size: int
+    def __init__(self, features: _Optional[_Iterable[_Union[_common_pb2.IdFeature, _Mapping]]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class SlotEmbedding(_message.Message):
+    __slots__ = ("slot", "rows", "index", "lengths", "pooling", "sqrt_scaling", "sample_fixed_size")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    SQRT_SCALING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIXED_SIZE_FIELD_NUMBER: _ClassVar[int]
+    slot: str
+    rows: _common_pb2.Tensor
+    index: _common_pb2.Tensor
+    lengths: _common_pb2.Tensor
+    pooling: str
+    sqrt_scaling: bool
+    sample_fixed_size: int
+    def __init__(self, slot: _Optional[str] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., index: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., pooling: _Optional[str] = ..., sqrt_scaling: _Optional[bool] = ..., sample_fixed_size: _Optional[int] = ...) -> None: ...
+
+class LookupBatchResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[SlotEmbedding]
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotEmbedding, _Mapping]]] = ...) -> None: ...
+
+class SlotRowGradients(_message.Message):
+    __slots__ = ("slot", "grads")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    slot: str
+    grads: _common_pb2.Tensor
+    def __init__(self, slot: _Optional[str] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class UpdateGradientsRequest(_message.Message):
+    __slots__ = ("ref", "slots")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ref: int
+    slots: _containers.RepeatedCompositeFieldContainer[SlotRowGradients]
+    def __init__(self, ref: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRowGradients, _Mapping]]] = ...) -> None: ...
+
+class UpdateGradientsResponse(_message.Message):
+    __slots__ = ("num_updated",)
+    NUM_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    num_updated: int
+    def __init__(self, num_updated: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,90 @@
+from persia_py.proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SlotIds(_message.Message):
+    __slots__ = ("slot", "ids")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    slot: str
+    ids: _common_pb2.Tensor
+    def __init__(self, slot: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("slots", "training", "fp16")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    FP16_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[SlotIds]
+    training: bool
+    fp16: bool
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotIds, _Mapping]]] = ..., training: _Optional[bool] = ..., fp16: _Optional[bool] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("embeddings",)
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+
+class SlotGradients(_message.Message):
+    __slots__ = ("slot", "ids", "grads")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    slot: str
+    ids: _common_pb2.Tensor
+    grads: _common_pb2.Tensor
+    def __init__(self, slot: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class UpdateRequest(_message.Message):
+    __slots__ = ("slots", "worker_id", "sequence")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[SlotGradients]
+    worker_id: str
+    sequence: int
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotGradients, _Mapping]]] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class UpdateResponse(_message.Message):
+    __slots__ = ("num_updated", "duplicate")
+    NUM_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    num_updated: int
+    duplicate: bool
+    def __init__(self, num_updated: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TableStats(_message.Message):
+    __slots__ = ("slot", "entries", "bytes", "hits", "misses", "inserted", "evicted")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    INSERTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    slot: str
+    entries: int
+    bytes: int
+    hits: int
+    misses: int
+    inserted: int
+    evicted: int
+    def __init__(self, slot: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., inserted: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tables", "num_updates")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableStats]
+    num_updates: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., num_updates: _Optional[int] = ...) -> None: ...

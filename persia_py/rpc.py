@@ -1,0 +1,137 @@
+"""gRPC plumbing shared by every role: servers, channels, deadlines, retries, errors.
+
+Servicers stay thin: they decode the request, call a plain domain object and encode
+the answer. Domain errors map to status codes here, in one place:
+``ValueError`` -> INVALID_ARGUMENT, :class:`NotFound` -> NOT_FOUND,
+:class:`FailedPrecondition` -> FAILED_PRECONDITION, :class:`Overloaded` ->
+RESOURCE_EXHAUSTED; anything else -> INTERNAL (and is logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from concurrent import futures
+from typing import Any, Callable
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = frozenset([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
+
+
+class NotFound(LookupError):
+    """The request names something the server does not have."""
+
+
+class FailedPrecondition(RuntimeError):
+    """The server is not in a state to answer (e.g. not configured yet)."""
+
+
+class Overloaded(RuntimeError):
+    """The server is full right now; the caller should wait and retry."""
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def create_server(
+    address: str, *, max_message_bytes: int, max_workers: int = 16
+) -> tuple[grpc.Server, int]:
+    """A gRPC server bound to ``address`` (``host:0`` picks a free port); returns (server, port).
+
+    Services must be added before ``server.start()``.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        options=_options(max_message_bytes),
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    return server, port
+
+
+def create_channel(address: str, *, max_message_bytes: int) -> grpc.Channel:
+    """A channel to ``address`` with the configured message-size limit."""
+    return grpc.insecure_channel(address, options=_options(max_message_bytes))
+
+
+def wait_for_ready(channel: grpc.Channel, address: str, timeout: float) -> None:
+    """Block until ``channel`` connects; TimeoutError naming ``address`` after ``timeout`` s."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        raise TimeoutError(f"service at {address} not reachable within {timeout:.0f}s") from None
+
+
+def call(
+    method: Callable[..., Any],
+    request: Any,
+    *,
+    timeout: float,
+    idempotent: bool,
+    what: str,
+) -> Any:
+    """Call ``method`` with a deadline; retry idempotent calls on UNAVAILABLE/RESOURCE_EXHAUSTED.
+
+    Retries back off exponentially (10 ms .. 1 s) until ``timeout`` seconds have
+    passed in all; then the last error is raised. Non-idempotent calls are retried
+    only on RESOURCE_EXHAUSTED, which servers answer before changing anything.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            return method(request, timeout=max(remaining, 0.001), wait_for_ready=idempotent)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            retryable = code in RETRYABLE if idempotent else code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if not retryable or time.monotonic() + delay >= deadline:
+                raise
+            logger.debug("%s: %s (%s), retrying in %.2fs", what, code.name, exc.details(), delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code a domain exception crosses the wire as."""
+    if isinstance(exc, NotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.INTERNAL
+
+
+def grpc_method(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a servicer method: domain exceptions become status codes with their message."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except grpc.RpcError as exc:
+            # A call this method made to another service failed: pass its status on.
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.INTERNAL
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            context.abort(code, f"{fn.__name__}: downstream call failed: {details}")
+        except Exception as exc:  # noqa: BLE001 - every error must reach the caller
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("%s failed", fn.__name__)
+            context.abort(code, f"{fn.__name__}: {exc}")
+
+    return wrapper

@@ -1,0 +1,1 @@
+"""The embedding parameter server: storage, optimizers and its gRPC service."""

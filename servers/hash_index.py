@@ -1,0 +1,216 @@
+"""Open-addressing hash map from uint64 id to int64 row number, for one internal shard.
+
+Linear probing over a power-of-two slot array; ``RESERVED_ID`` marks an empty slot, so
+that id can never be stored. The load factor is kept at or below one half, which keeps
+probe sequences short without a per-slot occupancy array. Each kernel first hashes the
+whole batch and only then probes, so the independent cache misses of the probe loop can
+overlap instead of waiting behind hash arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from persia_py.routing import RESERVED_ID
+
+_EMPTY = np.uint64(RESERVED_ID)
+# A salt distinct from the routing salts: ids of one shard agree on their shard hash
+# modulo the shard count, so reusing that hash would cluster them in the index.
+_SALT = np.uint64(0xA4093822299F31D0)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+
+
+@njit(cache=True, nogil=True)
+def _home_slots(ids: np.ndarray, start: int, mask: int) -> np.ndarray:
+    """splitmix64 of every id in ``ids[start:]``, reduced to a slot number."""
+    n = ids.shape[0] - start
+    home = np.empty(n, np.int64)
+    umask = np.uint64(mask)
+    for i in range(n):
+        z = (ids[start + i] ^ _SALT) + _GOLDEN
+        z = (z ^ (z >> _S30)) * _M1
+        z = (z ^ (z >> _S27)) * _M2
+        z = z ^ (z >> _S31)
+        home[i] = np.int64(z & umask)
+    return home
+
+
+@njit(cache=True, nogil=True)
+def _find_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    mask = keys.shape[0] - 1
+    home = _home_slots(ids, 0, mask)
+    rows = np.empty(ids.shape[0], np.int64)
+    for i in range(ids.shape[0]):
+        key = ids[i]
+        s = home[i]
+        while True:
+            k = keys[s]
+            if k == key:
+                rows[i] = vals[s]
+                break
+            if k == _EMPTY:
+                rows[i] = -1
+                break
+            s = (s + 1) & mask
+    return rows
+
+
+@njit(cache=True, nogil=True)
+def _find_or_insert_kernel(
+    keys: np.ndarray,
+    vals: np.ndarray,
+    ids: np.ndarray,
+    start: int,
+    rows: np.ndarray,
+    is_new: np.ndarray,
+    next_row: int,
+    count: int,
+    max_count: int,
+) -> tuple[int, int, int]:
+    """Fill ``rows``/``is_new`` from ``start`` on; stop before exceeding ``max_count``.
+
+    Returns ``(stopped_at, count, next_row)``; ``stopped_at < len(ids)`` means the
+    caller must grow the slot arrays and call again from there.
+    """
+    mask = keys.shape[0] - 1
+    home = _home_slots(ids, start, mask)
+    for j in range(home.shape[0]):
+        i = start + j
+        key = ids[i]
+        s = home[j]
+        while True:
+            k = keys[s]
+            if k == key:
+                rows[i] = vals[s]
+                break
+            if k == _EMPTY:
+                if count >= max_count:
+                    return i, count, next_row
+                keys[s] = key
+                vals[s] = next_row
+                rows[i] = next_row
+                is_new[i] = True
+                next_row += 1
+                count += 1
+                break
+            s = (s + 1) & mask
+    return ids.shape[0], count, next_row
+
+
+@njit(cache=True, nogil=True)
+def _insert_all_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> int:
+    """Insert into empty-enough arrays; returns the position of a duplicate id, or -1."""
+    mask = keys.shape[0] - 1
+    home = _home_slots(ids, 0, mask)
+    for i in range(ids.shape[0]):
+        key = ids[i]
+        s = home[i]
+        while True:
+            k = keys[s]
+            if k == _EMPTY:
+                keys[s] = key
+                vals[s] = rows[i]
+                break
+            if k == key:
+                return i
+            s = (s + 1) & mask
+    return -1
+
+
+def _slots_for(entries: int, minimum: int) -> int:
+    """Smallest power of two >= ``minimum`` that holds ``entries`` at load <= 1/2."""
+    need = max(minimum, 2 * entries, 2)
+    return 1 << (need - 1).bit_length()
+
+
+def _check_ids(ids: np.ndarray, name: str = "ids") -> np.ndarray:
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D numpy array of dtype uint64")
+    if ids.size and bool((ids == _EMPTY).any()):
+        raise ValueError(f"{name} contains the reserved id 2**64-1, which cannot be stored")
+    return np.ascontiguousarray(ids)
+
+
+class HashIndex:
+    """uint64 id -> int64 row map with linear probing; not thread-safe (callers lock)."""
+
+    def __init__(self, initial_slots: int = 1024) -> None:
+        if not isinstance(initial_slots, int) or initial_slots < 1:
+            raise ValueError(f"initial_slots must be a positive int, got {initial_slots!r}")
+        self._min_slots = _slots_for(0, initial_slots)
+        self._reset(self._min_slots)
+
+    def _reset(self, slots: int) -> None:
+        self._keys = np.full(slots, _EMPTY, dtype=np.uint64)
+        self._vals = np.empty(slots, dtype=np.int64)
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def slots(self) -> int:
+        """Number of slots currently allocated (a power of two)."""
+        return self._keys.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the slot arrays."""
+        return self._keys.nbytes + self._vals.nbytes
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """Row of each id (int64), -1 where the id is absent; duplicates are fine."""
+        ids = _check_ids(ids)
+        return _find_kernel(self._keys, self._vals, ids)
+
+    def find_or_insert(self, ids: np.ndarray, next_row: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``ids``, inserting the absent ones; returns ``(rows, is_new)``.
+
+        New ids get rows ``next_row, next_row + 1, ...`` in the order of their first
+        position in ``ids``; callers pass unique ids (a repeat would just get the row of
+        its first occurrence, with ``is_new`` False).
+        """
+        ids = _check_ids(ids)
+        if next_row < 0:
+            raise ValueError(f"next_row must be >= 0, got {next_row}")
+        n = ids.shape[0]
+        rows = np.empty(n, dtype=np.int64)
+        is_new = np.zeros(n, dtype=np.bool_)
+        start = 0
+        while True:
+            start, self._count, next_row = _find_or_insert_kernel(
+                self._keys, self._vals, ids, start, rows, is_new,
+                next_row, self._count, self.slots // 2,
+            )
+            if start >= n:
+                return rows, is_new
+            # Plain doubling (not sizing for the rest of the batch): most of a batch is
+            # usually already present, and doubling keeps rehash cost amortized O(1).
+            self._grow(self.slots * 2)
+
+    def _grow(self, slots: int) -> None:
+        occupied = self._keys != _EMPTY
+        keys, vals = self._keys[occupied], self._vals[occupied]
+        self._keys = np.full(slots, _EMPTY, dtype=np.uint64)
+        self._vals = np.empty(slots, dtype=np.int64)
+        dup = _insert_all_kernel(self._keys, self._vals, keys, vals)
+        assert dup < 0, "hash index held a duplicate key"
+
+    def rebuild(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Replace the whole content with ``ids[i] -> rows[i]`` (ids must be unique)."""
+        ids = _check_ids(ids)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if rows.shape != ids.shape:
+            raise ValueError(f"rows must have shape {ids.shape}, got {rows.shape}")
+        self._reset(_slots_for(ids.shape[0], self._min_slots))
+        dup = _insert_all_kernel(self._keys, self._vals, ids, rows)
+        if dup >= 0:
+            self._reset(self._min_slots)
+            raise ValueError(f"ids must be unique; id {int(ids[dup])} repeats")
+        self._count = ids.shape[0]

@@ -1,0 +1,86 @@
+"""The parameter server's gRPC face: decode, delegate to :class:`ParameterServer`, encode."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from persia_py import codec
+from persia_py.proto import common_pb2, parameter_server_pb2 as pb, parameter_server_pb2_grpc
+from persia_py.rpc import create_server, grpc_method
+from persia_py.servers.parameter_server import ParameterServer
+
+
+def configure_args(request: common_pb2.ConfigureRequest) -> dict:
+    """Keyword arguments of ``configure`` from a ConfigureRequest (shared with the worker)."""
+    try:
+        optimizer = json.loads(request.optimizer_json)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"optimizer_json is not valid JSON: {exc}") from None
+    if not isinstance(optimizer, dict):
+        raise ValueError("optimizer_json must be a JSON object")
+    return dict(
+        optimizer=optimizer,
+        init_lower=request.init_lower,
+        init_upper=request.init_upper,
+        weight_bound=request.weight_bound or None,
+        seed=request.seed,
+    )
+
+
+class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer):
+    def __init__(self, ps: ParameterServer) -> None:
+        self.ps = ps
+
+    @grpc_method
+    def Configure(self, request, context):
+        self.ps.configure(**configure_args(request))
+        return common_pb2.ConfigureResponse()
+
+    @grpc_method
+    def Lookup(self, request, context):
+        slots = [
+            (s.slot, codec.decode(s.ids, name=f"slots[{i}].ids", dtypes=("uint64",), ndim=1))
+            for i, s in enumerate(request.slots)
+        ]
+        embeddings = self.ps.lookup(slots, training=request.training)
+        return pb.LookupResponse(
+            embeddings=[codec.encode(e, fp16=request.fp16) for e in embeddings]
+        )
+
+    @grpc_method
+    def Update(self, request, context):
+        slots = [
+            (
+                s.slot,
+                codec.decode(s.ids, name=f"slots[{i}].ids", dtypes=("uint64",), ndim=1),
+                codec.decode_finite(s.grads, name=f"slots[{i}].grads", ndim=2),
+            )
+            for i, s in enumerate(request.slots)
+        ]
+        num_updated, duplicate = self.ps.update(
+            slots, worker_id=request.worker_id, sequence=request.sequence
+        )
+        return pb.UpdateResponse(num_updated=num_updated, duplicate=duplicate)
+
+    @grpc_method
+    def Stats(self, request, context):
+        tables = [pb.TableStats(slot=slot, **stats) for slot, stats in self.ps.stats().items()]
+        return pb.StatsResponse(tables=tables, num_updates=self.ps.num_updates)
+
+    @grpc_method
+    def Health(self, request, context):
+        return common_pb2.HealthResponse(role="embedding-parameter-server",
+                                         configured=self.ps.configured)
+
+
+def create_ps_server(ps: ParameterServer, address: str) -> tuple[grpc.Server, int]:
+    """A started gRPC server for ``ps`` on ``address`` (port 0 picks one); returns (server, port)."""
+    max_bytes = ps.global_config.common_config.max_message_bytes
+    server, port = create_server(address, max_message_bytes=max_bytes)
+    parameter_server_pb2_grpc.add_ParameterServerServicer_to_server(
+        ParameterServerServicer(ps), server
+    )
+    server.start()
+    return server, port

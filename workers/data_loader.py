@@ -1,0 +1,178 @@
+"""The data-loader runtime: ``DataCtx().send_data(batch)`` and the service NN workers pull from.
+
+``send_data`` stores the batch's ID features on an embedding worker (round robin), then
+queues the rest (dense features, labels, the embedding worker's ref) for the NN workers.
+Both steps wait when the other side is full: nothing is dropped. On exit, the context
+waits until every NN-worker rank has been told the stream ended.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from persia_py import codec
+from persia_py.config import GlobalConfig, load_global_config
+from persia_py.embedding.data import PersiaBatch
+from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
+from persia_py.proto import common_pb2, data_loader_pb2 as pb, data_loader_pb2_grpc
+from persia_py.rpc import create_server, grpc_method
+from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
+
+logger = logging.getLogger(__name__)
+
+_POLL_SEC = 0.5
+"""How long NextBatch holds a request open waiting for a batch (long poll)."""
+
+
+class BatchQueue:
+    """Batches waiting for NN workers, and which ranks have seen the end of the stream."""
+
+    def __init__(self, maxsize: int, num_consumers: int) -> None:
+        self._queue: queue.Queue[pb.Batch] = queue.Queue(maxsize=maxsize)
+        self._finished = threading.Event()
+        self._ended_ranks: set[int] = set()
+        self._all_ended = threading.Event()
+        self.num_consumers = num_consumers
+        self._lock = threading.Lock()
+
+    def put(self, batch: pb.Batch, timeout: float | None = None) -> None:
+        self._queue.put(batch, timeout=timeout)
+
+    def finish(self) -> None:
+        self._finished.set()
+
+    def next(self, rank: int, wait: float) -> pb.NextBatchResponse:
+        if not 0 <= rank < self.num_consumers:
+            raise ValueError(f"rank {rank} not in [0, {self.num_consumers})")
+        try:
+            return pb.NextBatchResponse(batch=self._queue.get(timeout=wait), has_batch=True)
+        except queue.Empty:
+            pass
+        if self._finished.is_set() and self._queue.empty():
+            with self._lock:
+                self._ended_ranks.add(rank)
+                if len(self._ended_ranks) == self.num_consumers:
+                    self._all_ended.set()
+            return pb.NextBatchResponse(end_of_stream=True)
+        return pb.NextBatchResponse()
+
+    def wait_all_ended(self, timeout: float) -> bool:
+        return self._all_ended.wait(timeout)
+
+
+class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
+    def __init__(self, batches: BatchQueue) -> None:
+        self.batches = batches
+
+    @grpc_method
+    def NextBatch(self, request, context):
+        return self.batches.next(request.rank, _POLL_SEC)
+
+    @grpc_method
+    def Health(self, request, context):
+        return common_pb2.HealthResponse(role="data-loader", configured=True)
+
+
+class DataCtx:
+    """Context of a data-loader process (as PERSIA's ``persia.ctx.DataCtx``).
+
+    Args:
+        port: port to serve NN workers on; by default ``PERSIA_DATA_LOADER_PORT`` (0: any).
+        buffer_size: batches held for NN workers before ``send_data`` waits.
+    """
+
+    def __init__(self, *, port: int | None = None, buffer_size: int = 16,
+                 env: PersiaEnv | None = None, global_config: GlobalConfig | None = None) -> None:
+        self.env = env or PersiaEnv.from_environ()
+        self.env.require("embedding_worker_addrs", ENV_EMBEDDING_WORKER_ADDRS)
+        self.global_config = global_config or load_global_config(self.env.global_config)
+        self.common = self.global_config.common_config
+        self.port = port if port is not None else self.env.data_loader_port
+        self.batches = BatchQueue(buffer_size, self.env.nn_world_size)
+        self._seq = itertools.count()
+        self._workers: list[EmbeddingWorkerClient] = []
+        self._server: grpc.Server | None = None
+        self.num_sent = 0
+
+    def __enter__(self) -> "DataCtx":
+        self._workers = [EmbeddingWorkerClient(a, self.common)
+                         for a in self.env.embedding_worker_addrs]
+        for w in self._workers:
+            w.wait_ready()
+        server, self.port = create_server(f"{self.env.bind_host}:{self.port}",
+                                          max_message_bytes=self.common.max_message_bytes)
+        data_loader_pb2_grpc.add_DataLoaderServicer_to_server(DataLoaderServicer(self.batches),
+                                                              server)
+        server.start()
+        self._server = server
+        logger.info("data loader %d serving on port %d", self.env.data_loader_replica_index,
+                    self.port)
+        return self
+
+    def send_data(self, batch: PersiaBatch) -> None:
+        """Send one batch; waits (never drops) while the embedding or NN workers are full."""
+        if self._server is None:
+            raise RuntimeError("DataCtx.send_data called outside `with DataCtx() as ctx:`")
+        seq = next(self._seq)
+        worker_index = seq % len(self._workers)
+        ref = self._put_ids(self._workers[worker_index], batch)
+        message = pb.Batch(
+            batch_id=(self.env.data_loader_replica_index << 40) | seq,
+            batch_size=batch.batch_size,
+            embedding_worker=worker_index,
+            ref=ref,
+            non_id_features=[common_pb2.NamedTensor(name=f.name, tensor=codec.encode(f.data))
+                             for f in batch.non_id_type_features],
+            labels=[common_pb2.NamedTensor(name=f.name, tensor=codec.encode(f.data))
+                    for f in batch.labels],
+            meta=batch.meta or b"",
+            requires_grad=batch.requires_grad,
+        )
+        self._wait("NN workers to take batches", lambda t: self.batches.put(message, timeout=t))
+        self.num_sent += 1
+
+    def _put_ids(self, worker: EmbeddingWorkerClient, batch: PersiaBatch) -> int:
+        def attempt(timeout: float) -> int:
+            try:
+                return worker.put_batch(batch.id_features(), batch.batch_size,
+                                        batch.requires_grad, timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise queue.Full from None
+                raise
+        return self._wait(f"room on embedding worker {worker.address}", attempt)
+
+    def _wait(self, what: str, attempt):
+        """Retry ``attempt(timeout)`` while it raises queue.Full, logging every minute."""
+        started = last_log = time.monotonic()
+        while True:
+            try:
+                return attempt(10.0)
+            except queue.Full:
+                now = time.monotonic()
+                if now - last_log > 60:
+                    logger.info("waiting %.0fs for %s", now - started, what)
+                    last_log = now
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.batches.finish()
+        try:
+            if exc_type is None:
+                started = time.monotonic()
+                while not self.batches.wait_all_ended(60.0):
+                    logger.info("waiting %.0fs for %d NN-worker ranks to drain the stream",
+                                time.monotonic() - started, self.batches.num_consumers)
+                logger.info("data loader %d sent %d batches", self.env.data_loader_replica_index,
+                            self.num_sent)
+        finally:
+            if self._server is not None:
+                self._server.stop(grace=1.0).wait(5.0)
+            for w in self._workers:
+                w.close()
+

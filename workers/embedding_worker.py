@@ -1,0 +1,281 @@
+"""The embedding worker, as a plain object: dedup, routing, and per-id gradient updates.
+
+A batch's ID features arrive from a data loader (``put_batch``) and wait in the forward
+buffer under a ref. When an NN worker asks (``lookup``), each slot's ids are deduplicated,
+split by owning parameter-server replica, fetched with one RPC per replica for all slots,
+and answered as the distinct rows plus an index per id occurrence. The distinct ids stay
+here until the NN worker's gradients for those rows come back (``update_gradients``); they
+are then routed to the same replicas. All of it is vectorized over the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from persia_py.config import EmbeddingConfig, GlobalConfig
+from persia_py.proto import common_pb2
+from persia_py.routing import replica_of, split_by
+from persia_py.rpc import NotFound, Overloaded
+from persia_py.workers.ps_client import PSClient
+
+logger = logging.getLogger(__name__)
+
+_PUT_WAIT_SEC = 1.0
+"""How long put_batch waits for room before answering RESOURCE_EXHAUSTED (the data loader
+retries; nothing is dropped)."""
+
+
+@dataclass(frozen=True)
+class SlotIds:
+    """One slot of a batch: ids in CSR form (``lengths[i]`` ids for sample i)."""
+
+    slot: str
+    ids: np.ndarray  # uint64 [num_ids]
+    lengths: np.ndarray  # int32 [batch_size]
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """A slot's lookup answer: distinct rows and, per id occurrence, the row it reads."""
+
+    slot: str
+    rows: np.ndarray  # float32 [num_unique, dim]
+    index: np.ndarray  # int64 [num_ids]
+    lengths: np.ndarray  # int32 [batch_size]
+    pooling: str
+    sqrt_scaling: bool
+    sample_fixed_size: int
+
+
+@dataclass
+class _PendingBatch:
+    features: list[SlotIds]
+    requires_grad: bool
+    unique_ids: dict[str, np.ndarray] | None = None  # set once looked up
+
+
+class EmbeddingWorker:
+    """Embedding worker ``index``, talking to every parameter-server replica."""
+
+    def __init__(
+        self,
+        global_config: GlobalConfig,
+        embedding_config: EmbeddingConfig,
+        ps_clients: list[PSClient],
+        *,
+        index: int = 0,
+    ) -> None:
+        self.global_config = global_config
+        self.embedding_config = embedding_config
+        self.ps_clients = ps_clients
+        self.worker_id = f"embedding-worker-{index}-{os.getpid()}"
+        self._capacity = global_config.embedding_worker_config.forward_buffer_size
+        self._buffer: dict[int, _PendingBatch] = {}
+        self._buffer_changed = threading.Condition()
+        self._next_ref = itertools.count(1)
+        self._sequence = itertools.count(1)
+        self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(ps_clients)),
+                                        thread_name_prefix="ps-call")
+        self.num_nonfinite_skipped: dict[str, int] = {}
+        self._configured = False
+
+    # -- configuration -------------------------------------------------------------
+
+    def configure(self, request: common_pb2.ConfigureRequest) -> None:
+        """Forward the embedding optimizer and table settings to every replica."""
+        list(self._pool.map(lambda c: c.configure(request), self.ps_clients))
+        self._configured = True
+
+    @property
+    def configured(self) -> bool:
+        return self._configured
+
+    # -- validation ------------------------------------------------------------------
+
+    def validate_features(self, features: list[SlotIds], batch_size: int) -> list[SlotIds]:
+        """Check a batch's ID features against the config; apply the slot prefix."""
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+        seen = set()
+        checked = []
+        for f in features:
+            slot = self.embedding_config.slot(f.slot)
+            if f.slot in seen:
+                raise ValueError(f"slot {f.slot!r} appears twice in the batch")
+            seen.add(f.slot)
+            if f.ids.dtype != np.uint64 or f.ids.ndim != 1:
+                raise ValueError(f"slot {f.slot!r}: ids must be 1-D uint64, got {f.ids.dtype}")
+            if f.lengths.ndim != 1 or f.lengths.shape[0] != batch_size:
+                raise ValueError(
+                    f"slot {f.slot!r}: lengths has shape {f.lengths.shape}, batch_size is "
+                    f"{batch_size}"
+                )
+            if (f.lengths < 0).any() or int(f.lengths.sum()) != f.ids.size:
+                raise ValueError(
+                    f"slot {f.slot!r}: lengths (sum {int(f.lengths.sum())}) do not add up to "
+                    f"the {f.ids.size} ids"
+                )
+            if slot.pooling_mode == "raw" and f.lengths.size and f.lengths.max() > slot.sample_fixed_size:
+                raise ValueError(
+                    f"slot {f.slot!r}: a sample has {int(f.lengths.max())} ids, more than "
+                    f"sample_fixed_size {slot.sample_fixed_size} (ids are never dropped)"
+                )
+            checked.append(SlotIds(f.slot, self._prefixed(f.slot, f.ids), f.lengths))
+        missing = set(self.embedding_config.slots_config) - seen
+        if missing:
+            raise ValueError(f"batch lacks slots {sorted(missing)} of the embedding config")
+        return checked
+
+    def _prefixed(self, slot: str, ids: np.ndarray) -> np.ndarray:
+        bits = self.embedding_config.feature_index_prefix_bit
+        if not bits:
+            return ids
+        shift = np.uint64(64 - bits)
+        mask = np.uint64((1 << (64 - bits)) - 1)
+        prefix = np.uint64(self.embedding_config.slot_prefix(slot)) << shift
+        return (ids & mask) | prefix
+
+    # -- forward buffer --------------------------------------------------------------
+
+    def put_batch(self, features: list[SlotIds], batch_size: int, requires_grad: bool) -> int:
+        """Store a batch's ID features; returns its ref. Overloaded when the buffer is full."""
+        features = self.validate_features(features, batch_size)
+        with self._buffer_changed:
+            if not self._buffer_changed.wait_for(
+                lambda: len(self._buffer) < self._capacity, timeout=_PUT_WAIT_SEC
+            ):
+                raise Overloaded(f"forward buffer full ({self._capacity} batches); retry later")
+            ref = next(self._next_ref)
+            self._buffer[ref] = _PendingBatch(features, requires_grad)
+        return ref
+
+    def _release(self, ref: int) -> None:
+        with self._buffer_changed:
+            self._buffer.pop(ref, None)
+            self._buffer_changed.notify_all()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._buffer)
+
+    # -- lookup ----------------------------------------------------------------------
+
+    def lookup(self, ref: int) -> list[SlotRows]:
+        """Look up a stored batch for training; its ids stay until its gradients arrive."""
+        with self._buffer_changed:
+            batch = self._buffer.get(ref)
+            if batch is None:
+                raise NotFound(f"no batch with ref {ref} on this embedding worker")
+            if batch.unique_ids is not None:
+                raise ValueError(f"batch {ref} was already looked up")
+            batch.unique_ids = {}  # claims the batch; filled below
+        try:
+            rows, unique_ids = self._lookup(batch.features, training=batch.requires_grad)
+        except BaseException:
+            batch.unique_ids = None  # let the caller retry the lookup
+            raise
+        if batch.requires_grad:
+            batch.unique_ids = unique_ids
+        else:
+            self._release(ref)
+        return rows
+
+    def lookup_direct(self, features: list[SlotIds], batch_size: int) -> list[SlotRows]:
+        """Look up ids for inference: nothing is inserted, nothing is kept."""
+        rows, _ = self._lookup(self.validate_features(features, batch_size), training=False)
+        return rows
+
+    def _lookup(
+        self, features: list[SlotIds], *, training: bool
+    ) -> tuple[list[SlotRows], dict[str, np.ndarray]]:
+        num_replicas = len(self.ps_clients)
+        uniques, inverses, splits = {}, {}, {}
+        per_replica: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(num_replicas)]
+        for f in features:
+            unique, inverse = np.unique(f.ids, return_inverse=True)
+            order, bounds = split_by(replica_of(unique, num_replicas), num_replicas)
+            uniques[f.slot], inverses[f.slot], splits[f.slot] = unique, inverse, (order, bounds)
+            for r in range(num_replicas):
+                per_replica[r].append((f.slot, unique[order[bounds[r]:bounds[r + 1]]]))
+        answers = list(self._pool.map(
+            lambda r: self.ps_clients[r].lookup(per_replica[r], training=training),
+            range(num_replicas),
+        ))
+        result = []
+        for slot_pos, f in enumerate(features):
+            cfg = self.embedding_config.slots_config[f.slot]
+            order, bounds = splits[f.slot]
+            rows = np.empty((uniques[f.slot].size, cfg.dim), dtype=np.float32)
+            for r in range(num_replicas):
+                rows[order[bounds[r]:bounds[r + 1]]] = answers[r][slot_pos]
+            result.append(SlotRows(
+                slot=f.slot,
+                rows=rows,
+                index=inverses[f.slot].astype(np.int64).reshape(-1),
+                lengths=f.lengths,
+                pooling=cfg.pooling_mode,
+                sqrt_scaling=cfg.sqrt_scaling,
+                sample_fixed_size=cfg.sample_fixed_size,
+            ))
+        return result, uniques
+
+    # -- backward --------------------------------------------------------------------
+
+    def update_gradients(self, ref: int, grads: dict[str, np.ndarray]) -> int:
+        """Route one batch's per-row gradients to the parameter servers; frees the batch.
+
+        A slot whose gradients contain NaN or Inf is skipped (counted and logged); the
+        other slots are applied.
+        """
+        with self._buffer_changed:
+            batch = self._buffer.get(ref)
+        if batch is None:
+            raise NotFound(f"no batch with ref {ref} on this embedding worker")
+        if not batch.unique_ids:
+            raise ValueError(f"batch {ref} has not been looked up for training")
+        unknown = set(grads) - set(batch.unique_ids)
+        if unknown:
+            raise ValueError(f"gradients for slots {sorted(unknown)} not in batch {ref}")
+        missing = set(batch.unique_ids) - set(grads)
+        if missing:
+            raise ValueError(f"batch {ref}: gradients missing for slots {sorted(missing)}")
+        num_replicas = len(self.ps_clients)
+        per_replica: list[list[tuple[str, np.ndarray, np.ndarray]]] = [[] for _ in range(num_replicas)]
+        for slot, unique in batch.unique_ids.items():
+            g = grads[slot]
+            dim = self.embedding_config.slots_config[slot].dim
+            if g.shape != (unique.size, dim):
+                raise ValueError(
+                    f"slot {slot!r}: gradients of shape {g.shape}, expected ({unique.size}, {dim})"
+                )
+            if not np.isfinite(g).all():
+                self.num_nonfinite_skipped[slot] = self.num_nonfinite_skipped.get(slot, 0) + 1
+                logger.warning("slot %r: non-finite embedding gradients in batch %d skipped "
+                               "(%d so far)", slot, ref, self.num_nonfinite_skipped[slot])
+                continue
+            order, bounds = split_by(replica_of(unique, num_replicas), num_replicas)
+            for r in range(num_replicas):
+                sel = order[bounds[r]:bounds[r + 1]]
+                if sel.size:
+                    per_replica[r].append((slot, unique[sel], g[sel]))
+        sequences = [next(self._sequence) for _ in range(num_replicas)]
+        counts = list(self._pool.map(
+            lambda r: self.ps_clients[r].update(
+                per_replica[r], worker_id=self.worker_id, sequence=sequences[r]
+            ) if per_replica[r] else 0,
+            range(num_replicas),
+        ))
+        self._release(ref)
+        return sum(counts)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for client in self.ps_clients:
+            client.close()

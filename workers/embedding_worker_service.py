@@ -1,0 +1,142 @@
+"""The embedding worker's gRPC face, and the client NN workers and data loaders use."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from persia_py import codec
+from persia_py.config import CommonConfig
+from persia_py.proto import common_pb2, embedding_worker_pb2 as pb, embedding_worker_pb2_grpc
+from persia_py.rpc import call, create_channel, create_server, grpc_method, wait_for_ready
+from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds, SlotRows
+
+
+def _features(request_features) -> list[SlotIds]:
+    return [
+        SlotIds(*codec.decode_id_feature(f, f"features[{i}]"))
+        for i, f in enumerate(request_features)
+    ]
+
+
+def _encode_rows(rows: list[SlotRows]) -> pb.LookupBatchResponse:
+    return pb.LookupBatchResponse(slots=[
+        pb.SlotEmbedding(
+            slot=r.slot, rows=codec.encode(r.rows), index=codec.encode(r.index),
+            lengths=codec.encode(r.lengths), pooling=r.pooling, sqrt_scaling=r.sqrt_scaling,
+            sample_fixed_size=r.sample_fixed_size,
+        )
+        for r in rows
+    ])
+
+
+def _decode_rows(response: pb.LookupBatchResponse) -> list[SlotRows]:
+    out = []
+    for i, s in enumerate(response.slots):
+        out.append(SlotRows(
+            slot=s.slot,
+            rows=codec.decode(s.rows, name=f"slots[{i}].rows", ndim=2, as_float32=True),
+            index=codec.decode(s.index, name=f"slots[{i}].index", dtypes=("int64",), ndim=1),
+            lengths=codec.decode(s.lengths, name=f"slots[{i}].lengths", dtypes=("int32",), ndim=1),
+            pooling=s.pooling, sqrt_scaling=s.sqrt_scaling, sample_fixed_size=s.sample_fixed_size,
+        ))
+    return out
+
+
+class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer):
+    def __init__(self, worker: EmbeddingWorker) -> None:
+        self.worker = worker
+
+    @grpc_method
+    def Configure(self, request, context):
+        self.worker.configure(request)
+        return common_pb2.ConfigureResponse()
+
+    @grpc_method
+    def PutBatch(self, request, context):
+        ref = self.worker.put_batch(_features(request.features), request.batch_size,
+                                    request.requires_grad)
+        return pb.PutBatchResponse(ref=ref)
+
+    @grpc_method
+    def Lookup(self, request, context):
+        return _encode_rows(self.worker.lookup(request.ref))
+
+    @grpc_method
+    def LookupDirect(self, request, context):
+        return _encode_rows(self.worker.lookup_direct(_features(request.features),
+                                                      request.batch_size))
+
+    @grpc_method
+    def UpdateGradients(self, request, context):
+        grads = {}
+        for i, s in enumerate(request.slots):
+            if s.slot in grads:
+                raise ValueError(f"slot {s.slot!r} appears twice")
+            grads[s.slot] = codec.decode(s.grads, name=f"slots[{i}].grads",
+                                         dtypes=("float16", "float32"), ndim=2, as_float32=True)
+        return pb.UpdateGradientsResponse(num_updated=self.worker.update_gradients(request.ref, grads))
+
+    @grpc_method
+    def Health(self, request, context):
+        return common_pb2.HealthResponse(role="embedding-worker", configured=self.worker.configured)
+
+
+def create_embedding_worker_server(worker: EmbeddingWorker, address: str) -> tuple[grpc.Server, int]:
+    """A started gRPC server for ``worker`` on ``address``; returns (server, port)."""
+    max_bytes = worker.global_config.common_config.max_message_bytes
+    server, port = create_server(address, max_message_bytes=max_bytes, max_workers=32)
+    embedding_worker_pb2_grpc.add_EmbeddingWorkerServicer_to_server(
+        EmbeddingWorkerServicer(worker), server
+    )
+    server.start()
+    return server, port
+
+
+class EmbeddingWorkerClient:
+    """Client of one embedding worker."""
+
+    def __init__(self, address: str, common: CommonConfig) -> None:
+        self.address = address
+        self.common = common
+        self.channel = create_channel(address, max_message_bytes=common.max_message_bytes)
+        self.stub = embedding_worker_pb2_grpc.EmbeddingWorkerStub(self.channel)
+
+    def wait_ready(self) -> None:
+        wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
+
+    def _call(self, method, request, *, idempotent: bool, timeout: float | None = None):
+        return call(method, request, timeout=timeout or self.common.rpc_timeout_sec,
+                    idempotent=idempotent, what=f"embedding worker {self.address}")
+
+    def configure(self, request: common_pb2.ConfigureRequest) -> None:
+        self._call(self.stub.Configure, request, idempotent=True)
+
+    def put_batch(self, features: list[tuple[str, np.ndarray, np.ndarray]], batch_size: int,
+                  requires_grad: bool, *, timeout: float | None = None) -> int:
+        request = pb.PutBatchRequest(
+            features=[codec.encode_id_feature(*f) for f in features],
+            batch_size=batch_size, requires_grad=requires_grad,
+        )
+        return self._call(self.stub.PutBatch, request, idempotent=False, timeout=timeout).ref
+
+    def lookup(self, ref: int) -> list[SlotRows]:
+        # Safe to retry: a lookup that failed leaves the batch unclaimed.
+        return _decode_rows(self._call(self.stub.Lookup, pb.LookupBatchRequest(ref=ref),
+                                       idempotent=True))
+
+    def lookup_direct(self, features: list[tuple[str, np.ndarray, np.ndarray]],
+                      batch_size: int) -> list[SlotRows]:
+        request = pb.LookupDirectRequest(
+            features=[codec.encode_id_feature(*f) for f in features], batch_size=batch_size
+        )
+        return _decode_rows(self._call(self.stub.LookupDirect, request, idempotent=True))
+
+    def update_gradients(self, ref: int, grads: list[tuple[str, np.ndarray]]) -> int:
+        request = pb.UpdateGradientsRequest(
+            ref=ref, slots=[pb.SlotRowGradients(slot=s, grads=codec.encode(g)) for s, g in grads]
+        )
+        return self._call(self.stub.UpdateGradients, request, idempotent=False).num_updated
+
+    def close(self) -> None:
+        self.channel.close()

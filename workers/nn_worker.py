@@ -1,0 +1,261 @@
+"""The NN-worker runtime under :class:`persia_py.ctx.TrainCtx`: batches in, gradients out.
+
+* :class:`BatchStream` pulls batches from every data loader (one thread each), looks up
+  their embeddings ahead of the training step, and bounds how far ahead it runs with
+  the ``embedding_staleness`` semaphore: taken before a lookup, released when the
+  parameter servers have acknowledged that batch's embedding update.
+* :class:`GradientSender` sends a step's embedding gradients in the background and
+  surfaces any failure at the next call instead of losing it.
+* :func:`pool_slot` turns a slot's distinct rows into the tensor the model sees
+  (sum / mean / raw sequence) with one vectorized op, so backward gives one gradient
+  per distinct id.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from persia_py import codec
+from persia_py.config import CommonConfig
+from persia_py.proto import data_loader_pb2 as pb, data_loader_pb2_grpc
+from persia_py.rpc import call, create_channel, wait_for_ready
+from persia_py.workers.embedding_worker import SlotRows
+from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
+
+logger = logging.getLogger(__name__)
+
+
+def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
+    """The model-facing tensor of one slot: ``[batch, dim]`` pooled or ``[batch, L, dim]`` raw."""
+    lengths = torch.from_numpy(slot.lengths.astype(np.int64))
+    index = torch.from_numpy(slot.index)
+    batch_size = lengths.numel()
+    if slot.pooling == "raw":
+        fixed = slot.sample_fixed_size
+        sample = torch.repeat_interleave(torch.arange(batch_size), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        position = torch.arange(index.numel()) - starts[sample]
+        flat = rows.new_zeros(batch_size * fixed, rows.shape[1])
+        flat = flat.index_add(0, sample * fixed + position, rows[index])
+        return flat.view(batch_size, fixed, rows.shape[1])
+    offsets = torch.cumsum(lengths, 0) - lengths
+    weights = None
+    mode = slot.pooling
+    if slot.sqrt_scaling:
+        # sum / sqrt(n): a per-id weight of 1/sqrt(n) of its sample.
+        scale = lengths.clamp(min=1).to(rows.dtype).rsqrt()
+        weights = torch.repeat_interleave(scale, lengths)
+        if mode == "mean":
+            weights = weights / torch.repeat_interleave(lengths.clamp(min=1).to(rows.dtype), lengths)
+        mode = "sum"
+    return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
+
+
+@dataclass
+class TrainingBatch:
+    """A batch ready for ``ctx.forward``: embeddings looked up, tensors built."""
+
+    non_id_type_features: list[torch.Tensor]
+    labels: list[torch.Tensor]
+    slots: list[SlotRows]
+    requires_grad: bool
+    batch_size: int
+    meta: bytes = b""
+    ref: int = 0
+    embedding_worker: int = 0
+    release: Callable[[], None] = field(default=lambda: None)
+    """Called once the batch's gradients are acknowledged (or at once without grads)."""
+
+
+def tensors_from_named(named) -> list[torch.Tensor]:
+    return [torch.from_numpy(codec.decode(n.tensor, name=n.name)) for n in named]
+
+
+class GradientSender:
+    """Sends embedding gradients in the background; the first failure is raised on the next call."""
+
+    def __init__(self, workers: list[EmbeddingWorkerClient], max_in_flight: int) -> None:
+        self._workers = workers
+        self._pool = ThreadPoolExecutor(max_workers=max(1, max_in_flight),
+                                        thread_name_prefix="grad-send")
+        self._futures: set[Future] = set()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def submit(self, batch: TrainingBatch, grads: list[tuple[str, np.ndarray]]) -> None:
+        self.raise_if_failed()
+        future = self._pool.submit(self._send, batch, grads)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._done)
+
+    def _send(self, batch: TrainingBatch, grads: list[tuple[str, np.ndarray]]) -> None:
+        try:
+            self._workers[batch.embedding_worker].update_gradients(batch.ref, grads)
+        finally:
+            batch.release()
+
+    def _done(self, future: Future) -> None:
+        with self._lock:
+            self._futures.discard(future)
+            if future.exception() is not None and self._error is None:
+                self._error = future.exception()
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"sending embedding gradients failed: {self._error}") from self._error
+
+    def flush(self, timeout: float) -> None:
+        """Wait until every submitted update is acknowledged."""
+        with self._lock:
+            pending = list(self._futures)
+        for f in pending:
+            f.exception(timeout=timeout)
+        self.raise_if_failed()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+_END = object()
+
+
+class BatchStream:
+    """Training batches from the data loaders, with embeddings looked up ahead of use."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        data_loader_addrs: tuple[str, ...],
+        workers: list[EmbeddingWorkerClient],
+        common: CommonConfig,
+        staleness: int,
+        buffer_size: int,
+        reproducible: bool,
+    ) -> None:
+        if staleness < 1:
+            raise ValueError(f"embedding_staleness must be >= 1, got {staleness}")
+        if not data_loader_addrs:
+            raise RuntimeError("no data loader addresses (PERSIA_DATA_LOADER_ADDRS is empty)")
+        self.rank = rank
+        self.workers = workers
+        self.common = common
+        self.staleness = threading.BoundedSemaphore(staleness)
+        self._raw: queue.Queue = queue.Queue(maxsize=max(1, buffer_size))
+        self._ready: queue.Queue = queue.Queue(maxsize=max(1, staleness))
+        self._stop = threading.Event()
+        self._channels = [create_channel(a, max_message_bytes=common.max_message_bytes)
+                          for a in data_loader_addrs]
+        for channel, address in zip(self._channels, data_loader_addrs):
+            wait_for_ready(channel, address, common.startup_timeout_sec)
+        stubs = [data_loader_pb2_grpc.DataLoaderStub(c) for c in self._channels]
+        # Reproducible: one thread visits the loaders in a fixed order, so the batch order
+        # depends only on what the loaders send.
+        groups = [stubs] if reproducible else [[s] for s in stubs]
+        self._threads = [threading.Thread(target=self._guard, args=(self._fetch, g),
+                                          name=f"fetch-{i}", daemon=True)
+                         for i, g in enumerate(groups)]
+        self._num_fetchers = len(self._threads)
+        self._threads.append(threading.Thread(target=self._guard, args=(self._lookup,),
+                                              name="lookup", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def _guard(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training loop below
+            logger.exception("batch pipeline thread failed")
+            self._put(self._ready, exc)
+
+    def _put(self, q: queue.Queue, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fetch(self, stubs: list) -> None:
+        active = list(stubs)
+        while active and not self._stop.is_set():
+            for stub in list(active):
+                response = call(stub.NextBatch, pb.NextBatchRequest(rank=self.rank),
+                                timeout=self.common.rpc_timeout_sec, idempotent=False,
+                                what="data loader")
+                if response.end_of_stream:
+                    active.remove(stub)
+                elif response.has_batch and not self._put(self._raw, response.batch):
+                    return
+        self._put(self._raw, _END)
+
+    def _lookup(self) -> None:
+        ended = 0
+        while ended < self._num_fetchers and not self._stop.is_set():
+            try:
+                item = self._raw.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if item is _END:
+                ended += 1
+                continue
+            while not self.staleness.acquire(timeout=0.2):
+                if self._stop.is_set():
+                    return
+            try:
+                batch = self._to_training_batch(item)
+            except BaseException:
+                self.staleness.release()
+                raise
+            if not self._put(self._ready, batch):
+                return
+        self._put(self._ready, _END)
+
+    def _to_training_batch(self, message: pb.Batch) -> TrainingBatch:
+        if not 0 <= message.embedding_worker < len(self.workers):
+            raise ValueError(f"batch {message.batch_id} names embedding worker "
+                             f"{message.embedding_worker}, only {len(self.workers)} known")
+        slots = self.workers[message.embedding_worker].lookup(message.ref)
+        batch = TrainingBatch(
+            non_id_type_features=tensors_from_named(message.non_id_features),
+            labels=tensors_from_named(message.labels),
+            slots=slots,
+            requires_grad=message.requires_grad,
+            batch_size=message.batch_size,
+            meta=message.meta,
+            ref=message.ref,
+            embedding_worker=message.embedding_worker,
+            release=self.staleness.release,
+        )
+        if not batch.requires_grad:
+            batch.release()
+            batch.release = lambda: None
+        return batch
+
+    def __iter__(self) -> Iterator[TrainingBatch]:
+        while True:
+            item = self._ready.get(timeout=None)
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"batch pipeline failed: {item}") from item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=10.0)
+        for c in self._channels:
+            c.close()
+

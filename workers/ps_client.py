@@ -1,0 +1,87 @@
+"""Client of one parameter-server replica: numpy in, numpy out, deadlines and retries."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from persia_py import codec
+from persia_py.config import CommonConfig
+from persia_py.proto import common_pb2, parameter_server_pb2 as pb, parameter_server_pb2_grpc
+from persia_py.rpc import call, create_channel, wait_for_ready
+
+
+class PSClient:
+    """Talks to the parameter server at ``address``."""
+
+    def __init__(self, address: str, common: CommonConfig) -> None:
+        self.address = address
+        self.common = common
+        self.channel = create_channel(address, max_message_bytes=common.max_message_bytes)
+        self.stub = parameter_server_pb2_grpc.ParameterServerStub(self.channel)
+
+    def wait_ready(self) -> None:
+        wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
+
+    def _call(self, method, request, *, idempotent: bool):
+        return call(method, request, timeout=self.common.rpc_timeout_sec, idempotent=idempotent,
+                    what=f"parameter server {self.address}")
+
+    def configure(self, request: common_pb2.ConfigureRequest) -> None:
+        self._call(self.stub.Configure, request, idempotent=True)
+
+    def lookup(
+        self, slots: list[tuple[str, np.ndarray]], *, training: bool, fp16: bool = False
+    ) -> list[np.ndarray]:
+        """Embeddings ``[n, dim]`` (float32) for each ``(slot, ids)``."""
+        request = pb.LookupRequest(
+            slots=[pb.SlotIds(slot=s, ids=codec.encode(ids)) for s, ids in slots],
+            training=training,
+            fp16=fp16,
+        )
+        # A training lookup may insert rows, but inserting the same ids again is a no-op
+        # (initialization is a pure function of the id), so the call is safe to retry.
+        response = self._call(self.stub.Lookup, request, idempotent=True)
+        return [
+            codec.decode(t, name="embeddings", ndim=2, as_float32=True)
+            for t in response.embeddings
+        ]
+
+    def update(
+        self,
+        slots: list[tuple[str, np.ndarray, np.ndarray]],
+        *,
+        worker_id: str,
+        sequence: int,
+        fp16: bool = False,
+    ) -> int:
+        """Send gradients; ``(worker_id, sequence)`` makes a retry apply once."""
+        request = pb.UpdateRequest(
+            slots=[
+                pb.SlotGradients(slot=s, ids=codec.encode(ids), grads=codec.encode(g, fp16=fp16))
+                for s, ids, g in slots
+            ],
+            worker_id=worker_id,
+            sequence=sequence,
+        )
+        return self._call(self.stub.Update, request, idempotent=True).num_updated
+
+    def stats(self) -> pb.StatsResponse:
+        return self._call(self.stub.Stats, pb.StatsRequest(), idempotent=True)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def configure_request(
+    optimizer: dict, *, init_lower: float, init_upper: float, weight_bound: float | None, seed: int
+) -> common_pb2.ConfigureRequest:
+    """The ConfigureRequest for an optimizer dict and table settings."""
+    return common_pb2.ConfigureRequest(
+        optimizer_json=json.dumps(optimizer),
+        init_lower=init_lower,
+        init_upper=init_upper,
+        weight_bound=weight_bound or 0.0,
+        seed=seed,
+    )
