@@ -73,6 +73,9 @@ def decode(
             data = lz4.block.decompress(data, uncompressed_size=expected_bytes)
         except lz4.block.LZ4BlockError as exc:
             raise CodecError(f"{name}: lz4 payload does not decompress: {exc}") from None
+        if len(data) != expected_bytes:
+            raise CodecError(f"{name}: lz4 payload decompresses to {len(data)} bytes, shape "
+                             f"{shape} of {tensor.dtype} needs {expected_bytes}")
     if len(data) != expected_bytes:
         raise CodecError(
             f"{name}: shape {shape} of {tensor.dtype} needs {expected_bytes} bytes, got {len(data)}"

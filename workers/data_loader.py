@@ -111,8 +111,8 @@ class DataCtx:
                                                               server)
         server.start()
         self._server = server
-        logger.info("data loader %d serving on port %d", self.env.data_loader_replica_index,
-                    self.port)
+        print(f"data-loader {self.env.data_loader_replica_index} on port {self.port} ready",
+              flush=True)
         return self
 
     def send_data(self, batch: PersiaBatch) -> None:

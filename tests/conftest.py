@@ -1,0 +1,132 @@
+"""Helpers for tests that start real role processes."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "criteo_synthetic"
+
+
+class RoleProcess:
+    """A child process whose output lines are collected by a reader thread."""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
+        self.marker = uuid.uuid4().hex
+        full_env = dict(os.environ if env is None else env)
+        full_env["PERSIA_TEST_MARKER"] = self.marker
+        full_env["PYTHONUNBUFFERED"] = "1"
+        self.process = subprocess.Popen(
+            command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for raw in self.process.stdout:
+            line = raw.decode(errors="replace")
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for_line(self, pattern: str, timeout: float) -> re.Match:
+        """The first new output line matching ``pattern``; fails after ``timeout`` s."""
+        regex = re.compile(pattern)
+        try:
+            while True:
+                line = self._queue.get(timeout=timeout)
+                if line is None:
+                    raise AssertionError(f"process ended before printing {pattern!r}:\n"
+                                         + self.output())
+                match = regex.search(line)
+                if match:
+                    return match
+        except queue.Empty:
+            raise AssertionError(f"no line matching {pattern!r} within {timeout}s:\n"
+                                 + self.output()) from None
+
+    def wait(self, timeout: float) -> int:
+        code = self.process.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code
+
+    def output(self) -> str:
+        return "".join(self.lines[-200:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=15)
+        kill_marked(self.marker)
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``PERSIA_TEST_MARKER=marker``."""
+    needle = f"PERSIA_TEST_MARKER={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/stat") as s:
+                        if s.read().split(") ")[1].startswith("Z"):
+                            continue  # a zombie has exited; its parent just has not reaped it
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def kill_marked(marker: str) -> None:
+    for pid in processes_with_marker(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def launcher_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "persia_py.launcher.cli", *args]
+
+
+def start_server(role: str, *args: str, env: dict[str, str] | None = None) -> tuple[RoleProcess, int]:
+    """Start a server role on a free port (port 0); returns (process, port)."""
+    proc = RoleProcess(launcher_command(role, "--port", "0", *args), env=env)
+    try:
+        match = proc.wait_for_line(r"on port (\d+) ready", timeout=120)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, int(match.group(1))
+
+
+@pytest.fixture
+def tmp_configs(tmp_path: Path):
+    """Write a small embedding and global config; returns their paths."""
+
+    def write(embedding: str, global_: str = "") -> tuple[str, str]:
+        e, g = tmp_path / "embedding_config.yml", tmp_path / "global_config.yml"
+        e.write_text(embedding)
+        g.write_text(global_)
+        return str(e), str(g)
+
+    return write
