@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextvars
 import itertools
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -34,12 +34,12 @@ __all__ = ["TrainCtx", "InferCtx", "DataCtx", "eval_ctx", "current_ctx"]
 
 logger = logging.getLogger(__name__)
 
-_current: contextvars.ContextVar["EmbeddingCtx | None"] = contextvars.ContextVar(
+_current: contextvars.ContextVar[EmbeddingCtx | None] = contextvars.ContextVar(
     "persia_py_ctx", default=None
 )
 
 
-def current_ctx() -> "EmbeddingCtx":
+def current_ctx() -> EmbeddingCtx:
     """The innermost active context; RuntimeError outside one."""
     ctx = _current.get()
     if ctx is None:
@@ -171,7 +171,7 @@ class TrainCtx(EmbeddingCtx):
         self._pending: tuple[TrainingBatch, list[torch.Tensor]] | None = None
         self._owns_process_group = False
 
-    def __enter__(self) -> "TrainCtx":
+    def __enter__(self) -> TrainCtx:
         super().__enter__()
         self.model.to(self.device)
         if self.env.world_size > 1:

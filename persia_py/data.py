@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from persia_py.embedding.data import PersiaBatch
 from persia_py.workers.nn_worker import TrainingBatch

@@ -8,8 +8,8 @@ MASTER_PORT). Service addresses come from ``PERSIA_*`` variables that
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 ENV_GLOBAL_CONFIG = "PERSIA_GLOBAL_CONFIG"
 ENV_EMBEDDING_CONFIG = "PERSIA_EMBEDDING_CONFIG"
@@ -56,7 +56,7 @@ class PersiaEnv:
     bind_host: str = "127.0.0.1"
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> "PersiaEnv":
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> PersiaEnv:
         env = os.environ if env is None else env
         return cls(
             rank=_int(env, "RANK", 0),

@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent import futures
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 

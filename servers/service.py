@@ -7,7 +7,8 @@ import json
 import grpc
 
 from persia_py import codec
-from persia_py.proto import common_pb2, parameter_server_pb2 as pb, parameter_server_pb2_grpc
+from persia_py.proto import common_pb2, parameter_server_pb2_grpc
+from persia_py.proto import parameter_server_pb2 as pb
 from persia_py.rpc import create_server, grpc_method
 from persia_py.servers.parameter_server import ParameterServer
 

@@ -9,6 +9,7 @@ import textwrap
 import grpc
 import numpy as np
 import pytest
+from conftest import RoleProcess, launcher_command, start_server
 
 from persia_py import codec
 from persia_py.config import CommonConfig
@@ -24,8 +25,6 @@ from persia_py.routing import replica_of
 from persia_py.servers.initializer import initial_rows
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.ps_client import PSClient, configure_request
-
-from conftest import RoleProcess, launcher_command, start_server
 
 EMBEDDING_CONFIG = """
 slots_config:

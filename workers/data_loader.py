@@ -20,7 +20,8 @@ from persia_py import codec
 from persia_py.config import GlobalConfig, load_global_config
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
-from persia_py.proto import common_pb2, data_loader_pb2 as pb, data_loader_pb2_grpc
+from persia_py.proto import common_pb2, data_loader_pb2_grpc
+from persia_py.proto import data_loader_pb2 as pb
 from persia_py.rpc import create_server, grpc_method
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 
@@ -100,7 +101,7 @@ class DataCtx:
         self._server: grpc.Server | None = None
         self.num_sent = 0
 
-    def __enter__(self) -> "DataCtx":
+    def __enter__(self) -> DataCtx:
         self._workers = [EmbeddingWorkerClient(a, self.common)
                          for a in self.env.embedding_worker_addrs]
         for w in self._workers:

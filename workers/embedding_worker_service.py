@@ -7,7 +7,8 @@ import numpy as np
 
 from persia_py import codec
 from persia_py.config import CommonConfig
-from persia_py.proto import common_pb2, embedding_worker_pb2 as pb, embedding_worker_pb2_grpc
+from persia_py.proto import common_pb2, embedding_worker_pb2_grpc
+from persia_py.proto import embedding_worker_pb2 as pb
 from persia_py.rpc import call, create_channel, create_server, grpc_method, wait_for_ready
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds, SlotRows
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from persia_py import codec
 from persia_py.config import CommonConfig
-from persia_py.proto import data_loader_pb2 as pb, data_loader_pb2_grpc
+from persia_py.proto import data_loader_pb2 as pb
+from persia_py.proto import data_loader_pb2_grpc
 from persia_py.rpc import call, create_channel, wait_for_ready
 from persia_py.workers.embedding_worker import SlotRows
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient

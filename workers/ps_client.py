@@ -8,7 +8,8 @@ import numpy as np
 
 from persia_py import codec
 from persia_py.config import CommonConfig
-from persia_py.proto import common_pb2, parameter_server_pb2 as pb, parameter_server_pb2_grpc
+from persia_py.proto import common_pb2, parameter_server_pb2_grpc
+from persia_py.proto import parameter_server_pb2 as pb
 from persia_py.rpc import call, create_channel, wait_for_ready
 
 

@@ -9,7 +9,7 @@ scores an AUC of 0.5.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

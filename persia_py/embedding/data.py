@@ -6,7 +6,8 @@ is what travels on the wire. Every check raises ``ValueError`` naming the featur
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class IDTypeFeature:
         self.ids = self.ids.astype(np.uint64, copy=False)
 
     @classmethod
-    def from_csr(cls, name: str, ids: np.ndarray, lengths: np.ndarray) -> "IDTypeFeature":
+    def from_csr(cls, name: str, ids: np.ndarray, lengths: np.ndarray) -> IDTypeFeature:
         """Build from flat ``ids`` (uint64) and per-sample ``lengths`` (summing to ids.size)."""
         ids, lengths = np.asarray(ids), np.asarray(lengths)
         if ids.dtype != np.uint64 or ids.ndim != 1:

@@ -1,0 +1,82 @@
+"""``persia-launcher local`` end to end: the example learns, and no process is left behind."""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+
+import pytest
+from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
+
+
+def _local(*extra: str, nn_worker: str = str(EXAMPLE / "train.py"),
+           data_loader: str = str(EXAMPLE / "data_loader.py")) -> list[str]:
+    return launcher_command(
+        "local", "--nn-worker", nn_worker, "--data-loader", data_loader,
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+        "--global-config", str(EXAMPLE / "global_config.yml"), *extra,
+    )
+
+
+def test_example_learns_with_two_ps_and_two_ranks() -> None:
+    job = RoleProcess(_local(
+        "--num-ps", "2", "--num-embedding-workers", "1", "--nproc-per-node", "2",
+        "--num-data-loaders", "1",
+        "--data-loader-args", "--train-samples 60000",
+        "--nn-worker-args", "--test-samples 10000",
+    ))
+    try:
+        code = job.wait(timeout=400)
+        output = job.output()
+        assert code == 0, output
+        auc_lines = [line for line in job.lines if "test_auc:" in line]
+        assert len(auc_lines) == 1, output  # rank 0 only
+        auc = float(auc_lines[0].split("test_auc:")[1])
+        assert auc > 0.70, output
+        # Every role ran under the launcher and every one of them has exited.
+        for role in ("ps-0", "ps-1", "embedding-worker-0", "data-loader-0", "nn-worker"):
+            assert any(line.startswith(f"[{role}]") for line in job.lines), role
+        assert processes_with_marker(job.marker) == []
+    finally:
+        job.stop()
+
+
+def test_ctrl_c_stops_every_process() -> None:
+    job = RoleProcess(_local("--num-ps", "2", "--nproc-per-node", "2",
+                             "--data-loader-args", "--train-samples 10000000"))
+    try:
+        job.wait_for_line(r"\[nn-worker\].*step 0 loss", timeout=300)
+        assert len(processes_with_marker(job.marker)) >= 6  # launcher, 2 PS, EW, DL, torchrun...
+        job.process.send_signal(signal.SIGINT)
+        assert job.wait(timeout=60) != 0
+        assert processes_with_marker(job.marker) == [], job.output()
+    finally:
+        job.stop()
+
+
+FAILING_TRAIN = textwrap.dedent("""
+    import sys
+    from persia_py.ctx import TrainCtx
+    print("about to fail", flush=True)
+    sys.exit(3)
+""")
+
+
+def test_a_failing_role_stops_the_job_with_its_exit_code(tmp_path) -> None:
+    script = tmp_path / "failing_train.py"
+    script.write_text(FAILING_TRAIN)
+    job = RoleProcess(_local("--num-ps", "1", nn_worker=str(script)))
+    try:
+        code = job.wait(timeout=300)
+        assert code != 0
+        assert "about to fail" in job.output()
+        assert processes_with_marker(job.marker) == [], job.output()
+    finally:
+        job.stop()
+
+
+@pytest.mark.parametrize("flag", ["--num-ps", "--nproc-per-node"])
+def test_bad_counts_are_refused(flag: str) -> None:
+    job = RoleProcess(_local(flag, "0"))
+    assert job.wait(timeout=60) != 0
+    assert "must be >= 1" in job.output()
