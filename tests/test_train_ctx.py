@@ -1,0 +1,127 @@
+"""TrainCtx over real servers: the staleness bound holds, lookups run ahead of training,
+and every batch a data loader sends is trained exactly once."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from persia_py.config import CommonConfig, GlobalConfig
+from persia_py.ctx import DataCtx, TrainCtx
+from persia_py.data import DataLoader, StreamingDataset
+from persia_py.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
+from persia_py.embedding.optim import SGD
+from persia_py.env import PersiaEnv
+from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
+
+from conftest import start_server
+
+NUM_BATCHES = 12
+GLOBAL = GlobalConfig(common_config=CommonConfig(rpc_timeout_sec=30, startup_timeout_sec=60))
+
+
+@pytest.fixture(scope="module")
+def embedding_worker(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_ctx")
+    (root / "embedding_config.yml").write_text(
+        "slots_config:\n  user:\n    dim: 4\n  tags:\n    dim: 4\n    pooling: mean\n")
+    config = ["--embedding-config", str(root / "embedding_config.yml")]
+    ps, ps_port = start_server("embedding-parameter-server", *config)
+    ew, ew_port = start_server("embedding-worker", *config, "--ps-addrs", f"127.0.0.1:{ps_port}")
+    yield f"127.0.0.1:{ew_port}"
+    ew.stop()
+    ps.stop()
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    for _ in range(NUM_BATCHES):
+        lengths = rng.integers(0, 4, 16)
+        yield PersiaBatch(
+            [IDTypeFeature.from_csr("user", rng.integers(0, 50, 16).astype(np.uint64),
+                                    np.ones(16, np.int32)),
+             IDTypeFeature.from_csr("tags", rng.integers(0, 50, lengths.sum()).astype(np.uint64),
+                                    lengths)],
+            non_id_type_features=[NonIDTypeFeature(rng.normal(size=(16, 2)).astype(np.float32))],
+            labels=[Label(rng.integers(0, 2, (16, 1)).astype(np.float32))],
+        )
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(10, 1)
+
+    def forward(self, dense, embeddings):
+        return torch.sigmoid(self.linear(torch.cat([dense[0], *embeddings], dim=1)))
+
+
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_staleness_bound_holds_and_every_batch_trains_once(embedding_worker, monkeypatch,
+                                                           staleness: int) -> None:
+    state = {"looked_up": 0, "acked": 0, "max_ahead": 0}
+    changed = threading.Condition()
+    acks_open = threading.Event()
+    real_lookup, real_update = EmbeddingWorkerClient.lookup, EmbeddingWorkerClient.update_gradients
+
+    def lookup(self, ref):
+        rows = real_lookup(self, ref)
+        with changed:
+            state["looked_up"] += 1
+            state["max_ahead"] = max(state["max_ahead"], state["looked_up"] - state["acked"])
+            changed.notify_all()
+        return rows
+
+    def update_gradients(self, ref, grads):
+        assert acks_open.wait(timeout=60)
+        num = real_update(self, ref, grads)
+        with changed:
+            state["acked"] += 1
+        return num
+
+    monkeypatch.setattr(EmbeddingWorkerClient, "lookup", lookup)
+    monkeypatch.setattr(EmbeddingWorkerClient, "update_gradients", update_gradients)
+
+    loader_ready, loader_error = threading.Event(), []
+    loader_env = PersiaEnv(embedding_worker_addrs=(embedding_worker,), nn_world_size=1)
+    data_ctx = DataCtx(port=0, env=loader_env, global_config=GLOBAL)
+
+    def run_loader():
+        try:
+            with data_ctx:
+                loader_ready.set()
+                for batch in _batches():
+                    data_ctx.send_data(batch)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            loader_error.append(exc)
+            loader_ready.set()
+
+    thread = threading.Thread(target=run_loader)
+    thread.start()
+    assert loader_ready.wait(timeout=60) and not loader_error
+
+    model = Model()
+    env = PersiaEnv(embedding_worker_addrs=(embedding_worker,),
+                    data_loader_addrs=(f"127.0.0.1:{data_ctx.port}",))
+    steps = 0
+    with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                  dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                  global_config=GLOBAL, env=env) as ctx:
+        for batch in DataLoader(StreamingDataset(buffer_size=4), embedding_staleness=staleness):
+            output, labels = ctx.forward(batch)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            steps += 1
+            if steps == staleness:
+                # `staleness` batches looked up, none acknowledged: the look-ahead has filled
+                # the bound (lookups ran ahead of training) and must stop there.
+                with changed:
+                    assert changed.wait_for(lambda: state["looked_up"] == staleness, timeout=30)
+                acks_open.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not loader_error
+    assert steps == NUM_BATCHES == data_ctx.num_sent
+    assert state["looked_up"] == state["acked"] == NUM_BATCHES
+    assert state["max_ahead"] == staleness
