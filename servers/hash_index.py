@@ -12,15 +12,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from persia_py.routing import RESERVED_ID
+from persia_py.routing import _GOLDEN, _M1, _M2, RESERVED_ID
 
 _EMPTY = np.uint64(RESERVED_ID)
 # A salt distinct from the routing salts: ids of one shard agree on their shard hash
 # modulo the shard count, so reusing that hash would cluster them in the index.
 _SALT = np.uint64(0xA4093822299F31D0)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)

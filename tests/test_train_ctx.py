@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import start_server
 
 from persia_py.config import CommonConfig, GlobalConfig
 from persia_py.ctx import DataCtx, TrainCtx
@@ -16,8 +17,6 @@ from persia_py.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, Per
 from persia_py.embedding.optim import SGD
 from persia_py.env import PersiaEnv
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
-
-from conftest import start_server
 
 NUM_BATCHES = 12
 GLOBAL = GlobalConfig(common_config=CommonConfig(rpc_timeout_sec=30, startup_timeout_sec=60))

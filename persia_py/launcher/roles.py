@@ -92,14 +92,20 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
     return child.wait()
 
 
-def run_nn_worker(args: argparse.Namespace) -> int:
-    """The user's training script under torchrun (torch.distributed elastic)."""
+def _user_env(args: argparse.Namespace) -> dict[str, str]:
+    """This process's environment plus the config paths, for a user script."""
     env = dict(os.environ)
     global_path, embedding_path = _config_paths(args)
     if global_path:
         env[ENV_GLOBAL_CONFIG] = global_path
     if embedding_path:
         env[ENV_EMBEDDING_CONFIG] = embedding_path
+    return env
+
+
+def run_nn_worker(args: argparse.Namespace) -> int:
+    """The user's training script under torchrun (torch.distributed elastic)."""
+    env = _user_env(args)
     command = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
@@ -111,12 +117,7 @@ def run_nn_worker(args: argparse.Namespace) -> int:
 
 def run_data_loader(args: argparse.Namespace) -> int:
     """The user's data-loader script, told its replica index and port."""
-    env = dict(os.environ)
-    global_path, embedding_path = _config_paths(args)
-    if global_path:
-        env[ENV_GLOBAL_CONFIG] = global_path
-    if embedding_path:
-        env[ENV_EMBEDDING_CONFIG] = embedding_path
+    env = _user_env(args)
     env[ENV_DATA_LOADER_REPLICA_INDEX] = str(args.replica_index)
     env[ENV_DATA_LOADER_REPLICA_SIZE] = str(args.replica_size)
     env[ENV_DATA_LOADER_PORT] = str(args.port)

@@ -1,0 +1,1 @@
+"""Benchmarks: stripped copies of the hot paths, run as ``python -m benchmarks.<name>``."""
