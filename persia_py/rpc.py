@@ -18,6 +18,8 @@ from typing import Any
 
 import grpc
 
+from persia_py.config import CommonConfig
+
 logger = logging.getLogger(__name__)
 
 RETRYABLE = frozenset([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
@@ -43,7 +45,7 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def create_server(
-    address: str, *, max_message_bytes: int, max_workers: int = 16
+    address: str, common: CommonConfig, *, max_workers: int = 16
 ) -> tuple[grpc.Server, int]:
     """A gRPC server bound to ``address`` (``host:0`` picks a free port); returns (server, port).
 
@@ -51,7 +53,7 @@ def create_server(
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        options=_options(max_message_bytes),
+        options=_options(common.max_message_bytes),
     )
     port = server.add_insecure_port(address)
     if port == 0:
@@ -59,9 +61,9 @@ def create_server(
     return server, port
 
 
-def create_channel(address: str, *, max_message_bytes: int) -> grpc.Channel:
+def create_channel(address: str, common: CommonConfig) -> grpc.Channel:
     """A channel to ``address`` with the configured message-size limit."""
-    return grpc.insecure_channel(address, options=_options(max_message_bytes))
+    return grpc.insecure_channel(address, options=_options(common.max_message_bytes))
 
 
 def wait_for_ready(channel: grpc.Channel, address: str, timeout: float) -> None:

@@ -78,8 +78,7 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
 
 def create_ps_server(ps: ParameterServer, address: str) -> tuple[grpc.Server, int]:
     """A started gRPC server for ``ps`` on ``address`` (port 0 picks one); returns (server, port)."""
-    max_bytes = ps.global_config.common_config.max_message_bytes
-    server, port = create_server(address, max_message_bytes=max_bytes)
+    server, port = create_server(address, ps.global_config.common_config)
     parameter_server_pb2_grpc.add_ParameterServerServicer_to_server(
         ParameterServerServicer(ps), server
     )

@@ -106,8 +106,7 @@ class DataCtx:
                          for a in self.env.embedding_worker_addrs]
         for w in self._workers:
             w.wait_ready()
-        server, self.port = create_server(f"{self.env.bind_host}:{self.port}",
-                                          max_message_bytes=self.common.max_message_bytes)
+        server, self.port = create_server(f"{self.env.bind_host}:{self.port}", self.common)
         data_loader_pb2_grpc.add_DataLoaderServicer_to_server(DataLoaderServicer(self.batches),
                                                               server)
         server.start()

@@ -85,8 +85,7 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
 def create_embedding_worker_server(worker: EmbeddingWorker, address: str) -> tuple[grpc.Server, int]:
     """A started gRPC server for ``worker`` on ``address``; returns (server, port)."""
-    max_bytes = worker.global_config.common_config.max_message_bytes
-    server, port = create_server(address, max_message_bytes=max_bytes, max_workers=32)
+    server, port = create_server(address, worker.global_config.common_config, max_workers=32)
     embedding_worker_pb2_grpc.add_EmbeddingWorkerServicer_to_server(
         EmbeddingWorkerServicer(worker), server
     )
@@ -100,7 +99,7 @@ class EmbeddingWorkerClient:
     def __init__(self, address: str, common: CommonConfig) -> None:
         self.address = address
         self.common = common
-        self.channel = create_channel(address, max_message_bytes=common.max_message_bytes)
+        self.channel = create_channel(address, common)
         self.stub = embedding_worker_pb2_grpc.EmbeddingWorkerStub(self.channel)
 
     def wait_ready(self) -> None:

@@ -155,7 +155,7 @@ class BatchStream:
         self._raw: queue.Queue = queue.Queue(maxsize=max(1, buffer_size))
         self._ready: queue.Queue = queue.Queue(maxsize=max(1, staleness))
         self._stop = threading.Event()
-        self._channels = [create_channel(a, max_message_bytes=common.max_message_bytes)
+        self._channels = [create_channel(a, common)
                           for a in data_loader_addrs]
         for channel, address in zip(self._channels, data_loader_addrs):
             wait_for_ready(channel, address, common.startup_timeout_sec)

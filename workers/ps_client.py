@@ -19,7 +19,7 @@ class PSClient:
     def __init__(self, address: str, common: CommonConfig) -> None:
         self.address = address
         self.common = common
-        self.channel = create_channel(address, max_message_bytes=common.max_message_bytes)
+        self.channel = create_channel(address, common)
         self.stub = parameter_server_pb2_grpc.ParameterServerStub(self.channel)
 
     def wait_ready(self) -> None:
