@@ -1,0 +1,403 @@
+"""Parameter-server storage benchmark: every figure beside a baseline measured in the same run.
+
+    python -m benchmarks.ps_ops [--rows N] [--dim 32] [--batch 100000] [--repeats R]
+                                [--memory-rows 10000000] [--json PATH] [--quick]
+
+Each throughput is ``batch / median seconds`` over ``--repeats`` batches, each batch
+different (so no batch finds its rows already in cache from the previous repeat):
+
+1. ``lookup``: existing ids, ``EmbeddingTable`` with Adagrad, 1 and 4 internal shards;
+2. ``insert``: new ids, ``lookup(insert=True)``;
+3. ``update``: one Adagrad step on existing ids;
+4. ``memory``: resident bytes per stored row over the row's payload, (dim + state) * 4;
+5. ``grpc``: lookup of existing ids through one parameter-server process on loopback.
+
+The baseline of 1-3 is ``numpy.take`` of as many random rows from a plain float32 array
+of the table's shape: the floor of any gather, without hashing, locking or bookkeeping.
+The gRPC baseline is the in-process lookup. Ratios are ours / baseline; the ``*_ratio``
+keys use one internal shard, the parameter server's default
+(``num_hashmap_internal_shards: 1``). Targets are printed, never asserted: the figures
+depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import multiprocessing
+import os
+import queue
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from persia_py.config import CommonConfig
+from persia_py.routing import mix64
+from persia_py.servers.optimizers import AdagradConfig, optimizer_to_dict, state_width
+from persia_py.servers.storage import EmbeddingTable
+from persia_py.workers.ps_client import PSClient, configure_request
+
+SLOT = "bench"
+OPTIMIZER = AdagradConfig()
+FILL_CHUNK = 1_000_000
+"""New ids per insert call when filling a table (the memory figure's batch size too)."""
+PS_START_TIMEOUT_S = 120.0
+
+TARGETS = {
+    "lookup_ratio": (">=", 0.5),
+    "update_ratio": (">=", 0.25),
+    "memory_ratio": ("<=", 1.3),
+    "grpc_ratio": (">=", 0.3),
+}
+"""The issue's targets, printed beside the ratios."""
+
+QUICK = {"rows": 200_000, "batch": 20_000, "repeats": 5, "memory_rows": 1_000_000}
+DEFAULT = {"rows": 4_000_000, "batch": 100_000, "repeats": 7, "memory_rows": 10_000_000}
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def median_seconds(fn: Callable[[Any], object], inputs: Sequence[Any]) -> float:
+    """Median wall time of ``fn(x)``, one call per ``x``; inputs are built beforehand."""
+    times = []
+    for x in inputs:
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ids_of(keys: np.ndarray) -> np.ndarray:
+    """Id number ``k`` -> a uint64 id scattered like a hashed feature.
+
+    ``mix64`` is a bijection, so distinct keys give distinct ids: "the first N ids" and
+    "N new ids" are plain ranges of keys, with no uniqueness bookkeeping.
+    """
+    return mix64(np.asarray(keys, dtype=np.uint64))
+
+
+def existing_batches(rng: np.random.Generator, num_rows: int, batch: int,
+                     repeats: int) -> list[np.ndarray]:
+    """``repeats`` batches of ``batch`` unique ids among the first ``num_rows``."""
+    return [ids_of(rng.choice(num_rows, batch, replace=False)) for _ in range(repeats)]
+
+
+def new_batches(first_key: int, batch: int, repeats: int) -> list[np.ndarray]:
+    """``repeats`` disjoint batches of ids never stored, starting at key ``first_key``."""
+    return [ids_of(np.arange(first_key + i * batch, first_key + (i + 1) * batch))
+            for i in range(repeats)]
+
+
+def fill(table: EmbeddingTable, num_rows: int, chunk: int = FILL_CHUNK) -> None:
+    """Insert the ids of keys ``0..num_rows-1``, ``chunk`` at a time."""
+    for start in range(0, num_rows, chunk):
+        table.lookup(ids_of(np.arange(start, min(start + chunk, num_rows))), insert=True)
+
+
+def check_all_found(rows: np.ndarray, batch: int, what: str) -> None:
+    """Missing ids read as zero rows; a zero row means the benchmark measured the wrong path."""
+    found = int(np.count_nonzero(rows.any(axis=1)))
+    if rows.shape[0] != batch or found != batch:
+        raise RuntimeError(f"{what}: {found} of {batch} ids found; the table was not filled")
+
+
+def warm_up(dim: int) -> None:
+    """Call every storage kernel once: numba compiles (or loads its cache) on first use."""
+    for num_shards in (1, 4):
+        with EmbeddingTable(dim=dim, optimizer=OPTIMIZER, num_shards=num_shards,
+                            capacity=100_000) as table:
+            # Above the table's parallel threshold, so the threaded shard path runs too.
+            ids = ids_of(np.arange(20_000))
+            table.lookup(ids, insert=True)
+            table.lookup(ids, insert=False)
+            table.update(ids, np.full((ids.shape[0], dim), 0.01, dtype=np.float32))
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def ratio_line(name: str, ours: float, baseline: float, baseline_name: str,
+               key: str | None, unit: str = "M ids/s", scale: float = 1e-6) -> str:
+    ratio = ours / baseline
+    line = (f"{name:<22} {ours * scale:9.2f} {unit}   {baseline_name} {baseline * scale:9.2f} "
+            f"{unit}   ratio {ratio:5.2f}")
+    if key in TARGETS:
+        op, bound = TARGETS[key]
+        met = ratio >= bound if op == ">=" else ratio <= bound
+        line += f"   target {op} {bound} ({'met' if met else 'NOT met'})"
+    return line
+
+
+# -- 1-3: in-process table -------------------------------------------------------------
+
+
+def bench_take(rng: np.random.Generator, num_rows: int, dim: int, batch: int,
+               repeats: int) -> float:
+    """ids/s of ``numpy.take`` of ``batch`` random rows from a plain (num_rows, dim) array."""
+    plain = np.full((num_rows, dim), 0.01, dtype=np.float32)  # written: every page resident
+    rows = [rng.choice(num_rows, batch, replace=False) for _ in range(repeats)]
+    np.take(plain, rows[0], axis=0)  # first touch of the output allocation
+    return batch / median_seconds(lambda r: np.take(plain, r, axis=0), rows)
+
+
+def bench_lookup(table: EmbeddingTable, rng: np.random.Generator, num_rows: int, batch: int,
+                 repeats: int) -> float:
+    batches = existing_batches(rng, num_rows, batch, repeats)
+    check_all_found(table.lookup(batches[0], insert=False), batch, "lookup")
+    return batch / median_seconds(lambda ids: table.lookup(ids, insert=False), batches)
+
+
+def bench_insert(table: EmbeddingTable, num_rows: int, batch: int, repeats: int) -> float:
+    # Into the filled table, as in training; a batch that makes the arrays double pays
+    # for copying them, which the median leaves out but a mean would not.
+    batches = new_batches(num_rows, batch, repeats)
+    return batch / median_seconds(lambda ids: table.lookup(ids, insert=True), batches)
+
+
+def bench_update(table: EmbeddingTable, rng: np.random.Generator, num_rows: int, batch: int,
+                 repeats: int) -> float:
+    batches = existing_batches(rng, num_rows, batch, repeats)
+    grads = rng.standard_normal((batch, table.dim), dtype=np.float32) * np.float32(0.01)
+    if table.update(batches[0], grads) != batch:
+        raise RuntimeError("update: not every id was found; the table was not filled")
+    return batch / median_seconds(lambda ids: table.update(ids, grads), batches)
+
+
+def bench_table(num_shards: int, rng: np.random.Generator, num_rows: int, dim: int,
+                batch: int, repeats: int) -> dict[str, float]:
+    """Fill a table of ``num_rows`` rows, then time lookup, insert and update on it."""
+    capacity = num_rows + (repeats + 1) * batch  # room for the inserts: nothing evicted
+    with EmbeddingTable(dim=dim, optimizer=OPTIMIZER, num_shards=num_shards,
+                        capacity=capacity) as table:
+        start = time.perf_counter()
+        fill(table, num_rows)
+        fill_s = time.perf_counter() - start
+        out = {
+            "fill_ids_per_s": num_rows / fill_s,
+            "lookup_ids_per_s": bench_lookup(table, rng, num_rows, batch, repeats),
+            "insert_ids_per_s": bench_insert(table, num_rows, batch, repeats),
+            "update_ids_per_s": bench_update(table, rng, num_rows, batch, repeats),
+        }
+        if table.stats()["evicted"]:
+            raise RuntimeError("rows were evicted; capacity is too small for the benchmark")
+        return out
+
+
+# -- 4: memory -------------------------------------------------------------------------
+
+
+def memory_in_fresh_process(num_rows: int, dim: int) -> dict[str, int]:
+    """Resident growth from filling one table, in a spawned child.
+
+    A fresh process so the growth holds nothing but the table: no other tables, no
+    allocator arenas left over from the throughput runs.
+    """
+    warm_up(dim)
+    before = resident_bytes()
+    table = EmbeddingTable(dim=dim, optimizer=OPTIMIZER, capacity=num_rows + FILL_CHUNK)
+    fill(table, num_rows)
+    after = resident_bytes()
+    stats = table.stats()
+    return {"rows": stats["entries"], "rss_delta": after - before, "table_bytes": stats["bytes"]}
+
+
+def bench_memory(num_rows: int, dim: int) -> dict[str, float]:
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        child = pool.submit(memory_in_fresh_process, num_rows, dim).result()
+    if child["rows"] != num_rows:
+        raise RuntimeError(f"memory: table holds {child['rows']} rows, expected {num_rows}")
+    payload = (dim + state_width(OPTIMIZER, dim)) * 4
+    rss_per_row = child["rss_delta"] / num_rows
+    return {
+        "memory_rows": num_rows,
+        "payload_bytes_per_row": payload,
+        "rss_bytes_per_row": rss_per_row,
+        "table_nbytes_per_row": child["table_bytes"] / num_rows,
+        "memory_ratio": rss_per_row / payload,
+    }
+
+
+# -- 5: gRPC ---------------------------------------------------------------------------
+
+
+def _forward_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    """Pass ``stream``'s lines on until EOF, then ``None``; keeps the pipe from filling."""
+    try:
+        for line in stream:
+            lines.put(line)
+    finally:
+        lines.put(None)
+
+
+def _wait_for_port(lines: queue.Queue[str | None], stderr_path: Path) -> int:
+    deadline = time.monotonic() + PS_START_TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            raise TimeoutError(f"parameter server not ready within {PS_START_TIMEOUT_S:.0f}s; "
+                               f"stderr: {stderr_path}") from None
+        if line is None:
+            tail = stderr_path.read_text()[-2000:]
+            raise RuntimeError(f"parameter server exited before it was ready:\n{tail}")
+        match = re.search(r"on port (\d+) ready", line)
+        if match:
+            return int(match.group(1))
+
+
+@contextlib.contextmanager
+def parameter_server_process(workdir: Path, dim: int, capacity: int) -> Iterator[str]:
+    """A real parameter server in a child process; yields its address, stops it on exit."""
+    embedding_config = workdir / "embedding_config.yml"
+    embedding_config.write_text(f"slots_config:\n  {SLOT}:\n    dim: {dim}\n")
+    global_config = workdir / "global_config.yml"
+    global_config.write_text(f"embedding_parameter_server_config:\n  capacity: {capacity}\n")
+    stderr_path = workdir / "ps.stderr"
+    command = [sys.executable, "-m", "persia_py.launcher.cli", "embedding-parameter-server",
+               "--port", "0", "--embedding-config", str(embedding_config),
+               "--global-config", str(global_config)]
+    lines: queue.Queue[str | None] = queue.Queue()
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        reader = threading.Thread(target=_forward_lines, args=(proc.stdout, lines),
+                                  name="ps-stdout")
+        reader.start()
+        try:
+            yield f"127.0.0.1:{_wait_for_port(lines, stderr_path)}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+            reader.join(timeout=30)
+
+
+def bench_grpc(rng: np.random.Generator, num_rows: int, dim: int, batch: int,
+               repeats: int) -> dict[str, float]:
+    """ids/s of ``PSClient.lookup`` of existing ids from one PS process on loopback."""
+    with tempfile.TemporaryDirectory(prefix="ps_ops-") as tmp, \
+            parameter_server_process(Path(tmp), dim, capacity=2 * num_rows) as address:
+        client = PSClient(address, CommonConfig())
+        try:
+            client.wait_ready()
+            client.configure(configure_request(
+                optimizer_to_dict(OPTIMIZER), init_lower=-0.01, init_upper=0.01,
+                weight_bound=None, seed=0))
+            start = time.perf_counter()
+            for first in range(0, num_rows, FILL_CHUNK):
+                keys = np.arange(first, min(first + FILL_CHUNK, num_rows))
+                client.lookup([(SLOT, ids_of(keys))], training=True)
+            fill_s = time.perf_counter() - start
+
+            def lookup(ids: np.ndarray) -> np.ndarray:
+                return client.lookup([(SLOT, ids)], training=False)[0]
+
+            batches = existing_batches(rng, num_rows, batch, repeats)
+            check_all_found(lookup(batches[0]), batch, "grpc lookup")
+            seconds = median_seconds(lookup, batches)
+        finally:
+            client.close()
+    return {"grpc_fill_ids_per_s": num_rows / fill_s, "grpc_lookup_ids_per_s": batch / seconds}
+
+
+# -- entry point -----------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ps_ops", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, help=f"rows per table (default {DEFAULT['rows']:,})")
+    parser.add_argument("--dim", type=int, default=32, help="embedding dimension (default 32)")
+    parser.add_argument("--batch", type=int, help=f"ids per batch (default {DEFAULT['batch']:,})")
+    parser.add_argument("--repeats", type=int,
+                        help=f"batches per figure (default {DEFAULT['repeats']})")
+    parser.add_argument("--memory-rows", type=int,
+                        help=f"rows of the memory table (default {DEFAULT['memory_rows']:,})")
+    parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small sizes for a smoke run: {QUICK}; explicit flags still win")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else DEFAULT
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("rows", "dim", "batch", "repeats", "memory_rows"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.batch > args.rows:
+        parser.error(f"--batch ({args.batch}) must not exceed --rows ({args.rows}): "
+                     "lookup batches are unique existing ids")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows, dim, batch, repeats = args.rows, args.dim, args.batch, args.repeats
+    rng = np.random.default_rng(0)
+    figures: dict[str, Any] = {"rows": rows, "dim": dim, "batch": batch, "repeats": repeats,
+                               "cpus": os.cpu_count()}
+    print(f"EmbeddingTable benchmark: {rows:,} rows x dim {dim}, Adagrad, batches of "
+          f"{batch:,} ids, median of {repeats}, {os.cpu_count()} CPUs", flush=True)
+
+    warm_up(dim)
+    take = bench_take(rng, rows, dim, batch, repeats)
+    figures["take_ids_per_s"] = take
+    print(f"{'baseline numpy.take':<22} {take * 1e-6:9.2f} M ids/s", flush=True)
+
+    for num_shards in (1, 4):
+        table = bench_table(num_shards, rng, rows, dim, batch, repeats)
+        suffix = "" if num_shards == 1 else f"_shards{num_shards}"
+        print(f"-- {num_shards} internal shard(s); filled at {table['fill_ids_per_s'] * 1e-6:.2f} "
+              "M ids/s", flush=True)
+        for op in ("lookup", "insert", "update"):
+            ours = table[f"{op}_ids_per_s"]
+            key = f"{op}_ratio{suffix}"
+            figures[f"{op}_ids_per_s{suffix}"] = ours
+            figures[key] = ours / take
+            print(ratio_line(f"{op} shards={num_shards}", ours, take, "numpy.take",
+                             f"{op}_ratio"), flush=True)
+        figures[f"fill_ids_per_s{suffix}"] = table["fill_ids_per_s"]
+
+    memory = bench_memory(args.memory_rows, dim)
+    figures.update(memory)
+    print(f"-- memory at {args.memory_rows:,} rows", flush=True)
+    print(ratio_line("memory bytes/row", memory["rss_bytes_per_row"],
+                     memory["payload_bytes_per_row"], "payload", "memory_ratio",
+                     unit="B", scale=1.0)
+          + f"   (arrays {memory['table_nbytes_per_row']:.1f} B/row incl. spare capacity)",
+          flush=True)
+
+    grpc = bench_grpc(rng, rows, dim, batch, repeats)
+    figures.update(grpc)
+    figures["grpc_ratio"] = grpc["grpc_lookup_ids_per_s"] / figures["lookup_ids_per_s"]
+    print(f"-- one PS process over loopback gRPC; filled at "
+          f"{grpc['grpc_fill_ids_per_s'] * 1e-6:.2f} M ids/s", flush=True)
+    print(ratio_line("grpc lookup", grpc["grpc_lookup_ids_per_s"], figures["lookup_ids_per_s"],
+                     "in-process", "grpc_ratio"), flush=True)
+
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
