@@ -32,11 +32,33 @@ class CommonConfig:
     """Deadline of every RPC; idempotent calls are retried until it passes."""
     startup_timeout_sec: float = 300.0
     """How long a role waits for the services it depends on to come up."""
+    tls_cert_file: str | None = None
+    """PEM certificate this role presents, as a server and as a client (mutual TLS). With
+    ``tls_key_file`` and ``tls_ca_file`` set, every server refuses plaintext connections
+    and peers without a certificate signed by the CA. Set all three or none."""
+    tls_key_file: str | None = None
+    """PEM private key of ``tls_cert_file``."""
+    tls_ca_file: str | None = None
+    """PEM certificate of the CA that signed every role's certificate; peers are checked
+    against it."""
+    auth_token_file: str | None = None
+    """File holding the job's shared token (one line, at least 16 printable characters).
+    Unset: the token comes from the environment variable ``PERSIA_AUTH_TOKEN``, if set.
+    With a token, every server refuses calls that do not carry it (UNAUTHENTICATED)."""
 
     def __post_init__(self) -> None:
         _check_range(self, "max_message_bytes", 4 * 1024 * 1024, 2**31 - 1)
         _check_range(self, "rpc_timeout_sec", 0.1, 86400.0)
         _check_range(self, "startup_timeout_sec", 1.0, 86400.0)
+        tls = ("tls_cert_file", "tls_key_file", "tls_ca_file")
+        given = [name for name in tls if getattr(self, name) is not None]
+        if given and len(given) != len(tls):
+            raise ConfigError(f"{', '.join(given)}: TLS needs all of {', '.join(tls)} (every "
+                              f"role is a server and a client), or none")
+        for name in (*tls, "auth_token_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{name}: {path!r} is not a readable file")
 
 
 @dataclass(kw_only=True, frozen=True)

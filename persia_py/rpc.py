@@ -19,8 +19,12 @@ from typing import Any
 import grpc
 
 from persia_py.config import CommonConfig
+from persia_py.security import TransportSecurity
 
 logger = logging.getLogger(__name__)
+
+_MAX_QUEUED_PER_WORKER = 8
+"""Calls a server accepts at once, per worker thread (running plus queued)."""
 
 RETRYABLE = frozenset([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
 
@@ -49,21 +53,38 @@ def create_server(
 ) -> tuple[grpc.Server, int]:
     """A gRPC server bound to ``address`` (``host:0`` picks a free port); returns (server, port).
 
+    With TLS configured it listens with TLS only (mutual: clients need a certificate
+    signed by the CA); with a job token every call must carry it. At most
+    ``_MAX_QUEUED_PER_WORKER * max_workers`` calls are accepted at once; beyond that
+    callers get RESOURCE_EXHAUSTED (and retry) instead of queueing without bound.
     Services must be added before ``server.start()``.
     """
+    security = TransportSecurity.from_common(common)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=security.server_interceptors(),
         options=_options(common.max_message_bytes),
+        maximum_concurrent_rpcs=_MAX_QUEUED_PER_WORKER * max_workers,
     )
-    port = server.add_insecure_port(address)
+    if security.tls:
+        port = server.add_secure_port(address, security.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     return server, port
 
 
 def create_channel(address: str, common: CommonConfig) -> grpc.Channel:
-    """A channel to ``address`` with the configured message-size limit."""
-    return grpc.insecure_channel(address, options=_options(common.max_message_bytes))
+    """A channel to ``address`` with the configured message-size limit, TLS and token."""
+    security = TransportSecurity.from_common(common)
+    options = _options(common.max_message_bytes)
+    if security.tls:
+        channel = grpc.secure_channel(address, security.channel_credentials(), options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    interceptors = security.client_interceptors()
+    return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
 
 
 def wait_for_ready(channel: grpc.Channel, address: str, timeout: float) -> None:

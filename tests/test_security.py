@@ -1,0 +1,204 @@
+"""TLS and the job token over real processes: trusted clients train; a plaintext client, a
+client without a certificate or with one from another CA, and a client with no or a wrong
+token are refused, and the parameter server's rows are unchanged by their attempts."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+from certs import make_tls_files
+from conftest import start_server
+
+from persia_py import codec
+from persia_py.config import CommonConfig, ConfigError, global_config_from_dict
+from persia_py.launcher.cli import build_parser
+from persia_py.proto import (
+    common_pb2,
+    embedding_worker_pb2,
+    embedding_worker_pb2_grpc,
+    parameter_server_pb2,
+    parameter_server_pb2_grpc,
+)
+from persia_py.rpc import create_channel
+from persia_py.security import ENV_AUTH_TOKEN, TransportSecurity
+from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
+from persia_py.workers.ps_client import PSClient, configure_request
+
+EMBEDDING_CONFIG = "slots_config:\n  user:\n    dim: 4\n  item:\n    dim: 8\n"
+KNOWN_IDS = np.arange(1, 65, dtype=np.uint64)
+
+
+@pytest.fixture(scope="module")
+def secure_cluster(tmp_path_factory):
+    """A PS (token from auth_token_file) and an embedding worker (token from the
+    environment), both TLS-only; yields (ps address, ew address, trusted config, files)."""
+    root = tmp_path_factory.mktemp("secure")
+    tls = make_tls_files(root)
+    token = secrets.token_hex(32)
+    (root / "token").write_text(token + "\n")
+    (root / "token").chmod(0o600)
+    (root / "embedding_config.yml").write_text(EMBEDDING_CONFIG)
+    common = dict(tls, rpc_timeout_sec=20, startup_timeout_sec=60)
+    (root / "ps_global.yml").write_text(yaml.safe_dump(
+        {"common_config": dict(common, auth_token_file=str(root / "token"))}))
+    (root / "ew_global.yml").write_text(yaml.safe_dump({"common_config": common}))
+    env = {k: v for k, v in os.environ.items() if k != ENV_AUTH_TOKEN}
+    emb = ["--embedding-config", str(root / "embedding_config.yml")]
+    procs = []
+    try:
+        ps, ps_port = start_server("embedding-parameter-server", *emb,
+                                   "--global-config", str(root / "ps_global.yml"), env=env)
+        procs.append(ps)
+        ew, ew_port = start_server("embedding-worker", *emb,
+                                   "--global-config", str(root / "ew_global.yml"),
+                                   "--ps-addrs", f"127.0.0.1:{ps_port}",
+                                   env=dict(env, **{ENV_AUTH_TOKEN: token}))
+        procs.append(ew)
+        trusted = CommonConfig(**common, auth_token_file=str(root / "token"))
+        yield f"127.0.0.1:{ps_port}", f"127.0.0.1:{ew_port}", trusted, dict(tls, root=root,
+                                                                                token=token)
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _ps_checksum(address: str, common: CommonConfig) -> tuple[int, str]:
+    """(rows stored, sha256 of the known ids' rows), read without inserting anything."""
+    client = PSClient(address, common)
+    try:
+        entries = sum(t.entries for t in client.stats().tables)
+        rows = client.lookup([("user", KNOWN_IDS), ("item", KNOWN_IDS)], training=False)
+        return entries, hashlib.sha256(b"".join(r.tobytes() for r in rows)).hexdigest()
+    finally:
+        client.close()
+
+
+def test_tls_and_token_train_end_to_end_and_refuse_everyone_else(secure_cluster, monkeypatch):
+    monkeypatch.delenv(ENV_AUTH_TOKEN, raising=False)
+    ps_addr, ew_addr, trusted, files = secure_cluster
+    ew = EmbeddingWorkerClient(ew_addr, trusted)
+    ew.wait_ready()
+    ew.configure(configure_request({"type": "sgd", "lr": 0.5}, init_lower=-0.1, init_upper=0.1,
+                                   weight_bound=None, seed=3))
+    lengths = np.ones(KNOWN_IDS.size, np.int32)
+    ref = ew.put_batch([("user", KNOWN_IDS, lengths), ("item", KNOWN_IDS, lengths)],
+                       KNOWN_IDS.size, True)
+    slots = ew.lookup(ref)
+    assert ew.update_gradients(ref, [(s.slot, np.ones_like(s.rows)) for s in slots]) == 128
+    ps = PSClient(ps_addr, trusted)
+    rows_after = ps.lookup([("user", KNOWN_IDS)], training=False)[0]
+    ps.close()
+    np.testing.assert_allclose(rows_after, slots[0].rows - 0.5, rtol=1e-6)
+    ew.close()
+    before = _ps_checksum(ps_addr, trusted)
+    assert before[0] == 128
+
+    ca = open(files["tls_ca_file"], "rb").read()
+    key = open(files["tls_key_file"], "rb").read()
+    cert = open(files["tls_cert_file"], "rb").read()
+    rogue = make_tls_files(files["root"], prefix="rogue-")
+    rogue_creds = grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=open(rogue["tls_key_file"], "rb").read(),
+        certificate_chain=open(rogue["tls_cert_file"], "rb").read())
+    (files["root"] / "wrong-token").write_text(secrets.token_hex(32))
+    intruders = {
+        "plaintext": (grpc.insecure_channel, (), grpc.StatusCode.UNAVAILABLE),
+        "TLS without a client certificate": (
+            grpc.secure_channel, (grpc.ssl_channel_credentials(root_certificates=ca),),
+            grpc.StatusCode.UNAVAILABLE),
+        "TLS with another CA's certificate": (grpc.secure_channel, (rogue_creds,),
+                                              grpc.StatusCode.UNAVAILABLE),
+        "mutual TLS, no token": (
+            grpc.secure_channel,
+            (grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                          certificate_chain=cert),),
+            grpc.StatusCode.UNAUTHENTICATED),
+    }
+    new_ids = np.arange(10_000, 10_050, dtype=np.uint64)
+    requests = {
+        "Lookup": parameter_server_pb2.LookupRequest(
+            slots=[parameter_server_pb2.SlotIds(slot="user", ids=codec.encode(new_ids))],
+            training=True),
+        "Update": parameter_server_pb2.UpdateRequest(slots=[parameter_server_pb2.SlotGradients(
+            slot="user", ids=codec.encode(KNOWN_IDS),
+            grads=codec.encode(np.ones((KNOWN_IDS.size, 4), np.float32)))]),
+        "Configure": configure_request({"type": "sgd", "lr": 9.0}, init_lower=-1, init_upper=1,
+                                       weight_bound=None, seed=1),
+    }
+
+    def attempt(channel: grpc.Channel, expected: grpc.StatusCode, who: str) -> None:
+        ps = parameter_server_pb2_grpc.ParameterServerStub(channel)
+        for method, request in requests.items():
+            with pytest.raises(grpc.RpcError) as info:
+                getattr(ps, method)(request, timeout=10)
+            assert info.value.code() == expected, (who, method, info.value.details())
+        ew_stub = embedding_worker_pb2_grpc.EmbeddingWorkerStub(channel)
+        put = embedding_worker_pb2.PutBatchRequest(
+            features=[codec.encode_id_feature("user", new_ids, np.ones(50, np.int32)),
+                      codec.encode_id_feature("item", new_ids, np.ones(50, np.int32))],
+            batch_size=50, requires_grad=True)
+        with pytest.raises(grpc.RpcError) as info:
+            ew_stub.PutBatch(put, timeout=10)
+        assert info.value.code() == expected, (who, "PutBatch", info.value.details())
+
+    for who, (make, args, expected) in intruders.items():
+        for address in (ps_addr, ew_addr):
+            channel = make(address, *args)
+            attempt(channel, expected, f"{who} -> {address}")
+            channel.close()
+    wrong = CommonConfig(**{k: getattr(trusted, k) for k in (
+        "tls_cert_file", "tls_key_file", "tls_ca_file", "rpc_timeout_sec")},
+        auth_token_file=str(files["root"] / "wrong-token"))
+    for address in (ps_addr, ew_addr):
+        channel = create_channel(address, wrong)
+        attempt(channel, grpc.StatusCode.UNAUTHENTICATED, f"wrong token -> {address}")
+        with pytest.raises(grpc.RpcError) as info:
+            parameter_server_pb2_grpc.ParameterServerStub(channel).Health(
+                common_pb2.HealthRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "wrong job token" in info.value.details()
+        channel.close()
+
+    assert _ps_checksum(ps_addr, trusted) == before
+
+
+def test_token_comes_from_file_then_environment_and_is_checked(tmp_path) -> None:
+    token = secrets.token_urlsafe(24)
+    assert TransportSecurity.from_common(CommonConfig(), {}).token is None
+    assert TransportSecurity.from_common(CommonConfig(), {ENV_AUTH_TOKEN: token}).token == token
+    (tmp_path / "t").write_text(f"{token}\n")
+    from_file = TransportSecurity.from_common(CommonConfig(auth_token_file=str(tmp_path / "t")),
+                                              {ENV_AUTH_TOKEN: "ignored-because-file-wins"})
+    assert from_file.token == token and token not in repr(from_file)
+    with pytest.raises(ConfigError, match=f"{ENV_AUTH_TOKEN}: the job token must be at least 16"):
+        TransportSecurity.from_common(CommonConfig(), {ENV_AUTH_TOKEN: "short"})
+    (tmp_path / "spaced").write_text("a token with spaces in it")
+    with pytest.raises(ConfigError, match="auth_token_file"):
+        TransportSecurity.from_common(CommonConfig(auth_token_file=str(tmp_path / "spaced")), {})
+
+
+def test_tls_config_needs_all_three_existing_files(tmp_path) -> None:
+    tls = make_tls_files(tmp_path)
+    with pytest.raises(ConfigError, match="common_config.tls_cert_file: TLS needs all of"):
+        global_config_from_dict({"common_config": {"tls_cert_file": tls["tls_cert_file"]}})
+    with pytest.raises(ConfigError, match="tls_ca_file: .*missing.pem' is not a readable file"):
+        CommonConfig(**dict(tls, tls_ca_file=str(tmp_path / "missing.pem")))
+    assert TransportSecurity.from_common(CommonConfig(**tls), {}).tls
+
+
+def test_servers_bind_loopback_by_default_and_take_no_token_flag() -> None:
+    parser = build_parser()
+    for role in ("embedding-parameter-server", "embedding-worker"):
+        assert parser.parse_args([role]).bind == "127.0.0.1"
+    local = parser.parse_args(["local", "--nn-worker", "t.py", "--data-loader", "d.py",
+                               "--embedding-config", "e.yml"])
+    assert local.bind == "127.0.0.1"
+    flags = [opt for action in parser._subparsers._group_actions[0].choices.values()
+             for a in action._actions for opt in a.option_strings]
+    assert not [f for f in flags if "token" in f], "a token on the command line leaks via ps"
