@@ -21,6 +21,9 @@ MAX_ELEMENTS = 1 << 31
 """Upper bound on the elements of one decoded array (a guard against absurd shapes)."""
 
 
+_LZ4_MAX_RATIO = 255
+
+
 class CodecError(ValueError):
     """A Tensor message that cannot be decoded; the message says which field and why."""
 
@@ -69,6 +72,11 @@ def decode(
     expected_bytes = num_elements * dtype.itemsize
     data = tensor.data
     if tensor.lz4:
+        # LZ4 cannot expand data more than ~255x; a claim beyond that is a lie, and
+        # believing it would allocate the claimed size before decompression fails.
+        if expected_bytes > _LZ4_MAX_RATIO * len(data) + 64:
+            raise CodecError(f"{name}: {len(data)} lz4 bytes cannot decompress to the "
+                             f"{expected_bytes} bytes shape {shape} of {tensor.dtype} needs")
         try:
             data = lz4.block.decompress(data, uncompressed_size=expected_bytes)
         except lz4.block.LZ4BlockError as exc:

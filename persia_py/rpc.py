@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -48,6 +49,44 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+class _ParseRequests(grpc.ServerInterceptor):
+    """Parse requests inside the handler, so undecodable bytes get INVALID_ARGUMENT.
+
+    gRPC itself answers a request its deserializer rejects with INTERNAL, which reads
+    as a server bug; a malformed message is the caller's error.
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+        self._lock = threading.Lock()
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        with self._lock:
+            wrapped = self._handlers.get(method)
+        if wrapped is not None:
+            return wrapped
+        handler = continuation(handler_call_details)
+        if (handler is None or handler.request_streaming or handler.response_streaming
+                or handler.request_deserializer is None):
+            return handler
+        parse, behavior = handler.request_deserializer, handler.unary_unary
+
+        def parse_then_call(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                request = parse(raw)
+            except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{method}: request is not a valid message ({exc})")
+            return behavior(request, context)
+
+        wrapped = grpc.unary_unary_rpc_method_handler(
+            parse_then_call, response_serializer=handler.response_serializer)
+        with self._lock:
+            self._handlers[method] = wrapped
+        return wrapped
+
+
 def create_server(
     address: str, common: CommonConfig, *, max_workers: int = 16
 ) -> tuple[grpc.Server, int]:
@@ -62,7 +101,7 @@ def create_server(
     security = TransportSecurity.from_common(common)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=security.server_interceptors(),
+        interceptors=[*security.server_interceptors(), _ParseRequests()],
         options=_options(common.max_message_bytes),
         maximum_concurrent_rpcs=_MAX_QUEUED_PER_WORKER * max_workers,
     )

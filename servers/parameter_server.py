@@ -135,11 +135,21 @@ class ParameterServer:
                     f"(this is replica {self.replica_index} of {self.replica_size})"
                 )
 
-    def lookup(self, requests: list[tuple[str, np.ndarray]], *, training: bool) -> list[np.ndarray]:
-        """Embeddings ``[n, dim]`` for each ``(slot, ids)``; training lookups insert new ids."""
+    def lookup(self, requests: list[tuple[str, np.ndarray]], *, training: bool,
+               answer_itemsize: int = 4) -> list[np.ndarray]:
+        """Embeddings ``[n, dim]`` for each ``(slot, ids)``; training lookups insert new ids.
+
+        A request whose answer (``answer_itemsize`` bytes per value) would not fit in
+        ``max_message_bytes`` is refused before anything is inserted.
+        """
         tables = [self._table(slot) for slot, _ in requests]
         for slot, ids in requests:
             self._check_ids(slot, ids)
+        answer_bytes = sum(ids.size * t.dim * answer_itemsize for t, (_, ids) in zip(tables, requests))
+        limit = self.global_config.common_config.max_message_bytes
+        if answer_bytes > limit:
+            raise ValueError(f"the answer would carry {answer_bytes} bytes of embeddings, over "
+                             f"max_message_bytes {limit}; look up fewer ids per call")
         return [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
 
     def update(

@@ -19,6 +19,8 @@ def configure_args(request: common_pb2.ConfigureRequest) -> dict:
         optimizer = json.loads(request.optimizer_json)
     except json.JSONDecodeError as exc:
         raise ValueError(f"optimizer_json is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("optimizer_json is nested too deeply") from None
     if not isinstance(optimizer, dict):
         raise ValueError("optimizer_json must be a JSON object")
     return dict(
@@ -45,7 +47,8 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             (s.slot, codec.decode(s.ids, name=f"slots[{i}].ids", dtypes=("uint64",), ndim=1))
             for i, s in enumerate(request.slots)
         ]
-        embeddings = self.ps.lookup(slots, training=request.training)
+        embeddings = self.ps.lookup(slots, training=request.training,
+                                    answer_itemsize=2 if request.fp16 else 4)
         return pb.LookupResponse(
             embeddings=[codec.encode(e, fp16=request.fp16) for e in embeddings]
         )

@@ -47,6 +47,9 @@ def test_lz4_shrinks_repetitive_payloads() -> None:
         (common_pb2.Tensor(dtype="float32", shape=[-1], data=b""), {}, "negative"),
         (common_pb2.Tensor(dtype="float32", shape=[1 << 20, 1 << 20], data=b""), {}, "more than"),
         (common_pb2.Tensor(dtype="float32", shape=[2], data=b"garbage", lz4=True), {}, "lz4"),
+        # A claimed size no lz4 payload of this length can reach is refused before allocating.
+        (common_pb2.Tensor(dtype="float64", shape=[1 << 30], data=b"\x1f\0\x01\0", lz4=True),
+         {}, "4 lz4 bytes cannot decompress to the 8589934592 bytes"),
         (common_pb2.Tensor(dtype="int32", shape=[2], data=b"\0" * 8), {"dtypes": ("uint64",)},
          "not accepted"),
         (common_pb2.Tensor(dtype="uint64", shape=[1, 1], data=b"\0" * 8), {"ndim": 1},

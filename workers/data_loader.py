@@ -51,10 +51,12 @@ class BatchQueue:
     def next(self, rank: int, wait: float) -> pb.NextBatchResponse:
         if not 0 <= rank < self.num_consumers:
             raise ValueError(f"rank {rank} not in [0, {self.num_consumers})")
-        try:
-            return pb.NextBatchResponse(batch=self._queue.get(timeout=wait), has_batch=True)
-        except queue.Empty:
-            pass
+        # Once finished, no batch can arrive: an empty queue is the end, answered at once.
+        if not self._finished.is_set() or not self._queue.empty():
+            try:
+                return pb.NextBatchResponse(batch=self._queue.get(timeout=wait), has_batch=True)
+            except queue.Empty:
+                pass
         if self._finished.is_set() and self._queue.empty():
             with self._lock:
                 self._ended_ranks.add(rank)

@@ -21,7 +21,7 @@ import numpy as np
 
 from persia_py.config import EmbeddingConfig, GlobalConfig
 from persia_py.proto import common_pb2
-from persia_py.routing import replica_of, split_by
+from persia_py.routing import RESERVED_ID, replica_of, split_by
 from persia_py.rpc import NotFound, Overloaded
 from persia_py.workers.ps_client import PSClient
 
@@ -127,7 +127,10 @@ class EmbeddingWorker:
                     f"slot {f.slot!r}: a sample has {int(f.lengths.max())} ids, more than "
                     f"sample_fixed_size {slot.sample_fixed_size} (ids are never dropped)"
                 )
-            checked.append(SlotIds(f.slot, self._prefixed(f.slot, f.ids), f.lengths))
+            ids = self._prefixed(f.slot, f.ids)
+            if (ids == RESERVED_ID).any():
+                raise ValueError(f"slot {f.slot!r}: id {int(RESERVED_ID)} is reserved")
+            checked.append(SlotIds(f.slot, ids, f.lengths))
         missing = set(self.embedding_config.slots_config) - seen
         if missing:
             raise ValueError(f"batch lacks slots {sorted(missing)} of the embedding config")

@@ -13,11 +13,23 @@ from persia_py.rpc import call, create_channel, create_server, grpc_method, wait
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds, SlotRows
 
 
-def _features(request_features) -> list[SlotIds]:
-    return [
+def _features(request_features, worker: EmbeddingWorker) -> list[SlotIds]:
+    """Decode a batch's ID features; refuse one whose lookup answer could not be sent.
+
+    The bound assumes every id distinct: rows ``dim`` floats plus an int64 index per id.
+    """
+    features = [
         SlotIds(*codec.decode_id_feature(f, f"features[{i}]"))
         for i, f in enumerate(request_features)
     ]
+    slots = worker.embedding_config.slots_config
+    answer_bytes = sum(f.ids.size * (4 * slots[f.slot].dim + 8) + 4 * f.lengths.size
+                       for f in features if f.slot in slots)
+    limit = worker.global_config.common_config.max_message_bytes
+    if answer_bytes > limit:
+        raise ValueError(f"the batch's lookup answer could reach {answer_bytes} bytes, over "
+                         f"max_message_bytes {limit}; send smaller batches")
+    return features
 
 
 def _encode_rows(rows: list[SlotRows]) -> pb.LookupBatchResponse:
@@ -55,7 +67,7 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
     @grpc_method
     def PutBatch(self, request, context):
-        ref = self.worker.put_batch(_features(request.features), request.batch_size,
+        ref = self.worker.put_batch(_features(request.features, self.worker), request.batch_size,
                                     request.requires_grad)
         return pb.PutBatchResponse(ref=ref)
 
@@ -65,7 +77,7 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
     @grpc_method
     def LookupDirect(self, request, context):
-        return _encode_rows(self.worker.lookup_direct(_features(request.features),
+        return _encode_rows(self.worker.lookup_direct(_features(request.features, self.worker),
                                                       request.batch_size))
 
     @grpc_method
