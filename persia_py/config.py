@@ -32,6 +32,11 @@ class CommonConfig:
     """Deadline of every RPC; idempotent calls are retried until it passes."""
     startup_timeout_sec: float = 300.0
     """How long a role waits for the services it depends on to come up."""
+    embedding_fp16: bool = False
+    """Embeddings and their gradients travel as float16 (half the bytes; the servers
+    keep and update float32)."""
+    lz4_compression: bool = False
+    """Embedding and gradient payloads travel lz4-compressed."""
     tls_cert_file: str | None = None
     """PEM certificate this role presents, as a server and as a client (mutual TLS). With
     ``tls_key_file`` and ``tls_ca_file`` set, every server refuses plaintext connections
@@ -80,8 +85,23 @@ class EmbeddingWorkerConfig:
     """Batches an embedding worker holds (received from data loaders, or looked up and
     awaiting gradients). When full, data loaders wait; nothing is dropped."""
 
+    max_buffer_bytes: int = 1 << 30
+    """Bytes of ID features an embedding worker holds for batches not yet trained; when
+    full, data loaders wait."""
+
     def __post_init__(self) -> None:
         _check_range(self, "forward_buffer_size", 1, 1_000_000)
+        _check_range(self, "max_buffer_bytes", 1, 2**50)
+
+
+@dataclass(kw_only=True, frozen=True)
+class NNWorkerConfig:
+    max_buffer_bytes: int = 1 << 30
+    """Bytes an NN worker holds for batches looked up but not yet trained and for
+    embedding gradients not yet acknowledged; when full, lookups wait."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "max_buffer_bytes", 1, 2**50)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -94,6 +114,8 @@ class GlobalConfig:
     """Settings of the embedding parameter servers."""
     embedding_worker_config: EmbeddingWorkerConfig = field(default_factory=EmbeddingWorkerConfig)
     """Settings of the embedding workers."""
+    nn_worker_config: NNWorkerConfig = field(default_factory=NNWorkerConfig)
+    """Settings of the NN workers."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -25,6 +25,7 @@ from persia_py.embedding import EmbeddingConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.embedding.optim import Optimizer
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
+from persia_py.workers.budget import ByteBudget
 from persia_py.workers.data_loader import DataCtx
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.nn_worker import BatchStream, GradientSender, TrainingBatch, pool_slot
@@ -63,6 +64,7 @@ class EmbeddingCtx:
         self._addresses = list(embedding_worker_addresses or self.env.embedding_worker_addrs)
         self.workers: list[EmbeddingWorkerClient] = []
         self._owns_workers = True
+        self.mixed_precision = False
         self._token: contextvars.Token | None = None
         self._round_robin = itertools.count()
 
@@ -109,11 +111,17 @@ class EmbeddingCtx:
                 for s in batch.slots]
         return rows, [pool_slot(r, s) for r, s in zip(rows, batch.slots)]
 
+    def _autocast(self):
+        if not self.mixed_precision:
+            return nullcontext()
+        dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
     def forward(self, batch: TrainingBatch):
         """Run the model on ``batch``; returns ``(output, labels)`` (as PERSIA)."""
         if self.model is None:
             raise RuntimeError("this context has no model")
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             _, embeddings = self._embedding_tensors(batch, requires_grad=False)
             dense = [t.to(self.device) for t in batch.non_id_type_features]
             output = self.model(dense, embeddings)
@@ -130,6 +138,7 @@ def eval_ctx(model: torch.nn.Module) -> Iterator[EmbeddingCtx]:
     outer = current_ctx()
     ctx = EmbeddingCtx(model=model, global_config=outer.global_config, env=outer.env)
     ctx.device = outer.device
+    ctx.mixed_precision = outer.mixed_precision
     ctx.workers, ctx._owns_workers = outer.workers, False
     ctx._token = _current.set(ctx)
     was_training = model.training
@@ -150,7 +159,8 @@ class TrainCtx(EmbeddingCtx):
         dense_optimizer: a ``torch.optim`` optimizer over ``model``'s parameters.
         embedding_config: initialization bounds, weight bound and seed of new rows.
         device_id: CUDA device, or None for CPU.
-        mixed_precision: not supported yet; True is refused.
+        mixed_precision: run the model under autocast: float16 with a gradient scaler on
+            CUDA, bfloat16 on CPU. Embedding rows stay float32 on the servers.
     """
 
     def __init__(self, *, model: torch.nn.Module, embedding_optimizer: Optimizer,
@@ -161,8 +171,9 @@ class TrainCtx(EmbeddingCtx):
         super().__init__(model=model, global_config=global_config, device_id=device_id, env=env)
         if not isinstance(embedding_optimizer, Optimizer):
             raise TypeError("embedding_optimizer must come from persia_py.embedding.optim")
-        if mixed_precision:
-            raise ValueError("mixed_precision is not supported yet; pass mixed_precision=False")
+        self.mixed_precision = mixed_precision
+        self._scaler = (torch.amp.GradScaler("cuda")
+                        if mixed_precision and self.device.type == "cuda" else None)
         self.embedding_optimizer = embedding_optimizer
         self.dense_optimizer = dense_optimizer
         self.embedding_config = embedding_config or EmbeddingConfig()
@@ -170,6 +181,13 @@ class TrainCtx(EmbeddingCtx):
         self._sender: GradientSender | None = None
         self._pending: tuple[TrainingBatch, list[torch.Tensor]] | None = None
         self._owns_process_group = False
+        self.budget = ByteBudget(self.global_config.nn_worker_config.max_buffer_bytes,
+                                 "nn_worker_config.max_buffer_bytes")
+        self.staleness: int = 0
+        """Staleness of the batch of the current step (see ``TrainingBatch.staleness``)."""
+        self._staleness_sum = 0
+        self._staleness_max = 0
+        self._num_steps = 0
 
     def __enter__(self) -> TrainCtx:
         super().__enter__()
@@ -195,6 +213,11 @@ class TrainCtx(EmbeddingCtx):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._num_steps:
+            logger.info("rank %d: %d steps, embedding staleness mean %.2f max %d, peak buffer "
+                        "%d bytes", self.env.rank, self._num_steps,
+                        self._staleness_sum / self._num_steps, self._staleness_max,
+                        self.budget.peak)
         try:
             if self._sender is not None:
                 if exc_type is None:
@@ -221,10 +244,15 @@ class TrainCtx(EmbeddingCtx):
 
     def stream(self, dataset: StreamingDataset, *, reproducible: bool,
                embedding_staleness: int) -> Iterator[TrainingBatch]:
+        if reproducible and (embedding_staleness != 1 or self.env.world_size != 1):
+            raise ValueError(
+                "reproducible=True needs embedding_staleness=1 and one NN-worker rank "
+                f"(got staleness {embedding_staleness}, {self.env.world_size} ranks): with more, "
+                "the order in which updates reach the servers depends on timing")
         stream = BatchStream(
             rank=self.env.rank, data_loader_addrs=self.env.data_loader_addrs,
             workers=self.workers, common=self.common, staleness=embedding_staleness,
-            buffer_size=dataset.buffer_size, reproducible=reproducible,
+            buffer_size=dataset.buffer_size, reproducible=reproducible, budget=self.budget,
         )
         try:
             # Ranks may receive different numbers of batches: Join lets the ranks that run
@@ -249,8 +277,13 @@ class TrainCtx(EmbeddingCtx):
             raise RuntimeError("forward called twice without backward in between")
         rows, embeddings = self._embedding_tensors(batch, requires_grad=True)
         dense = [t.to(self.device) for t in batch.non_id_type_features]
-        output = self.ddp_model(dense, embeddings)
+        with self._autocast():
+            output = self.ddp_model(dense, embeddings)
         self._pending = (batch, rows)
+        self.staleness = batch.staleness
+        self._staleness_sum += batch.staleness
+        self._staleness_max = max(self._staleness_max, batch.staleness)
+        self._num_steps += 1
         return output, [t.to(self.device) for t in batch.labels]
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
@@ -260,14 +293,23 @@ class TrainCtx(EmbeddingCtx):
         batch, rows = self._pending
         self._pending = None
         try:
-            loss.backward()
-            self.dense_optimizer.step()
+            if self._scaler is None:
+                loss.backward()
+                self.dense_optimizer.step()
+                unscale = 1.0
+            else:
+                self._scaler.scale(loss).backward()
+                unscale = 1.0 / self._scaler.get_scale()
+                self._scaler.step(self.dense_optimizer)
+                self._scaler.update()
             self.dense_optimizer.zero_grad(set_to_none=True)
         except BaseException:
             batch.release()
             raise
+        # An overflowed scaled gradient stays non-finite after unscaling; the embedding
+        # worker skips (and counts) it per slot, as the scaler skips the dense step.
         grads = [
-            (s.slot, (r.grad.detach().cpu().numpy() if r.grad is not None
+            (s.slot, (r.grad.detach().float().cpu().numpy() * unscale if r.grad is not None
                       else np.zeros(tuple(r.shape), np.float32)))
             for s, r in zip(batch.slots, rows)
         ]

@@ -50,7 +50,8 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
         embeddings = self.ps.lookup(slots, training=request.training,
                                     answer_itemsize=2 if request.fp16 else 4)
         return pb.LookupResponse(
-            embeddings=[codec.encode(e, fp16=request.fp16) for e in embeddings]
+            embeddings=[codec.encode(e, fp16=request.fp16, compress=request.lz4)
+                        for e in embeddings]
         )
 
     @grpc_method

@@ -52,12 +52,13 @@ def cluster(tmp_path_factory):
                                       "--replica-index", str(i), "--replica-size", "2")
             procs.append(proc)
             ps_addrs.append(f"127.0.0.1:{port}")
-        proc, ew_port = start_server("embedding-worker", *config, "--ps-addrs", ",".join(ps_addrs))
-        procs.append(proc)
+        ew_proc, ew_port = start_server("embedding-worker", *config,
+                                        "--ps-addrs", ",".join(ps_addrs))
+        procs.append(ew_proc)
         ew = EmbeddingWorkerClient(f"127.0.0.1:{ew_port}", COMMON)
         ew.configure(configure_request({"type": "sgd", "lr": LR}, init_lower=-0.1,
                                        init_upper=0.1, weight_bound=None, seed=7))
-        yield ps_addrs, ew, root
+        yield ps_addrs, ew, root, ew_proc
         ew.close()
     finally:
         for proc in procs:
@@ -78,7 +79,7 @@ def _ps_rows(ps_addrs: list[str], slot: str, ids: np.ndarray) -> np.ndarray:
 
 
 def test_lookup_dedups_routes_and_updates_sum_gradients_per_id(cluster) -> None:
-    ps_addrs, ew, _ = cluster
+    ps_addrs, ew, _, _ = cluster
     user = np.array([11, 12, 11, 13], np.uint64)  # id 11 twice
     tags = np.array([21, 22, 21, 23, 24], np.uint64)
     tag_lengths = np.array([2, 0, 3, 0], np.int32)
@@ -107,7 +108,7 @@ def test_lookup_dedups_routes_and_updates_sum_gradients_per_id(cluster) -> None:
 
 
 def test_inference_lookup_inserts_nothing(cluster) -> None:
-    ps_addrs, ew, _ = cluster
+    ps_addrs, ew, _, _ = cluster
     fresh = np.array([900001, 900002], np.uint64)
     slots = ew.lookup_direct([("user", fresh, np.ones(2, np.int32)),
                               ("tags", fresh, np.array([1, 1], np.int32))], 2)
@@ -128,7 +129,7 @@ def _expect_error(fn, code: grpc.StatusCode, *needles: str) -> None:
 
 
 def test_parameter_server_rejects_bad_requests_and_keeps_serving(cluster) -> None:
-    ps_addrs, _, _ = cluster
+    ps_addrs, _, _, _ = cluster
     channel = grpc.insecure_channel(ps_addrs[0])
     stub = parameter_server_pb2_grpc.ParameterServerStub(channel)
     ids = np.array([5], np.uint64)
@@ -157,7 +158,7 @@ def test_parameter_server_rejects_bad_requests_and_keeps_serving(cluster) -> Non
 
 
 def test_embedding_worker_rejects_bad_requests_and_keeps_serving(cluster) -> None:
-    _, ew, _ = cluster
+    _, ew, _, _ = cluster
     stub = embedding_worker_pb2_grpc.EmbeddingWorkerStub(ew.channel)
     one = np.ones(1, np.int32)
     ids = np.array([1], np.uint64)
@@ -201,7 +202,7 @@ DATA_LOADER_SCRIPT = textwrap.dedent("""
 
 
 def test_data_loader_rejects_bad_requests_and_keeps_serving(cluster) -> None:
-    _, ew, root = cluster
+    _, ew, root, _ = cluster
     script = root / "one_batch_loader.py"
     script.write_text(DATA_LOADER_SCRIPT)
     env = dict(os.environ, PERSIA_EMBEDDING_WORKER_ADDRS=ew.address,
@@ -228,3 +229,38 @@ def test_data_loader_rejects_bad_requests_and_keeps_serving(cluster) -> None:
         ew.update_gradients(batch.ref, [(s.slot, np.zeros_like(s.rows)) for s in slots])
     finally:
         loader.stop()
+
+
+def test_non_finite_gradients_are_skipped_per_slot_and_logged(cluster) -> None:
+    ps_addrs, ew, _, ew_proc = cluster
+    ids = np.array([31, 32], np.uint64)
+    ones = np.ones(2, np.int32)
+    ref = ew.put_batch([("user", ids, ones), ("tags", ids, ones)], 2, True)
+    slots = {s.slot: s for s in ew.lookup(ref)}
+    bad = np.full((2, 4), np.inf, np.float32)
+    assert ew.update_gradients(ref, [("user", bad), ("tags", np.ones((2, 4), np.float32))]) == 2
+    np.testing.assert_allclose(_ps_rows(ps_addrs, "user", ids), slots["user"].rows)
+    np.testing.assert_allclose(_ps_rows(ps_addrs, "tags", ids), slots["tags"].rows - LR,
+                               rtol=1e-6)
+    ew_proc.wait_for_line(r"slot 'user': non-finite embedding gradients .* skipped \(1 so far\)",
+                          timeout=10)
+
+
+def test_fp16_and_lz4_on_the_wire_keep_values(cluster) -> None:
+    _, ew, _, _ = cluster
+    compact = EmbeddingWorkerClient(ew.address, CommonConfig(
+        rpc_timeout_sec=30, startup_timeout_sec=60, embedding_fp16=True, lz4_compression=True))
+    ids = np.array([41, 42, 43], np.uint64)
+    features = [("user", ids, np.ones(3, np.int32)), ("tags", ids, np.ones(3, np.int32))]
+    inserted = ew.put_batch(features, 3, True)  # a training lookup inserts the rows
+    ew.update_gradients(inserted, [(s.slot, np.zeros_like(s.rows)) for s in ew.lookup(inserted)])
+    exact = ew.lookup_direct(features, 3)
+    assert all(s.rows.any() for s in exact)
+    half = compact.lookup_direct(features, 3)
+    for a, b in zip(exact, half):
+        assert b.rows.dtype == np.float32
+        np.testing.assert_allclose(b.rows, a.rows, atol=1e-3)
+    ref = compact.put_batch(features, 3, True)
+    rows = compact.lookup(ref)
+    assert compact.update_gradients(ref, [(s.slot, np.ones_like(s.rows)) for s in rows]) == 6
+    compact.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import start_server
 
-from persia_py.config import CommonConfig, GlobalConfig
+from persia_py.config import CommonConfig, GlobalConfig, NNWorkerConfig
 from persia_py.ctx import DataCtx, TrainCtx
 from persia_py.data import DataLoader, StreamingDataset
 from persia_py.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
@@ -58,6 +58,85 @@ class Model(torch.nn.Module):
         return torch.sigmoid(self.linear(torch.cat([dense[0], *embeddings], dim=1)))
 
 
+def _start_loader(embedding_worker: str, global_config: GlobalConfig = GLOBAL):
+    """A DataCtx serving NUM_BATCHES batches from a thread; returns (ctx, thread, errors)."""
+    ready, errors = threading.Event(), []
+    env = PersiaEnv(embedding_worker_addrs=(embedding_worker,), nn_world_size=1)
+    data_ctx = DataCtx(port=0, env=env, global_config=global_config)
+
+    def run():
+        try:
+            with data_ctx:
+                ready.set()
+                for batch in _batches():
+                    data_ctx.send_data(batch)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert ready.wait(timeout=60) and not errors, errors
+    return data_ctx, thread, errors
+
+
+def _train(embedding_worker: str, data_ctx: DataCtx, *, staleness: int,
+           global_config: GlobalConfig = GLOBAL, mixed_precision: bool = False,
+           reproducible: bool = False, on_step=None):
+    """Train on the loader's stream; returns (steps, losses, ctx)."""
+    model = Model()
+    env = PersiaEnv(embedding_worker_addrs=(embedding_worker,),
+                    data_loader_addrs=(f"127.0.0.1:{data_ctx.port}",))
+    losses = []
+    with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                  dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                  global_config=global_config, env=env,
+                  mixed_precision=mixed_precision) as ctx:
+        for batch in DataLoader(StreamingDataset(buffer_size=4), reproducible=reproducible,
+                                embedding_staleness=staleness):
+            output, labels = ctx.forward(batch)
+            loss = torch.nn.functional.binary_cross_entropy(output.float(), labels[0])
+            ctx.backward(loss)
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(len(losses))
+    return len(losses), losses, ctx
+
+
+def test_byte_budget_bounds_what_the_pipeline_holds(embedding_worker) -> None:
+    budget = 6000  # about three batches with their gradients
+    config = GlobalConfig(common_config=GLOBAL.common_config,
+                          nn_worker_config=NNWorkerConfig(max_buffer_bytes=budget))
+    data_ctx, thread, errors = _start_loader(embedding_worker)
+    steps, _, ctx = _train(embedding_worker, data_ctx, staleness=8, global_config=config)
+    thread.join(timeout=60)
+    assert steps == NUM_BATCHES and not errors
+    assert 0 < ctx.budget.peak <= budget
+    assert ctx.budget.used == 0
+
+
+def test_wire_fp16_lz4_and_cpu_mixed_precision_train(embedding_worker) -> None:
+    common = CommonConfig(rpc_timeout_sec=30, startup_timeout_sec=60, embedding_fp16=True,
+                          lz4_compression=True)
+    config = GlobalConfig(common_config=common)
+    data_ctx, thread, errors = _start_loader(embedding_worker, config)
+    steps, losses, _ = _train(embedding_worker, data_ctx, staleness=2, global_config=config,
+                              mixed_precision=True)
+    thread.join(timeout=60)
+    assert steps == NUM_BATCHES and not errors
+    assert np.isfinite(losses).all()
+
+
+def test_reproducible_needs_staleness_one(embedding_worker) -> None:
+    data_ctx, thread, _ = _start_loader(embedding_worker)
+    with pytest.raises(ValueError, match="reproducible=True needs embedding_staleness=1"):
+        _train(embedding_worker, data_ctx, staleness=3, reproducible=True)
+    # The stream was never read; a correct run drains it.
+    steps, _, _ = _train(embedding_worker, data_ctx, staleness=1, reproducible=True)
+    thread.join(timeout=60)
+    assert steps == NUM_BATCHES
+
+
 @pytest.mark.parametrize("staleness", [1, 3])
 def test_staleness_bound_holds_and_every_batch_trains_once(embedding_worker, monkeypatch,
                                                            staleness: int) -> None:
@@ -84,43 +163,18 @@ def test_staleness_bound_holds_and_every_batch_trains_once(embedding_worker, mon
     monkeypatch.setattr(EmbeddingWorkerClient, "lookup", lookup)
     monkeypatch.setattr(EmbeddingWorkerClient, "update_gradients", update_gradients)
 
-    loader_ready, loader_error = threading.Event(), []
-    loader_env = PersiaEnv(embedding_worker_addrs=(embedding_worker,), nn_world_size=1)
-    data_ctx = DataCtx(port=0, env=loader_env, global_config=GLOBAL)
+    def on_step(steps: int) -> None:
+        if steps == staleness:
+            # `staleness` batches looked up, none acknowledged: the look-ahead has filled
+            # the bound (lookups ran ahead of training) and must stop there.
+            with changed:
+                assert changed.wait_for(lambda: state["looked_up"] == staleness, timeout=30)
+            acks_open.set()
 
-    def run_loader():
-        try:
-            with data_ctx:
-                loader_ready.set()
-                for batch in _batches():
-                    data_ctx.send_data(batch)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test below
-            loader_error.append(exc)
-            loader_ready.set()
-
-    thread = threading.Thread(target=run_loader)
-    thread.start()
-    assert loader_ready.wait(timeout=60) and not loader_error
-
-    model = Model()
-    env = PersiaEnv(embedding_worker_addrs=(embedding_worker,),
-                    data_loader_addrs=(f"127.0.0.1:{data_ctx.port}",))
-    steps = 0
-    with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
-                  dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                  global_config=GLOBAL, env=env) as ctx:
-        for batch in DataLoader(StreamingDataset(buffer_size=4), embedding_staleness=staleness):
-            output, labels = ctx.forward(batch)
-            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
-            steps += 1
-            if steps == staleness:
-                # `staleness` batches looked up, none acknowledged: the look-ahead has filled
-                # the bound (lookups ran ahead of training) and must stop there.
-                with changed:
-                    assert changed.wait_for(lambda: state["looked_up"] == staleness, timeout=30)
-                acks_open.set()
+    data_ctx, thread, errors = _start_loader(embedding_worker)
+    steps, _, _ = _train(embedding_worker, data_ctx, staleness=staleness, on_step=on_step)
     thread.join(timeout=60)
-    assert not thread.is_alive() and not loader_error
+    assert not thread.is_alive() and not errors
     assert steps == NUM_BATCHES == data_ctx.num_sent
     assert state["looked_up"] == state["acked"] == NUM_BATCHES
     assert state["max_ahead"] == staleness

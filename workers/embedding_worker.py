@@ -23,6 +23,7 @@ from persia_py.config import EmbeddingConfig, GlobalConfig
 from persia_py.proto import common_pb2
 from persia_py.routing import RESERVED_ID, replica_of, split_by
 from persia_py.rpc import NotFound, Overloaded
+from persia_py.workers.budget import ByteBudget
 from persia_py.workers.ps_client import PSClient
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class SlotRows:
 class _PendingBatch:
     features: list[SlotIds]
     requires_grad: bool
+    nbytes: int
     unique_ids: dict[str, np.ndarray] | None = None  # set once looked up
 
 
@@ -77,6 +79,8 @@ class EmbeddingWorker:
         self.ps_clients = ps_clients
         self.worker_id = f"embedding-worker-{index}-{os.getpid()}"
         self._capacity = global_config.embedding_worker_config.forward_buffer_size
+        self.budget = ByteBudget(global_config.embedding_worker_config.max_buffer_bytes,
+                                 "embedding_worker_config.max_buffer_bytes")
         self._buffer: dict[int, _PendingBatch] = {}
         self._buffer_changed = threading.Condition()
         self._next_ref = itertools.count(1)
@@ -150,19 +154,27 @@ class EmbeddingWorker:
     def put_batch(self, features: list[SlotIds], batch_size: int, requires_grad: bool) -> int:
         """Store a batch's ID features; returns its ref. Overloaded when the buffer is full."""
         features = self.validate_features(features, batch_size)
+        # Ids and lengths now, and at most as many distinct ids kept after the lookup.
+        nbytes = sum(2 * f.ids.nbytes + f.lengths.nbytes for f in features)
+        if not self.budget.try_acquire(nbytes, timeout=_PUT_WAIT_SEC):
+            raise Overloaded(f"buffer full ({self.budget.used} of {self.budget.capacity} bytes); "
+                             "retry later")
         with self._buffer_changed:
             if not self._buffer_changed.wait_for(
                 lambda: len(self._buffer) < self._capacity, timeout=_PUT_WAIT_SEC
             ):
+                self.budget.release(nbytes)
                 raise Overloaded(f"forward buffer full ({self._capacity} batches); retry later")
             ref = next(self._next_ref)
-            self._buffer[ref] = _PendingBatch(features, requires_grad)
+            self._buffer[ref] = _PendingBatch(features, requires_grad, nbytes)
         return ref
 
     def _release(self, ref: int) -> None:
         with self._buffer_changed:
-            self._buffer.pop(ref, None)
+            batch = self._buffer.pop(ref, None)
             self._buffer_changed.notify_all()
+        if batch is not None:
+            self.budget.release(batch.nbytes)
 
     @property
     def num_pending(self) -> int:

@@ -32,10 +32,11 @@ def _features(request_features, worker: EmbeddingWorker) -> list[SlotIds]:
     return features
 
 
-def _encode_rows(rows: list[SlotRows]) -> pb.LookupBatchResponse:
+def _encode_rows(rows: list[SlotRows], wire: pb.WireOptions) -> pb.LookupBatchResponse:
     return pb.LookupBatchResponse(slots=[
         pb.SlotEmbedding(
-            slot=r.slot, rows=codec.encode(r.rows), index=codec.encode(r.index),
+            slot=r.slot, rows=codec.encode(r.rows, fp16=wire.fp16, compress=wire.lz4),
+            index=codec.encode(r.index, compress=wire.lz4),
             lengths=codec.encode(r.lengths), pooling=r.pooling, sqrt_scaling=r.sqrt_scaling,
             sample_fixed_size=r.sample_fixed_size,
         )
@@ -73,12 +74,12 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
     @grpc_method
     def Lookup(self, request, context):
-        return _encode_rows(self.worker.lookup(request.ref))
+        return _encode_rows(self.worker.lookup(request.ref), request.wire)
 
     @grpc_method
     def LookupDirect(self, request, context):
         return _encode_rows(self.worker.lookup_direct(_features(request.features, self.worker),
-                                                      request.batch_size))
+                                                      request.batch_size), request.wire)
 
     @grpc_method
     def UpdateGradients(self, request, context):
@@ -124,6 +125,9 @@ class EmbeddingWorkerClient:
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
 
+    def _wire(self) -> pb.WireOptions:
+        return pb.WireOptions(fp16=self.common.embedding_fp16, lz4=self.common.lz4_compression)
+
     def put_batch(self, features: list[tuple[str, np.ndarray, np.ndarray]], batch_size: int,
                   requires_grad: bool, *, timeout: float | None = None) -> int:
         request = pb.PutBatchRequest(
@@ -134,19 +138,22 @@ class EmbeddingWorkerClient:
 
     def lookup(self, ref: int) -> list[SlotRows]:
         # Safe to retry: a lookup that failed leaves the batch unclaimed.
-        return _decode_rows(self._call(self.stub.Lookup, pb.LookupBatchRequest(ref=ref),
-                                       idempotent=True))
+        request = pb.LookupBatchRequest(ref=ref, wire=self._wire())
+        return _decode_rows(self._call(self.stub.Lookup, request, idempotent=True))
 
     def lookup_direct(self, features: list[tuple[str, np.ndarray, np.ndarray]],
                       batch_size: int) -> list[SlotRows]:
         request = pb.LookupDirectRequest(
-            features=[codec.encode_id_feature(*f) for f in features], batch_size=batch_size
+            features=[codec.encode_id_feature(*f) for f in features], batch_size=batch_size,
+            wire=self._wire(),
         )
         return _decode_rows(self._call(self.stub.LookupDirect, request, idempotent=True))
 
     def update_gradients(self, ref: int, grads: list[tuple[str, np.ndarray]]) -> int:
         request = pb.UpdateGradientsRequest(
-            ref=ref, slots=[pb.SlotRowGradients(slot=s, grads=codec.encode(g)) for s, g in grads]
+            ref=ref, slots=[pb.SlotRowGradients(slot=s, grads=codec.encode(
+                g, fp16=self.common.embedding_fp16, compress=self.common.lz4_compression))
+                for s, g in grads]
         )
         return self._call(self.stub.UpdateGradients, request, idempotent=False).num_updated
 

@@ -3,7 +3,8 @@
 * :class:`BatchStream` pulls batches from every data loader (one thread each), looks up
   their embeddings ahead of the training step, and bounds how far ahead it runs with
   the ``embedding_staleness`` semaphore: taken before a lookup, released when the
-  parameter servers have acknowledged that batch's embedding update.
+  parameter servers have acknowledged that batch's embedding update. A byte budget
+  bounds the memory held by looked-up batches and their not-yet-acknowledged gradients.
 * :class:`GradientSender` sends a step's embedding gradients in the background and
   surfaces any failure at the next call instead of losing it.
 * :func:`pool_slot` turns a slot's distinct rows into the tensor the model sees
@@ -29,6 +30,7 @@ from persia_py.config import CommonConfig
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.proto import data_loader_pb2_grpc
 from persia_py.rpc import call, create_channel, wait_for_ready
+from persia_py.workers.budget import ByteBudget
 from persia_py.workers.embedding_worker import SlotRows
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 
@@ -73,8 +75,20 @@ class TrainingBatch:
     meta: bytes = b""
     ref: int = 0
     embedding_worker: int = 0
+    staleness: int = 0
+    """Batches of this NN worker whose embedding updates were not yet applied when this
+    batch's embeddings were looked up."""
     release: Callable[[], None] = field(default=lambda: None)
     """Called once the batch's gradients are acknowledged (or at once without grads)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this batch holds now plus the gradients it will produce."""
+        rows = sum(s.rows.nbytes for s in self.slots)
+        other = sum(s.index.nbytes + s.lengths.nbytes for s in self.slots)
+        dense = sum(t.numel() * t.element_size()
+                    for t in [*self.non_id_type_features, *self.labels])
+        return 2 * rows + other + dense
 
 
 def tensors_from_named(named) -> list[torch.Tensor]:
@@ -143,6 +157,7 @@ class BatchStream:
         staleness: int,
         buffer_size: int,
         reproducible: bool,
+        budget: ByteBudget,
     ) -> None:
         if staleness < 1:
             raise ValueError(f"embedding_staleness must be >= 1, got {staleness}")
@@ -152,6 +167,9 @@ class BatchStream:
         self.workers = workers
         self.common = common
         self.staleness = threading.BoundedSemaphore(staleness)
+        self.budget = budget
+        self._outstanding = 0  # batches looked up whose updates are not acknowledged
+        self._outstanding_lock = threading.Lock()
         self._raw: queue.Queue = queue.Queue(maxsize=max(1, buffer_size))
         self._ready: queue.Queue = queue.Queue(maxsize=max(1, staleness))
         self._stop = threading.Event()
@@ -214,16 +232,24 @@ class BatchStream:
             while not self.staleness.acquire(timeout=0.2):
                 if self._stop.is_set():
                     return
+            with self._outstanding_lock:
+                self._outstanding += 1
+                staleness = self._outstanding - 1
             try:
-                batch = self._to_training_batch(item)
+                batch = self._to_training_batch(item, staleness)
             except BaseException:
-                self.staleness.release()
+                self._release_slot()
                 raise
             if not self._put(self._ready, batch):
                 return
         self._put(self._ready, _END)
 
-    def _to_training_batch(self, message: pb.Batch) -> TrainingBatch:
+    def _release_slot(self) -> None:
+        with self._outstanding_lock:
+            self._outstanding -= 1
+        self.staleness.release()
+
+    def _to_training_batch(self, message: pb.Batch, staleness: int) -> TrainingBatch:
         if not 0 <= message.embedding_worker < len(self.workers):
             raise ValueError(f"batch {message.batch_id} names embedding worker "
                              f"{message.embedding_worker}, only {len(self.workers)} known")
@@ -237,11 +263,22 @@ class BatchStream:
             meta=message.meta,
             ref=message.ref,
             embedding_worker=message.embedding_worker,
-            release=self.staleness.release,
+            staleness=staleness,
         )
         if not batch.requires_grad:
-            batch.release()
-            batch.release = lambda: None
+            self._release_slot()
+            return batch
+        # Room for the batch and its future gradients, held until the update is acknowledged.
+        num_bytes = batch.nbytes
+        if not self.budget.acquire(num_bytes, self._stop):
+            self._release_slot()
+            raise RuntimeError("batch stream closed")
+
+        def release() -> None:
+            self.budget.release(num_bytes)
+            self._release_slot()
+
+        batch.release = release
         return batch
 
     def __iter__(self) -> Iterator[TrainingBatch]:

@@ -32,14 +32,13 @@ class PSClient:
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
 
-    def lookup(
-        self, slots: list[tuple[str, np.ndarray]], *, training: bool, fp16: bool = False
-    ) -> list[np.ndarray]:
+    def lookup(self, slots: list[tuple[str, np.ndarray]], *, training: bool) -> list[np.ndarray]:
         """Embeddings ``[n, dim]`` (float32) for each ``(slot, ids)``."""
         request = pb.LookupRequest(
             slots=[pb.SlotIds(slot=s, ids=codec.encode(ids)) for s, ids in slots],
             training=training,
-            fp16=fp16,
+            fp16=self.common.embedding_fp16,
+            lz4=self.common.lz4_compression,
         )
         # A training lookup may insert rows, but inserting the same ids again is a no-op
         # (initialization is a pure function of the id), so the call is safe to retry.
@@ -55,12 +54,12 @@ class PSClient:
         *,
         worker_id: str,
         sequence: int,
-        fp16: bool = False,
     ) -> int:
         """Send gradients; ``(worker_id, sequence)`` makes a retry apply once."""
         request = pb.UpdateRequest(
             slots=[
-                pb.SlotGradients(slot=s, ids=codec.encode(ids), grads=codec.encode(g, fp16=fp16))
+                pb.SlotGradients(slot=s, ids=codec.encode(ids), grads=codec.encode(
+                    g, fp16=self.common.embedding_fp16, compress=self.common.lz4_compression))
                 for s, ids, g in slots
             ],
             worker_id=worker_id,

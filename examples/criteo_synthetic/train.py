@@ -51,6 +51,8 @@ if __name__ == "__main__":
     parser.add_argument("--test-samples", type=int, default=20_000)
     parser.add_argument("--dense-lr", type=float, default=0.05)
     parser.add_argument("--embedding-lr", type=float, default=0.05)
+    parser.add_argument("--reproducible", action="store_true")
+    parser.add_argument("--loss-log", default=None, help="write every step's loss here (rank 0)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -62,14 +64,19 @@ if __name__ == "__main__":
         embedding_optimizer=Adagrad(lr=args.embedding_lr),
         dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=args.dense_lr),
     ) as ctx:
-        loader = DataLoader(StreamingDataset(buffer_size=8),
+        loader = DataLoader(StreamingDataset(buffer_size=8), reproducible=args.reproducible,
                             embedding_staleness=args.embedding_staleness)
+        losses = []
         for step, batch in enumerate(loader):
             output, labels = ctx.forward(batch)
             loss = loss_fn(output, labels[0])
             ctx.backward(loss)
+            losses.append(loss.item())
             if rank == 0 and step % 50 == 0:
-                logger.info("step %d loss %.4f", step, loss.item())
+                logger.info("step %d loss %.4f staleness %d", step, losses[-1], ctx.staleness)
+        if rank == 0 and args.loss_log:
+            with open(args.loss_log, "w") as f:
+                f.writelines(f"{loss!r}\n" for loss in losses)
         if rank == 0:
             auc = evaluate(model, args.test_samples)
             print(f"test_auc: {auc:.5f}", flush=True)

@@ -23,19 +23,31 @@ class PutBatchResponse(_message.Message):
     ref: int
     def __init__(self, ref: _Optional[int] = ...) -> None: ...
 
+class WireOptions(_message.Message):
+    __slots__ = ("fp16", "lz4")
+    FP16_FIELD_NUMBER: _ClassVar[int]
+    LZ4_FIELD_NUMBER: _ClassVar[int]
+    fp16: bool
+    lz4: bool
+    def __init__(self, fp16: _Optional[bool] = ..., lz4: _Optional[bool] = ...) -> None: ...
+
 class LookupBatchRequest(_message.Message):
-    __slots__ = ("ref",)
+    __slots__ = ("ref", "wire")
     REF_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     ref: int
-    def __init__(self, ref: _Optional[int] = ...) -> None: ...
+    wire: WireOptions
+    def __init__(self, ref: _Optional[int] = ..., wire: _Optional[_Union[WireOptions, _Mapping]] = ...) -> None: ...
 
 class LookupDirectRequest(_message.Message):
-    __slots__ = ("features", "batch_size")
+    __slots__ = ("features", "batch_size", "wire")
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     features: _containers.RepeatedCompositeFieldContainer[_common_pb2.IdFeature]
     batch_size: int
-    def __init__(self, features: _Optional[_Iterable[_Union[_common_pb2.IdFeature, _Mapping]]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    wire: WireOptions
+    def __init__(self, features: _Optional[_Iterable[_Union[_common_pb2.IdFeature, _Mapping]]] = ..., batch_size: _Optional[int] = ..., wire: _Optional[_Union[WireOptions, _Mapping]] = ...) -> None: ...
 
 class SlotEmbedding(_message.Message):
     __slots__ = ("slot", "rows", "index", "lengths", "pooling", "sqrt_scaling", "sample_fixed_size")

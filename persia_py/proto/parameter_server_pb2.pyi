@@ -16,14 +16,16 @@ class SlotIds(_message.Message):
     def __init__(self, slot: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("slots", "training", "fp16")
+    __slots__ = ("slots", "training", "fp16", "lz4")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     FP16_FIELD_NUMBER: _ClassVar[int]
+    LZ4_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[SlotIds]
     training: bool
     fp16: bool
-    def __init__(self, slots: _Optional[_Iterable[_Union[SlotIds, _Mapping]]] = ..., training: _Optional[bool] = ..., fp16: _Optional[bool] = ...) -> None: ...
+    lz4: bool
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotIds, _Mapping]]] = ..., training: _Optional[bool] = ..., fp16: _Optional[bool] = ..., lz4: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("embeddings",)
