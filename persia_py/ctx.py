@@ -216,7 +216,7 @@ class TrainCtx(EmbeddingCtx):
         if self._num_steps:
             logger.info("rank %d: %d steps, embedding staleness mean %.2f max %d, peak buffer "
                         "%d bytes", self.env.rank, self._num_steps,
-                        self._staleness_sum / self._num_steps, self._staleness_max,
+                        self.mean_staleness, self._staleness_max,
                         self.budget.peak)
         try:
             if self._sender is not None:
@@ -227,6 +227,15 @@ class TrainCtx(EmbeddingCtx):
             if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()
             super().__exit__(exc_type, exc, tb)
+
+    @property
+    def mean_staleness(self) -> float:
+        """Mean staleness of the batches trained so far in this context."""
+        return self._staleness_sum / self._num_steps if self._num_steps else 0.0
+
+    def flush(self) -> None:
+        """Wait until the servers have acknowledged every embedding update sent so far."""
+        self._sender.flush(self.common.rpc_timeout_sec)
 
     def prepare(self, batch: PersiaBatch) -> TrainingBatch:
         if not batch.requires_grad:
@@ -261,7 +270,7 @@ class TrainCtx(EmbeddingCtx):
                       if self.ddp_model is not self.model else nullcontext())
             with joined:
                 yield from stream
-            self._sender.flush(self.common.rpc_timeout_sec)
+            self.flush()
             if dist.is_initialized():
                 # After this, every rank's embedding updates are on the servers.
                 dist.barrier()

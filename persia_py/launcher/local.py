@@ -96,8 +96,13 @@ class LocalCluster:
 
     def start(self) -> None:
         for role in self.roles:
+            env = self.env
+            if role.kind != "nn-worker" and "OMP_NUM_THREADS" not in env:
+                # Servers and loaders run on threads of their own; an OpenMP pool in each of
+                # them only fights the NN worker's for the same cores.
+                env = {**env, "OMP_NUM_THREADS": "1"}
             role.process = subprocess.Popen(
-                role.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                role.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
             role.reader = threading.Thread(target=self._pump, args=(role,), daemon=True)

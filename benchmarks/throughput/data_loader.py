@@ -1,0 +1,24 @@
+"""Data loader of the throughput benchmark: sends a workload's batches."""
+
+import argparse
+
+import numpy as np
+from workloads import SLOT_NAMES, WORKLOADS
+
+from persia_py.ctx import DataCtx
+from persia_py.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    args = parser.parse_args()
+    w = WORKLOADS[args.workload]
+    lengths = np.full(w.batch_size, w.ids_per_slot, np.int32)
+    with DataCtx(buffer_size=8) as ctx:
+        for i in range(args.steps):
+            dense, ids, labels = w.batch(i)
+            ctx.send_data(PersiaBatch(
+                [IDTypeFeature.from_csr(n, slot_ids, lengths) for n, slot_ids in zip(SLOT_NAMES, ids)],
+                non_id_type_features=[NonIDTypeFeature(dense)], labels=[Label(labels)],
+            ))

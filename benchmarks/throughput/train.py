@@ -1,0 +1,38 @@
+"""NN worker of the throughput benchmark: prints ``samples_per_sec: <value>`` after the
+warm-up steps."""
+
+import argparse
+import time
+
+import torch
+from workloads import WORKLOADS
+
+from persia_py.ctx import TrainCtx
+from persia_py.data import DataLoader, StreamingDataset
+from persia_py.embedding.optim import Adagrad
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--embedding-staleness", type=int, default=4)
+    args = parser.parse_args()
+    w = WORKLOADS[args.workload]
+    torch.manual_seed(0)
+    model = w.model()
+    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.01),
+                  dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.01)) as ctx:
+        loader = DataLoader(StreamingDataset(buffer_size=8),
+                            embedding_staleness=args.embedding_staleness)
+        samples, start = 0, None
+        for step, batch in enumerate(loader):
+            if step == args.warmup:
+                start = time.perf_counter()
+            if start is not None:
+                samples += batch.batch_size
+            output, labels = ctx.forward(batch)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+        ctx.flush()
+        elapsed = time.perf_counter() - start
+        print(f"samples_per_sec: {samples / elapsed:.1f} staleness_mean: "
+              f"{ctx.mean_staleness:.2f}", flush=True)

@@ -1,0 +1,88 @@
+"""The two training workloads of the throughput benchmark, shared by both sides.
+
+* dense-heavy (DLRM-like): 13 dense features, 26 slots x 1 id (Zipf over 1M ids per
+  slot), dim 16, bottom MLP 512-256-16, pairwise dot interactions, top MLP 512-256-1,
+  batch 2048.
+* embedding-heavy: 26 slots x 20 ids (Zipf over 200k ids per slot), dim 32, one hidden
+  layer of 256, batch 1024.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+NUM_DENSE = 13
+NUM_SLOTS = 26
+SLOT_NAMES = [f"s{i}" for i in range(NUM_SLOTS)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    ids_per_slot: int
+    vocab: int
+    dim: int
+    batch_size: int
+    zipf_a: float = 1.1
+
+    def batch(self, index: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """Batch ``index``: dense [B, 13], per slot uint64 ids [B * ids_per_slot], labels [B, 1]."""
+        rng = np.random.default_rng([7, index])
+        b = self.batch_size
+        dense = rng.normal(size=(b, NUM_DENSE)).astype(np.float32)
+        ids = [((rng.zipf(self.zipf_a, b * self.ids_per_slot) - 1) % self.vocab).astype(np.uint64)
+               for _ in range(NUM_SLOTS)]
+        labels = (rng.random((b, 1)) < 0.3).astype(np.float32)
+        return dense, ids, labels
+
+    def model(self) -> nn.Module:
+        if self.name == "dense_heavy":
+            return DLRM(self.dim)
+        return OneHidden(self.dim)
+
+
+WORKLOADS = {
+    "dense_heavy": Workload("dense_heavy", ids_per_slot=1, vocab=1_000_000, dim=16,
+                            batch_size=2048),
+    "embedding_heavy": Workload("embedding_heavy", ids_per_slot=20, vocab=200_000, dim=32,
+                                batch_size=1024),
+}
+
+
+def mlp(sizes: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.bottom = mlp([NUM_DENSE, 512, 256, dim])
+        num_vectors = NUM_SLOTS + 1
+        self.top = mlp([dim + num_vectors * (num_vectors - 1) // 2, 512, 256, 1])
+        rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+
+    def forward(self, dense: list[torch.Tensor], embeddings: list[torch.Tensor]) -> torch.Tensor:
+        x = self.bottom(dense[0])
+        vectors = torch.stack([x, *embeddings], dim=1)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.rows, self.cols]
+        return torch.sigmoid(self.top(torch.cat([x, dots], dim=1)))
+
+
+class OneHidden(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = mlp([NUM_DENSE + NUM_SLOTS * dim, 256, 1])
+
+    def forward(self, dense: list[torch.Tensor], embeddings: list[torch.Tensor]) -> torch.Tensor:
+        return torch.sigmoid(self.net(torch.cat([dense[0], *embeddings], dim=1)))

@@ -1,0 +1,98 @@
+"""Training throughput: persia_py through ``persia-launcher local`` (1 PS, 1 embedding
+worker, 1 NN worker, 1 data loader) beside the same model in one plain PyTorch process,
+measured in the same run.
+
+    python -m benchmarks.train_throughput [--steps N] [--repeats R] [--json PATH]
+
+Prints samples/s of both sides and their ratio for the dense-heavy and embedding-heavy
+workloads (medians over repeats), then samples/s for embedding staleness 1, 2, 4, 8 on
+the embedding-heavy workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "throughput"
+sys.path.insert(0, str(HERE))
+from workloads import SLOT_NAMES, WORKLOADS  # noqa: E402
+
+TARGETS = {"dense_heavy": 0.85, "embedding_heavy": 1.0}
+
+
+def _samples_per_sec(command: list[str], what: str) -> float:
+    result = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
+    match = re.search(r"samples_per_sec: ([0-9.]+)", result.stdout)
+    if result.returncode != 0 or match is None:
+        raise RuntimeError(f"{what} failed ({result.returncode}):\n{result.stdout[-4000:]}"
+                           f"\n{result.stderr[-4000:]}")
+    return float(match.group(1))
+
+
+def _configs(workdir: Path, workload: str) -> tuple[Path, Path]:
+    w = WORKLOADS[workload]
+    embedding = workdir / f"{workload}_embedding_config.yml"
+    embedding.write_text("slots_config:\n" + "".join(
+        f"  {name}:\n    dim: {w.dim}\n" for name in SLOT_NAMES))
+    global_ = workdir / "global_config.yml"
+    global_.write_text("embedding_parameter_server_config:\n  capacity: 100000000\n"
+                       "embedding_worker_config:\n  forward_buffer_size: 64\n")
+    return embedding, global_
+
+
+def ours(workload: str, steps: int, staleness: int, workdir: Path) -> float:
+    embedding, global_ = _configs(workdir, workload)
+    return _samples_per_sec([
+        sys.executable, "-m", "persia_py.launcher.cli", "local",
+        "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
+        "--embedding-config", str(embedding), "--global-config", str(global_),
+        "--nn-worker-args", f"--workload {workload} --embedding-staleness {staleness}",
+        "--data-loader-args", f"--workload {workload} --steps {steps}",
+    ], f"persia_py {workload}")
+
+
+def plain(workload: str, steps: int) -> float:
+    return _samples_per_sec([sys.executable, str(HERE / "plain.py"), "--workload", workload,
+                             "--steps", str(steps)], f"plain PyTorch {workload}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40, help="batches per run (5 warm-up)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--staleness", type=int, default=4, help="staleness of the main runs")
+    parser.add_argument("--json", default=None, help="write every figure here")
+    args = parser.parse_args()
+    figures: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for workload in WORKLOADS:
+            ours_runs, plain_runs = [], []
+            for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
+                plain_runs.append(plain(workload, args.steps))
+                ours_runs.append(ours(workload, args.steps, args.staleness, workdir))
+            o, p = statistics.median(ours_runs), statistics.median(plain_runs)
+            figures.update({f"{workload}_samples_per_sec": o,
+                            f"{workload}_plain_samples_per_sec": p,
+                            f"{workload}_ratio": o / p})
+            print(f"{workload:16s} persia_py {o:10.0f} samples/s   plain PyTorch {p:10.0f} "
+                  f"samples/s   ratio {o / p:5.2f}   (target >= {TARGETS[workload]})", flush=True)
+        for staleness in (1, 2, 4, 8):
+            s = ours("embedding_heavy", args.steps, staleness, workdir)
+            figures[f"embedding_heavy_staleness_{staleness}_samples_per_sec"] = s
+            print(f"embedding_heavy  staleness {staleness}: {s:10.0f} samples/s", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
