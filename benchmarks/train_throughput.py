@@ -6,7 +6,8 @@ measured in the same run.
 
 Prints samples/s of both sides and their ratio for the dense-heavy and embedding-heavy
 workloads (medians over repeats), then samples/s for embedding staleness 1, 2, 4, 8 on
-the embedding-heavy workload.
+the embedding-heavy workload. Embeddings and gradients travel as float16 unless
+``--fp32-wire``; both sides train on batches built before their clocks start.
 """
 
 from __future__ import annotations
@@ -36,19 +37,20 @@ def _samples_per_sec(command: list[str], what: str) -> float:
     return float(match.group(1))
 
 
-def _configs(workdir: Path, workload: str) -> tuple[Path, Path]:
+def _configs(workdir: Path, workload: str, fp16: bool = True) -> tuple[Path, Path]:
     w = WORKLOADS[workload]
     embedding = workdir / f"{workload}_embedding_config.yml"
     embedding.write_text("slots_config:\n" + "".join(
         f"  {name}:\n    dim: {w.dim}\n" for name in SLOT_NAMES))
     global_ = workdir / "global_config.yml"
-    global_.write_text("embedding_parameter_server_config:\n  capacity: 100000000\n"
+    global_.write_text(f"common_config:\n  embedding_fp16: {str(fp16).lower()}\n"
+                       "embedding_parameter_server_config:\n  capacity: 100000000\n"
                        "embedding_worker_config:\n  forward_buffer_size: 64\n")
     return embedding, global_
 
 
-def ours(workload: str, steps: int, staleness: int, workdir: Path) -> float:
-    embedding, global_ = _configs(workdir, workload)
+def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = True) -> float:
+    embedding, global_ = _configs(workdir, workload, fp16)
     return _samples_per_sec([
         sys.executable, "-m", "persia_py.launcher.cli", "local",
         "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
@@ -69,8 +71,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="batches per run (5 warm-up)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--staleness", type=int, default=4, help="staleness of the main runs")
+    parser.add_argument("--fp32-wire", action="store_true",
+                        help="send embeddings and gradients as float32 (default: float16)")
     parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args()
+    fp16 = not args.fp32_wire
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -78,7 +83,7 @@ def main() -> None:
             ours_runs, plain_runs = [], []
             for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
                 plain_runs.append(plain(workload, args.steps))
-                ours_runs.append(ours(workload, args.steps, args.staleness, workdir))
+                ours_runs.append(ours(workload, args.steps, args.staleness, workdir, fp16))
             o, p = statistics.median(ours_runs), statistics.median(plain_runs)
             figures.update({f"{workload}_samples_per_sec": o,
                             f"{workload}_plain_samples_per_sec": p,
@@ -86,7 +91,7 @@ def main() -> None:
             print(f"{workload:16s} persia_py {o:10.0f} samples/s   plain PyTorch {p:10.0f} "
                   f"samples/s   ratio {o / p:5.2f}   (target >= {TARGETS[workload]})", flush=True)
         for staleness in (1, 2, 4, 8):
-            s = ours("embedding_heavy", args.steps, staleness, workdir)
+            s = ours("embedding_heavy", args.steps, staleness, workdir, fp16)
             figures[f"embedding_heavy_staleness_{staleness}_samples_per_sec"] = s
             print(f"embedding_heavy  staleness {staleness}: {s:10.0f} samples/s", flush=True)
     if args.json:
