@@ -119,6 +119,30 @@ class GlobalConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class HashStackConfig:
+    hash_stack_rounds: int = 0
+    """Hash each raw id this many times (0: off); its embedding is the sum of the rows of
+    the ``hash_stack_rounds`` buckets, so the slot's table holds at most
+    ``hash_stack_rounds * embedding_size`` rows however many distinct ids arrive."""
+    embedding_size: int = 0
+    """Buckets per round (required when ``hash_stack_rounds`` > 0)."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "hash_stack_rounds", 0, 64)
+        _check_range(self, "embedding_size", 0, 2**40)
+        if self.hash_stack_rounds and not self.embedding_size:
+            raise ConfigError("embedding_size: required (>= 1) when hash_stack_rounds > 0")
+        if self.embedding_size and not self.hash_stack_rounds:
+            raise ConfigError("hash_stack_rounds: 0 (off), but embedding_size is set; set both "
+                              "or neither")
+
+    @property
+    def rounds(self) -> int:
+        """Rows summed per id: ``hash_stack_rounds``, or 1 when hash stacking is off."""
+        return self.hash_stack_rounds or 1
+
+
+@dataclass(kw_only=True, frozen=True)
 class SlotConfig:
     dim: int
     """Embedding dimension of the slot (required)."""
@@ -133,6 +157,8 @@ class SlotConfig:
     """Padded length of a raw sequence. A longer sample is an error, never truncated."""
     capacity: int | None = None
     """Most rows of this slot per parameter-server replica (default: the global one)."""
+    hash_stack_config: HashStackConfig = field(default_factory=HashStackConfig)
+    """PERSIA's hash stacking: many raw ids share a few rows (default: off)."""
 
     def __post_init__(self) -> None:
         _check_range(self, "dim", 1, 65536)
@@ -151,22 +177,72 @@ class EmbeddingConfig:
     slots_config: dict[str, SlotConfig]
     """One entry per ID-type feature (slot), by name."""
     feature_index_prefix_bit: int = 0
-    """High bits of every id replaced by the slot's index (1-based, in file order), so
-    equal raw ids of different slots never collide; 0 disables prefixing."""
+    """High bits of every id replaced by the 1-based index of the slot's feature group
+    (groups of ``feature_groups`` first, then every other slot as a group of its own, in
+    file order), so equal raw ids of different groups never collide; 0 disables it."""
     feature_groups: dict[str, list[str]] = field(default_factory=dict)
-    """Slots sharing one prefix. Only ``{}`` is supported yet; anything else is refused."""
+    """Group name -> slots. The slots of a group share one table (named after the group)
+    and one id prefix, so an id means the same row in each of them; they must have equal
+    ``dim`` and ``capacity``. A slot is in at most one group; a slot in none is a group of
+    its own, named after the slot."""
 
     def __post_init__(self) -> None:
         if not self.slots_config:
             raise ConfigError("slots_config: at least one slot is required")
         _check_range(self, "feature_index_prefix_bit", 0, 16)
-        if self.feature_index_prefix_bit and len(self.slots_config) >= 2**self.feature_index_prefix_bit:
+        self._check_feature_groups()
+        num_groups = len(self.tables)
+        if self.feature_index_prefix_bit and num_groups >= 2**self.feature_index_prefix_bit:
             raise ConfigError(
                 f"feature_index_prefix_bit: {self.feature_index_prefix_bit} bits cannot number "
-                f"{len(self.slots_config)} slots"
+                f"{num_groups} feature groups (every slot outside feature_groups is one)"
             )
-        if self.feature_groups:
-            raise ConfigError("feature_groups: only {} is supported in this version")
+
+    def _check_feature_groups(self) -> None:
+        group_of: dict[str, str] = {}
+        for group, slots in self.feature_groups.items():
+            if not slots:
+                raise ConfigError(f"feature_groups.{group}: a group needs at least one slot")
+            for name in slots:
+                if name not in self.slots_config:
+                    close = difflib.get_close_matches(name, list(self.slots_config), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise ConfigError(f"feature_groups.{group}: unknown slot {name!r} (slots: "
+                                      f"{sorted(self.slots_config)}){hint}")
+                if name in group_of:
+                    where = ("twice in this group" if group_of[name] == group
+                             else f"also in group {group_of[name]!r}")
+                    raise ConfigError(f"feature_groups.{group}: slot {name!r} is {where}; a "
+                                      "slot belongs to at most one group")
+                group_of[name] = group
+            for key in _TABLE_KEYS:
+                values = {name: getattr(self.slots_config[name], key) for name in slots}
+                if len(set(values.values())) > 1:
+                    raise ConfigError(
+                        f"feature_groups.{group}: slots {slots} share one table, so their {key} "
+                        f"must be equal; got {values}"
+                    )
+        for name in self.slots_config:
+            if name not in group_of and name in self.feature_groups:
+                raise ConfigError(f"feature_groups.{name}: the group is named like slot {name!r}, "
+                                  "which is not in it (that slot's own table has this name)")
+            group_of.setdefault(name, name)
+        # Frozen dataclass: cache the derived mappings once, here.
+        tables = {g: list(s) for g, s in self.feature_groups.items()}
+        for name, group in group_of.items():
+            tables.setdefault(group, [name])
+        object.__setattr__(self, "_group_of", group_of)
+        object.__setattr__(self, "_tables", tables)
+
+    @property
+    def tables(self) -> dict[str, list[str]]:
+        """Table name -> its slots: each feature group, then each slot outside the groups."""
+        return self._tables
+
+    def table_of(self, slot: str) -> str:
+        """Name of the parameter-server table that holds slot ``slot``'s rows."""
+        self.slot(slot)
+        return self._group_of[slot]
 
     def slot(self, name: str) -> SlotConfig:
         """The config of slot ``name``; ValueError naming the known slots if absent."""
@@ -178,10 +254,14 @@ class EmbeddingConfig:
             ) from None
 
     def slot_prefix(self, name: str) -> int:
-        """The prefix value of slot ``name`` (0 when prefixing is off)."""
+        """The prefix value of slot ``name``: its feature group's 1-based index (0: off)."""
         if not self.feature_index_prefix_bit:
             return 0
-        return list(self.slots_config).index(name) + 1
+        return list(self.tables).index(self.table_of(name)) + 1
+
+
+_TABLE_KEYS = ("dim", "capacity")
+"""SlotConfig keys that describe the table itself: equal across the slots of a group."""
 
 
 def _check_range(obj: Any, name: str, low: float, high: float) -> None:

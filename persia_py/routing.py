@@ -15,6 +15,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _REPLICA_SALT = np.uint64(0x243F6A8885A308D3)
 _SHARD_SALT = np.uint64(0x13198A2E03707344)
+_HASH_STACK_SALT = np.uint64(0xA4093822299F31D0)
 
 RESERVED_ID = np.uint64(0xFFFFFFFFFFFFFFFF)
 """The one id value a table cannot store (it marks empty slots of the hash index)."""
@@ -41,6 +42,24 @@ def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     return (mix64(ids, _SHARD_SALT) % np.uint64(num_shards)).astype(np.int64)
+
+
+def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
+    """PERSIA's hash stacking: each id becomes ``rounds`` bucket ids, ``[num_ids * rounds]``.
+
+    Round ``r`` hashes the previous round's hash (the id for round 0) and takes it modulo
+    ``embedding_size``, offset by ``r * embedding_size`` so rounds never share a bucket.
+    An id's buckets are consecutive in the output (id-major), all below
+    ``rounds * embedding_size``.
+    """
+    ids = np.asarray(ids, dtype=np.uint64)
+    out = np.empty((ids.size, rounds), dtype=np.uint64)
+    size = np.uint64(embedding_size)
+    hashed = ids
+    for r in range(rounds):  # a few rounds, each vectorized over every id
+        hashed = mix64(hashed, _HASH_STACK_SALT)
+        out[:, r] = hashed % size + np.uint64(r) * size
+    return out.reshape(-1)
 
 
 def split_by(owner: np.ndarray, num_owners: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,8 @@
 """One embedding-parameter-server replica, as a plain object testable without gRPC.
 
-It owns one :class:`EmbeddingTable` per slot of the embedding config. Tables are created
+It owns one :class:`EmbeddingTable` per feature group of the embedding config, named
+after the group (a slot outside ``feature_groups`` is a group of its own, so its table
+bears the slot's name); requests name tables. Tables are created
 when the embedding optimizer arrives (``configure``), because a row's optimizer state is
 laid out by the optimizer. Updates carry ``(worker_id, sequence)``; a pair seen before is
 acknowledged without being applied again, so a retried update is applied once.
@@ -94,7 +96,9 @@ class ParameterServer:
                     )
                 return
             ps_cfg = self.global_config.embedding_parameter_server_config
-            for name, slot in self.embedding_config.slots_config.items():
+            for name, slots in self.embedding_config.tables.items():
+                # A group's slots agree on dim and capacity (checked by the config).
+                slot = self.embedding_config.slots_config[slots[0]]
                 self._tables[name] = EmbeddingTable(
                     dim=slot.dim,
                     optimizer=opt,
@@ -194,7 +198,7 @@ class ParameterServer:
             return False
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per-slot table statistics (empty before configuration)."""
+        """Per-table statistics (empty before configuration)."""
         return {slot: table.stats() for slot, table in self._tables.items()}
 
     def close(self) -> None:

@@ -24,7 +24,8 @@ def test_example_configs_load() -> None:
         ("slots_config:\n  a:\n    dim: 0\n", "slots_config.a.dim: 0 is out of range"),
         ("slots_config:\n  a:\n    embedding_summation: true\n",
          "slots_config.a.dim: required key is missing"),
-        ("slots_config: {a: {dim: 4}}\nfeature_groups: {g: [a]}\n", "feature_groups"),
+        ("slots_config: {a: {dim: 4}}\nfeature_groups: {g: [b]}\n",
+         "feature_groups.g: unknown slot 'b'"),
         ("slots_config: [\n", "not valid YAML"),
     ],
 )

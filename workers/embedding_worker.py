@@ -6,6 +6,11 @@ split by owning parameter-server replica, fetched with one RPC per replica for a
 and answered as the distinct rows plus an index per id occurrence. The distinct ids stay
 here until the NN worker's gradients for those rows come back (``update_gradients``); they
 are then routed to the same replicas. All of it is vectorized over the batch.
+
+Validation rewrites a slot's ids into the ids its table stores: a hash-stacked slot's raw
+id becomes ``hash_stack_rounds`` bucket ids (summed back into one vector on the NN
+worker), then the feature group's prefix replaces the top bits. The slots of a feature
+group share one table: their ids are fetched once and their gradients summed per id.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 
 from persia_py.config import EmbeddingConfig, GlobalConfig
 from persia_py.proto import common_pb2
-from persia_py.routing import RESERVED_ID, replica_of, split_by
+from persia_py.routing import RESERVED_ID, hash_stack, replica_of, split_by
 from persia_py.rpc import NotFound, Overloaded
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.ps_client import PSClient
@@ -35,7 +40,11 @@ retries; nothing is dropped)."""
 
 @dataclass(frozen=True)
 class SlotIds:
-    """One slot of a batch: ids in CSR form (``lengths[i]`` ids for sample i)."""
+    """One slot of a batch: ids in CSR form (``lengths[i]`` ids for sample i).
+
+    Once validated, a hash-stacked slot holds ``hash_stack_rounds`` ids per raw id
+    (consecutive), while ``lengths`` still counts raw ids.
+    """
 
     slot: str
     ids: np.ndarray  # uint64 [num_ids]
@@ -48,11 +57,13 @@ class SlotRows:
 
     slot: str
     rows: np.ndarray  # float32 [num_unique, dim]
-    index: np.ndarray  # int64 [num_ids]
-    lengths: np.ndarray  # int32 [batch_size]
+    index: np.ndarray  # int64 [num_ids * hash_stack_rounds]
+    lengths: np.ndarray  # int32 [batch_size], in raw ids
     pooling: str
     sqrt_scaling: bool
     sample_fixed_size: int
+    hash_stack_rounds: int = 1
+    """Consecutive index entries per raw id; their rows are summed into the id's embedding."""
 
 
 @dataclass
@@ -104,7 +115,7 @@ class EmbeddingWorker:
     # -- validation ------------------------------------------------------------------
 
     def validate_features(self, features: list[SlotIds], batch_size: int) -> list[SlotIds]:
-        """Check a batch's ID features against the config; apply the slot prefix."""
+        """Check a batch's ID features against the config; apply hash stacking and prefix."""
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         seen = set()
@@ -131,7 +142,11 @@ class EmbeddingWorker:
                     f"slot {f.slot!r}: a sample has {int(f.lengths.max())} ids, more than "
                     f"sample_fixed_size {slot.sample_fixed_size} (ids are never dropped)"
                 )
-            ids = self._prefixed(f.slot, f.ids)
+            ids = f.ids
+            stack = slot.hash_stack_config
+            if stack.hash_stack_rounds:
+                ids = hash_stack(ids, stack.hash_stack_rounds, stack.embedding_size)
+            ids = self._prefixed(f.slot, ids)
             if (ids == RESERVED_ID).any():
                 raise ValueError(f"slot {f.slot!r}: id {int(RESERVED_ID)} is reserved")
             checked.append(SlotIds(f.slot, ids, f.lengths))
@@ -210,26 +225,21 @@ class EmbeddingWorker:
     def _lookup(
         self, features: list[SlotIds], *, training: bool
     ) -> tuple[list[SlotRows], dict[str, np.ndarray]]:
-        num_replicas = len(self.ps_clients)
-        uniques, inverses, splits = {}, {}, {}
-        per_replica: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(num_replicas)]
+        # Dedup per slot (the NN worker gets one row per distinct id of the slot), then per
+        # table: the slots of a feature group share one table, so their ids are fetched once.
+        uniques, inverses = {}, {}
         for f in features:
-            unique, inverse = np.unique(f.ids, return_inverse=True)
-            order, bounds = split_by(replica_of(unique, num_replicas), num_replicas)
-            uniques[f.slot], inverses[f.slot], splits[f.slot] = unique, inverse, (order, bounds)
-            for r in range(num_replicas):
-                per_replica[r].append((f.slot, unique[order[bounds[r]:bounds[r + 1]]]))
-        answers = list(self._pool.map(
-            lambda r: self.ps_clients[r].lookup(per_replica[r], training=training),
-            range(num_replicas),
-        ))
+            uniques[f.slot], inverses[f.slot] = np.unique(f.ids, return_inverse=True)
+        tables = self._tables_of([f.slot for f in features])
+        table_ids = {t: _union([uniques[s] for s in slots]) for t, slots in tables.items()}
+        table_rows = self._lookup_tables(table_ids, training=training)
         result = []
-        for slot_pos, f in enumerate(features):
+        for f in features:
             cfg = self.embedding_config.slots_config[f.slot]
-            order, bounds = splits[f.slot]
-            rows = np.empty((uniques[f.slot].size, cfg.dim), dtype=np.float32)
-            for r in range(num_replicas):
-                rows[order[bounds[r]:bounds[r + 1]]] = answers[r][slot_pos]
+            table = self.embedding_config.table_of(f.slot)
+            rows = table_rows[table]
+            if len(tables[table]) > 1:
+                rows = rows[np.searchsorted(table_ids[table], uniques[f.slot])]
             result.append(SlotRows(
                 slot=f.slot,
                 rows=rows,
@@ -238,8 +248,41 @@ class EmbeddingWorker:
                 pooling=cfg.pooling_mode,
                 sqrt_scaling=cfg.sqrt_scaling,
                 sample_fixed_size=cfg.sample_fixed_size,
+                hash_stack_rounds=cfg.hash_stack_config.rounds,
             ))
         return result, uniques
+
+    def _tables_of(self, slots: list[str]) -> dict[str, list[str]]:
+        """Table name -> the given slots it holds, in order."""
+        tables: dict[str, list[str]] = {}
+        for slot in slots:
+            tables.setdefault(self.embedding_config.table_of(slot), []).append(slot)
+        return tables
+
+    def _lookup_tables(self, table_ids: dict[str, np.ndarray], *,
+                       training: bool) -> dict[str, np.ndarray]:
+        """Rows ``[n, dim]`` of each table's ids, with one RPC per replica for all tables."""
+        num_replicas = len(self.ps_clients)
+        splits = {}
+        per_replica: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(num_replicas)]
+        for table, ids in table_ids.items():
+            order, bounds = split_by(replica_of(ids, num_replicas), num_replicas)
+            splits[table] = order, bounds
+            for r in range(num_replicas):
+                per_replica[r].append((table, ids[order[bounds[r]:bounds[r + 1]]]))
+        answers = list(self._pool.map(
+            lambda r: self.ps_clients[r].lookup(per_replica[r], training=training),
+            range(num_replicas),
+        ))
+        out = {}
+        for pos, (table, ids) in enumerate(table_ids.items()):
+            dim = self.embedding_config.slots_config[self.embedding_config.tables[table][0]].dim
+            order, bounds = splits[table]
+            rows = np.empty((ids.size, dim), dtype=np.float32)
+            for r in range(num_replicas):
+                rows[order[bounds[r]:bounds[r + 1]]] = answers[r][pos]
+            out[table] = rows
+        return out
 
     # -- backward --------------------------------------------------------------------
 
@@ -261,8 +304,7 @@ class EmbeddingWorker:
         missing = set(batch.unique_ids) - set(grads)
         if missing:
             raise ValueError(f"batch {ref}: gradients missing for slots {sorted(missing)}")
-        num_replicas = len(self.ps_clients)
-        per_replica: list[list[tuple[str, np.ndarray, np.ndarray]]] = [[] for _ in range(num_replicas)]
+        finite = {}
         for slot, unique in batch.unique_ids.items():
             g = grads[slot]
             dim = self.embedding_config.slots_config[slot].dim
@@ -275,11 +317,16 @@ class EmbeddingWorker:
                 logger.warning("slot %r: non-finite embedding gradients in batch %d skipped "
                                "(%d so far)", slot, ref, self.num_nonfinite_skipped[slot])
                 continue
-            order, bounds = split_by(replica_of(unique, num_replicas), num_replicas)
+            finite[slot] = g
+        num_replicas = len(self.ps_clients)
+        per_replica: list[list[tuple[str, np.ndarray, np.ndarray]]] = [[] for _ in range(num_replicas)]
+        for table, slots in self._tables_of(list(finite)).items():
+            ids, g = _sum_by_id([batch.unique_ids[s] for s in slots], [finite[s] for s in slots])
+            order, bounds = split_by(replica_of(ids, num_replicas), num_replicas)
             for r in range(num_replicas):
                 sel = order[bounds[r]:bounds[r + 1]]
                 if sel.size:
-                    per_replica[r].append((slot, unique[sel], g[sel]))
+                    per_replica[r].append((table, ids[sel], g[sel]))
         sequences = [next(self._sequence) for _ in range(num_replicas)]
         counts = list(self._pool.map(
             lambda r: self.ps_clients[r].update(
@@ -294,3 +341,18 @@ class EmbeddingWorker:
         self._pool.shutdown(wait=True)
         for client in self.ps_clients:
             client.close()
+
+
+def _union(sorted_ids: list[np.ndarray]) -> np.ndarray:
+    """Sorted distinct ids of several sorted distinct-id arrays."""
+    return sorted_ids[0] if len(sorted_ids) == 1 else np.unique(np.concatenate(sorted_ids))
+
+
+def _sum_by_id(ids: list[np.ndarray], grads: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """One gradient per distinct id: the slots of a group may touch the same row."""
+    if len(ids) == 1:
+        return ids[0], grads[0]
+    unique, inverse = np.unique(np.concatenate(ids), return_inverse=True)
+    summed = np.zeros((unique.size, grads[0].shape[1]), dtype=np.float32)
+    np.add.at(summed, inverse.reshape(-1), np.concatenate(grads))
+    return unique, summed

@@ -16,14 +16,16 @@ from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds, SlotRow
 def _features(request_features, worker: EmbeddingWorker) -> list[SlotIds]:
     """Decode a batch's ID features; refuse one whose lookup answer could not be sent.
 
-    The bound assumes every id distinct: rows ``dim`` floats plus an int64 index per id.
+    The bound assumes every id distinct: rows ``dim`` floats plus an int64 index per id,
+    times the hash-stacking rounds.
     """
     features = [
         SlotIds(*codec.decode_id_feature(f, f"features[{i}]"))
         for i, f in enumerate(request_features)
     ]
     slots = worker.embedding_config.slots_config
-    answer_bytes = sum(f.ids.size * (4 * slots[f.slot].dim + 8) + 4 * f.lengths.size
+    answer_bytes = sum(f.ids.size * slots[f.slot].hash_stack_config.rounds
+                       * (4 * slots[f.slot].dim + 8) + 4 * f.lengths.size
                        for f in features if f.slot in slots)
     limit = worker.global_config.common_config.max_message_bytes
     if answer_bytes > limit:
@@ -38,7 +40,7 @@ def _encode_rows(rows: list[SlotRows], wire: pb.WireOptions) -> pb.LookupBatchRe
             slot=r.slot, rows=codec.encode(r.rows, fp16=wire.fp16, compress=wire.lz4),
             index=codec.encode(r.index, compress=wire.lz4),
             lengths=codec.encode(r.lengths), pooling=r.pooling, sqrt_scaling=r.sqrt_scaling,
-            sample_fixed_size=r.sample_fixed_size,
+            sample_fixed_size=r.sample_fixed_size, hash_stack_rounds=r.hash_stack_rounds,
         )
         for r in rows
     ])
@@ -53,6 +55,7 @@ def _decode_rows(response: pb.LookupBatchResponse) -> list[SlotRows]:
             index=codec.decode(s.index, name=f"slots[{i}].index", dtypes=("int64",), ndim=1),
             lengths=codec.decode(s.lengths, name=f"slots[{i}].lengths", dtypes=("int32",), ndim=1),
             pooling=s.pooling, sqrt_scaling=s.sqrt_scaling, sample_fixed_size=s.sample_fixed_size,
+            hash_stack_rounds=max(1, s.hash_stack_rounds),
         ))
     return out
 

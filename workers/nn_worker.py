@@ -38,29 +38,36 @@ logger = logging.getLogger(__name__)
 
 
 def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
-    """The model-facing tensor of one slot: ``[batch, dim]`` pooled or ``[batch, L, dim]`` raw."""
+    """The model-facing tensor of one slot: ``[batch, dim]`` pooled or ``[batch, L, dim]`` raw.
+
+    A hash-stacked id has ``hash_stack_rounds`` consecutive index entries whose rows are
+    summed into its embedding; pooling, ``sqrt_scaling`` and raw positions count ids.
+    """
     lengths = torch.from_numpy(slot.lengths.astype(np.int64))
     index = torch.from_numpy(slot.index)
     batch_size = lengths.numel()
+    rounds = slot.hash_stack_rounds
+    entries = lengths * rounds  # index entries per sample
     if slot.pooling == "raw":
         fixed = slot.sample_fixed_size
-        sample = torch.repeat_interleave(torch.arange(batch_size), lengths)
-        starts = torch.cumsum(lengths, 0) - lengths
-        position = torch.arange(index.numel()) - starts[sample]
+        sample = torch.repeat_interleave(torch.arange(batch_size), entries)
+        starts = torch.cumsum(entries, 0) - entries
+        position = torch.div(torch.arange(index.numel()) - starts[sample], rounds,
+                             rounding_mode="floor")
         flat = rows.new_zeros(batch_size * fixed, rows.shape[1])
         flat = flat.index_add(0, sample * fixed + position, rows[index])
         return flat.view(batch_size, fixed, rows.shape[1])
-    offsets = torch.cumsum(lengths, 0) - lengths
-    weights = None
+    offsets = torch.cumsum(entries, 0) - entries
     mode = slot.pooling
-    if slot.sqrt_scaling:
-        # sum / sqrt(n): a per-id weight of 1/sqrt(n) of its sample.
-        scale = lengths.clamp(min=1).to(rows.dtype).rsqrt()
-        weights = torch.repeat_interleave(scale, lengths)
-        if mode == "mean":
-            weights = weights / torch.repeat_interleave(lengths.clamp(min=1).to(rows.dtype), lengths)
-        mode = "sum"
-    return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
+    if not slot.sqrt_scaling and (mode == "sum" or rounds == 1):
+        return F.embedding_bag(index, rows, offsets, mode=mode)
+    # A per-entry weight of the sample: 1/sqrt(n) for sqrt_scaling, 1/n for mean.
+    count = lengths.clamp(min=1).to(rows.dtype)
+    scale = count.rsqrt() if slot.sqrt_scaling else torch.ones_like(count)
+    if mode == "mean":
+        scale = scale / count
+    weights = torch.repeat_interleave(scale, entries)
+    return F.embedding_bag(index, rows, offsets, mode="sum", per_sample_weights=weights)
 
 
 @dataclass

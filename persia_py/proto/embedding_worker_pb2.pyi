@@ -50,7 +50,7 @@ class LookupDirectRequest(_message.Message):
     def __init__(self, features: _Optional[_Iterable[_Union[_common_pb2.IdFeature, _Mapping]]] = ..., batch_size: _Optional[int] = ..., wire: _Optional[_Union[WireOptions, _Mapping]] = ...) -> None: ...
 
 class SlotEmbedding(_message.Message):
-    __slots__ = ("slot", "rows", "index", "lengths", "pooling", "sqrt_scaling", "sample_fixed_size")
+    __slots__ = ("slot", "rows", "index", "lengths", "pooling", "sqrt_scaling", "sample_fixed_size", "hash_stack_rounds")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class SlotEmbedding(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     SQRT_SCALING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIXED_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_STACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     slot: str
     rows: _common_pb2.Tensor
     index: _common_pb2.Tensor
@@ -65,7 +66,8 @@ class SlotEmbedding(_message.Message):
     pooling: str
     sqrt_scaling: bool
     sample_fixed_size: int
-    def __init__(self, slot: _Optional[str] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., index: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., pooling: _Optional[str] = ..., sqrt_scaling: _Optional[bool] = ..., sample_fixed_size: _Optional[int] = ...) -> None: ...
+    hash_stack_rounds: int
+    def __init__(self, slot: _Optional[str] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., index: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., pooling: _Optional[str] = ..., sqrt_scaling: _Optional[bool] = ..., sample_fixed_size: _Optional[int] = ..., hash_stack_rounds: _Optional[int] = ...) -> None: ...
 
 class LookupBatchResponse(_message.Message):
     __slots__ = ("slots",)
