@@ -217,7 +217,7 @@ class EmbeddingConfig:
                 group_of[name] = group
             for key in _TABLE_KEYS:
                 values = {name: getattr(self.slots_config[name], key) for name in slots}
-                if len(set(values.values())) > 1:
+                if any(v != values[slots[0]] for v in values.values()):  # may be unhashable
                     raise ConfigError(
                         f"feature_groups.{group}: slots {slots} share one table, so their {key} "
                         f"must be equal; got {values}"
