@@ -105,6 +105,19 @@ class NNWorkerConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint root that ``TrainCtx`` writes periodic checkpoints to (none: off)."""
+    every_steps: int = 0
+    """Checkpoint after every this many training steps of each rank (0: never)."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "every_steps", 0, 2**40)
+        if self.every_steps and not self.dir:
+            raise ConfigError("dir: required when every_steps > 0")
+
+
+@dataclass(kw_only=True, frozen=True)
 class GlobalConfig:
     common_config: CommonConfig = field(default_factory=CommonConfig)
     """Settings every role reads."""
@@ -116,6 +129,8 @@ class GlobalConfig:
     """Settings of the embedding workers."""
     nn_worker_config: NNWorkerConfig = field(default_factory=NNWorkerConfig)
     """Settings of the NN workers."""
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Periodic checkpoints of training (``TrainCtx.dump_checkpoint``)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from persia_py.checkpoint import Checkpointer
 from persia_py.config import GlobalConfig, load_global_config
 from persia_py.data import StreamingDataset
 from persia_py.embedding import EmbeddingConfig
@@ -188,6 +189,7 @@ class TrainCtx(EmbeddingCtx):
         self._staleness_sum = 0
         self._staleness_max = 0
         self._num_steps = 0
+        self.checkpointer: Checkpointer | None = None
 
     def __enter__(self) -> TrainCtx:
         super().__enter__()
@@ -210,6 +212,8 @@ class TrainCtx(EmbeddingCtx):
         for w in self.workers:
             w.configure(request)
         self._sender = GradientSender(self.workers, max_in_flight=8)
+        self.checkpointer = Checkpointer(self)
+        self.checkpointer.resume_if_asked()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -223,6 +227,8 @@ class TrainCtx(EmbeddingCtx):
                 if exc_type is None:
                     self._sender.flush(self.common.rpc_timeout_sec)
                 self._sender.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
         finally:
             if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()
@@ -236,6 +242,16 @@ class TrainCtx(EmbeddingCtx):
     def flush(self) -> None:
         """Wait until the servers have acknowledged every embedding update sent so far."""
         self._sender.flush(self.common.rpc_timeout_sec)
+
+    def dump_checkpoint(self, dst_dir: str) -> None:
+        """Checkpoint embeddings with optimizer state, the dense model and optimizer, and
+        the batches trained into ``dst_dir`` (see :mod:`persia_py.checkpoint`); every rank
+        calls it at the same step."""
+        self.checkpointer.dump(dst_dir)
+
+    def load_checkpoint(self, src_dir: str) -> None:
+        """Load a checkpoint written by :meth:`dump_checkpoint` (a root or one folder)."""
+        self.checkpointer.load(src_dir)
 
     def prepare(self, batch: PersiaBatch) -> TrainingBatch:
         if not batch.requires_grad:
@@ -323,4 +339,5 @@ class TrainCtx(EmbeddingCtx):
             for s, r in zip(batch.slots, rows)
         ]
         self._sender.submit(batch, grads)
+        self.checkpointer.after_step()
         return loss

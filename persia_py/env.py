@@ -21,6 +21,7 @@ ENV_DATA_LOADER_PORT = "PERSIA_DATA_LOADER_PORT"
 ENV_DATA_LOADER_REPLICA_SIZE = "PERSIA_DATA_LOADER_REPLICA_SIZE"
 ENV_NN_WORLD_SIZE = "PERSIA_NN_WORKER_WORLD_SIZE"
 ENV_BIND_HOST = "PERSIA_BIND_HOST"
+ENV_SKIP_BATCHES = "PERSIA_SKIP_BATCHES"
 
 
 def _addrs(value: str | None) -> tuple[str, ...]:
@@ -54,6 +55,9 @@ class PersiaEnv:
     data_loader_replica_size: int = 1
     nn_world_size: int = 1
     bind_host: str = "127.0.0.1"
+    skip_batches: int = 0
+    """Batches already trained (by all ranks) before a resumed checkpoint: the data
+    loaders drop their share of their first batches (``persia-launcher local --resume``)."""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> PersiaEnv:
@@ -72,6 +76,7 @@ class PersiaEnv:
             data_loader_replica_size=_int(env, ENV_DATA_LOADER_REPLICA_SIZE, 1),
             nn_world_size=_int(env, ENV_NN_WORLD_SIZE, 1),
             bind_host=env.get(ENV_BIND_HOST) or "127.0.0.1",
+            skip_batches=_int(env, ENV_SKIP_BATCHES, 0),
         )
 
     def require(self, field: str, variable: str) -> None:

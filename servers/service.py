@@ -10,6 +10,7 @@ from persia_py import codec
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
 from persia_py.rpc import create_server, grpc_method
+from persia_py.servers.checkpoint import add_checkpoint_service
 from persia_py.servers.parameter_server import ParameterServer
 
 
@@ -86,5 +87,6 @@ def create_ps_server(ps: ParameterServer, address: str) -> tuple[grpc.Server, in
     parameter_server_pb2_grpc.add_ParameterServerServicer_to_server(
         ParameterServerServicer(ps), server
     )
+    add_checkpoint_service(ps, server)
     server.start()
     return server, port

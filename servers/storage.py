@@ -333,6 +333,55 @@ class EmbeddingTable:
         self._per_shard(unique_ids, work)
         return sum(counts)
 
+    def export_rows(self) -> dict[str, np.ndarray | int]:
+        """Copies of every stored row, for checkpoints: ``ids`` (uint64 [n]), ``weights``
+        (float32 [n, dim]), ``state`` (float32 [n, state_width]), ``last_access`` (int64
+        [n], the LRU clock) and ``clock`` (int). Each shard is copied under its lock."""
+        parts = []
+        for shard in self._shards:
+            with shard.lock:
+                n = shard.size
+                parts.append((shard.ids[:n].copy(), shard.weights[:n].copy(),
+                              shard.state[:n].copy(), shard.last_access[:n].copy()))
+        ids, weights, state, stamps = (np.concatenate(p) for p in zip(*parts))
+        with self._clock_lock:
+            clock = self._clock
+        return {"ids": ids, "weights": weights, "state": state, "last_access": stamps,
+                "clock": clock}
+
+    def import_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
+                    last_access: np.ndarray | None = None, clock: int = 0) -> None:
+        """Store rows as given (distinct ids; stored ones are overwritten), e.g. from a
+        checkpoint. Raises ValueError if a shard would exceed its share of capacity."""
+        ids = self._check_ids(ids)
+        n = ids.shape[0]
+        if weights.shape != (n, self.dim) or state.shape != (n, self.state_width):
+            raise ValueError(f"rows of shape {weights.shape} / state {state.shape} do not fit "
+                             f"{n} ids of dim {self.dim}, state width {self.state_width}")
+        stamps = (np.zeros(n, np.int64) if last_access is None
+                  else np.asarray(last_access, dtype=np.int64))
+        with self._clock_lock:
+            self._clock = max(self._clock, int(clock), int(stamps.max(initial=0)))
+        order, bounds = _group_by_shard(shard_of(ids, self.num_shards), self.num_shards)
+        for k, shard in enumerate(self._shards):
+            pos = order[bounds[k]:bounds[k + 1]]
+            with shard.lock:
+                rows = shard.index.find(ids[pos])
+                new = rows < 0
+                n_new = int(np.count_nonzero(new))
+                if shard.size + n_new > shard.share:
+                    raise ValueError(f"{shard.size + n_new} rows do not fit one internal "
+                                     f"shard's share of {shard.share} (capacity "
+                                     f"{self.capacity}); raise capacity")
+                shard._reserve(shard.size + n_new)
+                new_rows, _ = shard.index.find_or_insert(ids[pos][new], shard.size)
+                rows[new] = new_rows
+                shard.size += n_new
+                shard.ids[rows] = ids[pos]
+                shard.weights[rows] = weights[pos]
+                shard.state[rows] = state[pos]
+                shard.last_access[rows] = stamps[pos]
+
     @property
     def num_entries(self) -> int:
         """Rows currently stored, over all internal shards."""

@@ -102,6 +102,11 @@ class DataCtx:
         self._workers: list[EmbeddingWorkerClient] = []
         self._server: grpc.Server | None = None
         self.num_sent = 0
+        self.num_skipped = 0
+        # Resumed from a checkpoint: each loader skips its equal share of the batches
+        # trained before it (exact with one loader; see persia_py.checkpoint).
+        total, size = self.env.skip_batches, self.env.data_loader_replica_size
+        self._skip = total // size + (self.env.data_loader_replica_index < total % size)
 
     def __enter__(self) -> DataCtx:
         self._workers = [EmbeddingWorkerClient(a, self.common)
@@ -121,6 +126,9 @@ class DataCtx:
         """Send one batch; waits (never drops) while the embedding or NN workers are full."""
         if self._server is None:
             raise RuntimeError("DataCtx.send_data called outside `with DataCtx() as ctx:`")
+        if self.num_skipped < self._skip:  # trained before the checkpoint this job resumed
+            self.num_skipped += 1
+            return
         seq = next(self._seq)
         worker_index = seq % len(self._workers)
         ref = self._put_ids(self._workers[worker_index], batch)

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1", help="address every server binds")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process (repeatable)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue a job from its last checkpoint in DIR (a checkpoint root or "
+                        "folder): the NN workers load it, the data loaders skip the batches "
+                        "it had trained")
     return parser
 
 

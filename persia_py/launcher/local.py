@@ -184,6 +184,21 @@ class LocalCluster:
                 role.reader.join(timeout=5.0)
 
 
+def resume_env(path: str) -> dict[str, str]:
+    """Environment that makes a job continue from the checkpoint ``path`` names."""
+    from persia_py import checkpoint_format
+    from persia_py.checkpoint import ENV_RESUME_DIR
+    from persia_py.env import ENV_SKIP_BATCHES
+
+    try:
+        folder = checkpoint_format.resolve(path)
+    except checkpoint_format.CheckpointError as exc:
+        raise SystemExit(f"--resume: {exc}") from None
+    step = checkpoint_format.load_json(folder / checkpoint_format.MANIFEST)["step"]
+    print(f"[launcher] resuming from {folder} ({step} batches trained)", flush=True)
+    return {ENV_RESUME_DIR: str(folder), ENV_SKIP_BATCHES: str(step)}
+
+
 def run_local(args: argparse.Namespace) -> int:
     host = args.bind
     num_ps, num_ew, num_dl = args.num_ps, args.num_embedding_workers, args.num_data_loaders
@@ -205,6 +220,8 @@ def run_local(args: argparse.Namespace) -> int:
     })
     if args.global_config:
         env[ENV_GLOBAL_CONFIG] = os.path.abspath(args.global_config)
+    if getattr(args, "resume", None):
+        env.update(resume_env(args.resume))
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:

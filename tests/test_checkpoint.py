@@ -1,0 +1,253 @@
+"""Checkpoints: crash-safe writes, N -> M re-sharding with optimizer state, dense state
+round trips, and a job killed and resumed ends bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import EXAMPLE, RoleProcess, launcher_command
+
+from persia_py import checkpoint_format as fmt
+from persia_py.config import EmbeddingConfig, GlobalConfig, SlotConfig
+from persia_py.routing import replica_of
+from persia_py.servers.checkpoint import dump_replica, load_replica
+from persia_py.servers.parameter_server import ParameterServer
+
+EMBEDDING = EmbeddingConfig(slots_config={"user": SlotConfig(dim=4), "item": SlotConfig(dim=8)})
+ADAGRAD = {"type": "adagrad", "lr": 0.1}
+
+
+def _replicas(n: int, shards: int = 1) -> list[ParameterServer]:
+    from persia_py.config import ParameterServerConfig
+
+    cfg = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
+        num_hashmap_internal_shards=shards))
+    return [ParameterServer(cfg, EMBEDDING, replica_index=i, replica_size=n) for i in range(n)]
+
+
+def _train(replicas: list[ParameterServer], rng: np.random.Generator, steps: int) -> None:
+    n = len(replicas)
+    for ps in replicas:
+        ps.configure(optimizer=ADAGRAD, seed=7)
+    for _ in range(steps):
+        for slot, dim in (("user", 4), ("item", 8)):
+            ids = np.unique(rng.integers(0, 5000, 400).astype(np.uint64))
+            grads = rng.normal(size=(ids.size, dim)).astype(np.float32)
+            owner = replica_of(ids, n)
+            for r, ps in enumerate(replicas):
+                ps.lookup([(slot, ids[owner == r])], training=True)
+                ps.update([(slot, ids[owner == r], grads[owner == r])])
+
+
+def _dump(replicas: list[ParameterServer], root: Path, step: int) -> Path:
+    tmp = fmt.new_tmp_dir(root)
+    for ps in replicas:
+        dump_replica(ps, tmp)
+    return fmt.commit(tmp, {"num_ps_replicas": len(replicas), "rank_steps": [step]}, step=step)
+
+
+def _rows(replicas: list[ParameterServer], table: str) -> dict[str, np.ndarray]:
+    parts = [ps._tables[table].export_rows() for ps in replicas]
+    ids = np.concatenate([p["ids"] for p in parts])
+    order = np.argsort(ids)
+    return {k: np.concatenate([p[k] for p in parts])[order]
+            for k in ("ids", "weights", "state")}
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 1)])
+def test_resharding_keeps_every_row_and_its_optimizer_state(tmp_path, old, new) -> None:
+    before = _replicas(old, shards=2)
+    _train(before, np.random.default_rng(0), steps=5)
+    folder = _dump(before, tmp_path, step=5)
+    after = _replicas(new, shards=3)
+    for ps in after:
+        load_replica(ps, tmp_path)
+    for table in ("user", "item"):
+        want, got = _rows(before, table), _rows(after, table)
+        assert want["ids"].size > 1000
+        for key in want:
+            assert np.array_equal(want[key], got[key]), (table, key)
+        for r, ps in enumerate(after):  # each row went to the replica that owns it
+            ids = ps._tables[table].export_rows()["ids"]
+            assert (replica_of(ids, new) == r).all()
+    # Training continues identically on the loaded copy.
+    rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
+    _train(before, rng_a, steps=2)
+    _train(after, rng_b, steps=2)
+    for table in ("user", "item"):
+        assert all(np.array_equal(a, b) for a, b in
+                   zip(_rows(before, table).values(), _rows(after, table).values()))
+    assert folder.parent == tmp_path
+
+
+def test_load_refuses_incomplete_checkpoints_and_other_settings(tmp_path) -> None:
+    ps = _replicas(1)[0]
+    _train([ps], np.random.default_rng(0), steps=1)
+    tmp = fmt.new_tmp_dir(tmp_path)
+    dump_replica(ps, tmp)  # no manifest: an interrupted write
+    with pytest.raises(fmt.CheckpointError, match="not a complete checkpoint"):
+        load_replica(_replicas(1)[0], tmp)
+    _dump([ps], tmp_path, step=1)
+    other = _replicas(1)[0]
+    other.configure(optimizer={"type": "sgd", "lr": 0.1})
+    from persia_py.rpc import FailedPrecondition
+    with pytest.raises(FailedPrecondition, match="checkpoint"):
+        load_replica(other, tmp_path)
+
+
+def test_dense_model_and_optimizer_round_trip_without_pickle(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    for _ in range(3):
+        model(torch.randn(8, 5)).sum().backward()
+        opt.step()
+    fmt.save_tensors(tmp_path, "m", model.state_dict())
+    fmt.save_optimizer(tmp_path, "o", opt)
+    model2 = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3))
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
+    model2.load_state_dict(fmt.load_tensors(tmp_path, "m"))
+    fmt.load_optimizer(tmp_path, "o", opt2)
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert opt2.param_groups[0]["betas"] == (0.8, 0.9) and opt2.param_groups[0]["lr"] == 0.01
+    for s1, s2 in zip(opt.state.values(), opt2.state.values()):
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert all(p.suffix in (".npy", ".json") for p in tmp_path.iterdir())
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from persia_py import checkpoint_format as fmt
+    root = sys.argv[1]
+    ids = np.arange(1, 400_001, dtype=np.uint64)
+    for step in range(1, 1000):
+        tmp = fmt.new_tmp_dir(root)
+        # Every array of checkpoint `step` holds the value `step`.
+        fmt.save_array(tmp / "ids.npy", ids)
+        for name in ("weights", "state"):
+            fmt.save_array(tmp / f"{name}.npy", np.full((ids.size, 32), step, np.float32))
+        fmt.commit(tmp, {"rows": int(ids.size)}, step=step)
+        print("committed", step, flush=True)
+""")
+
+
+def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_intact(tmp_path) -> None:
+    root = tmp_path / "ckpt"
+    writer = RoleProcess([sys.executable, "-c", WRITER, str(root)])
+    try:
+        writer.wait_for_line(r"committed 2", timeout=60)
+        deadline = time.monotonic() + 30
+        while not any(p.name.startswith("tmp-") and p.is_dir() for p in root.iterdir()):
+            assert time.monotonic() < deadline, "no checkpoint write in progress seen"
+        os.kill(writer.process.pid, signal.SIGKILL)
+        writer.wait(timeout=30)
+    finally:
+        writer.stop()
+    assert any(p.name.startswith("tmp-") for p in root.iterdir())  # killed mid-write
+    folder = fmt.resolve(root)
+    manifest = fmt.read_manifest(root)
+    step = manifest["step"]
+    assert step >= 2 and manifest["rows"] == 400_000
+    assert np.array_equal(fmt.load_array(folder / "ids.npy"), np.arange(1, 400_001))
+    for name in ("weights", "state"):
+        assert (fmt.load_array(folder / f"{name}.npy") == step).all()
+
+
+# -- kill and resume through persia-launcher local ---------------------------------------
+
+TRAIN = textwrap.dedent("""
+    import argparse, os, signal, sys
+    sys.path.insert(0, {example!r})
+    import torch
+    from model import DLRM
+    from persia_py.ctx import TrainCtx
+    from persia_py.data import DataLoader, StreamingDataset
+    from persia_py.embedding.optim import Adagrad
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--final", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = DLRM()
+    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.05),
+                  dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=0.05)) as ctx:
+        for batch in DataLoader(StreamingDataset(buffer_size=8), reproducible=True,
+                                embedding_staleness=1):
+            output, labels = ctx.forward(batch)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            if ctx.checkpointer.steps == args.die_after:
+                print("dying at step", args.die_after, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        print("trained", ctx.checkpointer.steps, "batches", flush=True)
+        ctx.dump_checkpoint(args.final)
+""")
+
+
+def _final_state(root: Path) -> dict[str, bytes]:
+    folder = fmt.resolve(root)
+    manifest = fmt.read_manifest(root)
+    out = {"step": str(manifest["step"]).encode()}
+    for r in range(manifest["num_ps_replicas"]):
+        for name, table in fmt.load_json(folder / f"ps-{r}.json")["tables"].items():
+            ids = fmt.load_array(folder / table["files"]["ids"])
+            order = np.argsort(ids)
+            for key in ("ids", "weights", "state"):
+                out[f"{name}.{key}.{r}"] = fmt.load_array(folder / table["files"][key])[order].tobytes()
+    for p in sorted(folder.glob("dense-*.npy")):
+        out[p.name] = fmt.load_array(p).tobytes()
+    out["dense-optimizer.json"] = (folder / "dense-optimizer.json").read_bytes()
+    return out
+
+
+def _run(tmp_path: Path, name: str, *extra: str, global_config: Path, die_after: int = 0):
+    train = tmp_path / "train.py"
+    train.write_text(TRAIN.format(example=str(EXAMPLE)))
+    job = RoleProcess(launcher_command(
+        "local", "--nn-worker", str(train),
+        "--data-loader", str(EXAMPLE / "data_loader.py"),
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+        "--global-config", str(global_config), "--num-ps", "2", "--no-metrics",
+        "--run-dir", str(tmp_path / f"run-{name}"),
+        "--data-loader-args", "--train-samples 5120",
+        "--nn-worker-args", f"--final {tmp_path / f'final-{name}'} --die-after {die_after}",
+        *extra))
+    try:
+        code = job.wait(timeout=240)
+    finally:
+        job.stop()
+    return code, job.output()
+
+
+def test_killed_and_resumed_job_ends_bit_identical_to_an_uninterrupted_one(tmp_path) -> None:
+    plain = tmp_path / "plain.yml"
+    plain.write_text((EXAMPLE / "global_config.yml").read_text())
+    periodic = tmp_path / "periodic.yml"
+    ckpt = tmp_path / "ckpt"
+    periodic.write_text(plain.read_text() + textwrap.dedent(f"""
+        checkpoint_config:
+          dir: {ckpt}
+          every_steps: 5
+    """))
+    code, out = _run(tmp_path, "whole", global_config=plain)
+    assert code == 0 and "trained 20 batches" in out, out
+    code, out = _run(tmp_path, "killed", global_config=periodic, die_after=12)
+    assert code != 0 and "dying at step 12" in out, out
+    assert fmt.read_manifest(ckpt)["step"] == 10
+    code, out = _run(tmp_path, "resumed", "--resume", str(ckpt), global_config=periodic)
+    assert code == 0 and "trained 20 batches" in out, out
+    whole, resumed = _final_state(tmp_path / "final-whole"), _final_state(tmp_path / "final-resumed")
+    assert whole.keys() == resumed.keys()
+    differ = [k for k in whole if whole[k] != resumed[k]]
+    assert not differ, differ
+    assert fmt.read_manifest(ckpt)["step"] == 20  # periodic checkpoints went on
