@@ -1,0 +1,104 @@
+"""Checkpoint dump and load throughput of one parameter server, beside plain ``numpy.save``.
+
+    python -m benchmarks.checkpoint [--rows 2000000] [--dim 32] [--json PATH]
+
+Fills one Adagrad table (weights + per-row optimizer state), then times
+``dump_replica`` + ``commit`` (every file fsync'd, manifest, rename) and ``load_replica``
+into a fresh server, against ``numpy.save`` / ``numpy.load`` of the very same arrays in the
+same run. Ratios are ours / baseline in rows per second (> 1: faster than the baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from persia_py import checkpoint_format as fmt
+from persia_py.config import EmbeddingConfig, GlobalConfig, ParameterServerConfig, SlotConfig
+from persia_py.servers.checkpoint import dump_replica, load_replica
+from persia_py.servers.parameter_server import ParameterServer
+
+
+def _server(rows: int, dim: int) -> ParameterServer:
+    cfg = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
+        capacity=2 * rows, num_hashmap_internal_shards=4))
+    ps = ParameterServer(cfg, EmbeddingConfig(slots_config={"slot": SlotConfig(dim=dim)}))
+    ps.configure(optimizer={"type": "adagrad", "lr": 0.01})
+    return ps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    ps = _server(args.rows, args.dim)
+    table = ps._tables["slot"]
+    ids = rng.choice(2**62, size=args.rows, replace=False).astype(np.uint64)
+    table.import_rows(ids, rng.normal(size=(args.rows, args.dim)).astype(np.float32),
+                      rng.random((args.rows, table.state_width), dtype=np.float32))
+    rows = table.export_rows()
+    arrays = {k: rows[k] for k in ("ids", "weights", "state", "last_access")}
+    num_bytes = sum(a.nbytes for a in arrays.values())
+    work = Path(tempfile.mkdtemp(prefix="persia-ckpt-bench-"))
+    best = {"dump": np.inf, "load": np.inf, "np_save": np.inf, "np_load": np.inf}
+    try:
+        for i in range(args.repeats):
+            t = time.perf_counter()
+            tmp = fmt.new_tmp_dir(work / "ckpt")
+            dump_replica(ps, tmp)
+            fmt.commit(tmp, {"num_ps_replicas": 1, "rank_steps": [i]}, step=i)
+            best["dump"] = min(best["dump"], time.perf_counter() - t)
+
+            fresh = _server(args.rows, args.dim)
+            t = time.perf_counter()
+            loaded, _ = load_replica(fresh, work / "ckpt")
+            best["load"] = min(best["load"], time.perf_counter() - t)
+            assert loaded == args.rows
+            fresh.close()
+
+            plain = work / f"plain-{i}"
+            plain.mkdir()
+            t = time.perf_counter()
+            for name, a in arrays.items():
+                np.save(plain / f"{name}.npy", a)
+            best["np_save"] = min(best["np_save"], time.perf_counter() - t)
+            t = time.perf_counter()
+            back = {name: np.load(plain / f"{name}.npy") for name in arrays}
+            best["np_load"] = min(best["np_load"], time.perf_counter() - t)
+            assert back["ids"].shape[0] == args.rows
+            shutil.rmtree(plain)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        ps.close()
+    mb = num_bytes / 1e6
+    figures = {"rows": args.rows, "dim": args.dim, "megabytes": mb}
+    print(f"{args.rows:,} rows, dim {args.dim}, adagrad state: {mb:.0f} MB of arrays")
+    for name, label in (("dump", "persia_py dump (fsync, manifest, rename)"),
+                        ("np_save", "numpy.save, same arrays"),
+                        ("load", "persia_py load (route every row, insert)"),
+                        ("np_load", "numpy.load, same arrays")):
+        seconds = best[name]
+        figures[f"{name}_rows_per_s"] = args.rows / seconds
+        figures[f"{name}_mb_per_s"] = mb / seconds
+        print(f"  {label:42s} {seconds:7.3f} s  {args.rows / seconds / 1e6:7.2f} M rows/s  "
+              f"{mb / seconds:8.1f} MB/s")
+    figures["dump_ratio"] = best["np_save"] / best["dump"]
+    figures["load_ratio"] = best["np_load"] / best["load"]
+    print(f"dump_ratio (ours/numpy.save, rows/s) {figures['dump_ratio']:.2f}; "
+          f"load_ratio (ours/numpy.load) {figures['load_ratio']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
