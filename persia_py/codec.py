@@ -1,11 +1,14 @@
 """The wire codec: numpy arrays <-> ``Tensor`` messages (bytes + dtype + shape).
 
-Every array that crosses the wire goes through :func:`encode` and :func:`decode`.
+Every array that crosses the wire goes through :func:`encode` (or, for large answers,
+:func:`tensor_list_buffer`, which lays out the same bytes) and :func:`decode`.
 Decoding validates everything a peer could get wrong (dtype, shape, byte length,
 compression) and raises :class:`CodecError` with a message that names the field.
 """
 
 from __future__ import annotations
+
+import sys
 
 import lz4.block
 import numpy as np
@@ -115,3 +118,55 @@ def decode_id_feature(feature: common_pb2.IdFeature, name: str) -> tuple[str, np
     ids = decode(feature.ids, name=f"{name}.ids", dtypes=("uint64",), ndim=1)
     lengths = decode(feature.lengths, name=f"{name}.lengths", dtypes=("int32",), ndim=1)
     return feature.slot, ids, lengths
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def tensor_list_buffer(field_number: int, specs: list[tuple[str, tuple[int, ...]]]
+                       ) -> tuple[bytearray, list[np.ndarray]]:
+    """The serialized form of a message whose field ``field_number`` is a repeated
+    ``Tensor``, one per ``(dtype, shape)`` of ``specs`` (uncompressed), with a writable
+    array view of each tensor's data inside the buffer.
+
+    Fill the views, then send ``bytes(buffer)``: the same bytes as :func:`encode` of the
+    filled arrays put into that message and serialized, without the three copies of
+    building and serializing the message (about 40 ms for 12.8 MB). Little-endian
+    hosts only (the wire is little-endian); elsewhere use :func:`encode`.
+    """
+    if sys.byteorder != "little":
+        raise CodecError("tensor_list_buffer needs a little-endian host; use encode")
+    headers, sizes = [], []
+    for dtype_name, shape in specs:
+        if dtype_name not in WIRE_DTYPES:
+            raise CodecError(f"dtype {dtype_name} cannot travel; allowed: {sorted(WIRE_DTYPES)}")
+        num_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype_name).itemsize
+        name = dtype_name.encode()
+        header = b"\x0a" + _varint(len(name)) + name  # field 1: dtype
+        if shape:
+            packed = b"".join(_varint(int(s)) for s in shape)
+            header += b"\x12" + _varint(len(packed)) + packed  # field 2: shape, packed
+        if num_bytes:
+            header += b"\x1a" + _varint(num_bytes)  # field 3: data (bytes follow)
+        tensor_len = len(header) + num_bytes
+        headers.append(_varint(field_number << 3 | 2) + _varint(tensor_len) + header)
+        sizes.append(num_bytes)
+    buffer = bytearray(sum(len(h) for h in headers) + sum(sizes))
+    views, offset = [], 0
+    for header, num_bytes, (dtype_name, shape) in zip(headers, sizes, specs, strict=True):
+        buffer[offset:offset + len(header)] = header
+        offset += len(header)
+        count = num_bytes // np.dtype(dtype_name).itemsize
+        views.append(np.frombuffer(buffer, dtype=dtype_name, count=count, offset=offset)
+                     .reshape(shape) if count else np.empty(shape, dtype=dtype_name))
+        offset += num_bytes
+    return buffer, views

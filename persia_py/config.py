@@ -172,6 +172,22 @@ class SlotConfig:
     """Padded length of a raw sequence. A longer sample is an error, never truncated."""
     capacity: int | None = None
     """Most rows of this slot per parameter-server replica (default: the global one)."""
+    admit_probability: float = 1.0
+    """In (0, 1]: each time a training lookup meets an id the table lacks, the id is stored
+    with this probability (a hash of the id, the seed and the table's step, so reruns
+    choose alike); an id not stored reads as zeros and its gradient is dropped (PERSIA)."""
+    min_occurrences: int = 1
+    """Store a new id only from the training lookup that sees it for this many times
+    (1 to 255; counted in a count-min sketch per shard, so collisions may admit a rare
+    id a little early); before that it reads as zeros and its gradient is dropped."""
+    expire_after_steps: int | None = None
+    """Remove rows neither looked up nor updated during this many lookup calls on the
+    table (default: never)."""
+    expire_after_seconds: float | None = None
+    """Remove rows neither looked up nor updated for this many seconds (default: never)."""
+    optimizer: dict[str, Any] | None = None
+    """This slot's embedding optimizer, overriding the one ``TrainCtx`` sends, e.g.
+    ``{type: adam, lr: 0.001}`` (keys of ``SGD``/``Adagrad``/``Adam``; default: that one)."""
     hash_stack_config: HashStackConfig = field(default_factory=HashStackConfig)
     """PERSIA's hash stacking: many raw ids share a few rows (default: off)."""
 
@@ -180,6 +196,22 @@ class SlotConfig:
         _check_range(self, "sample_fixed_size", 1, 1_000_000)
         if self.capacity is not None:
             _check_range(self, "capacity", 1, 2**62)
+        if not 0.0 < self.admit_probability <= 1.0:
+            raise ConfigError(f"admit_probability: {self.admit_probability} is out of range; "
+                              "expected 0 < admit_probability <= 1")
+        _check_range(self, "min_occurrences", 1, 255)
+        if self.expire_after_steps is not None:
+            _check_range(self, "expire_after_steps", 1, 2**62)
+        if self.expire_after_seconds is not None and not 0.0 < self.expire_after_seconds < 1e12:
+            raise ConfigError(f"expire_after_seconds: {self.expire_after_seconds} is out of "
+                              "range; expected a number of seconds > 0")
+        if self.optimizer is not None:
+            from persia_py.servers.optimizers import optimizer_from_dict
+
+            try:
+                optimizer_from_dict(self.optimizer)
+            except ValueError as exc:
+                raise ConfigError(f"optimizer: {exc}") from None
 
     @property
     def pooling_mode(self) -> str:
@@ -275,7 +307,8 @@ class EmbeddingConfig:
         return list(self.tables).index(self.table_of(name)) + 1
 
 
-_TABLE_KEYS = ("dim", "capacity")
+_TABLE_KEYS = ("dim", "capacity", "admit_probability", "min_occurrences", "expire_after_steps",
+               "expire_after_seconds", "optimizer")
 """SlotConfig keys that describe the table itself: equal across the slots of a group."""
 
 
@@ -303,6 +336,8 @@ def _describe(tp: Any) -> str:
 def _convert(tp: Any, value: Any, path: str) -> Any:
     """Check ``value`` against the annotation ``tp``; build nested dataclasses."""
     origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
     if origin is Literal:

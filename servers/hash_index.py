@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit
 
 from persia_py.routing import _GOLDEN, _M1, _M2, RESERVED_ID
+from persia_py.servers.kernels import _AHEAD, prefetch_item
 
 _EMPTY = np.uint64(RESERVED_ID)
 # A salt distinct from the routing salts: ids of one shard agree on their shard hash
@@ -42,8 +43,12 @@ def _home_slots(ids: np.ndarray, start: int, mask: int) -> np.ndarray:
 def _find_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray) -> np.ndarray:
     mask = keys.shape[0] - 1
     home = _home_slots(ids, 0, mask)
-    rows = np.empty(ids.shape[0], np.int64)
-    for i in range(ids.shape[0]):
+    n = ids.shape[0]
+    rows = np.empty(n, np.int64)
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_item(keys, home[i + _AHEAD])
+            prefetch_item(vals, home[i + _AHEAD])
         key = ids[i]
         s = home[i]
         while True:
@@ -77,7 +82,11 @@ def _find_or_insert_kernel(
     """
     mask = keys.shape[0] - 1
     home = _home_slots(ids, start, mask)
-    for j in range(home.shape[0]):
+    n = home.shape[0]
+    for j in range(n):
+        if j + _AHEAD < n:
+            prefetch_item(keys, home[j + _AHEAD])
+            prefetch_item(vals, home[j + _AHEAD])
         i = start + j
         key = ids[i]
         s = home[j]
@@ -105,7 +114,11 @@ def _insert_all_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, rows
     """Insert into empty-enough arrays; returns the position of a duplicate id, or -1."""
     mask = keys.shape[0] - 1
     home = _home_slots(ids, 0, mask)
-    for i in range(ids.shape[0]):
+    n = ids.shape[0]
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_item(keys, home[i + _AHEAD])
+            prefetch_item(vals, home[i + _AHEAD])
         key = ids[i]
         s = home[i]
         while True:

@@ -10,31 +10,40 @@ from __future__ import annotations
 import numpy as np
 
 from persia_py.routing import mix64
+from persia_py.servers.kernels import initial_rows_into
 
 _U64 = (1 << 64) - 1
 # Distinct salts keep the per-id key and the per-column stream uncorrelated.
 _COLUMN_SALT = np.uint64(0x452821E638D01377)
-_MANTISSA_SHIFT = np.uint64(64 - 24)  # float32 holds 24-bit integers exactly
 
 
-def initial_rows(ids: np.ndarray, dim: int, lower: float, upper: float, seed: int) -> np.ndarray:
+def initial_rows(ids: np.ndarray, dim: int, lower: float, upper: float, seed: int,
+                 out: np.ndarray | None = None) -> np.ndarray:
     """Rows of shape ``(len(ids), dim)``, float32, uniform in ``[lower, upper)``.
 
-    ``lower == upper`` gives a constant fill, handy for zero initialization.
+    ``lower == upper`` gives a constant fill, handy for zero initialization. With
+    ``out`` (float32, that shape, C-contiguous) the rows are written there and it is
+    returned. Value ``[i, d]`` is ``lower + (upper - lower) * u`` with ``u`` the top 24
+    bits of ``mix64(mix64(id ^ seed) ^ mix64(d ^ column salt))`` over 2**24 (one numba
+    pass over the ids; no temporary array per value).
     """
     if not isinstance(dim, int) or dim < 1:
         raise ValueError(f"dim must be a positive int, got {dim!r}")
     if not (np.isfinite(lower) and np.isfinite(upper) and lower <= upper):
         raise ValueError(f"need finite lower <= upper, got lower={lower}, upper={upper}")
-    ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
+    ids = np.ascontiguousarray(np.asarray(ids, dtype=np.uint64).reshape(-1))
+    if out is None:
+        out = np.empty((ids.shape[0], dim), dtype=np.float32)
+    elif (out.dtype != np.float32 or out.shape != (ids.shape[0], dim)
+          or not out.flags.c_contiguous):
+        raise ValueError(f"out must be C-contiguous float32 of shape {(ids.shape[0], dim)}")
     lo, hi = np.float32(lower), np.float32(upper)
     if lo == hi:
-        return np.full((ids.shape[0], dim), lo, dtype=np.float32)
-    key = mix64(ids, int(seed) & _U64)
+        out[...] = lo
+        return out
     columns = mix64(np.arange(dim, dtype=np.uint64), _COLUMN_SALT)
-    bits = mix64(key[:, None] ^ columns[None, :])
-    unit = (bits >> _MANTISSA_SHIFT).astype(np.float32) * np.float32(2.0**-24)
-    out = lo + (hi - lo) * unit
     # Rounding of lo + span * unit may land exactly on ``upper``; keep the interval open.
-    np.minimum(out, np.nextafter(hi, lo), out=out)
+    top = np.nextafter(hi, lo)
+    initial_rows_into(ids, np.uint64(int(seed) & _U64), columns, lo, np.float32(hi - lo),
+                      np.float32(top), out)
     return out

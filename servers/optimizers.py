@@ -1,8 +1,10 @@
 """Row-wise embedding optimizers: configs, state layout and the vectorized update.
 
 Optimizer state lives next to the weights as extra float32 columns per row, so the
-table can gather, update and scatter weights and state with the same row numbers.
-``apply_update`` is pure: it works on gathered rows and returns new arrays.
+table can update weights and state with the same row numbers. The table runs the fused
+in-place kernels of :mod:`persia_py.servers.kernels`; ``apply_update`` is their numpy
+reference (pure: it works on gathered rows and returns new arrays), and the tests hold
+the kernels to it.
 
 State layouts (columns per row):
 

@@ -101,13 +101,18 @@ class ParameterServer:
                 slot = self.embedding_config.slots_config[slots[0]]
                 self._tables[name] = EmbeddingTable(
                     dim=slot.dim,
-                    optimizer=opt,
+                    optimizer=opt if slot.optimizer is None else optimizer_from_dict(
+                        slot.optimizer),
                     init_lower=settings.init_lower,
                     init_upper=settings.init_upper,
                     seed=settings.seed,
                     num_shards=ps_cfg.num_hashmap_internal_shards,
                     capacity=slot.capacity or ps_cfg.capacity,
                     weight_bound=weight_bound,
+                    admit_probability=slot.admit_probability,
+                    min_occurrences=slot.min_occurrences,
+                    expire_after_steps=slot.expire_after_steps,
+                    expire_after_seconds=slot.expire_after_seconds,
                 )
             self._settings = settings
 
@@ -140,11 +145,13 @@ class ParameterServer:
                 )
 
     def lookup(self, requests: list[tuple[str, np.ndarray]], *, training: bool,
-               answer_itemsize: int = 4) -> list[np.ndarray]:
+               answer_itemsize: int = 4, outs: list[np.ndarray] | None = None
+               ) -> list[np.ndarray]:
         """Embeddings ``[n, dim]`` for each ``(slot, ids)``; training lookups insert new ids.
 
         A request whose answer (``answer_itemsize`` bytes per value) would not fit in
-        ``max_message_bytes`` is refused before anything is inserted.
+        ``max_message_bytes`` is refused before anything is inserted. ``outs``: float32
+        arrays of :meth:`answer_shapes` to write the embeddings to (they are returned).
         """
         tables = [self._table(slot) for slot, _ in requests]
         for slot, ids in requests:
@@ -154,7 +161,14 @@ class ParameterServer:
         if answer_bytes > limit:
             raise ValueError(f"the answer would carry {answer_bytes} bytes of embeddings, over "
                              f"max_message_bytes {limit}; look up fewer ids per call")
-        return [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
+        if outs is None:
+            return [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
+        return [t.lookup(ids, insert=training, out=out)
+                for t, (_, ids), out in zip(tables, requests, outs, strict=True)]
+
+    def answer_shapes(self, requests: list[tuple[str, np.ndarray]]) -> list[tuple[int, int]]:
+        """Shape ``(n, dim)`` of each answer of :meth:`lookup` (unknown slots refused)."""
+        return [(ids.shape[0], self._table(slot).dim) for slot, ids in requests]
 
     def update(
         self,

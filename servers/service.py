@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import grpc
+import numpy as np
 
 from persia_py import codec
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
@@ -48,12 +50,10 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             (s.slot, codec.decode(s.ids, name=f"slots[{i}].ids", dtypes=("uint64",), ndim=1))
             for i, s in enumerate(request.slots)
         ]
-        embeddings = self.ps.lookup(slots, training=request.training,
+        answer = _LookupAnswer(self.ps, slots, request)
+        embeddings = self.ps.lookup(slots, training=request.training, outs=answer.outs,
                                     answer_itemsize=2 if request.fp16 else 4)
-        return pb.LookupResponse(
-            embeddings=[codec.encode(e, fp16=request.fp16, compress=request.lz4)
-                        for e in embeddings]
-        )
+        return answer.serialized(embeddings)
 
     @grpc_method
     def Update(self, request, context):
@@ -81,10 +81,67 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
                                          configured=self.ps.configured)
 
 
+class _LookupAnswer:
+    """A LookupResponse built as bytes: the table writes its rows straight into the
+    answer's buffer (``outs``), so a 12.8 MB answer is copied once (into the ``bytes``
+    gRPC sends) instead of three times by encode, message construction and protobuf
+    serialization. lz4 answers, big-endian hosts and answers over ``max_message_bytes``
+    (which ``lookup`` refuses) take the plain path."""
+
+    def __init__(self, ps: ParameterServer, slots: list[tuple[str, np.ndarray]],
+                 request: pb.LookupRequest) -> None:
+        self.fp16, self.lz4 = request.fp16, request.lz4
+        self.buffer: bytearray | None = None
+        self.outs: list[np.ndarray] | None = None
+        shapes = ps.answer_shapes(slots)
+        itemsize = 2 if self.fp16 else 4
+        limit = ps.global_config.common_config.max_message_bytes
+        if self.lz4 or sys.byteorder != "little" or sum(
+                n * dim * itemsize for n, dim in shapes) > limit:
+            return
+        dtype = "float16" if self.fp16 else "float32"
+        self.buffer, views = codec.tensor_list_buffer(1, [(dtype, s) for s in shapes])
+        if not self.fp16:
+            self.outs = views
+        self._views = views
+
+    def serialized(self, embeddings: list[np.ndarray]) -> bytes | pb.LookupResponse:
+        if self.buffer is None:
+            return pb.LookupResponse(embeddings=[
+                codec.encode(e, fp16=self.fp16, compress=self.lz4) for e in embeddings])
+        if self.fp16:
+            for view, e in zip(self._views, embeddings, strict=True):
+                np.copyto(view, e, casting="same_kind")
+        return bytes(self.buffer)
+
+
+def _serialize_lookup(response: bytes | pb.LookupResponse) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def _add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """``add_ParameterServerServicer_to_server``, except that Lookup may answer with
+    bytes already serialized (:class:`_LookupAnswer`)."""
+    captured: dict = {}
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers: object) -> None:
+            pass
+
+        def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
+            captured.update(name=name, handlers=dict(handlers))
+
+    parameter_server_pb2_grpc.add_ParameterServerServicer_to_server(servicer, _Capture())
+    name, handlers = captured["name"], captured["handlers"]
+    handlers["Lookup"] = handlers["Lookup"]._replace(response_serializer=_serialize_lookup)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 def create_ps_server(ps: ParameterServer, address: str) -> tuple[grpc.Server, int]:
     """A started gRPC server for ``ps`` on ``address`` (port 0 picks one); returns (server, port)."""
     server, port = create_server(address, ps.global_config.common_config)
-    parameter_server_pb2_grpc.add_ParameterServerServicer_to_server(
+    _add_servicer(
         ParameterServerServicer(ps), server
     )
     add_checkpoint_service(ps, server)

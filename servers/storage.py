@@ -3,19 +3,26 @@
 The table is split into internal shards (chosen by ``shard_of``), each with its own
 hash index, lock and contiguous growable arrays: weights ``(rows, dim)``, optimizer
 state ``(rows, width)``, the id of each row, and a logical access clock for LRU
-eviction. Rows are dense (``0..size-1``), so gathers and scatters are plain fancy
-indexing and eviction compacts by moving surviving tail rows into the holes.
+eviction and expiry. Rows are dense (``0..size-1``); lookups and optimizer steps are
+fused numba kernels (:mod:`persia_py.servers.kernels`) that read and write each id's
+row in place, and eviction compacts by moving surviving tail rows into the holes.
+
+Per-table policies, all optional: admission of new ids (a probability, deterministic
+per ``(id, seed, step)``, and a minimum number of sightings counted in a count-min
+sketch), expiry of rows unseen for a number of steps or seconds, and a capacity past
+which the least recently used rows are evicted.
 
 Batches are split by shard and, when there are several shards and the batch is big
-enough, the shards are worked on in parallel threads: the hash kernels release the
-GIL and numpy releases it for the large gathers and arithmetic.
+enough, the shards are worked on in parallel threads: every kernel releases the GIL.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Self
@@ -23,12 +30,15 @@ from typing import Self
 import numpy as np
 from numba import njit
 
-from persia_py.routing import RESERVED_ID, shard_of
+from persia_py.routing import RESERVED_ID, mix64, shard_of
+from persia_py.servers import kernels
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
 from persia_py.servers.optimizers import (
+    AdagradConfig,
+    AdamConfig,
     OptimizerConfig,
-    apply_update,
+    SGDConfig,
     initial_state,
     state_width,
 )
@@ -39,6 +49,17 @@ _PARALLEL_MIN_IDS = 8192
 # Evict at least this fraction of a shard's share at once, so the O(share) index
 # rebuild after an eviction is amortized over many inserts.
 _EVICT_FRACTION = 16
+# Expiry sweeps run once 1/_EXPIRE_LAG of the expiry period has passed since the last
+# one, so a row goes at most that much later than its period says.
+_EXPIRE_LAG = 16
+_ADMIT_SALT = np.uint64(0x082EFA98EC4E6C89)
+_SKETCH_DEPTH = 4
+_SKETCH_SALTS = mix64(np.arange(_SKETCH_DEPTH, dtype=np.uint64), np.uint64(0x3F84D5B5B5470917))
+_SKETCH_MIN_WIDTH = 1 << 12
+_SKETCH_MAX_WIDTH = 1 << 22
+# Halve every counter after this many sightings per sketch column, so that counts
+# reflect recent traffic and the sketch never saturates.
+_SKETCH_DECAY_PER_COLUMN = 8
 
 
 @njit(cache=True, nogil=True)
@@ -63,7 +84,7 @@ def _group_by_shard(owner: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.
 
 
 class _Shard:
-    """One internal shard; ``lookup`` and ``update`` hold ``lock`` throughout."""
+    """One internal shard; every method that reads or writes rows holds ``lock``."""
 
     def __init__(self, table: EmbeddingTable, share: int) -> None:
         self.table = table
@@ -77,53 +98,85 @@ class _Shard:
         self.last_access = np.zeros(rows, dtype=np.int64)
         self.size = 0
         self.hits = self.misses = self.inserted = self.evicted = 0
+        self.admitted = self.rejected = self.expired = 0
+        self.sketch: np.ndarray | None = None
+        self.sightings = 0
+        if table.min_occurrences > 1:
+            width = 1 << max(share - 1, 1).bit_length()
+            width = min(max(width, _SKETCH_MIN_WIDTH), _SKETCH_MAX_WIDTH)
+            self.sketch = np.zeros((_SKETCH_DEPTH, width), dtype=np.uint8)
 
     def nbytes(self) -> int:
         arrays = (self.ids, self.weights, self.state, self.last_access)
-        return sum(a.nbytes for a in arrays) + self.index.nbytes
+        sketch = 0 if self.sketch is None else self.sketch.nbytes
+        return sum(a.nbytes for a in arrays) + self.index.nbytes + sketch
 
-    def lookup(self, ids: np.ndarray, insert: bool, tick: int) -> np.ndarray:
+    def lookup(self, ids: np.ndarray, insert: bool, tick: int, out: np.ndarray,
+               positions: np.ndarray | None) -> None:
+        """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``)."""
         with self.lock:
             rows = self.index.find(ids)
-            found = rows >= 0
-            n_found = int(np.count_nonzero(found))
-            self.hits += n_found
-            self.misses += ids.shape[0] - n_found
-            if n_found < ids.shape[0] and not insert:
-                hit_rows = rows[found]
-                self.last_access[hit_rows] = tick
-                out = np.zeros((ids.shape[0], self.table.dim), dtype=np.float32)
-                out[found] = np.take(self.weights, hit_rows, axis=0)
-                return out
-            if n_found < ids.shape[0]:
-                rows = self._insert_missing(ids, rows, found, tick)
-            self.last_access[rows] = tick
-            return np.take(self.weights, rows, axis=0)
+            num_missing = int(np.count_nonzero(rows < 0))
+            self.hits += ids.shape[0] - num_missing
+            self.misses += num_missing
+            if num_missing and insert:
+                rows = self._insert_missing(ids, rows, tick)
+            if positions is None:
+                kernels.gather_rows(self.weights, rows, out, self.last_access, tick)
+            else:
+                kernels.gather_rows_at(self.weights, rows, positions, out, self.last_access, tick)
 
-    def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, found: np.ndarray,
-                        tick: int) -> np.ndarray:
+    def _admit(self, new_ids: np.ndarray, tick: int) -> np.ndarray:
+        """Which of these distinct absent ids may be stored now (bool mask)."""
+        table = self.table
+        keep = np.ones(new_ids.shape[0], dtype=np.bool_)
+        if self.sketch is not None:
+            keep = kernels.count_sightings(self.sketch, _SKETCH_SALTS, new_ids,
+                                           table.min_occurrences)
+            self.sightings += new_ids.shape[0]
+            if self.sightings >= _SKETCH_DECAY_PER_COLUMN * self.sketch.shape[1]:
+                self.sketch >>= 1
+                self.sightings = 0
+        if table.admit_probability < 1.0:
+            draw = mix64(mix64(new_ids, _ADMIT_SALT ^ np.uint64(table.seed)), np.uint64(tick))
+            unit = (draw >> np.uint64(11)).astype(np.float64) * 2.0**-53
+            keep &= unit < table.admit_probability
+        return keep
+
+    def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, tick: int) -> np.ndarray:
+        missing = rows < 0
+        found = ~missing
         hit_rows = rows[found]
         # Stamping the hits first shields them from the eviction below.
         self.last_access[hit_rows] = tick
-        missing = ~found
-        new_ids, inverse = np.unique(ids[missing], return_inverse=True)
-        n_new = new_ids.shape[0]
+        new_ids, inverse = kernels.unique_in_order(ids[missing])
+        keep = self._admit(new_ids, tick)
+        admitted = new_ids if keep.all() else new_ids[keep]
+        n_new = admitted.shape[0]
+        self.rejected += new_ids.shape[0] - n_new
+        self.admitted += n_new
+        if n_new == 0:
+            return rows
         overflow = self.size + n_new - self.share
         if overflow > 0:
             remap = self._evict(overflow, n_new, tick)
             rows[found] = remap[hit_rows]
         self._reserve(self.size + n_new)
         start, end = self.size, self.size + n_new
-        new_rows, is_new = self.index.find_or_insert(new_ids, start)
+        new_rows, is_new = self.index.find_or_insert(admitted, start)
         assert bool(is_new.all()), "an id missing a moment ago was found on insert"
         table = self.table
-        self.ids[start:end] = new_ids
-        self.weights[start:end] = initial_rows(
-            new_ids, table.dim, table.init_lower, table.init_upper, table.seed)
-        self.state[start:end] = initial_state(table.optimizer, n_new, table.dim)
+        self.ids[start:end] = admitted
+        initial_rows(admitted, table.dim, table.init_lower, table.init_upper, table.seed,
+                     out=self.weights[start:end])
+        self.state[start:end] = initial_state(table.optimizer, 1, table.dim)
         self.last_access[start:end] = tick
         self.size = end
         self.inserted += n_new
+        if n_new < new_ids.shape[0]:
+            all_rows = np.full(new_ids.shape[0], -1, dtype=np.int64)
+            all_rows[keep] = new_rows
+            new_rows = all_rows
         rows[missing] = new_rows[inverse]
         return rows
 
@@ -139,6 +192,21 @@ class _Shard:
                 f"raise capacity (now {self.table.capacity}) or send smaller batches")
         count = min(max(overflow, self.share // _EVICT_FRACTION), candidates)
         victims = np.argpartition(stamps, count - 1)[:count]
+        self.evicted += count
+        return self._remove(victims)
+
+    def expire(self, cutoff: int) -> None:
+        """Remove every row last touched before clock value ``cutoff``."""
+        with self.lock:
+            victims = np.flatnonzero(self.last_access[:self.size] < cutoff)
+            if victims.shape[0]:
+                self.expired += victims.shape[0]
+                self._remove(victims)
+
+    def _remove(self, victims: np.ndarray) -> np.ndarray:
+        """Delete rows ``victims`` (distinct), compacting; returns old -> new row (-1: gone)."""
+        size = self.size
+        count = victims.shape[0]
         keep = np.ones(size, dtype=np.bool_)
         keep[victims] = False
         n_keep = size - count
@@ -152,7 +220,6 @@ class _Shard:
         remap[victims] = -1
         remap[movers] = holes
         self.size = n_keep
-        self.evicted += count
         self.index.rebuild(self.ids[:n_keep], np.arange(n_keep, dtype=np.int64))
         return remap
 
@@ -170,22 +237,9 @@ class _Shard:
 
     def update(self, ids: np.ndarray, grads: np.ndarray, tick: int) -> int:
         with self.lock:
-            rows = self.index.find(ids)
-            found = rows >= 0
-            if not found.all():
-                rows, grads = rows[found], grads[found]
-            if rows.shape[0] == 0:
-                return 0
-            table = self.table
-            weights, state = apply_update(
-                table.optimizer, np.take(self.weights, rows, axis=0),
-                np.take(self.state, rows, axis=0), grads)
-            if table.weight_bound is not None:
-                np.clip(weights, -table.weight_bound, table.weight_bound, out=weights)
-            self.weights[rows] = weights
-            self.state[rows] = state
-            self.last_access[rows] = tick
-            return rows.shape[0]
+            rows, grads, _ = kernels.sum_duplicate_rows(self.index.find(ids), grads)
+            return self.table._step(self.weights, self.state, rows, grads,
+                                    self.last_access, tick)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -196,11 +250,32 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 class EmbeddingTable:
-    """Embedding rows of one slot with lazy insertion, row-wise optimizer and LRU cap."""
+    """Embedding rows of one slot with lazy insertion, row-wise optimizer and LRU cap.
+
+    Policies (each off by default):
+
+    * ``admit_probability`` (0, 1]: a new id is stored on a training lookup with this
+      probability; the draw is a hash of ``(id, seed, step)``, so a rerun with the same
+      calls makes the same choices, and an id refused now may be admitted when it comes
+      again (frequent ids get in sooner, as in PERSIA).
+    * ``min_occurrences`` >= 1: a new id is stored only from the training lookup in which
+      it is seen for the ``min_occurrences``-th time (counted per lookup call in a
+      count-min sketch of 4 x up to 4M one-byte counters per shard, halved every 8
+      sightings per counter column; collisions can only make an id count higher).
+    * An id not stored reads as zeros and its gradients are dropped, as PERSIA did.
+    * ``expire_after_steps`` / ``expire_after_seconds``: rows neither looked up nor
+      updated during the last that many lookup calls (steps) / seconds are removed; a
+      sweep runs at the start of a lookup once 1/16 of the period has passed since the
+      last sweep, so a row may outlive its period by up to 1/16 of it.
+    """
 
     def __init__(self, *, dim: int, optimizer: OptimizerConfig, init_lower: float = -0.01,
                  init_upper: float = 0.01, seed: int = 0, num_shards: int = 1,
-                 capacity: int = 1_000_000, weight_bound: float | None = None) -> None:
+                 capacity: int = 1_000_000, weight_bound: float | None = None,
+                 admit_probability: float = 1.0, min_occurrences: int = 1,
+                 expire_after_steps: int | None = None,
+                 expire_after_seconds: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.dim = _check_int("dim", dim, 1)
         self.num_shards = _check_int("num_shards", num_shards, 1)
         self.capacity = _check_int("capacity", capacity, 1)
@@ -216,10 +291,35 @@ class EmbeddingTable:
             raise ValueError(f"weight_bound must be None or a finite number > 0, "
                              f"got {weight_bound!r}")
         self.weight_bound = None if weight_bound is None else float(weight_bound)
+        if (isinstance(admit_probability, bool)
+                or not isinstance(admit_probability, (int, float))
+                or not 0.0 < admit_probability <= 1.0):
+            raise ValueError(f"admit_probability must be a number in (0, 1], "
+                             f"got {admit_probability!r}")
+        self.admit_probability = float(admit_probability)
+        self.min_occurrences = _check_int("min_occurrences", min_occurrences, 1)
+        if self.min_occurrences > 255:
+            raise ValueError(f"min_occurrences must be <= 255, got {min_occurrences}")
+        self.expire_after_steps = (None if expire_after_steps is None
+                                   else _check_int("expire_after_steps", expire_after_steps, 1))
+        if expire_after_seconds is not None and not (
+                isinstance(expire_after_seconds, (int, float))
+                and not isinstance(expire_after_seconds, bool)
+                and math.isfinite(expire_after_seconds) and expire_after_seconds > 0):
+            raise ValueError(f"expire_after_seconds must be None or a finite number > 0, "
+                             f"got {expire_after_seconds!r}")
+        self.expire_after_seconds = (None if expire_after_seconds is None
+                                     else float(expire_after_seconds))
+        self._step_args = _step_args(optimizer, self.weight_bound)
         share = -(-capacity // num_shards)
         self._shards = [_Shard(self, share) for _ in range(num_shards)]
         self._clock = 0
         self._clock_lock = threading.Lock()
+        self._now = clock
+        self._tick_times: collections.deque[tuple[float, int]] = collections.deque()
+        self._seconds_cutoff = 0
+        self._last_sweep_tick = 0
+        self._last_sweep_time = clock()
         self._executor = None
         if num_shards > 1:
             self._executor = ThreadPoolExecutor(
@@ -238,9 +338,39 @@ class EmbeddingTable:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _tick(self) -> int:
+    def _tick(self) -> tuple[int, int]:
+        """Advance the clock (one step per lookup); returns ``(tick, expiry cutoff)``.
+
+        The cutoff is 0 unless an expiry sweep is due now; then rows last touched
+        before it are to be removed.
+        """
         with self._clock_lock:
             self._clock += 1
+            tick = self._clock
+            cutoff = 0
+            due = False
+            if self.expire_after_steps is not None:
+                cutoff = tick - self.expire_after_steps
+                due = tick - self._last_sweep_tick >= max(
+                    1, self.expire_after_steps // _EXPIRE_LAG)
+            if self.expire_after_seconds is not None:
+                now = self._now()
+                self._tick_times.append((now, tick))
+                horizon = now - self.expire_after_seconds
+                while self._tick_times and self._tick_times[0][0] <= horizon:
+                    self._seconds_cutoff = self._tick_times.popleft()[1] + 1
+                cutoff = max(cutoff, self._seconds_cutoff)
+                due = due or now - self._last_sweep_time >= (
+                    self.expire_after_seconds / _EXPIRE_LAG)
+            if not due or cutoff <= 0:
+                return tick, 0
+            self._last_sweep_tick = tick
+            if self.expire_after_seconds is not None:
+                self._last_sweep_time = self._now()
+            return tick, cutoff
+
+    def _current_tick(self) -> int:
+        with self._clock_lock:
             return self._clock
 
     def _check_ids(self, ids: np.ndarray) -> np.ndarray:
@@ -253,14 +383,15 @@ class EmbeddingTable:
         return np.ascontiguousarray(ids)
 
     def _per_shard(self, ids: np.ndarray,
-                   work: Callable[[_Shard, np.ndarray | slice], None]) -> None:
+                   work: Callable[[_Shard, np.ndarray | None], None]) -> None:
         """Call ``work(shard, positions)`` for each shard owning some of ``ids``.
 
-        A failure in one shard does not undo the others' work; the first error is
-        re-raised once every shard has finished.
+        ``positions`` is None when one shard owns every id. A failure in one shard does
+        not undo the others' work; the first error is re-raised once every shard has
+        finished.
         """
         if self.num_shards == 1:
-            work(self._shards[0], slice(None))
+            work(self._shards[0], None)
             return
         order, bounds = _group_by_shard(shard_of(ids, self.num_shards), self.num_shards)
         parts = [(self._shards[k], order[bounds[k]:bounds[k + 1]])
@@ -275,23 +406,33 @@ class EmbeddingTable:
         for future in futures:
             future.result()
 
-    def lookup(self, ids: np.ndarray, insert: bool) -> np.ndarray:
+    def lookup(self, ids: np.ndarray, insert: bool, *, out: np.ndarray | None = None
+               ) -> np.ndarray:
         """Rows for ``ids`` as float32 ``(len(ids), dim)``; repeats are allowed.
 
         With ``insert`` missing ids are created (deterministic initial values, fresh
-        optimizer state), evicting least-recently-used rows if the shard is full;
-        without it they read as zero rows and nothing is inserted. Raises ValueError
-        if one internal shard cannot fit the batch's new ids even after evicting
-        every row the batch does not touch.
+        optimizer state) if the admission policy lets them in, evicting
+        least-recently-used rows if the shard is full; ids not stored read as zero
+        rows. Raises ValueError if one internal shard cannot fit the batch's new ids
+        even after evicting every row the batch does not touch. ``out``: a C-contiguous
+        float32 array of that shape to write the rows to (returned).
         """
         ids = self._check_ids(ids)
-        tick = self._tick()
-        if self.num_shards == 1:  # skip the scatter into a second output array
-            return self._shards[0].lookup(ids, bool(insert), tick)
-        out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
+        shape = (ids.shape[0], self.dim)
+        if out is None:
+            out = np.empty(shape, dtype=np.float32)
+        elif (not isinstance(out, np.ndarray) or out.dtype != np.float32
+              or out.shape != shape or not out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+        tick, cutoff = self._tick()
+        if cutoff > 0:
+            for shard in self._shards:
+                shard.expire(cutoff)
+        insert = bool(insert)
 
-        def work(shard: _Shard, positions: np.ndarray | slice) -> None:
-            out[positions] = shard.lookup(ids[positions], bool(insert), tick)
+        def work(shard: _Shard, positions: np.ndarray | None) -> None:
+            part = ids if positions is None else ids[positions]
+            shard.lookup(part, insert, tick, out, positions)
 
         self._per_shard(ids, work)
         return out
@@ -300,7 +441,7 @@ class EmbeddingTable:
         """Apply one optimizer step; returns how many distinct rows were updated.
 
         Gradients of repeated ids are summed first. Ids not in the table (never
-        looked up with insert, or evicted since) are skipped.
+        looked up with insert, not admitted, or evicted or expired since) are skipped.
         """
         ids = self._check_ids(ids)
         if not isinstance(grads, np.ndarray) or grads.shape != (ids.shape[0], self.dim):
@@ -309,29 +450,32 @@ class EmbeddingTable:
                              f"({ids.shape[0]}, {self.dim}), got {got}")
         if grads.dtype.kind != "f":
             raise ValueError(f"grads must have a floating dtype, got {grads.dtype}")
-        grads = grads.astype(np.float32, copy=False)
+        grads = np.ascontiguousarray(grads, dtype=np.float32)
         if not bool(np.isfinite(grads).all()):
             raise ValueError("grads contain NaN or infinite values; nothing was updated")
         if ids.shape[0] == 0:
             return 0
-        order = np.argsort(ids)
-        sorted_ids = ids[order]
-        first = np.empty(sorted_ids.shape[0], dtype=np.bool_)
-        first[0] = True
-        np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-        starts = np.flatnonzero(first)
-        unique_ids = sorted_ids[starts]
-        summed = np.take(grads, order, axis=0)
-        if starts.shape[0] < sorted_ids.shape[0]:
-            summed = np.add.reduceat(summed, starts, axis=0)
-        tick = self._tick()
+        tick = self._current_tick()
         counts: list[int] = []
 
-        def work(shard: _Shard, positions: np.ndarray | slice) -> None:
-            counts.append(shard.update(unique_ids[positions], summed[positions], tick))
+        def work(shard: _Shard, positions: np.ndarray | None) -> None:
+            if positions is None:
+                counts.append(shard.update(ids, grads, tick))
+            else:
+                counts.append(shard.update(ids[positions], grads[positions], tick))
 
-        self._per_shard(unique_ids, work)
+        self._per_shard(ids, work)
         return sum(counts)
+
+    def _step(self, weights: np.ndarray, state: np.ndarray, rows: np.ndarray,
+              grads: np.ndarray, stamps: np.ndarray, tick: int) -> int:
+        """One optimizer step on ``rows`` (distinct; < 0 skipped) of one shard, in place."""
+        kind, args = self._step_args
+        if kind == "sgd":
+            return kernels.sgd_step(weights, rows, grads, stamps, tick, *args)
+        if kind == "adagrad":
+            return kernels.adagrad_step(weights, state, rows, grads, stamps, tick, *args)
+        return kernels.adam_step(weights, state, rows, grads, stamps, tick, *args)
 
     def export_rows(self) -> dict[str, np.ndarray | int]:
         """Copies of every stored row, for checkpoints: ``ids`` (uint64 [n]), ``weights``
@@ -390,16 +534,36 @@ class EmbeddingTable:
     def stats(self) -> dict[str, int]:
         """Counters over all shards.
 
-        ``hits``/``misses`` count looked-up ids (repeats included) found/not found,
-        ``inserted``/``evicted`` count rows, ``bytes`` is the resident array size.
+        ``hits``/``misses`` count looked-up ids (repeats included) found/not found;
+        ``admitted``/``rejected`` count distinct absent ids of training lookups that the
+        admission policy let in / kept out (per call); ``inserted``/``evicted``/
+        ``expired`` count rows; ``bytes`` is the resident array size.
         """
-        totals = dict.fromkeys(("entries", "bytes", "hits", "misses", "inserted", "evicted"), 0)
+        totals = dict.fromkeys(STAT_KEYS, 0)
         for shard in self._shards:
             with shard.lock:
                 totals["entries"] += shard.size
                 totals["bytes"] += shard.nbytes()
-                totals["hits"] += shard.hits
-                totals["misses"] += shard.misses
-                totals["inserted"] += shard.inserted
-                totals["evicted"] += shard.evicted
+                for key in STAT_KEYS[2:]:
+                    totals[key] += getattr(shard, key)
         return totals
+
+
+STAT_KEYS = ("entries", "bytes", "hits", "misses", "inserted", "evicted", "admitted",
+             "rejected", "expired")
+"""Keys of :meth:`EmbeddingTable.stats`, in the order of the ``TableStats`` message."""
+
+
+def _step_args(cfg: OptimizerConfig, weight_bound: float | None) -> tuple[str, tuple]:
+    """The kernel name and its float32 hyper-parameters, converted once per table."""
+    f32 = np.float32
+    bound = f32(np.inf if weight_bound is None else weight_bound)
+    if isinstance(cfg, SGDConfig):
+        return "sgd", (f32(cfg.lr), f32(cfg.weight_decay), bound)
+    if isinstance(cfg, AdagradConfig):
+        return "adagrad", (f32(cfg.lr), f32(cfg.eps), f32(cfg.weight_decay),
+                           f32(cfg.g_square_momentum), bound)
+    if isinstance(cfg, AdamConfig):
+        return "adam", (f32(cfg.lr), float(cfg.betas[0]), float(cfg.betas[1]), f32(cfg.eps),
+                        f32(cfg.weight_decay), bound)
+    raise ValueError(f"unsupported optimizer {type(cfg).__name__}")

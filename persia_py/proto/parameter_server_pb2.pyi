@@ -66,7 +66,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("slot", "entries", "bytes", "hits", "misses", "inserted", "evicted")
+    __slots__ = ("slot", "entries", "bytes", "hits", "misses", "inserted", "evicted", "admitted", "rejected", "expired")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,9 @@ class TableStats(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     INSERTED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
     slot: str
     entries: int
     bytes: int
@@ -81,7 +84,10 @@ class TableStats(_message.Message):
     misses: int
     inserted: int
     evicted: int
-    def __init__(self, slot: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., inserted: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
+    admitted: int
+    rejected: int
+    expired: int
+    def __init__(self, slot: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., inserted: _Optional[int] = ..., evicted: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tables", "num_updates")

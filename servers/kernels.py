@@ -1,0 +1,380 @@
+"""Fused numba kernels of the parameter-server storage: gather, optimizer steps, init.
+
+Every kernel walks a batch once and works on each id's row in place, so no batch-sized
+copy of weights or optimizer state is ever made. Rows are random in memory; each
+kernel prefetches the rows ``_AHEAD`` ids ahead, so the cache misses of consecutive ids
+overlap instead of queueing one behind another (measured here on 4M rows x 32: a plain
+row-by-row gather 16 ms per 100k ids, with prefetch 5 ms; ``numpy.take`` 9 ms).
+
+All arithmetic is float32 with float32 constants (the caller converts them), matching
+the numpy formulas of :mod:`persia_py.servers.optimizers` operation for operation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from persia_py.routing import _GOLDEN, _M1, _M2
+
+_AHEAD = 8
+"""Ids between a prefetch and the use of its row (8-16 measured best)."""
+_LINE_BYTES = 64
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+_S40 = np.uint64(40)
+
+
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """Prefetch the cache line of ``array.flat[index]`` (for writing: we write most rows)."""
+    sig = types.void(array, index)
+
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        array_struct = context.make_array(array_type)(context, builder, args[0])
+        pointer = builder.gep(array_struct.data, [args[1]])
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        # (address, rw=1 write, locality=3 keep in all levels, cache type=1 data)
+        builder.call(fn, [builder.bitcast(pointer, i8p), i32(1), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_row(array: np.ndarray, row: int) -> None:
+    """Prefetch every cache line of ``array[row]`` (a C-contiguous 2-D array)."""
+    width = array.shape[1]
+    per_line = max(_LINE_BYTES // array.itemsize, 1)
+    for col in range(0, width, per_line):
+        _prefetch(array, row * width + col)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_item(array: np.ndarray, index: int) -> None:
+    """Prefetch the cache line of ``array[index]`` (a 1-D array)."""
+    _prefetch(array, index)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def mix64(value: np.uint64) -> np.uint64:
+    """splitmix64's finalizer of one value; ``persia_py.routing.mix64`` with salt 0."""
+    z = value + _GOLDEN
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+# -- lookup -----------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def gather_rows(weights: np.ndarray, rows: np.ndarray, out: np.ndarray,
+                stamps: np.ndarray, tick: int) -> int:
+    """``out[i] = weights[rows[i]]`` (zeros where ``rows[i] < 0``), stamping each row read.
+
+    Returns how many rows were found.
+    """
+    n = rows.shape[0]
+    dim = weights.shape[1]
+    found = 0
+    for i in range(n):
+        if i + _AHEAD < n:
+            ahead = rows[i + _AHEAD]
+            if ahead >= 0:
+                prefetch_row(weights, ahead)
+                prefetch_item(stamps, ahead)
+        r = rows[i]
+        if r < 0:
+            for d in range(dim):
+                out[i, d] = 0.0
+            continue
+        found += 1
+        for d in range(dim):
+            out[i, d] = weights[r, d]
+        stamps[r] = tick
+    return found
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def initial_rows_into(ids: np.ndarray, seed_salt: np.uint64, column_keys: np.ndarray,
+                      lower: np.float32, span: np.float32, top: np.float32,
+                      out: np.ndarray) -> None:
+    """``out[i, d]``: uniform float32 of ``(ids[i], d, seed)``; see ``initializer``."""
+    dim = column_keys.shape[0]
+    unit_scale = np.float32(2.0**-24)
+    for i in range(ids.shape[0]):
+        key = mix64(ids[i] ^ seed_salt)
+        for d in range(dim):
+            bits = mix64(key ^ column_keys[d])
+            unit = np.float32(bits >> _S40) * unit_scale
+            value = lower + span * unit
+            out[i, d] = value if value < top else top
+
+
+# -- update -----------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def sum_duplicate_rows(rows: np.ndarray, grads: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Distinct found rows and the sum of their gradients, in order of first position.
+
+    Rows ``< 0`` (ids not stored) are dropped. When no row repeats, returns ``rows``
+    and ``grads`` themselves (no copy) with ``False``; the caller then skips rows < 0.
+    """
+    n = rows.shape[0]
+    slots = 16
+    while slots < 2 * n:
+        slots *= 2
+    mask = slots - 1
+    table = np.full(slots, -1, np.int64)  # slot -> position in the output
+    first = np.empty(n, np.int64)  # position i -> its output position, -1: dropped
+    num_unique = 0
+    for i in range(n):
+        r = rows[i]
+        if r < 0:
+            first[i] = -1
+            continue
+        s = np.int64(mix64(np.uint64(r)) & np.uint64(mask))
+        while True:
+            j = table[s]
+            if j < 0:
+                table[s] = i
+                first[i] = num_unique
+                num_unique += 1
+                break
+            if rows[j] == r:
+                first[i] = first[j]
+                break
+            s = (s + 1) & mask
+    num_found = 0
+    for i in range(n):
+        if first[i] >= 0:
+            num_found += 1
+    if num_unique == num_found:
+        return rows, grads, False
+    out_rows = np.empty(num_unique, np.int64)
+    out_grads = np.zeros((num_unique, grads.shape[1]), np.float32)
+    for i in range(n):
+        j = first[i]
+        if j < 0:
+            continue
+        out_rows[j] = rows[i]
+        for d in range(grads.shape[1]):
+            out_grads[j, d] += grads[i, d]
+    return out_rows, out_grads, True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _clamp(value: np.float32, bound: np.float32) -> np.float32:
+    if value > bound:
+        return bound
+    if value < -bound:
+        return -bound
+    return value
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: np.ndarray,
+             tick: int, lr: np.float32, weight_decay: np.float32, bound: np.float32) -> int:
+    """``w -= lr * (g + weight_decay * w)``, clamped to ``[-bound, bound]``; in place."""
+    n = rows.shape[0]
+    dim = weights.shape[1]
+    count = 0
+    for i in range(n):
+        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
+            prefetch_row(weights, rows[i + _AHEAD])
+            prefetch_item(stamps, rows[i + _AHEAD])
+        r = rows[i]
+        if r < 0:
+            continue
+        count += 1
+        for d in range(dim):
+            w = weights[r, d]
+            g = grads[i, d] + weight_decay * w
+            weights[r, d] = _clamp(w - lr * g, bound)
+        stamps[r] = tick
+    return count
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def adagrad_step(weights: np.ndarray, accumulators: np.ndarray, rows: np.ndarray,
+                 grads: np.ndarray, stamps: np.ndarray, tick: int, lr: np.float32,
+                 eps: np.float32, weight_decay: np.float32, momentum: np.float32,
+                 bound: np.float32) -> int:
+    """Adagrad in place; one accumulator per row when ``accumulators`` has one column."""
+    n = rows.shape[0]
+    dim = weights.shape[1]
+    shared = accumulators.shape[1] == 1 and dim > 1
+    dim32 = np.float32(dim)
+    g_row = np.empty(dim, np.float32)
+    count = 0
+    for i in range(n):
+        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
+            ahead = rows[i + _AHEAD]
+            prefetch_row(weights, ahead)
+            prefetch_row(accumulators, ahead)
+            prefetch_item(stamps, ahead)
+        r = rows[i]
+        if r < 0:
+            continue
+        count += 1
+        if shared:
+            mean_g2 = np.float32(0.0)
+            for d in range(dim):
+                g = grads[i, d] + weight_decay * weights[r, d]
+                g_row[d] = g
+                mean_g2 += g * g
+            acc = momentum * accumulators[r, 0] + mean_g2 / dim32
+            accumulators[r, 0] = acc
+            denom = np.sqrt(acc) + eps
+            for d in range(dim):
+                weights[r, d] = _clamp(weights[r, d] - lr * g_row[d] / denom, bound)
+        else:
+            for d in range(dim):
+                w = weights[r, d]
+                g = grads[i, d] + weight_decay * w
+                acc = momentum * accumulators[r, d] + g * g
+                accumulators[r, d] = acc
+                weights[r, d] = _clamp(w - lr * g / (np.sqrt(acc) + eps), bound)
+        stamps[r] = tick
+    return count
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def adam_step(weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray,
+              stamps: np.ndarray, tick: int, lr: np.float32, beta1: float, beta2: float,
+              eps: np.float32, weight_decay: np.float32, bound: np.float32) -> int:
+    """Adam in place; ``state[r] = [m (dim), v (dim), t]`` with per-row bias correction."""
+    n = rows.shape[0]
+    dim = weights.shape[1]
+    b1 = np.float32(beta1)
+    b2 = np.float32(beta2)
+    one_minus_b1 = np.float32(1.0 - beta1)
+    one_minus_b2 = np.float32(1.0 - beta2)
+    count = 0
+    for i in range(n):
+        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
+            ahead = rows[i + _AHEAD]
+            prefetch_row(weights, ahead)
+            prefetch_row(state, ahead)
+            prefetch_item(stamps, ahead)
+        r = rows[i]
+        if r < 0:
+            continue
+        count += 1
+        t = state[r, 2 * dim] + np.float32(1.0)
+        state[r, 2 * dim] = t
+        # Bias corrections in float64: 1 - b2**t is tiny for small t and loses digits in f32.
+        correction1 = np.float32(1.0 - beta1 ** np.float64(t))
+        correction2 = np.float32(1.0 - beta2 ** np.float64(t))
+        for d in range(dim):
+            w = weights[r, d]
+            g = grads[i, d] + weight_decay * w
+            m = b1 * state[r, d] + one_minus_b1 * g
+            v = b2 * state[r, dim + d] + one_minus_b2 * (g * g)
+            state[r, d] = m
+            state[r, dim + d] = v
+            step = lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
+            weights[r, d] = _clamp(w - step, bound)
+        stamps[r] = tick
+    return count
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def gather_rows_at(weights: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+                   out: np.ndarray, stamps: np.ndarray, tick: int) -> int:
+    """:func:`gather_rows` writing row ``i`` to ``out[positions[i]]`` (one shard's part)."""
+    n = rows.shape[0]
+    dim = weights.shape[1]
+    found = 0
+    for i in range(n):
+        if i + _AHEAD < n:
+            ahead = rows[i + _AHEAD]
+            if ahead >= 0:
+                prefetch_row(weights, ahead)
+                prefetch_item(stamps, ahead)
+        r = rows[i]
+        p = positions[i]
+        if r < 0:
+            for d in range(dim):
+                out[p, d] = 0.0
+            continue
+        found += 1
+        for d in range(dim):
+            out[p, d] = weights[r, d]
+        stamps[r] = tick
+    return found
+
+
+# -- insertion and admission --------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def unique_in_order(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(unique, inverse)``: distinct ids in order of first position, ``ids == unique[inverse]``.
+
+    O(n) with a scratch hash set, unlike ``numpy.unique``'s sort.
+    """
+    n = ids.shape[0]
+    slots = 16
+    while slots < 2 * n:
+        slots *= 2
+    mask = np.uint64(slots - 1)
+    table = np.full(slots, -1, np.int64)
+    inverse = np.empty(n, np.int64)
+    unique = np.empty(n, np.uint64)
+    num_unique = 0
+    for i in range(n):
+        key = ids[i]
+        s = np.int64(mix64(key) & mask)
+        while True:
+            j = table[s]
+            if j < 0:
+                table[s] = num_unique
+                unique[num_unique] = key
+                inverse[i] = num_unique
+                num_unique += 1
+                break
+            if unique[j] == key:
+                inverse[i] = j
+                break
+            s = (s + 1) & np.int64(mask)
+    return unique[:num_unique].copy(), inverse
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def count_sightings(sketch: np.ndarray, salts: np.ndarray, ids: np.ndarray,
+                    threshold: int) -> np.ndarray:
+    """Count one sighting of each id in a count-min sketch; True where it reached ``threshold``.
+
+    ``sketch`` is ``(depth, width)`` uint8 (width a power of two), saturating at 255.
+    Conservative update (raise only the counters below the new estimate) keeps the
+    overestimate from hash collisions small; an estimate is never below the true count.
+    """
+    depth, width = sketch.shape
+    mask = np.uint64(width - 1)
+    passed = np.empty(ids.shape[0], np.bool_)
+    cells = np.empty(depth, np.int64)
+    for i in range(ids.shape[0]):
+        low = 255
+        for k in range(depth):
+            c = np.int64(mix64(ids[i] ^ salts[k]) & mask)
+            cells[k] = c
+            if sketch[k, c] < low:
+                low = sketch[k, c]
+        estimate = min(low + 1, 255)
+        for k in range(depth):
+            if sketch[k, cells[k]] < estimate:
+                sketch[k, cells[k]] = estimate
+        passed[i] = estimate >= threshold
+    return passed
