@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -26,6 +27,7 @@ from persia_py.embedding import EmbeddingConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.embedding.optim import Optimizer
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
+from persia_py.progress import StepReporter
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.data_loader import DataCtx
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
@@ -190,9 +192,12 @@ class TrainCtx(EmbeddingCtx):
         self._staleness_max = 0
         self._num_steps = 0
         self.checkpointer: Checkpointer | None = None
+        self.reporter: StepReporter | None = None
+        """Progress line, training log and metrics of this rank (see persia_py.progress)."""
 
     def __enter__(self) -> TrainCtx:
         super().__enter__()
+        self.reporter = StepReporter.from_environ(self.env)
         self.model.to(self.device)
         if self.env.world_size > 1:
             if not dist.is_initialized():
@@ -230,6 +235,8 @@ class TrainCtx(EmbeddingCtx):
             if self.checkpointer is not None:
                 self.checkpointer.close()
         finally:
+            if self.reporter is not None:
+                self.reporter.close()
             if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()
             super().__exit__(exc_type, exc, tb)
@@ -252,6 +259,10 @@ class TrainCtx(EmbeddingCtx):
     def load_checkpoint(self, src_dir: str) -> None:
         """Load a checkpoint written by :meth:`dump_checkpoint` (a root or one folder)."""
         self.checkpointer.load(src_dir)
+
+    def log(self, **values: float) -> None:
+        """Record numbers of this step (e.g. ``ctx.log(test_auc=auc)``) in the training log."""
+        self.reporter.log(**values)
 
     def prepare(self, batch: PersiaBatch) -> TrainingBatch:
         if not batch.requires_grad:
@@ -300,6 +311,7 @@ class TrainCtx(EmbeddingCtx):
         self._sender.raise_if_failed()
         if self._pending is not None:
             raise RuntimeError("forward called twice without backward in between")
+        self.reporter.forward_started()
         rows, embeddings = self._embedding_tensors(batch, requires_grad=True)
         dense = [t.to(self.device) for t in batch.non_id_type_features]
         with self._autocast():
@@ -309,6 +321,7 @@ class TrainCtx(EmbeddingCtx):
         self._staleness_sum += batch.staleness
         self._staleness_max = max(self._staleness_max, batch.staleness)
         self._num_steps += 1
+        self.reporter.forward_done()
         return output, [t.to(self.device) for t in batch.labels]
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
@@ -317,6 +330,7 @@ class TrainCtx(EmbeddingCtx):
             raise RuntimeError("backward called without a training forward before it")
         batch, rows = self._pending
         self._pending = None
+        started = time.perf_counter()
         try:
             if self._scaler is None:
                 loss.backward()
@@ -340,4 +354,6 @@ class TrainCtx(EmbeddingCtx):
         ]
         self._sender.submit(batch, grads)
         self.checkpointer.after_step()
+        self.reporter.backward_done(started=started, batch_size=batch.batch_size,
+                                    loss=float(loss.detach()), staleness=batch.staleness)
         return loss

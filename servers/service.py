@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 
 from persia_py import codec
+from persia_py.monitoring import ParameterServerMetrics
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
 from persia_py.rpc import create_server, grpc_method
@@ -36,8 +37,9 @@ def configure_args(request: common_pb2.ConfigureRequest) -> dict:
 
 
 class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer):
-    def __init__(self, ps: ParameterServer) -> None:
+    def __init__(self, ps: ParameterServer, metrics: ParameterServerMetrics | None = None) -> None:
         self.ps = ps
+        self.metrics = metrics or ParameterServerMetrics(ps)
 
     @grpc_method
     def Configure(self, request, context):
@@ -51,8 +53,10 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             for i, s in enumerate(request.slots)
         ]
         answer = _LookupAnswer(self.ps, slots, request)
-        embeddings = self.ps.lookup(slots, training=request.training, outs=answer.outs,
-                                    answer_itemsize=2 if request.fp16 else 4)
+        with self.metrics.lookup_seconds.time():
+            embeddings = self.ps.lookup(slots, training=request.training, outs=answer.outs,
+                                        answer_itemsize=2 if request.fp16 else 4)
+        self.metrics.lookup_ids.inc(sum(ids.size for _, ids in slots))
         return answer.serialized(embeddings)
 
     @grpc_method
@@ -65,9 +69,11 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             )
             for i, s in enumerate(request.slots)
         ]
-        num_updated, duplicate = self.ps.update(
-            slots, worker_id=request.worker_id, sequence=request.sequence
-        )
+        with self.metrics.update_seconds.time():
+            num_updated, duplicate = self.ps.update(
+                slots, worker_id=request.worker_id, sequence=request.sequence
+            )
+        self.metrics.update_ids.inc(num_updated)
         return pb.UpdateResponse(num_updated=num_updated, duplicate=duplicate)
 
     @grpc_method
@@ -138,11 +144,12 @@ def _add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> Non
     server.add_registered_method_handlers(name, handlers)
 
 
-def create_ps_server(ps: ParameterServer, address: str) -> tuple[grpc.Server, int]:
+def create_ps_server(ps: ParameterServer, address: str,
+                     metrics: ParameterServerMetrics | None = None) -> tuple[grpc.Server, int]:
     """A started gRPC server for ``ps`` on ``address`` (port 0 picks one); returns (server, port)."""
     server, port = create_server(address, ps.global_config.common_config)
     _add_servicer(
-        ParameterServerServicer(ps), server
+        ParameterServerServicer(ps, metrics), server
     )
     add_checkpoint_service(ps, server)
     server.start()

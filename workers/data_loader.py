@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ from persia_py import codec
 from persia_py.config import GlobalConfig, load_global_config
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
+from persia_py.monitoring import DataLoaderMetrics, MetricsServer, metrics_port_from_env, serve_metrics
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.rpc import create_server, grpc_method
@@ -107,6 +109,8 @@ class DataCtx:
         # trained before it (exact with one loader; see persia_py.checkpoint).
         total, size = self.env.skip_batches, self.env.data_loader_replica_size
         self._skip = total // size + (self.env.data_loader_replica_index < total % size)
+        self.metrics = DataLoaderMetrics()
+        self._metrics_server: MetricsServer | None = None
 
     def __enter__(self) -> DataCtx:
         self._workers = [EmbeddingWorkerClient(a, self.common)
@@ -120,6 +124,11 @@ class DataCtx:
         self._server = server
         print(f"data-loader {self.env.data_loader_replica_index} on port {self.port} ready",
               flush=True)
+        metrics_port = metrics_port_from_env(os.environ)
+        if metrics_port is not None:
+            self._metrics_server = serve_metrics(
+                self.metrics.registry, metrics_port, self.env.bind_host,
+                f"data-loader {self.env.data_loader_replica_index}")
         return self
 
     def send_data(self, batch: PersiaBatch) -> None:
@@ -129,6 +138,7 @@ class DataCtx:
         if self.num_skipped < self._skip:  # trained before the checkpoint this job resumed
             self.num_skipped += 1
             return
+        started = time.perf_counter()
         seq = next(self._seq)
         worker_index = seq % len(self._workers)
         ref = self._put_ids(self._workers[worker_index], batch)
@@ -146,6 +156,9 @@ class DataCtx:
         )
         self._wait("NN workers to take batches", lambda t: self.batches.put(message, timeout=t))
         self.num_sent += 1
+        self.metrics.send_seconds.observe(time.perf_counter() - started)
+        self.metrics.batches.inc()
+        self.metrics.samples.inc(batch.batch_size)
 
     def _put_ids(self, worker: EmbeddingWorkerClient, batch: PersiaBatch) -> int:
         def attempt(timeout: float) -> int:
@@ -183,6 +196,8 @@ class DataCtx:
         finally:
             if self._server is not None:
                 self._server.stop(grace=1.0).wait(5.0)
+            if self._metrics_server is not None:
+                self._metrics_server.close()
             for w in self._workers:
                 w.close()
 

@@ -19,6 +19,8 @@ import itertools
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -99,6 +101,9 @@ class EmbeddingWorker:
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(ps_clients)),
                                         thread_name_prefix="ps-call")
         self.num_nonfinite_skipped: dict[str, int] = {}
+        self.on_lookup_timed: Callable[[float, float, float], None] | None = None
+        """Metrics hook: called with the seconds of a lookup's phases (pre: dedup and
+        routing, rpc: parameter-server calls, post: assembling the answer)."""
         self._configured = False
 
     # -- configuration -------------------------------------------------------------
@@ -195,6 +200,12 @@ class EmbeddingWorker:
     def num_pending(self) -> int:
         return len(self._buffer)
 
+    @property
+    def num_looked_up(self) -> int:
+        """Batches looked up whose gradients have not come back yet."""
+        with self._buffer_changed:
+            return sum(b.unique_ids is not None for b in self._buffer.values())
+
     # -- lookup ----------------------------------------------------------------------
 
     def lookup(self, ref: int) -> list[SlotRows]:
@@ -225,6 +236,7 @@ class EmbeddingWorker:
     def _lookup(
         self, features: list[SlotIds], *, training: bool
     ) -> tuple[list[SlotRows], dict[str, np.ndarray]]:
+        started = time.perf_counter()
         # Dedup per slot (the NN worker gets one row per distinct id of the slot), then per
         # table: the slots of a feature group share one table, so their ids are fetched once.
         uniques, inverses = {}, {}
@@ -232,7 +244,9 @@ class EmbeddingWorker:
             uniques[f.slot], inverses[f.slot] = np.unique(f.ids, return_inverse=True)
         tables = self._tables_of([f.slot for f in features])
         table_ids = {t: _union([uniques[s] for s in slots]) for t, slots in tables.items()}
+        rpc_started = time.perf_counter()
         table_rows = self._lookup_tables(table_ids, training=training)
+        rpc_done = time.perf_counter()
         result = []
         for f in features:
             cfg = self.embedding_config.slots_config[f.slot]
@@ -250,6 +264,9 @@ class EmbeddingWorker:
                 sample_fixed_size=cfg.sample_fixed_size,
                 hash_stack_rounds=cfg.hash_stack_config.rounds,
             ))
+        if self.on_lookup_timed is not None:
+            self.on_lookup_timed(rpc_started - started, rpc_done - rpc_started,
+                                 time.perf_counter() - rpc_done)
         return result, uniques
 
     def _tables_of(self, slots: list[str]) -> dict[str, list[str]]:

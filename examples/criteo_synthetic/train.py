@@ -79,4 +79,5 @@ if __name__ == "__main__":
                 f.writelines(f"{loss!r}\n" for loss in losses)
         if rank == 0:
             auc = evaluate(model, args.test_samples)
+            ctx.log(test_auc=auc)  # into the training log, for `persia-launcher plot`
             print(f"test_auc: {auc:.5f}", flush=True)

@@ -15,7 +15,14 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1; use 0.0.0.0 to serve other hosts)")
     p.add_argument("--replica-index", type=int, default=0, help="index of this replica")
     p.add_argument("--replica-size", type=int, default=1, help="number of replicas of this role")
+    _add_metrics_flag(p)
     _add_config_flags(p)
+
+
+def _add_metrics_flag(p: argparse.ArgumentParser, extra: str = "") -> None:
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port, "
+                        f"printed at start-up; default: not served){extra}")
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -41,21 +48,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated parameter-server addresses (default: $PERSIA_PS_ADDRS)")
 
     p = sub.add_parser("nn-worker", help="run a training script under torchrun")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
-    p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("script", help="the training script (each rank runs it)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this machine")
+    p.add_argument("--nnodes", type=int, default=1, help="machines (torchrun nodes)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index (static rendezvous)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="address of node 0 (static rendezvous)")
+    p.add_argument("--master-port", type=int, default=29500,
+                   help="port of node 0 (static rendezvous)")
+    p.add_argument("--rdzv-endpoint", default=None,
+                   help="HOST:PORT of an elastic rendezvous (replaces --node-rank and "
+                        "--master-addr/--master-port; torchrun assigns node ranks)")
+    p.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend (default c10d)")
+    p.add_argument("--rdzv-id", default="persia", help="rendezvous id shared by the nodes")
+    p.add_argument("--train-log", default="train_log.jsonl",
+                   help="JSON-lines training log rank 0 writes (default: train_log.jsonl; "
+                        "$PERSIA_TRAIN_LOG takes precedence)")
+    _add_metrics_flag(p, "; rank r serves on PORT + local rank r")
     _add_config_flags(p)
 
     p = sub.add_parser("data-loader", help="run a data-loader script")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.add_argument("script", help="the data-loader script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     p.add_argument("--port", type=int, default=0, help="port to serve NN workers on")
-    p.add_argument("--replica-index", type=int, default=0)
-    p.add_argument("--replica-size", type=int, default=1)
+    p.add_argument("--replica-index", type=int, default=0, help="index of this data loader")
+    p.add_argument("--replica-size", type=int, default=1, help="number of data loaders")
+    _add_metrics_flag(p)
     _add_config_flags(p)
 
     p = sub.add_parser("local", help="run a whole job on this machine")
@@ -63,19 +83,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-loader", required=True, help="data-loader script")
     p.add_argument("--nn-worker-args", default="", help="arguments of the training script")
     p.add_argument("--data-loader-args", default="", help="arguments of the data-loader script")
-    p.add_argument("--embedding-config", required=True)
-    p.add_argument("--global-config", default=None)
+    p.add_argument("--embedding-config", required=True, help="embedding_config.yml")
+    p.add_argument("--global-config", default=None,
+                   help="global_config.yml (default: all defaults)")
     p.add_argument("--num-ps", type=int, default=1, help="parameter-server replicas")
-    p.add_argument("--num-embedding-workers", type=int, default=1)
+    p.add_argument("--num-embedding-workers", type=int, default=1, help="embedding workers")
     p.add_argument("--nproc-per-node", type=int, default=1, help="NN-worker ranks")
-    p.add_argument("--num-data-loaders", type=int, default=1)
+    p.add_argument("--num-data-loaders", type=int, default=1, help="data loaders")
     p.add_argument("--bind", default="127.0.0.1", help="address every server binds")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process (repeatable)")
+    p.add_argument("--run-dir", default=None,
+                   help="folder of this run's files (training log); default "
+                        "runs/local-<date>-<time>")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="do not serve Prometheus metrics (default: every role serves them on "
+                        "a free port, printed at start-up)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue a job from its last checkpoint in DIR (a checkpoint root or "
                         "folder): the NN workers load it, the data loaders skip the batches "
                         "it had trained")
+
+    p = sub.add_parser("k8s", help="render Kubernetes manifests for a job")
+    from persia_py.launcher.k8s import add_k8s_flags
+
+    add_k8s_flags(p)
+
+    p = sub.add_parser("plot", help="draw loss, AUC and throughput from a training log")
+    p.add_argument("log", help="JSON-lines training log (train_log.jsonl)")
+    p.add_argument("-o", "--output", default="curves.png", help="PNG to write")
     return parser
 
 
@@ -83,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from persia_py.launcher import local, roles
+    from persia_py.launcher import k8s, local, roles
 
     run = {
         "embedding-parameter-server": roles.run_parameter_server,
@@ -91,12 +127,22 @@ def main(argv: list[str] | None = None) -> int:
         "nn-worker": roles.run_nn_worker,
         "data-loader": roles.run_data_loader,
         "local": local.run_local,
+        "k8s": k8s.run_k8s,
+        "plot": _run_plot,
     }[args.command]
     try:
         return run(args)
     except ConfigError as exc:
         print(f"persia-launcher {args.command}: config error: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from persia_py.plot import plot_training_log
+
+    plot_training_log(args.log, args.output)
+    print(f"wrote {args.output}")
+    return 0
 
 
 if __name__ == "__main__":

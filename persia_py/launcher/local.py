@@ -5,6 +5,10 @@ children). Each output line is prefixed with the role and replica. When any role
 everything stops; when training ends, the data loaders are waited for and the servers
 stopped. The launcher exits with the training's exit code and leaves no process behind,
 on Ctrl-C too.
+
+Both config files are validated before any process starts. Every role serves Prometheus
+metrics on a free port (its ``... metrics on http://...`` line says which) unless
+``--no-metrics``; rank 0 writes its JSON-lines training log into the run folder.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from persia_py.env import (
     ENV_DATA_LOADER_ADDRS,
@@ -28,6 +33,8 @@ from persia_py.env import (
     ENV_NN_WORLD_SIZE,
     ENV_PS_ADDRS,
 )
+from persia_py.launcher.roles import validate_configs
+from persia_py.progress import ENV_TRAIN_LOG
 
 _STOP_GRACE_SEC = 10.0
 
@@ -205,6 +212,13 @@ def run_local(args: argparse.Namespace) -> int:
     for name in ("num_ps", "num_embedding_workers", "num_data_loaders", "nproc_per_node"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    validate_configs(args.global_config, args.embedding_config)
+    run_dir = os.path.abspath(args.run_dir or os.path.join(
+        "runs", f"local-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"))
+    os.makedirs(run_dir, exist_ok=True)
+    train_log = os.path.join(run_dir, "train_log.jsonl")
+    print(f"[launcher] run folder {run_dir}; training log {train_log}", flush=True)
+    metrics = [] if args.no_metrics else ["--metrics-port", "0"]
     ports = free_ports(num_ps + num_ew + num_dl + 1, host)
     ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
     dl_ports, master_port = ports[num_ps + num_ew:-1], ports[-1]
@@ -217,6 +231,7 @@ def run_local(args: argparse.Namespace) -> int:
         ENV_NN_WORLD_SIZE: str(args.nproc_per_node),
         "PERSIA_BIND_HOST": host,
         "PYTHONUNBUFFERED": "1",
+        ENV_TRAIN_LOG: train_log,
     })
     if args.global_config:
         env[ENV_GLOBAL_CONFIG] = os.path.abspath(args.global_config)
@@ -230,26 +245,27 @@ def run_local(args: argparse.Namespace) -> int:
     launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
     roles = [
         Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
-                         "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps)])
+                         "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
+                         *metrics])
         for i, p in enumerate(ps_ports)
     ]
     roles += [
         Role(f"embedding-worker-{i}", [*launcher, "embedding-worker", "--port", str(p),
                                        "--bind", host, "--replica-index", str(i),
-                                       "--replica-size", str(num_ew)])
+                                       "--replica-size", str(num_ew), *metrics])
         for i, p in enumerate(ew_ports)
     ]
     roles += [
         Role(f"data-loader-{i}", [*launcher, "data-loader", "--port", str(p),
                                   "--replica-index", str(i), "--replica-size", str(num_dl),
-                                  args.data_loader, *shlex.split(args.data_loader_args)],
+                                  *metrics, args.data_loader, *shlex.split(args.data_loader_args)],
              kind="data-loader")
         for i, p in enumerate(dl_ports)
     ]
     roles.append(Role("nn-worker", [*launcher, "nn-worker",
                                     "--nproc-per-node", str(args.nproc_per_node),
                                     "--master-addr", host, "--master-port", str(master_port),
-                                    args.nn_worker, *shlex.split(args.nn_worker_args)],
+                                    *metrics, args.nn_worker, *shlex.split(args.nn_worker_args)],
                       kind="nn-worker"))
     cluster = LocalCluster(roles, env)
 

@@ -20,6 +20,8 @@ from persia_py.env import (
     ENV_PS_ADDRS,
     PersiaEnv,
 )
+from persia_py.monitoring import ENV_METRICS_PORT, serve_metrics
+from persia_py.progress import ENV_TRAIN_LOG
 
 logger = logging.getLogger("persia_py.launcher")
 
@@ -27,6 +29,13 @@ logger = logging.getLogger("persia_py.launcher")
 def _config_paths(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return (args.global_config or os.environ.get(ENV_GLOBAL_CONFIG) or None,
             args.embedding_config or os.environ.get(ENV_EMBEDDING_CONFIG) or None)
+
+
+def validate_configs(global_path: str | None, embedding_path: str | None) -> None:
+    """Read both config files strictly; ConfigError names the file and the key."""
+    load_global_config(global_path)
+    if embedding_path is not None:
+        load_embedding_config(embedding_path)
 
 
 def _serve_until_signal(server, what: str) -> int:
@@ -46,13 +55,20 @@ def run_parameter_server(args: argparse.Namespace) -> int:
     global_path, embedding_path = _config_paths(args)
     if embedding_path is None:
         raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
+    from persia_py.monitoring import ParameterServerMetrics
+
     ps = ParameterServer(load_global_config(global_path), load_embedding_config(embedding_path),
                          replica_index=args.replica_index, replica_size=args.replica_size)
-    server, port = create_ps_server(ps, f"{args.bind}:{args.port}")
+    metrics = ParameterServerMetrics(ps)
+    server, port = create_ps_server(ps, f"{args.bind}:{args.port}", metrics)
+    what = f"embedding-parameter-server {args.replica_index}"
+    metrics_server = (None if args.metrics_port is None else
+                      serve_metrics(metrics.registry, args.metrics_port, args.bind, what))
     try:
-        return _serve_until_signal(
-            server, f"embedding-parameter-server {args.replica_index} on port {port}")
+        return _serve_until_signal(server, f"{what} on port {port}")
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         ps.close()
 
 
@@ -71,12 +87,21 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
     clients = [PSClient(a, global_config.common_config) for a in ps_addrs]
     for c in clients:
         c.wait_ready()
+    from persia_py.monitoring import EmbeddingWorkerMetrics
+
     worker = EmbeddingWorker(global_config, load_embedding_config(embedding_path), clients,
                              index=args.replica_index)
+    metrics = EmbeddingWorkerMetrics(worker)
+    worker.on_lookup_timed = metrics.observe_lookup
     server, port = create_embedding_worker_server(worker, f"{args.bind}:{args.port}")
+    what = f"embedding-worker {args.replica_index}"
+    metrics_server = (None if args.metrics_port is None else
+                      serve_metrics(metrics.registry, args.metrics_port, args.bind, what))
     try:
-        return _serve_until_signal(server, f"embedding-worker {args.replica_index} on port {port}")
+        return _serve_until_signal(server, f"{what} on port {port}")
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         worker.close()
 
 
@@ -93,26 +118,34 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
 
 
 def _user_env(args: argparse.Namespace) -> dict[str, str]:
-    """This process's environment plus the config paths, for a user script."""
+    """This process's environment plus the config paths, for a user script; both config
+    files are validated first, so a bad key stops the role before the script starts."""
     env = dict(os.environ)
     global_path, embedding_path = _config_paths(args)
+    validate_configs(global_path, embedding_path)
     if global_path:
         env[ENV_GLOBAL_CONFIG] = global_path
     if embedding_path:
         env[ENV_EMBEDDING_CONFIG] = embedding_path
+    if args.metrics_port is not None:
+        env[ENV_METRICS_PORT] = str(args.metrics_port)
     return env
 
 
 def run_nn_worker(args: argparse.Namespace) -> int:
     """The user's training script under torchrun (torch.distributed elastic)."""
     env = _user_env(args)
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
-        f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-        f"--master-port={args.master_port}", args.script, *args.script_args,
-    ]
-    return _run_child(command, env)
+    env.setdefault(ENV_TRAIN_LOG, os.path.abspath(args.train_log))
+    command = [sys.executable, "-m", "torch.distributed.run",
+               f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
+    if args.rdzv_endpoint:
+        # Elastic rendezvous (e.g. Kubernetes): torchrun assigns node ranks.
+        command += [f"--rdzv-backend={args.rdzv_backend}",
+                    f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+    else:
+        command += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+                    f"--master-port={args.master_port}"]
+    return _run_child([*command, args.script, *args.script_args], env)
 
 
 def run_data_loader(args: argparse.Namespace) -> int:

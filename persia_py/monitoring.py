@@ -1,0 +1,221 @@
+"""Prometheus metrics of every role, each process with a registry of its own.
+
+A role builds its metrics object (:class:`ParameterServerMetrics`,
+:class:`EmbeddingWorkerMetrics`, :class:`NNWorkerMetrics`, :class:`DataLoaderMetrics`)
+whether or not it serves them: observing a histogram costs about a microsecond.
+:func:`serve_metrics` exposes the registry over HTTP at ``/metrics``. Gauges that mirror
+state (table entries, pending batches) are read when scraped, by custom collectors, so
+no hot path updates them.
+
+Metric names follow PERSIA's where it had one, prefixed ``persia_``. (Evaluation metrics
+such as AUC live in :mod:`persia_py.metrics`.)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from persia_py.servers.parameter_server import ParameterServer
+    from persia_py.workers.embedding_worker import EmbeddingWorker
+
+logger = logging.getLogger(__name__)
+
+ENV_METRICS_PORT = "PERSIA_METRICS_PORT"
+"""Port of the metrics endpoint of a role that reads its settings from the environment
+(NN-worker ranks add their local rank; 0: any free port; unset or empty: not served)."""
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0, 30.0)
+
+
+class MetricsServer:
+    """A running ``/metrics`` endpoint; ``close`` stops it."""
+
+    def __init__(self, httpd: WSGIServer, thread) -> None:
+        self._httpd, self._thread = httpd, thread
+        self.port: int = httpd.server_port
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5.0)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str, what: str) -> MetricsServer:
+    """Serve ``registry`` on ``host:port`` (0: any free port) and print where, for people
+    and for ``persia-launcher local``: ``<what> metrics on http://host:port/metrics``."""
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    server = MetricsServer(httpd, thread)
+    print(f"{what} metrics on http://{host}:{server.port}/metrics", flush=True)
+    return server
+
+
+def metrics_port_from_env(environ: dict[str, str], offset: int = 0) -> int | None:
+    """The port named by ``PERSIA_METRICS_PORT`` plus ``offset`` (unless it is 0), or None."""
+    value = environ.get(ENV_METRICS_PORT, "")
+    if not value:
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {ENV_METRICS_PORT}={value!r} is not an "
+                         "integer") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"environment variable {ENV_METRICS_PORT}={port} is not a port")
+    return port + offset if port else 0
+
+
+class _StateCollector(Collector):
+    """Gauges and counters computed from a callable when scraped."""
+
+    def __init__(self, collect: Callable[[], Iterable]) -> None:
+        self._collect = collect
+
+    def collect(self):
+        return self._collect()
+
+    def describe(self):
+        return []  # no description up front: collect() is only called on a scrape
+
+
+class ParameterServerMetrics:
+    """Entries, bytes, lookup/update latency, index miss ratio and evictions of one PS."""
+
+    def __init__(self, ps: ParameterServer) -> None:
+        self.registry = CollectorRegistry()
+        self._ps = ps
+        self.lookup_seconds = Histogram(
+            "persia_ps_lookup_seconds", "Time to serve one lookup request (all its slots)",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.update_seconds = Histogram(
+            "persia_ps_update_seconds", "Time to apply one gradient update request",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.lookup_ids = Counter("persia_ps_lookup_ids", "Ids looked up",
+                                  registry=self.registry)
+        self.update_ids = Counter("persia_ps_update_ids", "Ids whose rows were updated",
+                                  registry=self.registry)
+        self.registry.register(_StateCollector(self._tables))
+
+    def _tables(self) -> Iterator:
+        stats = self._ps.stats()
+        label = ["table"]
+        families = {
+            "entries": GaugeMetricFamily("persia_ps_entries", "Rows held, per table", labels=label),
+            "bytes": GaugeMetricFamily("persia_ps_bytes",
+                                       "Bytes of the row arrays (embeddings and optimizer "
+                                       "state), per table", labels=label),
+            "miss": GaugeMetricFamily("persia_ps_index_miss_ratio",
+                                      "Share of looked-up ids not yet in the table, per table",
+                                      labels=label),
+            "evicted": CounterMetricFamily("persia_ps_evictions",
+                                           "Rows evicted (least recently used), per table",
+                                           labels=label),
+            "inserted": CounterMetricFamily("persia_ps_insertions", "Rows inserted, per table",
+                                            labels=label),
+        }
+        for table, s in stats.items():
+            families["entries"].add_metric([table], s["entries"])
+            families["bytes"].add_metric([table], s["bytes"])
+            looked_up = s["hits"] + s["misses"]
+            families["miss"].add_metric([table], s["misses"] / looked_up if looked_up else 0.0)
+            families["evicted"].add_metric([table], s["evicted"])
+            families["inserted"].add_metric([table], s["inserted"])
+        yield from families.values()
+        yield GaugeMetricFamily("persia_ps_entries_total", "Rows held, all slots",
+                                value=sum(s["entries"] for s in stats.values()))
+        yield GaugeMetricFamily("persia_ps_bytes_total", "Bytes of the row arrays, all slots",
+                                value=sum(s["bytes"] for s in stats.values()))
+        yield CounterMetricFamily("persia_ps_update_requests", "Update requests applied",
+                                  value=self._ps.num_updates)
+
+
+class EmbeddingWorkerMetrics:
+    """Lookup phase latencies, pending batches, staleness and skipped NaN gradients."""
+
+    def __init__(self, worker: EmbeddingWorker) -> None:
+        self.registry = CollectorRegistry()
+        self._worker = worker
+        phase = Histogram(
+            "persia_embedding_worker_lookup_seconds",
+            "Time of one lookup by phase: pre (dedup and routing), rpc (parameter-server "
+            "calls), post (assembling the answer)",
+            ["phase"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self._pre, self._rpc, self._post = (phase.labels(p) for p in ("pre", "rpc", "post"))
+        self.update_seconds = Histogram(
+            "persia_embedding_worker_update_gradients_seconds",
+            "Time to route one batch's gradients to the parameter servers",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.registry.register(_StateCollector(self._state))
+
+    def observe_lookup(self, pre_sec: float, rpc_sec: float, post_sec: float) -> None:
+        """The hook :class:`EmbeddingWorker` calls after each lookup."""
+        self._pre.observe(pre_sec)
+        self._rpc.observe(rpc_sec)
+        self._post.observe(post_sec)
+
+    def _state(self) -> Iterator:
+        w = self._worker
+        yield GaugeMetricFamily("persia_embedding_worker_pending_batches",
+                                "Batches held: waiting for lookup or for their gradients",
+                                value=w.num_pending)
+        yield GaugeMetricFamily("persia_embedding_worker_staleness",
+                                "Batches looked up whose gradients have not come back",
+                                value=w.num_looked_up)
+        yield GaugeMetricFamily("persia_embedding_worker_buffer_bytes",
+                                "Bytes of ID features held", value=w.budget.used)
+        skipped = CounterMetricFamily("persia_embedding_worker_nan_grad_skipped",
+                                      "Batches whose gradients for a slot were not finite "
+                                      "and were skipped, per slot", labels=["slot"])
+        for slot in w.embedding_config.slots_config:
+            skipped.add_metric([slot], w.num_nonfinite_skipped.get(slot, 0))
+        yield skipped
+
+
+class NNWorkerMetrics:
+    """Forward, backward and wait times, samples/s, loss and staleness of one NN-worker rank."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.forward_seconds = Histogram("persia_nn_worker_forward_seconds",
+                                         "Time of ctx.forward", registry=r,
+                                         buckets=_LATENCY_BUCKETS)
+        self.backward_seconds = Histogram("persia_nn_worker_backward_seconds",
+                                          "Time of ctx.backward (backward, dense optimizer "
+                                          "step, gradients handed to the sender)",
+                                          registry=r, buckets=_LATENCY_BUCKETS)
+        self.wait_seconds = Histogram("persia_nn_worker_wait_seconds",
+                                      "Time between the end of a step and the next forward "
+                                      "(mostly waiting for the next looked-up batch)",
+                                      registry=r, buckets=_LATENCY_BUCKETS)
+        self.steps = Counter("persia_nn_worker_steps", "Training steps", registry=r)
+        self.samples = Counter("persia_nn_worker_samples", "Samples trained", registry=r)
+        self.samples_per_second = Gauge("persia_nn_worker_samples_per_second",
+                                        "Training throughput over the last seconds",
+                                        registry=r)
+        self.loss = Gauge("persia_nn_worker_loss", "Loss of the last step", registry=r)
+        self.staleness = Gauge("persia_nn_worker_staleness",
+                               "Embedding staleness of the last step's batch", registry=r)
+
+
+class DataLoaderMetrics:
+    """Batches and samples a data loader sent, and how long it waited for room."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.batches = Counter("persia_data_loader_batches", "Batches sent",
+                               registry=self.registry)
+        self.samples = Counter("persia_data_loader_samples", "Samples sent",
+                               registry=self.registry)
+        self.send_seconds = Histogram("persia_data_loader_send_seconds",
+                                      "Time of one send_data (waits included)",
+                                      registry=self.registry, buckets=_LATENCY_BUCKETS)

@@ -1,0 +1,55 @@
+"""The docs stay true: CLI reference current, every config key in the README, the Grafana
+dashboard only charts metrics that exist."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import typing
+
+from conftest import ROOT
+
+from persia_py.config import EmbeddingConfig, GlobalConfig
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    """Every leaf key path of a config dataclass; mapping entries appear as ``<slot>``."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, path = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            keys += _keys(tp, f"{path}.")
+        elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            keys += _keys(typing.get_args(tp)[1], f"{path}.<slot>.")
+        else:
+            keys.append(path)
+    return keys
+
+
+def test_readme_documents_every_config_key() -> None:
+    readme = (ROOT / "README.md").read_text()
+    keys = _keys(GlobalConfig) + _keys(EmbeddingConfig)
+    missing = [k for k in keys if f"`{k}`" not in readme]
+    assert not missing, f"README.md configuration reference lacks {missing}"
+
+
+def test_cli_reference_is_current() -> None:
+    spec = importlib.util.spec_from_file_location("gen_cli_docs", ROOT / "scripts" / "gen_cli_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "cli.md").read_text() == module.cli_reference(), (
+        "docs/cli.md is stale; run: .venv/bin/python scripts/gen_cli_docs.py")
+
+
+def test_grafana_dashboard_charts_existing_metrics() -> None:
+    dashboard = json.loads((ROOT / "monitoring" / "grafana_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    names = set(re.findall(r"persia_\w+", (ROOT / "persia_py" / "monitoring.py").read_text()))
+    used = {re.sub(r"_(total|bucket|count|sum)$", "", n) for e in exprs
+            for n in re.findall(r"persia_\w+", e)}
+    assert used and used <= names, used - names
+    roles = {"persia_ps", "persia_embedding_worker", "persia_nn_worker", "persia_data_loader"}
+    assert all(any(n.startswith(r) for n in used) for r in roles)
