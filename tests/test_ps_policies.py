@@ -245,3 +245,28 @@ def test_tensor_list_buffer_matches_serialized_message() -> None:
     got = pb.LookupResponse.FromString(bytes(buffer))
     for tensor, array in zip(got.embeddings, arrays, strict=True):
         np.testing.assert_array_equal(codec.decode(tensor), array)
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+@pytest.mark.parametrize("lz4", [False, True])
+def test_lookup_answer_same_as_encoded_message(fp16, lz4) -> None:
+    """Lookup's pre-serialized answer decodes exactly like the plain message path."""
+    from persia_py.servers.service import ParameterServerServicer
+
+    embedding = embedding_config_from_dict({"slots_config": {"a": {"dim": 5}, "b": {"dim": 3}}})
+    ps = ParameterServer(global_config_from_dict({}), embedding)
+    ps.configure(optimizer={"type": "sgd", "lr": 0.1}, init_lower=-1.0, init_upper=1.0)
+    ids = np.arange(1, 50, dtype=np.uint64)
+    request = pb.LookupRequest(slots=[pb.SlotIds(slot="a", ids=codec.encode(ids)),
+                                      pb.SlotIds(slot="b", ids=codec.encode(ids[:0]))],
+                               training=True, fp16=fp16, lz4=lz4)
+    try:
+        answer = ParameterServerServicer(ps).Lookup(request, None)
+        data = answer if isinstance(answer, bytes) else answer.SerializeToString()
+        got = [codec.decode(t) for t in pb.LookupResponse.FromString(data).embeddings]
+        want = ps.lookup([("a", ids), ("b", ids[:0])], training=False)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == (np.float16 if fp16 else np.float32)
+            np.testing.assert_array_equal(g, w.astype(g.dtype))
+    finally:
+        ps.close()
