@@ -12,6 +12,7 @@ pointer to the newest one::
         ps-0-t0-weights.npy         # float32 [rows, dim]
         ps-0-t0-state.npy           # float32 [rows, state width] (optimizer state)
         ps-0-t0-last_access.npy     # int64 [rows]      LRU clock of each row
+        ps-0-seen0.npy              # int64 [n]  exactly-once window of one embedding worker
         dense-model.json            # model state_dict: names, dtypes, files
         dense-model-0.npy ...
         dense-optimizer.json        # dense optimizer state_dict (numbers, param groups)

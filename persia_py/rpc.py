@@ -117,7 +117,8 @@ def create_server(
 def create_channel(address: str, common: CommonConfig) -> grpc.Channel:
     """A channel to ``address`` with the configured message-size limit, TLS and token."""
     security = TransportSecurity.from_common(common)
-    options = _options(common.max_message_bytes)
+    # A restarted server is found within a second (gRPC's default backoff grows to 2 min).
+    options = [*_options(common.max_message_bytes), ("grpc.max_reconnect_backoff_ms", 1000)]
     if security.tls:
         channel = grpc.secure_channel(address, security.channel_credentials(), options=options)
     else:
@@ -134,6 +135,32 @@ def wait_for_ready(channel: grpc.Channel, address: str, timeout: float) -> None:
         raise TimeoutError(f"service at {address} not reachable within {timeout:.0f}s") from None
 
 
+class OutageLog:
+    """Logs a service's outage once: a WARNING when calls to it first fail UNAVAILABLE,
+    an INFO when one succeeds again. A client shares one among its calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down_since: dict[str, float] = {}
+
+    def failed(self, what: str, details: str, timeout: float) -> None:
+        with self._lock:
+            if what in self._down_since:
+                return
+            self._down_since[what] = time.monotonic()
+        logger.warning("%s unavailable (%s); waiting and retrying until the call's deadline "
+                       "(%.0f s, common_config.rpc_timeout_sec)", what, details, timeout)
+
+    def recovered(self, what: str) -> None:
+        if what not in self._down_since:  # the common case, without the lock
+            return
+        with self._lock:
+            since = self._down_since.pop(what, None)
+        if since is not None:
+            logger.info("%s reachable again after %.1f s; calls go on", what,
+                        time.monotonic() - since)
+
+
 def call(
     method: Callable[..., Any],
     request: Any,
@@ -141,27 +168,39 @@ def call(
     timeout: float,
     idempotent: bool,
     what: str,
+    outages: OutageLog | None = None,
 ) -> Any:
     """Call ``method`` with a deadline; retry idempotent calls on UNAVAILABLE/RESOURCE_EXHAUSTED.
 
     Retries back off exponentially (10 ms .. 1 s) until ``timeout`` seconds have
     passed in all; then the last error is raised. Non-idempotent calls are retried
     only on RESOURCE_EXHAUSTED, which servers answer before changing anything.
+    Attempts fail fast while the server is unreachable (no ``wait_for_ready``: clients
+    wait for their servers once, at start-up), so an outage is logged (``outages``, once
+    per outage of the service) and the call keeps retrying until the server is back.
     """
+    outages = outages if outages is not None else OutageLog()
     deadline = time.monotonic() + timeout
     delay = 0.01
     while True:
         remaining = deadline - time.monotonic()
         try:
-            return method(request, timeout=max(remaining, 0.001), wait_for_ready=idempotent)
+            answer = method(request, timeout=max(remaining, 0.001), wait_for_ready=False)
         except grpc.RpcError as exc:
             code = exc.code()
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                outages.recovered(what)  # the server answered
             retryable = code in RETRYABLE if idempotent else code == grpc.StatusCode.RESOURCE_EXHAUSTED
             if not retryable or time.monotonic() + delay >= deadline:
                 raise
+            if code == grpc.StatusCode.UNAVAILABLE:
+                outages.failed(what, exc.details(), timeout)
             logger.debug("%s: %s (%s), retrying in %.2fs", what, code.name, exc.details(), delay)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
+        else:
+            outages.recovered(what)
+            return answer
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:

@@ -5,7 +5,8 @@ each table's dim, state width, row count and files) and four ``.npy`` files per 
 Loading reads every replica's files of a checkpoint and keeps the rows whose
 ``replica_of(id, M)`` is this replica's index, so a checkpoint taken with N replicas
 loads into M: re-sharding needs nothing more. Rows keep their optimizer state and LRU
-clock, so training continues as if never stopped.
+clock, so training continues as if never stopped; the exactly-once window of
+``(worker id, sequence)`` is saved and restored with them.
 """
 
 from __future__ import annotations
@@ -59,9 +60,15 @@ def dump_replica(ps: ParameterServer, directory: str | Path) -> tuple[int, int]:
         tables[name] = {"dim": table.dim, "state_width": table.state_width,
                         "num_rows": int(rows["ids"].shape[0]), "clock": rows["clock"],
                         "files": files}
+    # The exactly-once window of (worker id, sequence), so that an update applied before
+    # the checkpoint and retried after a restore from it is not applied twice.
+    seen = {}
+    for k, (worker_id, sequences) in enumerate(sorted(ps.export_seen().items())):
+        seen[worker_id] = f"ps-{r}-seen{k}.npy"
+        num_bytes += fmt.save_array(directory / seen[worker_id], sequences)
     fmt.save_json(directory / replica_file(r), {
         "replica_index": r, "replica_size": ps.replica_size,
-        "settings": dataclasses.asdict(ps._settings), "tables": tables,
+        "settings": dataclasses.asdict(ps._settings), "tables": tables, "seen": seen,
     })
     logger.info("replica %d dumped %d rows (%.1f MB) to %s in %.2fs", r, num_rows,
                 num_bytes / 1e6, directory, time.perf_counter() - started)
@@ -115,6 +122,9 @@ def load_replica(ps: ParameterServer, path: str | Path) -> tuple[int, int]:
                               rows["last_access"], entry["clock"])
             num_rows += rows["ids"].shape[0]
             num_bytes += sum(a.nbytes for a in rows.values())
+        # Sequence numbers are unique per worker across replicas: the union is safe after
+        # re-sharding too. (Checkpoints without a window: nothing to remember.)
+        ps.import_seen({w: fmt.load_array(folder / f) for w, f in replica.get("seen", {}).items()})
     logger.info("replica %d of %d loaded %d rows from %s (taken with %d replicas) in %.2fs",
                 ps.replica_index, ps.replica_size, num_rows, folder, num_replicas,
                 time.perf_counter() - started)

@@ -211,6 +211,22 @@ class ParameterServer:
                 seen.popitem(last=False)
             return False
 
+    def export_seen(self) -> dict[str, np.ndarray]:
+        """The exactly-once window: worker id -> its remembered sequence numbers, oldest first."""
+        with self._seen_lock:
+            return {w: np.fromiter(seen, dtype=np.int64, count=len(seen))
+                    for w, seen in self._seen.items()}
+
+    def import_seen(self, windows: dict[str, np.ndarray]) -> None:
+        """Remember these sequence numbers too (a checkpoint's window), in ascending order."""
+        with self._seen_lock:
+            for worker_id, sequences in windows.items():
+                seen = self._seen.setdefault(worker_id, collections.OrderedDict())
+                for sequence in np.unique(np.asarray(sequences, dtype=np.int64)).tolist():
+                    seen[sequence] = None
+                while len(seen) > _SEEN_PER_WORKER:
+                    seen.popitem(last=False)
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Per-table statistics (empty before configuration)."""
         return {slot: table.stats() for slot, table in self._tables.items()}

@@ -102,8 +102,12 @@ def test_lookup_dedups_routes_and_updates_sum_gradients_per_id(cluster) -> None:
                                user_slot.rows - LR * 1.0, rtol=1e-6)
     np.testing.assert_allclose(_ps_rows(ps_addrs, "tags", np.unique(tags)),
                                slots["tags"].rows - LR * 2.0, rtol=1e-6)
+    # A repeat (a retry whose first answer was lost) is acknowledged, not applied again.
+    assert ew.update_gradients(ref, grads) == 7
+    np.testing.assert_allclose(_ps_rows(ps_addrs, "user", unique_user),
+                               user_slot.rows - LR * 1.0, rtol=1e-6)
     with pytest.raises(grpc.RpcError) as info:  # the batch was released
-        ew.update_gradients(ref, grads)
+        ew.lookup(ref)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 

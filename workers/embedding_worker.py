@@ -15,6 +15,7 @@ group share one table: their ids are fetched once and their gradients summed per
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -22,8 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import grpc
 import numpy as np
 
 from persia_py.config import EmbeddingConfig, GlobalConfig
@@ -34,6 +37,10 @@ from persia_py.workers.budget import ByteBudget
 from persia_py.workers.ps_client import PSClient
 
 logger = logging.getLogger(__name__)
+
+_DONE_REFS_KEPT = 4096
+"""Refs of recently finished updates remembered, so that a retried UpdateGradients is
+acknowledged without being applied again."""
 
 _PUT_WAIT_SEC = 1.0
 """How long put_batch waits for room before answering RESOURCE_EXHAUSTED (the data loader
@@ -74,6 +81,8 @@ class _PendingBatch:
     requires_grad: bool
     nbytes: int
     unique_ids: dict[str, np.ndarray] | None = None  # set once looked up
+    sequences: list[int] | None = None  # of its update, per replica; kept for retries
+    update_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class EmbeddingWorker:
@@ -105,13 +114,35 @@ class EmbeddingWorker:
         """Metrics hook: called with the seconds of a lookup's phases (pre: dedup and
         routing, rpc: parameter-server calls, post: assembling the answer)."""
         self._configured = False
+        self._configure_request: common_pb2.ConfigureRequest | None = None
+        self._done: collections.OrderedDict[int, int] = collections.OrderedDict()
+        """Ref -> rows updated, of recently finished updates (under ``_buffer_changed``)."""
 
     # -- configuration -------------------------------------------------------------
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         """Forward the embedding optimizer and table settings to every replica."""
         list(self._pool.map(lambda c: c.configure(request), self.ps_clients))
+        self._configure_request = request
         self._configured = True
+
+    def _on_replica(self, r: int, fn: Callable[[PSClient], Any]) -> Any:
+        """``fn(client of replica r)``; once more after re-configuring a restarted replica.
+
+        A parameter server restarted without a checkpoint is empty and unconfigured; it
+        answers FAILED_PRECONDITION until it gets the embedding optimizer again.
+        """
+        client = self.ps_clients[r]
+        try:
+            return fn(client)
+        except grpc.RpcError as exc:
+            if (exc.code() != grpc.StatusCode.FAILED_PRECONDITION
+                    or self._configure_request is None):
+                raise
+            logger.warning("parameter server %s is not configured (restarted without a "
+                           "checkpoint?): sending the embedding optimizer again", client.address)
+            client.configure(self._configure_request)
+            return fn(client)
 
     @property
     def configured(self) -> bool:
@@ -288,7 +319,7 @@ class EmbeddingWorker:
             for r in range(num_replicas):
                 per_replica[r].append((table, ids[order[bounds[r]:bounds[r + 1]]]))
         answers = list(self._pool.map(
-            lambda r: self.ps_clients[r].lookup(per_replica[r], training=training),
+            lambda r: self._on_replica(r, lambda c: c.lookup(per_replica[r], training=training)),
             range(num_replicas),
         ))
         out = {}
@@ -307,12 +338,30 @@ class EmbeddingWorker:
         """Route one batch's per-row gradients to the parameter servers; frees the batch.
 
         A slot whose gradients contain NaN or Inf is skipped (counted and logged); the
-        other slots are applied.
+        other slots are applied. Safe to retry: the batch stays until every replica has
+        acknowledged, a retry reuses the first attempt's sequence numbers (so a replica
+        applies it once), and a repeat of a finished ref returns its answer unapplied.
         """
         with self._buffer_changed:
             batch = self._buffer.get(ref)
+            if batch is None and ref in self._done:
+                return self._done[ref]
         if batch is None:
             raise NotFound(f"no batch with ref {ref} on this embedding worker")
+        with batch.update_lock:  # a retry arriving while the first attempt runs waits for it
+            with self._buffer_changed:
+                if ref in self._done:
+                    return self._done[ref]
+            num_updated = self._update_gradients(ref, batch, grads)
+            with self._buffer_changed:
+                self._done[ref] = num_updated
+                if len(self._done) > _DONE_REFS_KEPT:
+                    self._done.popitem(last=False)
+            self._release(ref)
+        return num_updated
+
+    def _update_gradients(self, ref: int, batch: _PendingBatch,
+                          grads: dict[str, np.ndarray]) -> int:
         if not batch.unique_ids:
             raise ValueError(f"batch {ref} has not been looked up for training")
         unknown = set(grads) - set(batch.unique_ids)
@@ -344,14 +393,15 @@ class EmbeddingWorker:
                 sel = order[bounds[r]:bounds[r + 1]]
                 if sel.size:
                     per_replica[r].append((table, ids[sel], g[sel]))
-        sequences = [next(self._sequence) for _ in range(num_replicas)]
+        if batch.sequences is None:
+            batch.sequences = [next(self._sequence) for _ in range(num_replicas)]
+        sequences = batch.sequences
         counts = list(self._pool.map(
-            lambda r: self.ps_clients[r].update(
+            lambda r: self._on_replica(r, lambda c: c.update(
                 per_replica[r], worker_id=self.worker_id, sequence=sequences[r]
-            ) if per_replica[r] else 0,
+            )) if per_replica[r] else 0,
             range(num_replicas),
         ))
-        self._release(ref)
         return sum(counts)
 
     def close(self) -> None:

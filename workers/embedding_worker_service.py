@@ -9,7 +9,7 @@ from persia_py import codec
 from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, embedding_worker_pb2_grpc
 from persia_py.proto import embedding_worker_pb2 as pb
-from persia_py.rpc import call, create_channel, create_server, grpc_method, wait_for_ready
+from persia_py.rpc import OutageLog, call, create_channel, create_server, grpc_method, wait_for_ready
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds, SlotRows
 
 
@@ -117,13 +117,15 @@ class EmbeddingWorkerClient:
         self.common = common
         self.channel = create_channel(address, common)
         self.stub = embedding_worker_pb2_grpc.EmbeddingWorkerStub(self.channel)
+        self._outages = OutageLog()
 
     def wait_ready(self) -> None:
         wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
 
     def _call(self, method, request, *, idempotent: bool, timeout: float | None = None):
         return call(method, request, timeout=timeout or self.common.rpc_timeout_sec,
-                    idempotent=idempotent, what=f"embedding worker {self.address}")
+                    idempotent=idempotent, what=f"embedding worker {self.address}",
+                    outages=self._outages)
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
@@ -158,7 +160,10 @@ class EmbeddingWorkerClient:
                 g, fp16=self.common.embedding_fp16, compress=self.common.lz4_compression))
                 for s, g in grads]
         )
-        return self._call(self.stub.UpdateGradients, request, idempotent=False).num_updated
+        # Safe to retry: the embedding worker keeps the batch and its update's sequence
+        # numbers until every parameter server acknowledged, and answers a repeat of a
+        # finished ref without applying it again.
+        return self._call(self.stub.UpdateGradients, request, idempotent=True).num_updated
 
     def close(self) -> None:
         self.channel.close()

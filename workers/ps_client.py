@@ -10,7 +10,7 @@ from persia_py import codec
 from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
-from persia_py.rpc import call, create_channel, wait_for_ready
+from persia_py.rpc import OutageLog, call, create_channel, wait_for_ready
 
 
 class PSClient:
@@ -21,13 +21,14 @@ class PSClient:
         self.common = common
         self.channel = create_channel(address, common)
         self.stub = parameter_server_pb2_grpc.ParameterServerStub(self.channel)
+        self._outages = OutageLog()
 
     def wait_ready(self) -> None:
         wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
 
     def _call(self, method, request, *, idempotent: bool):
         return call(method, request, timeout=self.common.rpc_timeout_sec, idempotent=idempotent,
-                    what=f"parameter server {self.address}")
+                    what=f"parameter server {self.address}", outages=self._outages)
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)

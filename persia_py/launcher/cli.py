@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("embedding-parameter-server", help="serve a shard of the embedding tables")
     _add_server_flags(p)
+    p.add_argument("--load-checkpoint", default=None, metavar="DIR",
+                   help="load this replica's rows (and the optimizer settings) from the "
+                        "checkpoint DIR (a root: its LATEST; or one checkpoint folder) "
+                        "before serving")
 
     p = sub.add_parser("embedding-worker", help="dedup, route and pool embedding lookups")
     _add_server_flags(p)

@@ -4,7 +4,10 @@ Every role runs as its own process (its own session, so it can be stopped with a
 children). Each output line is prefixed with the role and replica. When any role fails,
 everything stops; when training ends, the data loaders are waited for and the servers
 stopped. The launcher exits with the training's exit code and leaves no process behind,
-on Ctrl-C too.
+on Ctrl-C too. A parameter server that dies while training runs (a non-zero exit or a
+signal) is the exception: it is started again on the same port with the same replica
+index, from the last checkpoint when there is one, up to ``max_restarts`` times; the
+embedding workers wait and retry meanwhile, so training goes on.
 
 Both config files are validated before any process starts. Every role serves Prometheus
 metrics on a free port (its ``... metrics on http://...`` line says which) unless
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -37,6 +41,7 @@ from persia_py.launcher.roles import validate_configs
 from persia_py.progress import ENV_TRAIN_LOG
 
 _STOP_GRACE_SEC = 10.0
+MAX_PS_RESTARTS = 3
 
 
 def free_ports(count: int, host: str) -> list[int]:
@@ -60,6 +65,9 @@ class Role:
     process: subprocess.Popen | None = None
     reader: threading.Thread | None = None
     kind: str = field(default="server")  # "server", "data-loader" or "nn-worker"
+    restart: Callable[[], list[str]] | None = None
+    """The command that starts this role again after it died (None: its death ends the job)."""
+    num_restarts: int = 0
 
 
 def _descendants(pid: int) -> list[int]:
@@ -86,9 +94,11 @@ def _descendants(pid: int) -> list[int]:
 class LocalCluster:
     """Starts, watches and stops the processes of one local job."""
 
-    def __init__(self, roles: list[Role], env: dict[str, str]) -> None:
+    def __init__(self, roles: list[Role], env: dict[str, str], *,
+                 max_restarts: int = MAX_PS_RESTARTS) -> None:
         self.roles = roles
         self.env = env
+        self.max_restarts = max_restarts
         self._print_lock = threading.Lock()
         self._exited = threading.Event()
 
@@ -103,17 +113,44 @@ class LocalCluster:
 
     def start(self) -> None:
         for role in self.roles:
-            env = self.env
-            if role.kind != "nn-worker" and "OMP_NUM_THREADS" not in env:
-                # Servers and loaders run on threads of their own; an OpenMP pool in each of
-                # them only fights the NN worker's for the same cores.
-                env = {**env, "OMP_NUM_THREADS": "1"}
-            role.process = subprocess.Popen(
-                role.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-            role.reader = threading.Thread(target=self._pump, args=(role,), daemon=True)
-            role.reader.start()
+            self._spawn(role, role.command)
+
+    def _spawn(self, role: Role, command: list[str]) -> None:
+        env = self.env
+        if role.kind != "nn-worker" and "OMP_NUM_THREADS" not in env:
+            # Servers and loaders run on threads of their own; an OpenMP pool in each of
+            # them only fights the NN worker's for the same cores.
+            env = {**env, "OMP_NUM_THREADS": "1"}
+        if role.reader is not None:
+            role.reader.join(timeout=5.0)  # the old process's output is all printed
+        role.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        role.reader = threading.Thread(target=self._pump, args=(role,), daemon=True)
+        role.reader.start()
+
+    def _try_restart(self, role: Role, code: int) -> bool:
+        """Start a role that died again, if it may be; False: the job must stop."""
+        if role.restart is None:
+            return False
+        try:
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+        except ValueError:
+            how = f"signal {-code}"
+        if role.num_restarts >= self.max_restarts:
+            self._log(f"{role.name} died ({how}) after {role.num_restarts} restarts, the "
+                      "limit; stopping the job")
+            return False
+        role.num_restarts += 1
+        command = role.restart()
+        source = command[command.index("--load-checkpoint") + 1] if (
+            "--load-checkpoint" in command) else None
+        self._log(f"{role.name} died ({how}); restarting it on the same port (restart "
+                  f"{role.num_restarts} of {self.max_restarts}, "
+                  + (f"from checkpoint {source})" if source else "empty: no checkpoint yet)"))
+        self._spawn(role, command)
+        return True
 
     def _log(self, message: str) -> None:
         with self._print_lock:
@@ -131,6 +168,8 @@ class LocalCluster:
                     if code is None:
                         continue
                     if code != 0:
+                        if self._try_restart(role, code):
+                            continue
                         self._log(f"{role.name} exited with code {code}; stopping the job")
                         return code
                     if role.kind == "server":
@@ -206,6 +245,26 @@ def resume_env(path: str) -> dict[str, str]:
     return {ENV_RESUME_DIR: str(folder), ENV_SKIP_BATCHES: str(step)}
 
 
+def _checkpoint_root(args: argparse.Namespace, env: dict[str, str]) -> str | None:
+    """Where the job's checkpoints are: ``checkpoint_config.dir``, else ``--resume``."""
+    from persia_py.config import load_global_config
+
+    root = load_global_config(env.get(ENV_GLOBAL_CONFIG)).checkpoint_config.dir
+    return root or getattr(args, "resume", None)
+
+
+def _latest_checkpoint(root: str | None) -> str | None:
+    """The newest complete checkpoint under ``root`` (None: there is none yet)."""
+    from persia_py import checkpoint_format
+
+    if root is None:
+        return None
+    try:
+        return str(checkpoint_format.resolve(root))
+    except checkpoint_format.CheckpointError:
+        return None
+
+
 def run_local(args: argparse.Namespace) -> int:
     host = args.bind
     num_ps, num_ew, num_dl = args.num_ps, args.num_embedding_workers, args.num_data_loaders
@@ -267,6 +326,16 @@ def run_local(args: argparse.Namespace) -> int:
                                     "--master-addr", host, "--master-port", str(master_port),
                                     *metrics, args.nn_worker, *shlex.split(args.nn_worker_args)],
                       kind="nn-worker"))
+    checkpoint_root = _checkpoint_root(args, env)
+
+    def ps_restart(command: list[str]) -> Callable[[], list[str]]:
+        def restart() -> list[str]:
+            latest = _latest_checkpoint(checkpoint_root)
+            return command if latest is None else [*command, "--load-checkpoint", latest]
+        return restart
+
+    for role in roles[:num_ps]:
+        role.restart = ps_restart(role.command)
     cluster = LocalCluster(roles, env)
 
     def on_signal(signum, _frame):

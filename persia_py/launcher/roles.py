@@ -59,6 +59,12 @@ def run_parameter_server(args: argparse.Namespace) -> int:
 
     ps = ParameterServer(load_global_config(global_path), load_embedding_config(embedding_path),
                          replica_index=args.replica_index, replica_size=args.replica_size)
+    if args.load_checkpoint:
+        from persia_py.servers.checkpoint import load_replica
+
+        num_rows, _ = load_replica(ps, args.load_checkpoint)
+        print(f"embedding-parameter-server {args.replica_index} loaded {num_rows} rows from "
+              f"checkpoint {args.load_checkpoint}", flush=True)
     metrics = ParameterServerMetrics(ps)
     server, port = create_ps_server(ps, f"{args.bind}:{args.port}", metrics)
     what = f"embedding-parameter-server {args.replica_index}"
