@@ -335,7 +335,7 @@ class TrainCtx(EmbeddingCtx):
             if self._scaler is None:
                 loss.backward()
                 self.dense_optimizer.step()
-                unscale = 1.0
+                unscale = None
             else:
                 self._scaler.scale(loss).backward()
                 unscale = 1.0 / self._scaler.get_scale()
@@ -347,11 +347,13 @@ class TrainCtx(EmbeddingCtx):
             raise
         # An overflowed scaled gradient stays non-finite after unscaling; the embedding
         # worker skips (and counts) it per slot, as the scaler skips the dense step.
-        grads = [
-            (s.slot, (r.grad.detach().float().cpu().numpy() * unscale if r.grad is not None
-                      else np.zeros(tuple(r.shape), np.float32)))
-            for s, r in zip(batch.slots, rows)
-        ]
+        grads = []
+        for s, r in zip(batch.slots, rows):
+            if r.grad is None:  # the model did not use this slot
+                grads.append((s.slot, np.zeros(tuple(r.shape), np.float32)))
+                continue
+            g = r.grad.detach().float().cpu().numpy()
+            grads.append((s.slot, g if unscale is None else g * unscale))
         self._sender.submit(batch, grads)
         self.checkpointer.after_step()
         self.reporter.backward_done(started=started, batch_size=batch.batch_size,
