@@ -48,7 +48,6 @@ def _find_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray) -> np.ndar
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_item(keys, home[i + _AHEAD])
-            prefetch_item(vals, home[i + _AHEAD])
         key = ids[i]
         s = home[i]
         while True:
@@ -86,7 +85,6 @@ def _find_or_insert_kernel(
     for j in range(n):
         if j + _AHEAD < n:
             prefetch_item(keys, home[j + _AHEAD])
-            prefetch_item(vals, home[j + _AHEAD])
         i = start + j
         key = ids[i]
         s = home[j]
@@ -118,7 +116,6 @@ def _insert_all_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, rows
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_item(keys, home[i + _AHEAD])
-            prefetch_item(vals, home[i + _AHEAD])
         key = ids[i]
         s = home[i]
         while True:
@@ -139,6 +136,13 @@ def _slots_for(entries: int, minimum: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
+def _empty_slots(slots: int) -> np.ndarray:
+    """``(slots, 2)`` uint64: column 0 the key (``_EMPTY``: free), column 1 the row."""
+    pairs = np.empty((slots, 2), dtype=np.uint64)
+    pairs[:, 0] = _EMPTY
+    return pairs
+
+
 def _check_ids(ids: np.ndarray, name: str = "ids") -> np.ndarray:
     if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
         raise ValueError(f"{name} must be a 1-D numpy array of dtype uint64")
@@ -157,9 +161,15 @@ class HashIndex:
         self._reset(self._min_slots)
 
     def _reset(self, slots: int) -> None:
-        self._keys = np.full(slots, _EMPTY, dtype=np.uint64)
-        self._vals = np.empty(slots, dtype=np.int64)
+        self._set_slots(_empty_slots(slots))
         self._count = 0
+
+    def _set_slots(self, pairs: np.ndarray) -> None:
+        # A slot's key and row sit side by side (one cache line), so a probe that finds
+        # its key has the row too: one random read per id instead of two.
+        self._pairs = pairs
+        self._keys = pairs[:, 0]
+        self._vals = pairs[:, 1].view(np.int64)
 
     def __len__(self) -> int:
         return self._count
@@ -207,8 +217,7 @@ class HashIndex:
     def _grow(self, slots: int) -> None:
         occupied = self._keys != _EMPTY
         keys, vals = self._keys[occupied], self._vals[occupied]
-        self._keys = np.full(slots, _EMPTY, dtype=np.uint64)
-        self._vals = np.empty(slots, dtype=np.int64)
+        self._set_slots(_empty_slots(slots))
         dup = _insert_all_kernel(self._keys, self._vals, keys, vals)
         assert dup < 0, "hash index held a duplicate key"
 

@@ -29,39 +29,44 @@ _S31 = np.uint64(31)
 _S40 = np.uint64(40)
 
 
+def _prefetch_codegen(context, builder, signature, args):
+    """Prefetch the cache line of ``array[indices]`` (for writing: we write most rows)."""
+    array_type = signature.args[0]
+    array_struct = context.make_array(array_type)(context, builder, args[0])
+    pointer = cgutils.get_item_pointer(context, builder, array_type, array_struct,
+                                       list(args[1:]), wraparound=False)
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+    # (address, rw=1 write, locality=3 keep in all levels, cache type=1 data)
+    builder.call(fn, [builder.bitcast(pointer, i8p), i32(1), i32(3), i32(1)])
+    return context.get_dummy_value()
+
+
 @intrinsic
-def _prefetch(typingctx, array, index):
-    """Prefetch the cache line of ``array.flat[index]`` (for writing: we write most rows)."""
-    sig = types.void(array, index)
+def _prefetch1(typingctx, array, index):
+    return types.void(array, index), _prefetch_codegen
 
-    def codegen(context, builder, signature, args):
-        array_type = signature.args[0]
-        array_struct = context.make_array(array_type)(context, builder, args[0])
-        pointer = builder.gep(array_struct.data, [args[1]])
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        # (address, rw=1 write, locality=3 keep in all levels, cache type=1 data)
-        builder.call(fn, [builder.bitcast(pointer, i8p), i32(1), i32(3), i32(1)])
-        return context.get_dummy_value()
 
-    return sig, codegen
+@intrinsic
+def _prefetch2(typingctx, array, row, col):
+    return types.void(array, row, col), _prefetch_codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
 def prefetch_row(array: np.ndarray, row: int) -> None:
-    """Prefetch every cache line of ``array[row]`` (a C-contiguous 2-D array)."""
+    """Prefetch every cache line of ``array[row]`` (a 2-D array with contiguous rows)."""
     width = array.shape[1]
     per_line = max(_LINE_BYTES // array.itemsize, 1)
     for col in range(0, width, per_line):
-        _prefetch(array, row * width + col)
+        _prefetch2(array, row, col)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def prefetch_item(array: np.ndarray, index: int) -> None:
-    """Prefetch the cache line of ``array[index]`` (a 1-D array)."""
-    _prefetch(array, index)
+    """Prefetch the cache line of ``array[index]`` (a 1-D array, any stride)."""
+    _prefetch1(array, index)
 
 
 @njit(cache=True, nogil=True, inline="always")
