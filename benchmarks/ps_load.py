@@ -21,20 +21,16 @@ capacity. Memory must stay bounded however many distinct ids arrive.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import queue
-import re
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.ps_process import parameter_server_process
 from persia_py.config import CommonConfig
 from persia_py.workers.ps_client import PSClient, configure_request
 
@@ -49,48 +45,6 @@ def proc_status_bytes(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/{pid}/status has no {field}")
-
-
-@contextlib.contextmanager
-def parameter_server(workdir: Path, dim: int, capacity: int) -> Iterator[tuple[str, int]]:
-    """A parameter-server process with a small capacity; yields (address, pid)."""
-    (workdir / "embedding_config.yml").write_text(f"slots_config:\n  {SLOT}:\n    dim: {dim}\n")
-    (workdir / "global_config.yml").write_text(
-        f"embedding_parameter_server_config:\n  capacity: {capacity}\n")
-    command = [sys.executable, "-m", "persia_py.launcher.cli", "embedding-parameter-server",
-               "--port", "0", "--embedding-config", str(workdir / "embedding_config.yml"),
-               "--global-config", str(workdir / "global_config.yml")]
-    stderr_path = workdir / "ps.stderr"
-    lines: queue.Queue[str | None] = queue.Queue()
-    with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
-
-        def forward() -> None:
-            for line in proc.stdout:
-                lines.put(line)
-            lines.put(None)
-
-        reader = threading.Thread(target=forward, name="ps-stdout")
-        reader.start()
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while True:
-                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-                if line is None:
-                    raise RuntimeError("parameter server exited before it was ready:\n"
-                                       + stderr_path.read_text()[-2000:])
-                match = re.search(r"on port (\d+) ready", line)
-                if match:
-                    break
-            yield f"127.0.0.1:{match.group(1)}", proc.pid
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-            reader.join(timeout=30)
 
 
 def client_loop(address: str, index: int, args: argparse.Namespace, deadline: float,
@@ -180,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ps_load-") as tmp, \
-            parameter_server(Path(tmp), args.dim, args.capacity) as (address, pid):
+            parameter_server_process(Path(tmp), SLOT, args.dim, args.capacity) as (address, pid):
         admin = PSClient(address, CommonConfig(rpc_timeout_sec=30))
         admin.wait_ready()
         admin.configure(configure_request({"type": "adagrad", "lr": 0.01}, init_lower=-0.01,

@@ -24,24 +24,20 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import json
 import multiprocessing
 import os
-import queue
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
+from benchmarks.ps_process import parameter_server_process
 from persia_py.config import CommonConfig
 from persia_py.routing import mix64
 from persia_py.servers.optimizers import AdagradConfig, optimizer_to_dict, state_width
@@ -236,65 +232,11 @@ def bench_memory(num_rows: int, dim: int) -> dict[str, float]:
 # -- 5: gRPC ---------------------------------------------------------------------------
 
 
-def _forward_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
-    """Pass ``stream``'s lines on until EOF, then ``None``; keeps the pipe from filling."""
-    try:
-        for line in stream:
-            lines.put(line)
-    finally:
-        lines.put(None)
-
-
-def _wait_for_port(lines: queue.Queue[str | None], stderr_path: Path) -> int:
-    deadline = time.monotonic() + PS_START_TIMEOUT_S
-    while True:
-        try:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
-        except queue.Empty:
-            raise TimeoutError(f"parameter server not ready within {PS_START_TIMEOUT_S:.0f}s; "
-                               f"stderr: {stderr_path}") from None
-        if line is None:
-            tail = stderr_path.read_text()[-2000:]
-            raise RuntimeError(f"parameter server exited before it was ready:\n{tail}")
-        match = re.search(r"on port (\d+) ready", line)
-        if match:
-            return int(match.group(1))
-
-
-@contextlib.contextmanager
-def parameter_server_process(workdir: Path, dim: int, capacity: int) -> Iterator[str]:
-    """A real parameter server in a child process; yields its address, stops it on exit."""
-    embedding_config = workdir / "embedding_config.yml"
-    embedding_config.write_text(f"slots_config:\n  {SLOT}:\n    dim: {dim}\n")
-    global_config = workdir / "global_config.yml"
-    global_config.write_text(f"embedding_parameter_server_config:\n  capacity: {capacity}\n")
-    stderr_path = workdir / "ps.stderr"
-    command = [sys.executable, "-m", "persia_py.launcher.cli", "embedding-parameter-server",
-               "--port", "0", "--embedding-config", str(embedding_config),
-               "--global-config", str(global_config)]
-    lines: queue.Queue[str | None] = queue.Queue()
-    with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        reader = threading.Thread(target=_forward_lines, args=(proc.stdout, lines),
-                                  name="ps-stdout")
-        reader.start()
-        try:
-            yield f"127.0.0.1:{_wait_for_port(lines, stderr_path)}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-            reader.join(timeout=30)
-
-
 def bench_grpc(rng: np.random.Generator, num_rows: int, dim: int, batch: int,
                repeats: int) -> dict[str, float]:
     """ids/s of ``PSClient.lookup`` of existing ids from one PS process on loopback."""
     with tempfile.TemporaryDirectory(prefix="ps_ops-") as tmp, \
-            parameter_server_process(Path(tmp), dim, capacity=2 * num_rows) as address:
+            parameter_server_process(Path(tmp), SLOT, dim, capacity=2 * num_rows) as (address, _):
         client = PSClient(address, CommonConfig())
         try:
             client.wait_ready()

@@ -1,0 +1,71 @@
+"""A real parameter server in a child process, for benchmarks that go through gRPC."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+START_TIMEOUT_S = 120.0
+
+
+def _forward_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    """Pass ``stream``'s lines on until EOF, then ``None``; keeps the pipe from filling."""
+    try:
+        for line in stream:
+            lines.put(line)
+    finally:
+        lines.put(None)
+
+
+def _wait_for_port(lines: queue.Queue[str | None], stderr_path: Path) -> int:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            raise TimeoutError(f"parameter server not ready within {START_TIMEOUT_S:.0f}s; "
+                               f"stderr: {stderr_path}") from None
+        if line is None:
+            tail = stderr_path.read_text()[-2000:]
+            raise RuntimeError(f"parameter server exited before it was ready:\n{tail}")
+        match = re.search(r"on port (\d+) ready", line)
+        if match:
+            return int(match.group(1))
+
+
+@contextlib.contextmanager
+def parameter_server_process(workdir: Path, slot: str, dim: int,
+                             capacity: int) -> Iterator[tuple[str, int]]:
+    """A parameter server with one slot; yields ``(address, pid)`` and stops it on exit."""
+    embedding_config = workdir / "embedding_config.yml"
+    embedding_config.write_text(f"slots_config:\n  {slot}:\n    dim: {dim}\n")
+    global_config = workdir / "global_config.yml"
+    global_config.write_text(f"embedding_parameter_server_config:\n  capacity: {capacity}\n")
+    stderr_path = workdir / "ps.stderr"
+    command = [sys.executable, "-m", "persia_py.launcher.cli", "embedding-parameter-server",
+               "--port", "0", "--embedding-config", str(embedding_config),
+               "--global-config", str(global_config)]
+    lines: queue.Queue[str | None] = queue.Queue()
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        reader = threading.Thread(target=_forward_lines, args=(proc.stdout, lines),
+                                  name="ps-stdout")
+        reader.start()
+        try:
+            yield f"127.0.0.1:{_wait_for_port(lines, stderr_path)}", proc.pid
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+            reader.join(timeout=30)
