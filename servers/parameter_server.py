@@ -6,6 +6,11 @@ bears the slot's name); requests name tables. Tables are created
 when the embedding optimizer arrives (``configure``), because a row's optimizer state is
 laid out by the optimizer. Updates carry ``(worker_id, sequence)``; a pair seen before is
 acknowledged without being applied again, so a retried update is applied once.
+
+A replica in *inference* mode (serving) is read-only: it answers lookups with
+``training=False`` only (unknown ids read as zeros and are never inserted) and refuses
+training lookups and updates with FailedPrecondition; its rows change only by loading a
+checkpoint or applying an incremental export. Its tables never expire rows.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class ParameterServer:
         *,
         replica_index: int = 0,
         replica_size: int = 1,
+        inference: bool = False,
     ) -> None:
         if not 0 <= replica_index < replica_size:
             raise ValueError(f"replica_index {replica_index} not in [0, {replica_size})")
@@ -55,6 +61,8 @@ class ParameterServer:
         self.embedding_config = embedding_config
         self.replica_index = replica_index
         self.replica_size = replica_size
+        self.inference = inference
+        """Read-only serving replica: no training lookups, no updates, no expiry."""
         self._lock = threading.Lock()
         self._settings: TableSettings | None = None
         self._tables: dict[str, EmbeddingTable] = {}
@@ -111,8 +119,9 @@ class ParameterServer:
                     weight_bound=weight_bound,
                     admit_probability=slot.admit_probability,
                     min_occurrences=slot.min_occurrences,
-                    expire_after_steps=slot.expire_after_steps,
-                    expire_after_seconds=slot.expire_after_seconds,
+                    # A serving replica keeps every row it was given.
+                    expire_after_steps=None if self.inference else slot.expire_after_steps,
+                    expire_after_seconds=None if self.inference else slot.expire_after_seconds,
                 )
             self._settings = settings
 
@@ -153,6 +162,9 @@ class ParameterServer:
         ``max_message_bytes`` is refused before anything is inserted. ``outs``: float32
         arrays of :meth:`answer_shapes` to write the embeddings to (they are returned).
         """
+        if training and self.inference:
+            raise FailedPrecondition("this parameter server is in inference mode (read-only): "
+                                     "only lookups with training=False are answered")
         tables = [self._table(slot) for slot, _ in requests]
         for slot, ids in requests:
             self._check_ids(slot, ids)
@@ -182,6 +194,9 @@ class ParameterServer:
         The whole request is validated before any table changes, so a bad request
         changes nothing.
         """
+        if self.inference:
+            raise FailedPrecondition("this parameter server is in inference mode (read-only): "
+                                     "updates are refused")
         tables = [self._table(slot) for slot, _, _ in requests]
         for (slot, ids, grads), table in zip(requests, tables):
             self._check_ids(slot, ids)

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load this replica's rows (and the optimizer settings) from the "
                         "checkpoint DIR (a root: its LATEST; or one checkpoint folder) "
                         "before serving")
+    p.add_argument("--inference", action="store_true",
+                   help="read-only serving replica: lookups never insert rows, updates are "
+                        "refused (also when common_config.job_type is Infer)")
 
     p = sub.add_parser("embedding-worker", help="dedup, route and pool embedding lookups")
     _add_server_flags(p)
@@ -108,6 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder): the NN workers load it, the data loaders skip the batches "
                         "it had trained")
 
+    p = sub.add_parser("serve", help="answer predictions over gRPC from a checkpoint")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="checkpoint root (its LATEST) or one checkpoint folder")
+    p.add_argument("--embedding-config", required=True, help="embedding_config.yml")
+    p.add_argument("--global-config", default=None,
+                   help="global_config.yml (default: all defaults)")
+    p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                   help="callable that builds the dense model (module name or .py file, then "
+                        "the attribute), e.g. examples/criteo_synthetic/model.py:DLRM")
+    p.add_argument("--port", type=int, default=0,
+                   help="port of the Serving service (0: any free port)")
+    p.add_argument("--bind", default="127.0.0.1", help="address every server binds")
+    p.add_argument("--num-ps", type=int, default=1, help="parameter-server replicas")
+    p.add_argument("--device-id", type=int, default=None,
+                   help="CUDA device of the dense model (default: CPU)")
+
     p = sub.add_parser("k8s", help="render Kubernetes manifests for a job")
     from persia_py.launcher.k8s import add_k8s_flags
 
@@ -131,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         "nn-worker": roles.run_nn_worker,
         "data-loader": roles.run_data_loader,
         "local": local.run_local,
+        "serve": _run_serve,
         "k8s": k8s.run_k8s,
         "plot": _run_plot,
     }[args.command]
@@ -139,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"persia-launcher {args.command}: config error: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from persia_py.serving import run_serve  # imports torch: only this command pays for it
+
+    return run_serve(args)
 
 
 def _run_plot(args: argparse.Namespace) -> int:

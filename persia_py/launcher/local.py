@@ -183,6 +183,26 @@ class LocalCluster:
         finally:
             self.stop()
 
+    def supervise(self, stop: threading.Event) -> int:
+        """Keep long-running roles (servers) up until ``stop`` is set.
+
+        A role that dies is restarted when it may be (see ``Role.restart``); otherwise its
+        exit code is returned (1 for a server that exited cleanly). 0 once ``stop`` is set.
+        The roles are left running: the caller stops them (``stop()``).
+        """
+        while not stop.is_set():
+            self._exited.wait(timeout=1.0)
+            self._exited.clear()
+            for role in self.roles:
+                code = role.process.poll()
+                if code is None or stop.is_set():
+                    continue
+                if code != 0 and self._try_restart(role, code):
+                    continue
+                self._log(f"{role.name} exited with code {code}; stopping")
+                return code or 1
+        return 0
+
     def _finish(self) -> int:
         deadline = time.monotonic() + 60.0
         for role in self.roles:

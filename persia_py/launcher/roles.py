@@ -57,8 +57,11 @@ def run_parameter_server(args: argparse.Namespace) -> int:
         raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
     from persia_py.monitoring import ParameterServerMetrics
 
-    ps = ParameterServer(load_global_config(global_path), load_embedding_config(embedding_path),
-                         replica_index=args.replica_index, replica_size=args.replica_size)
+    global_config = load_global_config(global_path)
+    inference = args.inference or global_config.common_config.job_type == "Infer"
+    ps = ParameterServer(global_config, load_embedding_config(embedding_path),
+                         replica_index=args.replica_index, replica_size=args.replica_size,
+                         inference=inference)
     if args.load_checkpoint:
         from persia_py.servers.checkpoint import load_replica
 

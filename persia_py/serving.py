@@ -1,0 +1,235 @@
+"""Online predictions from a checkpoint: ``persia-launcher serve``.
+
+The serving process owns the dense model (built by the user's factory, weights loaded
+from the checkpoint's ``dense-model`` arrays; nothing is unpickled) and a supervised set
+of role processes: parameter-server replicas in inference mode that load the
+checkpoint's rows (lookups never insert, updates are refused) and an embedding worker.
+The ``Serving.Predict`` RPC takes a batch's ID features (CSR) and dense features, looks
+the embeddings up through :class:`~persia_py.ctx.InferCtx` and answers the model's
+output: the same code path as ``eval_ctx`` on the training side, so served predictions
+equal the training job's evaluation of the same rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+from persia_py import checkpoint_format as fmt
+from persia_py import codec
+from persia_py.config import CommonConfig, load_global_config
+from persia_py.ctx import InferCtx
+from persia_py.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
+from persia_py.proto import serving_pb2 as pb
+from persia_py.proto import serving_pb2_grpc
+from persia_py.rpc import call, create_channel, create_server, grpc_method, wait_for_ready
+
+logger = logging.getLogger(__name__)
+
+
+# -- the dense model -------------------------------------------------------------------------
+
+
+def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
+    """The callable ``MODULE:FACTORY`` names; MODULE is an importable module name or a
+    ``.py`` file (whose folder is put on ``sys.path`` so that its own imports work)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model expects MODULE:FACTORY (e.g. my_pkg.model:build or "
+                         f"path/to/model.py:DLRM), got {spec!r}")
+    if module_name.endswith(".py") or os.sep in module_name:
+        path = Path(module_name).resolve()
+        if not path.is_file():
+            raise ValueError(f"--model: {path} is not a file")
+        sys.path.insert(0, str(path.parent))
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[path.stem] = module
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"--model: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def load_dense_model(factory: Callable[[], torch.nn.Module],
+                     checkpoint: str | os.PathLike) -> torch.nn.Module:
+    """``factory()`` with the dense weights of ``checkpoint`` (a root or a folder), in eval mode."""
+    folder = fmt.resolve(checkpoint)
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"the model factory returned a {type(model).__name__}, not a "
+                        "torch.nn.Module")
+    model.load_state_dict(fmt.load_tensors(folder, "dense-model"))
+    return model.eval()
+
+
+# -- the service ------------------------------------------------------------------------------
+
+
+def batch_from_request(request: pb.PredictRequest) -> PersiaBatch:
+    """The PersiaBatch (no labels, no gradients) a PredictRequest describes."""
+    if not request.id_features:
+        raise ValueError("id_features: a batch needs its ID features")
+    id_features = [IDTypeFeature.from_csr(*codec.decode_id_feature(f, f"id_features[{i}]"))
+                   for i, f in enumerate(request.id_features)]
+    dense = [NonIDTypeFeature(codec.decode(t, name=f"non_id_features[{i}]"))
+             for i, t in enumerate(request.non_id_features)]
+    return PersiaBatch(id_features, non_id_type_features=dense, requires_grad=False)
+
+
+class ServingServicer(serving_pb2_grpc.ServingServicer):
+    """Predict: decode, look up through ``ctx`` (never inserting), run the model, encode."""
+
+    def __init__(self, ctx: InferCtx) -> None:
+        self.ctx = ctx
+
+    @grpc_method
+    def Predict(self, request, context):
+        batch = batch_from_request(request)
+        output, _ = self.ctx.forward(self.ctx.prepare(batch))
+        outputs = output if isinstance(output, (tuple, list)) else [output]
+        return pb.PredictResponse(outputs=[
+            codec.encode(o.detach().float().cpu().numpy()) for o in outputs])
+
+
+def create_serving_server(ctx: InferCtx, address: str) -> tuple[grpc.Server, int]:
+    """A started Serving gRPC server on ``address``; returns (server, port)."""
+    server, port = create_server(address, ctx.common)
+    serving_pb2_grpc.add_ServingServicer_to_server(ServingServicer(ctx), server)
+    server.start()
+    return server, port
+
+
+class ServingClient:
+    """Client of ``persia-launcher serve``."""
+
+    def __init__(self, address: str, common: CommonConfig | None = None) -> None:
+        self.address = address
+        self.common = common or CommonConfig()
+        self.channel = create_channel(address, self.common)
+        self.stub = serving_pb2_grpc.ServingStub(self.channel)
+
+    def wait_ready(self) -> None:
+        wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
+
+    def predict(self, id_features: list[tuple[str, np.ndarray, np.ndarray]],
+                non_id_features: list[np.ndarray]) -> list[np.ndarray]:
+        """The model's outputs for one batch: ``(slot, ids, lengths)`` per slot, dense arrays."""
+        request = pb.PredictRequest(
+            id_features=[codec.encode_id_feature(*f) for f in id_features],
+            non_id_features=[codec.encode(a) for a in non_id_features],
+        )
+        answer = call(self.stub.Predict, request, timeout=self.common.rpc_timeout_sec,
+                      idempotent=True, what=f"serving {self.address}")
+        return [codec.decode(t, name=f"outputs[{i}]") for i, t in enumerate(answer.outputs)]
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+# -- persia-launcher serve ------------------------------------------------------------------
+
+
+def _wait_for_roles(cluster, addresses: list[str], common: CommonConfig,
+                    stop: threading.Event) -> bool:
+    """Wait until every address accepts connections; False if ``stop`` was set first.
+    A role that exits meanwhile (e.g. a checkpoint it cannot load) ends the wait."""
+    deadline = time.monotonic() + common.startup_timeout_sec
+    for address in addresses:
+        channel = create_channel(address, common)
+        try:
+            while True:
+                if stop.is_set():
+                    return False
+                for role in cluster.roles:
+                    code = role.process.poll()
+                    if code is not None:
+                        raise SystemExit(f"serve: {role.name} exited with code {code} while "
+                                         "starting (see its output above)")
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"serve: {address} not reachable within "
+                                     f"{common.startup_timeout_sec:.0f}s")
+                try:
+                    wait_for_ready(channel, address, 1.0)
+                    break
+                except TimeoutError:
+                    continue
+        finally:
+            channel.close()
+    return True
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from persia_py.env import ENV_EMBEDDING_CONFIG, ENV_GLOBAL_CONFIG, ENV_PS_ADDRS
+    from persia_py.launcher.local import LocalCluster, Role, free_ports
+    from persia_py.launcher.roles import validate_configs
+
+    if args.num_ps < 1:
+        raise SystemExit("--num-ps must be >= 1")
+    validate_configs(args.global_config, args.embedding_config)
+    global_config = load_global_config(args.global_config)
+    try:
+        folder = fmt.resolve(args.checkpoint)
+    except fmt.CheckpointError as exc:
+        raise SystemExit(f"--checkpoint: {exc}") from None
+    model = load_dense_model(load_factory(args.model), folder)
+    print(f"serve: dense model {args.model} loaded from {folder}", flush=True)
+
+    host = args.bind
+    *ps_ports, ew_port = free_ports(args.num_ps + 1, host)
+    ps_addrs = [f"{host}:{p}" for p in ps_ports]
+    env = dict(os.environ)
+    env.update({ENV_EMBEDDING_CONFIG: os.path.abspath(args.embedding_config),
+                ENV_PS_ADDRS: ",".join(ps_addrs), "PYTHONUNBUFFERED": "1"})
+    if args.global_config:
+        env[ENV_GLOBAL_CONFIG] = os.path.abspath(args.global_config)
+    launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
+    increments = getattr(args, "follow_increments", None)
+    follow = ["--follow-increments", increments] if increments else []
+    roles = [Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
+                              "--bind", host, "--replica-index", str(i),
+                              "--replica-size", str(args.num_ps), "--inference",
+                              "--load-checkpoint", str(folder), *follow])
+             for i, p in enumerate(ps_ports)]
+    for role in roles:  # a replica that dies comes back from the same checkpoint
+        role.restart = (lambda command: lambda: command)(role.command)
+    roles.append(Role("embedding-worker-0", [*launcher, "embedding-worker", "--port",
+                                             str(ew_port), "--bind", host]))
+    cluster = LocalCluster(roles, env)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start()
+        ew_addr = f"{host}:{ew_port}"
+        if not _wait_for_roles(cluster, [*ps_addrs, ew_addr], global_config.common_config,
+                               stop):
+            return 0
+        with InferCtx(model=model, embedding_worker_addresses=[ew_addr],
+                      global_config=global_config, device_id=args.device_id) as ctx:
+            model.to(ctx.device)
+            server, port = create_serving_server(ctx, f"{host}:{args.port}")
+            print(f"serve: parameter servers {','.join(ps_addrs)}", flush=True)
+            print(f"serve ready on port {port}", flush=True)
+            try:
+                return cluster.supervise(stop)
+            finally:
+                server.stop(grace=2.0).wait(10.0)
+    finally:
+        cluster.stop()
