@@ -110,11 +110,25 @@ class CheckpointConfig:
     """Checkpoint root that ``TrainCtx`` writes periodic checkpoints to (none: off)."""
     every_steps: int = 0
     """Checkpoint after every this many training steps of each rank (0: never)."""
+    incremental_dir: str | None = None
+    """Folder each training parameter server writes incremental exports to (the rows
+    inserted or updated since its last export), for serving replicas that follow them."""
+    incremental_every_updates: int = 0
+    """Export after this many applied updates (requests) of a replica (0: not by count)."""
+    incremental_every_sec: float = 0.0
+    """Export once this many seconds have passed since a replica's last export (0: not
+    by time)."""
 
     def __post_init__(self) -> None:
         _check_range(self, "every_steps", 0, 2**40)
         if self.every_steps and not self.dir:
             raise ConfigError("dir: required when every_steps > 0")
+        _check_range(self, "incremental_every_updates", 0, 2**40)
+        _check_range(self, "incremental_every_sec", 0.0, 86400.0 * 365)
+        if (self.incremental_every_updates or self.incremental_every_sec) and (
+                not self.incremental_dir):
+            raise ConfigError("incremental_dir: required when incremental_every_updates or "
+                              "incremental_every_sec > 0")
 
 
 @dataclass(kw_only=True, frozen=True)

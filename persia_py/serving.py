@@ -200,8 +200,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.global_config:
         env[ENV_GLOBAL_CONFIG] = os.path.abspath(args.global_config)
     launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
-    increments = getattr(args, "follow_increments", None)
-    follow = ["--follow-increments", increments] if increments else []
+    follow = (["--follow-increments", os.path.abspath(args.follow_increments)]
+              if args.follow_increments else [])
     roles = [Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
                               "--bind", host, "--replica-index", str(i),
                               "--replica-size", str(args.num_ps), "--inference",

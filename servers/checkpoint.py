@@ -48,6 +48,8 @@ def dump_replica(ps: ParameterServer, directory: str | Path) -> tuple[int, int]:
     if ps._settings is None:
         raise FailedPrecondition("nothing to dump: no embedding optimizer configured yet")
     started = time.perf_counter()
+    # Read before any row is copied: increments after this one hold rows at least as new.
+    increment_seq = ps.increment_seq
     tables, num_rows, num_bytes = {}, 0, 0
     r = ps.replica_index
     for t, (name, table) in enumerate(sorted(ps._tables.items())):
@@ -69,6 +71,7 @@ def dump_replica(ps: ParameterServer, directory: str | Path) -> tuple[int, int]:
     fmt.save_json(directory / replica_file(r), {
         "replica_index": r, "replica_size": ps.replica_size,
         "settings": dataclasses.asdict(ps._settings), "tables": tables, "seen": seen,
+        "increment_seq": increment_seq,
     })
     logger.info("replica %d dumped %d rows (%.1f MB) to %s in %.2fs", r, num_rows,
                 num_bytes / 1e6, directory, time.perf_counter() - started)

@@ -69,6 +69,10 @@ class ParameterServer:
         self._seen: dict[str, collections.OrderedDict[int, None]] = {}
         self._seen_lock = threading.Lock()
         self.num_updates = 0
+        self.tracks_changes = False
+        """Tables remember changed rows (for incremental exports; see ``track_changes``)."""
+        self.increment_seq = 0
+        """Sequence number of the last incremental export (recorded in checkpoints)."""
 
     # -- configuration -------------------------------------------------------------
 
@@ -123,7 +127,17 @@ class ParameterServer:
                     expire_after_steps=None if self.inference else slot.expire_after_steps,
                     expire_after_seconds=None if self.inference else slot.expire_after_seconds,
                 )
+                if self.tracks_changes:
+                    self._tables[name].track_changes()
             self._settings = settings
+
+    def track_changes(self) -> None:
+        """Every table, now and after any (re)configuration, remembers the rows that
+        inserts and updates change (``EmbeddingTable.export_changed_rows``)."""
+        with self._lock:
+            self.tracks_changes = True
+            for table in self._tables.values():
+                table.track_changes()
 
     @property
     def configured(self) -> bool:

@@ -101,6 +101,9 @@ class _Shard:
         self.admitted = self.rejected = self.expired = 0
         self.sketch: np.ndarray | None = None
         self.sightings = 0
+        self.changed: list[np.ndarray] | None = None
+        """Ids inserted or updated since the last ``take_changes`` (None: not tracked)."""
+        self.num_changed = 0
         if table.min_occurrences > 1:
             width = 1 << max(share - 1, 1).bit_length()
             width = min(max(width, _SKETCH_MIN_WIDTH), _SKETCH_MAX_WIDTH)
@@ -173,6 +176,7 @@ class _Shard:
         self.last_access[start:end] = tick
         self.size = end
         self.inserted += n_new
+        self._log_changes(admitted)
         if n_new < new_ids.shape[0]:
             all_rows = np.full(new_ids.shape[0], -1, dtype=np.int64)
             all_rows[keep] = new_rows
@@ -235,8 +239,31 @@ class _Shard:
             new[: self.size] = old[: self.size]
             setattr(self, name, new)
 
+    def _log_changes(self, ids: np.ndarray) -> None:
+        """Remember ``ids`` as changed (ids no longer stored are dropped on export)."""
+        if self.changed is None:
+            return
+        self.changed.append(ids.copy())
+        self.num_changed += ids.shape[0]
+        if self.num_changed > 4 * max(self.size, _INITIAL_ROWS):  # bound the log's memory
+            merged = np.unique(np.concatenate(self.changed))
+            self.changed, self.num_changed = [merged], merged.shape[0]
+
+    def take_changes(self) -> tuple[np.ndarray, ...]:
+        """Copies of the rows changed since the last call (ids, weights, state, last
+        access) of those still stored; the log starts again empty."""
+        with self.lock:
+            ids = (np.unique(np.concatenate(self.changed)) if self.changed
+                   else np.zeros(0, np.uint64))
+            self.changed, self.num_changed = [], 0
+            rows = self.index.find(ids)
+            rows = rows[rows >= 0]
+            return (self.ids[rows], self.weights[rows], self.state[rows],
+                    self.last_access[rows])
+
     def update(self, ids: np.ndarray, grads: np.ndarray, tick: int) -> int:
         with self.lock:
+            self._log_changes(ids)
             rows, grads, _ = kernels.sum_duplicate_rows(self.index.find(ids), grads)
             return self.table._step(self.weights, self.state, rows, grads,
                                     self.last_access, tick)
@@ -487,6 +514,24 @@ class EmbeddingTable:
                 n = shard.size
                 parts.append((shard.ids[:n].copy(), shard.weights[:n].copy(),
                               shard.state[:n].copy(), shard.last_access[:n].copy()))
+        ids, weights, state, stamps = (np.concatenate(p) for p in zip(*parts))
+        with self._clock_lock:
+            clock = self._clock
+        return {"ids": ids, "weights": weights, "state": state, "last_access": stamps,
+                "clock": clock}
+
+    def track_changes(self) -> None:
+        """From now on, remember which rows are inserted or updated (for incremental
+        exports: :meth:`export_changed_rows`)."""
+        for shard in self._shards:
+            with shard.lock:
+                if shard.changed is None:
+                    shard.changed = []
+
+    def export_changed_rows(self) -> dict[str, np.ndarray | int]:
+        """Like :meth:`export_rows`, but only the rows inserted or updated since the last
+        call (still stored ones); each shard's log is taken and emptied under its lock."""
+        parts = [shard.take_changes() for shard in self._shards]
         ids, weights, state, stamps = (np.concatenate(p) for p in zip(*parts))
         with self._clock_lock:
             clock = self._clock

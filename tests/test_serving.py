@@ -108,3 +108,78 @@ def test_served_predictions_equal_the_training_jobs_evaluation(tmp_path: Path) -
     finally:
         serve.stop()
     assert "Traceback" not in serve.output(), serve.output()
+
+
+# -- incremental exports -------------------------------------------------------------------
+
+
+def _rows_of(replicas: list[ParameterServer], table: str) -> dict[str, np.ndarray]:
+    parts = [ps._tables[table].export_rows() for ps in replicas]
+    ids = np.concatenate([p["ids"] for p in parts])
+    order = np.argsort(ids)
+    return {k: np.concatenate([p[k] for p in parts])[order] for k in ("ids", "weights", "state")}
+
+
+def test_a_serving_replica_following_increments_converges_to_the_training_rows(
+        tmp_path: Path) -> None:
+    from persia_py import checkpoint_format as fmt
+    from persia_py.routing import replica_of
+    from persia_py.servers.checkpoint import dump_replica, load_replica
+    from persia_py.servers.increments import (
+        IncrementalExporter,
+        IncrementFollower,
+        base_increment_seqs,
+        newest_increments,
+    )
+
+    embedding = EmbeddingConfig(slots_config={"user": SlotConfig(dim=4),
+                                              "item": SlotConfig(dim=8)})
+    training = [ParameterServer(GlobalConfig(), embedding, replica_index=i, replica_size=2)
+                for i in range(2)]
+    for ps in training:
+        ps.configure(optimizer={"type": "adagrad", "lr": 0.1}, seed=3)
+    inc_dir, root = tmp_path / "increments", tmp_path / "ckpt"
+    # By count, checked by the exporter thread; export_now below forces the last one.
+    exporters = [IncrementalExporter(ps, inc_dir, every_updates=3).start() for ps in training]
+    rng = np.random.default_rng(0)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            for slot, dim in (("user", 4), ("item", 8)):
+                ids = np.unique(rng.integers(1, 3000, 300).astype(np.uint64))
+                owner = replica_of(ids, 2)
+                grads = rng.normal(size=(ids.size, dim)).astype(np.float32)
+                for r, ps in enumerate(training):
+                    ps.lookup([(slot, ids[owner == r])], training=True)
+                    ps.update([(slot, ids[owner == r], grads[owner == r])])
+
+    try:
+        train(4)
+        for e in exporters:
+            e.export_now()
+        tmp = fmt.new_tmp_dir(root)
+        for ps in training:
+            dump_replica(ps, tmp)
+        fmt.commit(tmp, {"num_ps_replicas": 2, "rank_steps": [4]}, step=4)
+        train(10)  # ids never seen before the checkpoint come in too
+        for e in exporters:
+            e.export_now()
+    finally:
+        for e in exporters:
+            e.close()
+    serving = ParameterServer(GlobalConfig(), embedding, inference=True)  # 2 replicas -> 1
+    load_replica(serving, root)
+    base = base_increment_seqs(root)
+    assert all(seq >= 1 for seq in base.values())
+    follower = IncrementFollower(serving, inc_dir, after=base, poll_sec=0.05).start()
+    try:
+        newest = newest_increments(inc_dir)
+        assert all(newest[r] > base[r] for r in range(2))
+        for r, seq in newest.items():
+            assert follower.wait_applied(r, seq, timeout=30), follower.applied
+    finally:
+        follower.close()
+    for table in ("user", "item"):
+        want, got = _rows_of(training, table), _rows_of([serving], table)
+        for key in want:
+            assert np.array_equal(want[key], got[key]), (table, key)

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inference", action="store_true",
                    help="read-only serving replica: lookups never insert rows, updates are "
                         "refused (also when common_config.job_type is Infer)")
+    p.add_argument("--follow-increments", default=None, metavar="DIR",
+                   help="with --inference: apply the incremental exports in DIR (after those "
+                        "--load-checkpoint already holds) as they appear")
 
     p = sub.add_parser("embedding-worker", help="dedup, route and pool embedding lookups")
     _add_server_flags(p)
@@ -126,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-ps", type=int, default=1, help="parameter-server replicas")
     p.add_argument("--device-id", type=int, default=None,
                    help="CUDA device of the dense model (default: CPU)")
+    p.add_argument("--follow-increments", default=None, metavar="DIR",
+                   help="the parameter servers apply the training job's incremental exports "
+                        "in DIR (checkpoint_config.incremental_dir) as they appear")
 
     p = sub.add_parser("k8s", help="render Kubernetes manifests for a job")
     from persia_py.launcher.k8s import add_k8s_flags

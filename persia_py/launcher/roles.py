@@ -68,6 +68,23 @@ def run_parameter_server(args: argparse.Namespace) -> int:
         num_rows, _ = load_replica(ps, args.load_checkpoint)
         print(f"embedding-parameter-server {args.replica_index} loaded {num_rows} rows from "
               f"checkpoint {args.load_checkpoint}", flush=True)
+    from persia_py.servers.increments import (
+        IncrementalExporter,
+        IncrementFollower,
+        base_increment_seqs,
+    )
+
+    background = []  # the exporter or follower thread, joined on close
+    ckpt_cfg = global_config.checkpoint_config
+    if args.follow_increments:
+        if not inference:
+            raise SystemExit("--follow-increments needs --inference (a serving replica)")
+        after = base_increment_seqs(args.load_checkpoint) if args.load_checkpoint else {}
+        background.append(IncrementFollower(ps, args.follow_increments, after=after).start())
+    elif not inference and (ckpt_cfg.incremental_every_updates or ckpt_cfg.incremental_every_sec):
+        background.append(IncrementalExporter(
+            ps, ckpt_cfg.incremental_dir, every_updates=ckpt_cfg.incremental_every_updates,
+            every_sec=ckpt_cfg.incremental_every_sec).start())
     metrics = ParameterServerMetrics(ps)
     server, port = create_ps_server(ps, f"{args.bind}:{args.port}", metrics)
     what = f"embedding-parameter-server {args.replica_index}"
@@ -78,7 +95,11 @@ def run_parameter_server(args: argparse.Namespace) -> int:
     finally:
         if metrics_server is not None:
             metrics_server.close()
-        ps.close()
+        try:
+            for thread in background:
+                thread.close()
+        finally:
+            ps.close()
 
 
 def run_embedding_worker(args: argparse.Namespace) -> int:
