@@ -34,6 +34,7 @@ from persia_py.proto import common_pb2
 from persia_py.routing import RESERVED_ID, hash_stack, replica_of, split_by
 from persia_py.rpc import NotFound, Overloaded
 from persia_py.workers.budget import ByteBudget
+from persia_py.workers.dedup import unique_inverse
 from persia_py.workers.ps_client import PSClient
 
 logger = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ class EmbeddingWorker:
         # table: the slots of a feature group share one table, so their ids are fetched once.
         uniques, inverses = {}, {}
         for f in features:
-            uniques[f.slot], inverses[f.slot] = np.unique(f.ids, return_inverse=True)
+            uniques[f.slot], inverses[f.slot] = unique_inverse(f.ids)
         tables = self._tables_of([f.slot for f in features])
         table_ids = {t: _union([uniques[s] for s in slots]) for t, slots in tables.items()}
         rpc_started = time.perf_counter()
@@ -288,7 +289,7 @@ class EmbeddingWorker:
             result.append(SlotRows(
                 slot=f.slot,
                 rows=rows,
-                index=inverses[f.slot].astype(np.int64).reshape(-1),
+                index=inverses[f.slot],
                 lengths=f.lengths,
                 pooling=cfg.pooling_mode,
                 sqrt_scaling=cfg.sqrt_scaling,
@@ -410,9 +411,10 @@ class EmbeddingWorker:
             client.close()
 
 
-def _union(sorted_ids: list[np.ndarray]) -> np.ndarray:
-    """Sorted distinct ids of several sorted distinct-id arrays."""
-    return sorted_ids[0] if len(sorted_ids) == 1 else np.unique(np.concatenate(sorted_ids))
+def _union(distinct_ids: list[np.ndarray]) -> np.ndarray:
+    """Distinct ids of several distinct-id arrays: the one array as it is, else sorted (so
+    that a slot finds its rows in it with searchsorted)."""
+    return distinct_ids[0] if len(distinct_ids) == 1 else np.unique(np.concatenate(distinct_ids))
 
 
 def _sum_by_id(ids: list[np.ndarray], grads: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
