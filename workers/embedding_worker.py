@@ -316,21 +316,22 @@ class EmbeddingWorker:
         splits = {}
         per_replica: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(num_replicas)]
         for table, ids in table_ids.items():
-            order, bounds = split_by(replica_of(ids, num_replicas), num_replicas)
-            splits[table] = order, bounds
-            for r in range(num_replicas):
-                per_replica[r].append((table, ids[order[bounds[r]:bounds[r + 1]]]))
+            splits[table] = _by_replica(ids, num_replicas)
+            for r, positions in enumerate(splits[table]):
+                per_replica[r].append((table, ids[positions]))
         answers = list(self._pool.map(
             lambda r: self._on_replica(r, lambda c: c.lookup(per_replica[r], training=training)),
             range(num_replicas),
         ))
         out = {}
         for pos, (table, ids) in enumerate(table_ids.items()):
+            if num_replicas == 1:
+                out[table] = answers[0][pos]
+                continue
             dim = self.embedding_config.slots_config[self.embedding_config.tables[table][0]].dim
-            order, bounds = splits[table]
             rows = np.empty((ids.size, dim), dtype=np.float32)
-            for r in range(num_replicas):
-                rows[order[bounds[r]:bounds[r + 1]]] = answers[r][pos]
+            for r, positions in enumerate(splits[table]):
+                rows[positions] = answers[r][pos]
             out[table] = rows
         return out
 
@@ -390,11 +391,10 @@ class EmbeddingWorker:
         per_replica: list[list[tuple[str, np.ndarray, np.ndarray]]] = [[] for _ in range(num_replicas)]
         for table, slots in self._tables_of(list(finite)).items():
             ids, g = _sum_by_id([batch.unique_ids[s] for s in slots], [finite[s] for s in slots])
-            order, bounds = split_by(replica_of(ids, num_replicas), num_replicas)
-            for r in range(num_replicas):
-                sel = order[bounds[r]:bounds[r + 1]]
-                if sel.size:
-                    per_replica[r].append((table, ids[sel], g[sel]))
+            for r, positions in enumerate(_by_replica(ids, num_replicas)):
+                part = ids[positions]
+                if part.size:
+                    per_replica[r].append((table, part, g[positions]))
         if batch.sequences is None:
             batch.sequences = [next(self._sequence) for _ in range(num_replicas)]
         sequences = batch.sequences
@@ -410,6 +410,14 @@ class EmbeddingWorker:
         self._pool.shutdown(wait=True)
         for client in self.ps_clients:
             client.close()
+
+
+def _by_replica(ids: np.ndarray, num_replicas: int) -> list[np.ndarray | slice]:
+    """Positions of the ids each replica owns; with one replica, a slice (views, no copies)."""
+    if num_replicas == 1:
+        return [slice(None)]
+    order, bounds = split_by(replica_of(ids, num_replicas), num_replicas)
+    return [order[bounds[r]:bounds[r + 1]] for r in range(num_replicas)]
 
 
 def _union(distinct_ids: list[np.ndarray]) -> np.ndarray:

@@ -90,8 +90,10 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
         for i, s in enumerate(request.slots):
             if s.slot in grads:
                 raise ValueError(f"slot {s.slot!r} appears twice")
+            # Kept in the precision they arrived in: this worker only routes them (the
+            # parameter servers widen to float32 before the optimizer step).
             grads[s.slot] = codec.decode(s.grads, name=f"slots[{i}].grads",
-                                         dtypes=("float16", "float32"), ndim=2, as_float32=True)
+                                         dtypes=("float16", "float32"), ndim=2)
         return pb.UpdateGradientsResponse(num_updated=self.worker.update_gradients(request.ref, grads))
 
     @grpc_method
