@@ -113,14 +113,6 @@ def decode(
     return array
 
 
-def decode_finite(tensor: common_pb2.Tensor, *, name: str, ndim: int) -> np.ndarray:
-    """Decode a float tensor as float32 and reject NaN or infinite values."""
-    array = decode(tensor, name=name, dtypes=("float16", "float32"), ndim=ndim, as_float32=True)
-    if not np.isfinite(array).all():
-        raise CodecError(f"{name}: contains NaN or infinite values")
-    return array
-
-
 def encode_id_feature(slot: str, ids: np.ndarray, lengths: np.ndarray) -> common_pb2.IdFeature:
     """One ID-type feature in CSR form: flat uint64 ids and int32 per-sample lengths."""
     return common_pb2.IdFeature(

@@ -65,7 +65,9 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             (
                 s.slot,
                 codec.decode(s.ids, name=f"slots[{i}].ids", dtypes=("uint64",), ndim=1),
-                codec.decode_finite(s.grads, name=f"slots[{i}].grads", ndim=2),
+                # Finiteness is checked once, by ParameterServer.update, for the whole request.
+                codec.decode(s.grads, name=f"slots[{i}].grads", dtypes=("float16", "float32"),
+                             ndim=2, as_float32=True),
             )
             for i, s in enumerate(request.slots)
         ]
