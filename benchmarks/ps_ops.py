@@ -4,7 +4,10 @@
                                 [--memory-rows 10000000] [--json PATH] [--quick]
 
 Each throughput is ``batch / median seconds`` over ``--repeats`` batches, each batch
-different (so no batch finds its rows already in cache from the previous repeat):
+different (so no batch finds its rows already in cache from the previous repeat), and
+each call is paired with a call of its baseline right before it, on a batch of its own:
+ours and the baseline see the same machine, however busy it is, so the ratio of the two
+medians holds up on a noisy machine where either figure alone would not.
 
 1. ``lookup``: existing ids, ``EmbeddingTable`` with Adagrad, 1 and 4 internal shards;
 2. ``insert``: new ids, ``lookup(insert=True)``;
@@ -65,14 +68,44 @@ DEFAULT = {"rows": 4_000_000, "batch": 100_000, "repeats": 7, "memory_rows": 10_
 # -- helpers ---------------------------------------------------------------------------
 
 
-def median_seconds(fn: Callable[[Any], object], inputs: Sequence[Any]) -> float:
-    """Median wall time of ``fn(x)``, one call per ``x``; inputs are built beforehand."""
-    times = []
-    for x in inputs:
-        start = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _seconds(fn: Callable[[Any], object], x: Any) -> float:
+    start = time.perf_counter()
+    fn(x)
+    return time.perf_counter() - start
+
+
+def paired_medians(ours: Callable[[Any], object], inputs: Sequence[Any],
+                   baseline: Callable[[Any], object], baseline_inputs: Sequence[Any]
+                   ) -> tuple[float, float]:
+    """Median wall times ``(ours, baseline)``, calling ``baseline(baseline_inputs[i])``
+    right before ``ours(inputs[i])``; inputs are built beforehand."""
+    ours_s, base_s = [], []
+    for x, y in zip(inputs, baseline_inputs, strict=True):
+        base_s.append(_seconds(baseline, y))
+        ours_s.append(_seconds(ours, x))
+    return statistics.median(ours_s), statistics.median(base_s)
+
+
+class Take:
+    """The baseline of 1-3: ``numpy.take`` of random rows of a plain float32 array."""
+
+    def __init__(self, rng: np.random.Generator, num_rows: int, dim: int, batch: int) -> None:
+        self.plain = np.full((num_rows, dim), 0.01, dtype=np.float32)  # every page resident
+        self.rng, self.num_rows, self.batch = rng, num_rows, batch
+        np.take(self.plain, self.batches(1)[0], axis=0)  # first touch of an output
+
+    def batches(self, repeats: int) -> list[np.ndarray]:
+        return [self.rng.choice(self.num_rows, self.batch, replace=False)
+                for _ in range(repeats)]
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        return np.take(self.plain, rows, axis=0)
+
+    def paired(self, ours: Callable[[Any], object], inputs: Sequence[Any]
+               ) -> tuple[float, float]:
+        """``(ours, take)`` ids/s, paired call by call (see :func:`paired_medians`)."""
+        ours_s, take_s = paired_medians(ours, inputs, self, self.batches(len(inputs)))
+        return self.batch / ours_s, self.batch / take_s
 
 
 def ids_of(keys: np.ndarray) -> np.ndarray:
@@ -142,56 +175,54 @@ def ratio_line(name: str, ours: float, baseline: float, baseline_name: str,
 # -- 1-3: in-process table -------------------------------------------------------------
 
 
-def bench_take(rng: np.random.Generator, num_rows: int, dim: int, batch: int,
-               repeats: int) -> float:
-    """ids/s of ``numpy.take`` of ``batch`` random rows from a plain (num_rows, dim) array."""
-    plain = np.full((num_rows, dim), 0.01, dtype=np.float32)  # written: every page resident
-    rows = [rng.choice(num_rows, batch, replace=False) for _ in range(repeats)]
-    np.take(plain, rows[0], axis=0)  # first touch of the output allocation
-    return batch / median_seconds(lambda r: np.take(plain, r, axis=0), rows)
-
-
-def bench_lookup(table: EmbeddingTable, rng: np.random.Generator, num_rows: int, batch: int,
-                 repeats: int) -> float:
+def bench_lookup(table: EmbeddingTable, take: Take, rng: np.random.Generator, num_rows: int,
+                 batch: int, repeats: int) -> tuple[float, float]:
     batches = existing_batches(rng, num_rows, batch, repeats)
     check_all_found(table.lookup(batches[0], insert=False), batch, "lookup")
-    return batch / median_seconds(lambda ids: table.lookup(ids, insert=False), batches)
+    return take.paired(lambda ids: table.lookup(ids, insert=False), batches)
 
 
-def bench_insert(table: EmbeddingTable, num_rows: int, batch: int, repeats: int) -> float:
+def bench_insert(table: EmbeddingTable, take: Take, num_rows: int, batch: int,
+                 repeats: int) -> tuple[float, float]:
     # Into the filled table, as in training; a batch that makes the arrays double pays
     # for copying them, which the median leaves out but a mean would not.
     batches = new_batches(num_rows, batch, repeats)
-    return batch / median_seconds(lambda ids: table.lookup(ids, insert=True), batches)
+    return take.paired(lambda ids: table.lookup(ids, insert=True), batches)
 
 
-def bench_update(table: EmbeddingTable, rng: np.random.Generator, num_rows: int, batch: int,
-                 repeats: int) -> float:
+def bench_update(table: EmbeddingTable, take: Take, rng: np.random.Generator, num_rows: int,
+                 batch: int, repeats: int) -> tuple[float, float]:
     batches = existing_batches(rng, num_rows, batch, repeats)
     grads = rng.standard_normal((batch, table.dim), dtype=np.float32) * np.float32(0.01)
     if table.update(batches[0], grads) != batch:
         raise RuntimeError("update: not every id was found; the table was not filled")
-    return batch / median_seconds(lambda ids: table.update(ids, grads), batches)
+    return take.paired(lambda ids: table.update(ids, grads), batches)
 
 
-def bench_table(num_shards: int, rng: np.random.Generator, num_rows: int, dim: int,
+def filled_table(num_shards: int, num_rows: int, dim: int, batch: int, repeats: int
+                 ) -> tuple[EmbeddingTable, float]:
+    """A table holding ``num_rows`` rows, with room for the inserts of :func:`bench_insert`
+    (nothing evicted), and its fill rate in ids/s."""
+    capacity = num_rows + (repeats + 1) * batch
+    table = EmbeddingTable(dim=dim, optimizer=OPTIMIZER, num_shards=num_shards,
+                           capacity=capacity)
+    start = time.perf_counter()
+    fill(table, num_rows)
+    return table, num_rows / (time.perf_counter() - start)
+
+
+def bench_table(table: EmbeddingTable, take: Take, rng: np.random.Generator, num_rows: int,
                 batch: int, repeats: int) -> dict[str, float]:
-    """Fill a table of ``num_rows`` rows, then time lookup, insert and update on it."""
-    capacity = num_rows + (repeats + 1) * batch  # room for the inserts: nothing evicted
-    with EmbeddingTable(dim=dim, optimizer=OPTIMIZER, num_shards=num_shards,
-                        capacity=capacity) as table:
-        start = time.perf_counter()
-        fill(table, num_rows)
-        fill_s = time.perf_counter() - start
-        out = {
-            "fill_ids_per_s": num_rows / fill_s,
-            "lookup_ids_per_s": bench_lookup(table, rng, num_rows, batch, repeats),
-            "insert_ids_per_s": bench_insert(table, num_rows, batch, repeats),
-            "update_ids_per_s": bench_update(table, rng, num_rows, batch, repeats),
-        }
-        if table.stats()["evicted"]:
-            raise RuntimeError("rows were evicted; capacity is too small for the benchmark")
-        return out
+    """Lookup, insert and update on a filled table, each paired with ``take``."""
+    out: dict[str, float] = {}
+    for op, (ours, base) in (
+            ("lookup", bench_lookup(table, take, rng, num_rows, batch, repeats)),
+            ("insert", bench_insert(table, take, num_rows, batch, repeats)),
+            ("update", bench_update(table, take, rng, num_rows, batch, repeats))):
+        out[f"{op}_ids_per_s"], out[f"{op}_take_ids_per_s"] = ours, base
+    if table.stats()["evicted"]:
+        raise RuntimeError("rows were evicted; capacity is too small for the benchmark")
+    return out
 
 
 # -- 4: memory -------------------------------------------------------------------------
@@ -232,9 +263,10 @@ def bench_memory(num_rows: int, dim: int) -> dict[str, float]:
 # -- 5: gRPC ---------------------------------------------------------------------------
 
 
-def bench_grpc(rng: np.random.Generator, num_rows: int, dim: int, batch: int,
-               repeats: int) -> dict[str, float]:
-    """ids/s of ``PSClient.lookup`` of existing ids from one PS process on loopback."""
+def bench_grpc(table: EmbeddingTable, rng: np.random.Generator, num_rows: int, dim: int,
+               batch: int, repeats: int) -> dict[str, float]:
+    """ids/s of ``PSClient.lookup`` of existing ids from one PS process on loopback,
+    paired call by call with an in-process lookup on ``table`` (filled the same way)."""
     with tempfile.TemporaryDirectory(prefix="ps_ops-") as tmp, \
             parameter_server_process(Path(tmp), SLOT, dim, capacity=2 * num_rows) as (address, _):
         client = PSClient(address, CommonConfig())
@@ -254,10 +286,13 @@ def bench_grpc(rng: np.random.Generator, num_rows: int, dim: int, batch: int,
 
             batches = existing_batches(rng, num_rows, batch, repeats)
             check_all_found(lookup(batches[0]), batch, "grpc lookup")
-            seconds = median_seconds(lookup, batches)
+            seconds, local_seconds = paired_medians(
+                lookup, batches, lambda ids: table.lookup(ids, insert=False),
+                existing_batches(rng, num_rows, batch, repeats))
         finally:
             client.close()
-    return {"grpc_fill_ids_per_s": num_rows / fill_s, "grpc_lookup_ids_per_s": batch / seconds}
+    return {"grpc_fill_ids_per_s": num_rows / fill_s, "grpc_lookup_ids_per_s": batch / seconds,
+            "grpc_local_lookup_ids_per_s": batch / local_seconds}
 
 
 # -- entry point -----------------------------------------------------------------------
@@ -300,23 +335,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{batch:,} ids, median of {repeats}, {os.cpu_count()} CPUs", flush=True)
 
     warm_up(dim)
-    take = bench_take(rng, rows, dim, batch, repeats)
-    figures["take_ids_per_s"] = take
-    print(f"{'baseline numpy.take':<22} {take * 1e-6:9.2f} M ids/s", flush=True)
-
+    take = Take(rng, rows, dim, batch)
+    tables = {}
     for num_shards in (1, 4):
-        table = bench_table(num_shards, rng, rows, dim, batch, repeats)
+        table, fill_rate = filled_table(num_shards, rows, dim, batch, repeats)
+        figures_of = bench_table(table, take, rng, rows, batch, repeats)
+        if num_shards == 1:
+            tables[1] = table  # kept for the gRPC figure's in-process side
+        else:
+            table.close()
         suffix = "" if num_shards == 1 else f"_shards{num_shards}"
-        print(f"-- {num_shards} internal shard(s); filled at {table['fill_ids_per_s'] * 1e-6:.2f} "
-              "M ids/s", flush=True)
+        print(f"-- {num_shards} internal shard(s); filled at {fill_rate * 1e-6:.2f} M ids/s",
+              flush=True)
+        figures[f"fill_ids_per_s{suffix}"] = fill_rate
         for op in ("lookup", "insert", "update"):
-            ours = table[f"{op}_ids_per_s"]
-            key = f"{op}_ratio{suffix}"
+            ours, base = figures_of[f"{op}_ids_per_s"], figures_of[f"{op}_take_ids_per_s"]
             figures[f"{op}_ids_per_s{suffix}"] = ours
-            figures[key] = ours / take
-            print(ratio_line(f"{op} shards={num_shards}", ours, take, "numpy.take",
+            figures[f"{op}_take_ids_per_s{suffix}"] = base
+            figures[f"{op}_ratio{suffix}"] = ours / base
+            print(ratio_line(f"{op} shards={num_shards}", ours, base, "numpy.take",
                              f"{op}_ratio"), flush=True)
-        figures[f"fill_ids_per_s{suffix}"] = table["fill_ids_per_s"]
+    del take
 
     memory = bench_memory(args.memory_rows, dim)
     figures.update(memory)
@@ -327,13 +366,15 @@ def main(argv: list[str] | None = None) -> int:
           + f"   (arrays {memory['table_nbytes_per_row']:.1f} B/row incl. spare capacity)",
           flush=True)
 
-    grpc = bench_grpc(rng, rows, dim, batch, repeats)
+    with tables[1] as table:
+        grpc = bench_grpc(table, rng, rows, dim, batch, repeats)
     figures.update(grpc)
-    figures["grpc_ratio"] = grpc["grpc_lookup_ids_per_s"] / figures["lookup_ids_per_s"]
+    local = grpc["grpc_local_lookup_ids_per_s"]
+    figures["grpc_ratio"] = grpc["grpc_lookup_ids_per_s"] / local
     print(f"-- one PS process over loopback gRPC; filled at "
           f"{grpc['grpc_fill_ids_per_s'] * 1e-6:.2f} M ids/s", flush=True)
-    print(ratio_line("grpc lookup", grpc["grpc_lookup_ids_per_s"], figures["lookup_ids_per_s"],
-                     "in-process", "grpc_ratio"), flush=True)
+    print(ratio_line("grpc lookup", grpc["grpc_lookup_ids_per_s"], local, "in-process",
+                     "grpc_ratio"), flush=True)
 
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

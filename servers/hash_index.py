@@ -13,7 +13,8 @@ import numpy as np
 from numba import njit
 
 from persia_py.routing import _GOLDEN, _M1, _M2, RESERVED_ID
-from persia_py.servers.kernels import _AHEAD, prefetch_item
+from persia_py.servers import memory
+from persia_py.servers.kernels import _AHEAD, prefetch_item, prefetch_row
 
 _EMPTY = np.uint64(RESERVED_ID)
 # A salt distinct from the routing salts: ids of one shard agree on their shard hash
@@ -59,6 +60,53 @@ def _find_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray) -> np.ndar
                 rows[i] = -1
                 break
             s = (s + 1) & mask
+    return rows
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _find_gather_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
+                        weights: np.ndarray, out: np.ndarray, stamps: np.ndarray,
+                        tick: int) -> np.ndarray:
+    """:func:`_find_kernel` and ``kernels.gather_rows`` in one pipelined pass.
+
+    At step ``i`` the slot of id ``i + 2A`` is prefetched, id ``i + A`` (its slot now
+    in cache) is probed and its row prefetched, and row ``i`` (in cache by now) is
+    copied, so index and row misses of nearby ids overlap. Returns the rows.
+    """
+    mask = keys.shape[0] - 1
+    home = _home_slots(ids, 0, mask)
+    n = ids.shape[0]
+    dim = weights.shape[1]
+    rows = np.empty(n, np.int64)
+    for i in range(-_AHEAD, n):
+        if i + 2 * _AHEAD < n:
+            prefetch_item(keys, home[i + 2 * _AHEAD])
+        j = i + _AHEAD
+        if j < n:
+            key = ids[j]
+            s = home[j]
+            while True:
+                k = keys[s]
+                if k == key:
+                    r = np.int64(vals[s])
+                    rows[j] = r
+                    prefetch_row(weights, r)
+                    prefetch_item(stamps, r)
+                    break
+                if k == _EMPTY:
+                    rows[j] = -1
+                    break
+                s = (s + 1) & mask
+        if i < 0:
+            continue
+        r = rows[i]
+        if r < 0:
+            for d in range(dim):
+                out[i, d] = 0.0
+            continue
+        for d in range(dim):
+            out[i, d] = weights[r, d]
+        stamps[r] = tick
     return rows
 
 
@@ -138,7 +186,7 @@ def _slots_for(entries: int, minimum: int) -> int:
 
 def _empty_slots(slots: int) -> np.ndarray:
     """``(slots, 2)`` uint64: column 0 the key (``_EMPTY``: free), column 1 the row."""
-    pairs = np.empty((slots, 2), dtype=np.uint64)
+    pairs = memory.empty((slots, 2), np.uint64)
     pairs[:, 0] = _EMPTY
     return pairs
 
@@ -188,6 +236,13 @@ class HashIndex:
         """Row of each id (int64), -1 where the id is absent; duplicates are fine."""
         ids = _check_ids(ids)
         return _find_kernel(self._keys, self._vals, ids)
+
+    def find_gather(self, ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
+                    stamps: np.ndarray, tick: int) -> np.ndarray:
+        """:meth:`find`, copying each found id's row of ``weights`` to ``out`` (zeros
+        where absent) and setting its ``stamps`` entry to ``tick``; returns the rows."""
+        ids = _check_ids(ids)
+        return _find_gather_kernel(self._keys, self._vals, ids, weights, out, stamps, tick)
 
     def find_or_insert(self, ids: np.ndarray, next_row: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``ids``, inserting the absent ones; returns ``(rows, is_new)``.

@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from persia_py.routing import RESERVED_ID, mix64, shard_of
-from persia_py.servers import kernels
+from persia_py.servers import kernels, memory
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
 from persia_py.servers.optimizers import (
@@ -92,10 +92,10 @@ class _Shard:
         self.lock = threading.Lock()
         self.index = HashIndex()
         rows = min(share, _INITIAL_ROWS)
-        self.ids = np.empty(rows, dtype=np.uint64)
-        self.weights = np.empty((rows, table.dim), dtype=np.float32)
-        self.state = np.empty((rows, table.state_width), dtype=np.float32)
-        self.last_access = np.zeros(rows, dtype=np.int64)
+        self.ids = memory.empty(rows, np.uint64)
+        self.weights = memory.empty((rows, table.dim), np.float32)
+        self.state = memory.empty((rows, table.state_width), np.float32)
+        self.last_access = memory.empty(rows, np.int64)
         self.size = 0
         self.hits = self.misses = self.inserted = self.evicted = 0
         self.admitted = self.rejected = self.expired = 0
@@ -118,16 +118,23 @@ class _Shard:
                positions: np.ndarray | None) -> None:
         """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``)."""
         with self.lock:
-            rows = self.index.find(ids)
+            if positions is None:  # the common case: find and copy in one pass
+                rows = self.index.find_gather(ids, self.weights, out, self.last_access, tick)
+            else:
+                rows = self.index.find(ids)
             num_missing = int(np.count_nonzero(rows < 0))
             self.hits += ids.shape[0] - num_missing
             self.misses += num_missing
-            if num_missing and insert:
-                rows = self._insert_missing(ids, rows, tick)
-            if positions is None:
-                kernels.gather_rows(self.weights, rows, out, self.last_access, tick)
-            else:
+            if positions is not None:
+                if num_missing and insert:
+                    rows = self._insert_missing(ids, rows, tick)
                 kernels.gather_rows_at(self.weights, rows, positions, out, self.last_access, tick)
+            elif num_missing and insert:
+                # Rows found are copied already (an eviction below never takes them:
+                # they carry this tick); copy the new ones.
+                new = np.flatnonzero(rows < 0)
+                rows = self._insert_missing(ids, rows, tick)
+                kernels.gather_rows_at(self.weights, rows[new], new, out, self.last_access, tick)
 
     def _admit(self, new_ids: np.ndarray, tick: int) -> np.ndarray:
         """Which of these distinct absent ids may be stored now (bool mask)."""
@@ -235,7 +242,7 @@ class _Shard:
         assert new_capacity >= rows, "reserve past the shard's share"
         for name in ("ids", "weights", "state", "last_access"):
             old = getattr(self, name)
-            new = np.empty((new_capacity, *old.shape[1:]), dtype=old.dtype)
+            new = memory.empty((new_capacity, *old.shape[1:]), old.dtype)
             new[: self.size] = old[: self.size]
             setattr(self, name, new)
 
@@ -264,7 +271,7 @@ class _Shard:
     def update(self, ids: np.ndarray, grads: np.ndarray, tick: int) -> int:
         with self.lock:
             self._log_changes(ids)
-            rows, grads, _ = kernels.sum_duplicate_rows(self.index.find(ids), grads)
+            rows, grads, _ = kernels.sum_duplicate_rows(self.index.find(ids), grads, self.size)
             return self.table._step(self.weights, self.state, rows, grads,
                                     self.last_access, tick)
 
