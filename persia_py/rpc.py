@@ -161,6 +161,13 @@ class OutageLog:
                         time.monotonic() - since)
 
 
+def _over_size_limit(exc: grpc.RpcError) -> bool:
+    """Whether gRPC refused a message over ``max_message_bytes`` (client or server side):
+    RESOURCE_EXHAUSTED, like an overloaded server, but not worth retrying."""
+    return (exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "larger than max" in (exc.details() or ""))
+
+
 def call(
     method: Callable[..., Any],
     request: Any,
@@ -174,7 +181,8 @@ def call(
 
     Retries back off exponentially (10 ms .. 1 s) until ``timeout`` seconds have
     passed in all; then the last error is raised. Non-idempotent calls are retried
-    only on RESOURCE_EXHAUSTED, which servers answer before changing anything.
+    only on RESOURCE_EXHAUSTED, which servers answer before changing anything. A message
+    over the size limit (also RESOURCE_EXHAUSTED) is never retried.
     Attempts fail fast while the server is unreachable (no ``wait_for_ready``: clients
     wait for their servers once, at start-up), so an outage is logged (``outages``, once
     per outage of the service) and the call keeps retrying until the server is back.
@@ -191,6 +199,10 @@ def call(
             if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 outages.recovered(what)  # the server answered
             retryable = code in RETRYABLE if idempotent else code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if _over_size_limit(exc):  # the same message would be refused again
+                logger.error("%s: %s; raise common_config.max_message_bytes on both sides "
+                             "or send smaller batches", what, exc.details())
+                raise
             if not retryable or time.monotonic() + delay >= deadline:
                 raise
             if code == grpc.StatusCode.UNAVAILABLE:
