@@ -13,24 +13,49 @@ costs address space, not memory.
 from __future__ import annotations
 
 import mmap
+import sys
 
 import numpy as np
 
 HUGE_PAGE = 2 << 20
 _MIN_BYTES = 2 * HUGE_PAGE
 """Below this an array is a plain ``numpy.empty`` (huge pages would mostly be waste)."""
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
+"""Python < 3.12 lacks the constant; 0x4000 on every Linux architecture."""
 
 
 def empty(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     """An uninitialized C-contiguous array, on huge pages when it is big enough."""
+    array = _mapped(shape, dtype, 0)
+    return array if array is not None else np.empty(shape, dtype)
+
+
+def reserve(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray | None:
+    """A zero-filled array whose memory is claimed page by page as it is first written.
+
+    It costs address space, not memory, so a table can take its whole capacity at once
+    and never copy rows to grow. None where the OS refuses to promise more than it has
+    (``vm.overcommit_memory = 2``, or not Linux); callers then grow arrays as they fill.
+    """
+    if not _MAP_NORESERVE:
+        return None
+    try:
+        return _mapped(shape, dtype, _MAP_NORESERVE)
+    except (OSError, ValueError, OverflowError):
+        return None
+
+
+def _mapped(shape: int | tuple[int, ...], dtype: np.dtype | type, flags: int
+            ) -> np.ndarray | None:
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < _MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(shape, dtype)
+        return np.zeros(shape, dtype) if flags else None
     # Anonymous private memory (shared anonymous memory would be shmem, which follows a
     # different huge-page policy), over-sized by one huge page to start on a boundary.
-    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
     base = np.frombuffer(buffer, dtype=np.uint8)
     offset = -base.ctypes.data % HUGE_PAGE
     try:

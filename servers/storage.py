@@ -91,11 +91,19 @@ class _Shard:
         self.share = share
         self.lock = threading.Lock()
         self.index = HashIndex()
-        rows = min(share, _INITIAL_ROWS)
-        self.ids = memory.empty(rows, np.uint64)
-        self.weights = memory.empty((rows, table.dim), np.float32)
-        self.state = memory.empty((rows, table.state_width), np.float32)
-        self.last_access = memory.empty(rows, np.int64)
+        # The whole share as address space when the OS allows: rows never move to grow.
+        shapes = {"ids": (share,), "weights": (share, table.dim),
+                  "state": (share, table.state_width), "last_access": (share,)}
+        arrays = {name: memory.reserve(shape, _DTYPES[name]) for name, shape in shapes.items()}
+        self.reserved = all(a is not None for a in arrays.values())
+        if not self.reserved:
+            rows = min(share, _INITIAL_ROWS)
+            arrays = {name: memory.empty((rows, *shape[1:]), _DTYPES[name])
+                      for name, shape in shapes.items()}
+        self.ids, self.weights = arrays["ids"], arrays["weights"]
+        self.state, self.last_access = arrays["state"], arrays["last_access"]
+        self.high_water = 0
+        """Most rows ever in use: with reserved arrays, the rows whose pages are resident."""
         self.size = 0
         self.hits = self.misses = self.inserted = self.evicted = 0
         self.admitted = self.rejected = self.expired = 0
@@ -111,8 +119,10 @@ class _Shard:
 
     def nbytes(self) -> int:
         arrays = (self.ids, self.weights, self.state, self.last_access)
+        rows = self.high_water if self.reserved else self.weights.shape[0]
+        row_bytes = sum(a.itemsize * (a.size // max(a.shape[0], 1)) for a in arrays)
         sketch = 0 if self.sketch is None else self.sketch.nbytes
-        return sum(a.nbytes for a in arrays) + self.index.nbytes + sketch
+        return rows * row_bytes + self.index.nbytes + sketch
 
     def lookup(self, ids: np.ndarray, insert: bool, tick: int, out: np.ndarray,
                positions: np.ndarray | None) -> None:
@@ -235,6 +245,7 @@ class _Shard:
         return remap
 
     def _reserve(self, rows: int) -> None:
+        self.high_water = max(self.high_water, rows)
         capacity = self.weights.shape[0]
         if rows <= capacity:
             return
@@ -600,6 +611,10 @@ class EmbeddingTable:
                     totals[key] += getattr(shard, key)
         return totals
 
+
+_DTYPES = {"ids": np.uint64, "weights": np.float32, "state": np.float32,
+           "last_access": np.int64}
+"""Element types of a shard's row arrays."""
 
 STAT_KEYS = ("entries", "bytes", "hits", "misses", "inserted", "evicted", "admitted",
              "rejected", "expired")

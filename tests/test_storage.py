@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from persia_py.routing import RESERVED_ID
+from persia_py.servers import memory
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
 from persia_py.servers.optimizers import AdagradConfig, SGDConfig
@@ -134,8 +135,12 @@ def test_same_id_same_vector_across_shard_counts_and_orders() -> None:
         four.close()
 
 
-def test_growth_past_initial_arrays_keeps_values() -> None:
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "growing"])
+def test_growth_past_initial_arrays_keeps_values(reserved, monkeypatch) -> None:
+    if not reserved:  # as where the OS refuses to reserve address space
+        monkeypatch.setattr(memory, "reserve", lambda shape, dtype: None)
     table = _table(optimizer=AdagradConfig(lr=0.1), capacity=100_000)
+    assert table._shards[0].reserved == reserved
     first = np.arange(1, 901, dtype=np.uint64)
     table.lookup(first, True)
     table.update(first, np.full((900, DIM), 0.5, dtype=np.float32))
@@ -143,7 +148,10 @@ def test_growth_past_initial_arrays_keeps_values() -> None:
     for start in range(1000, 9000, 1500):
         table.lookup(np.arange(start, start + 1500, dtype=np.uint64), True)
     assert table.num_entries == 900 + 6 * 1500
-    assert table._shards[0].weights.shape[0] > 1024  # the arrays really did grow
+    # Reserved arrays hold the whole share from the start; the others really did grow.
+    rows = table._shards[0].weights.shape[0]
+    assert rows == 100_000 if reserved else 1024 < rows < 100_000
+    assert table.stats()["bytes"] < 100_000 * DIM * 4  # counts rows in use, not reserved
     np.testing.assert_array_equal(table.lookup(first, False), before)
     # Optimizer state survived the move too: a second step matches a table that never grew.
     twin = _table(optimizer=AdagradConfig(lr=0.1))
@@ -152,6 +160,20 @@ def test_growth_past_initial_arrays_keeps_values() -> None:
     for t in (table, twin):
         t.update(first, np.full((900, DIM), 0.25, dtype=np.float32))
     np.testing.assert_array_equal(table.lookup(first, False), twin.lookup(first, False))
+
+
+def test_reserved_memory_is_zeroed_writable_and_only_address_space() -> None:
+    big = memory.reserve((1 << 28, 16), np.float32)  # 16 GiB: more than this machine has
+    if big is None:
+        pytest.skip("this OS does not reserve address space (strict overcommit)")
+    assert big.shape == (1 << 28, 16) and big.flags.c_contiguous and big.flags.writeable
+    assert big[12345].sum() == 0 and big[-1].sum() == 0
+    big[(1 << 28) - 1] = 3.0
+    assert big[-1, 0] == 3.0
+    small = memory.empty(10, np.int64)
+    assert small.shape == (10,) and small.dtype == np.int64
+    large = memory.empty((1 << 20, 8), np.float32)
+    assert large.ctypes.data % memory.HUGE_PAGE == 0  # its own aligned mapping
 
 
 # --- capacity and LRU --------------------------------------------------------------
