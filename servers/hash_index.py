@@ -1,10 +1,12 @@
 """Open-addressing hash map from uint64 id to int64 row number, for one internal shard.
 
-Linear probing over a power-of-two slot array; ``RESERVED_ID`` marks an empty slot, so
-that id can never be stored. The load factor is kept at or below one half, which keeps
-probe sequences short without a per-slot occupancy array. Each kernel first hashes the
-whole batch and only then probes, so the independent cache misses of the probe loop can
-overlap instead of waiting behind hash arithmetic.
+Linear probing over a power-of-two slot array. A slot holds the id's complement
+(``~id``), so an all-zero slot is empty and fresh zeroed memory is an empty index with no
+fill pass; ``RESERVED_ID`` (all ones) would complement to zero, so it can never be
+stored. The load factor is kept at or below one half, which keeps probe sequences short
+without a per-slot occupancy array. Each kernel first hashes the whole batch and only
+then probes, so the independent cache misses of the probe loop can overlap instead of
+waiting behind hash arithmetic.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from persia_py.routing import _GOLDEN, _M1, _M2, RESERVED_ID
 from persia_py.servers import memory
 from persia_py.servers.kernels import _AHEAD, prefetch_item, prefetch_row
 
-_EMPTY = np.uint64(RESERVED_ID)
+_EMPTY = np.uint64(0)
+"""A free slot's key: the complement of ``RESERVED_ID``."""
+_FLIP = np.uint64(RESERVED_ID)
+"""``key ^ _FLIP`` turns an id into its stored form and back."""
 # A salt distinct from the routing salts: ids of one shard agree on their shard hash
 # modulo the shard count, so reusing that hash would cluster them in the index.
 _SALT = np.uint64(0xA4093822299F31D0)
@@ -49,7 +54,7 @@ def _find_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray) -> np.ndar
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_item(keys, home[i + _AHEAD])
-        key = ids[i]
+        key = ids[i] ^ _FLIP
         s = home[i]
         while True:
             k = keys[s]
@@ -83,7 +88,7 @@ def _find_gather_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
             prefetch_item(keys, home[i + 2 * _AHEAD])
         j = i + _AHEAD
         if j < n:
-            key = ids[j]
+            key = ids[j] ^ _FLIP
             s = home[j]
             while True:
                 k = keys[s]
@@ -134,7 +139,7 @@ def _find_or_insert_kernel(
         if j + _AHEAD < n:
             prefetch_item(keys, home[j + _AHEAD])
         i = start + j
-        key = ids[i]
+        key = ids[i] ^ _FLIP
         s = home[j]
         while True:
             k = keys[s]
@@ -164,7 +169,7 @@ def _insert_all_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, rows
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_item(keys, home[i + _AHEAD])
-        key = ids[i]
+        key = ids[i] ^ _FLIP
         s = home[i]
         while True:
             k = keys[s]
@@ -185,16 +190,14 @@ def _slots_for(entries: int, minimum: int) -> int:
 
 
 def _empty_slots(slots: int) -> np.ndarray:
-    """``(slots, 2)`` uint64: column 0 the key (``_EMPTY``: free), column 1 the row."""
-    pairs = memory.empty((slots, 2), np.uint64)
-    pairs[:, 0] = _EMPTY
-    return pairs
+    """``(slots, 2)`` uint64: column 0 the stored key (``_EMPTY``: free), column 1 the row."""
+    return memory.zeros((slots, 2), np.uint64)
 
 
 def _check_ids(ids: np.ndarray, name: str = "ids") -> np.ndarray:
     if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
         raise ValueError(f"{name} must be a 1-D numpy array of dtype uint64")
-    if ids.size and bool((ids == _EMPTY).any()):
+    if ids.size and bool((ids == RESERVED_ID).any()):
         raise ValueError(f"{name} contains the reserved id 2**64-1, which cannot be stored")
     return np.ascontiguousarray(ids)
 
@@ -271,7 +274,7 @@ class HashIndex:
 
     def _grow(self, slots: int) -> None:
         occupied = self._keys != _EMPTY
-        keys, vals = self._keys[occupied], self._vals[occupied]
+        keys, vals = self._keys[occupied] ^ _FLIP, self._vals[occupied]
         self._set_slots(_empty_slots(slots))
         dup = _insert_all_kernel(self._keys, self._vals, keys, vals)
         assert dup < 0, "hash index held a duplicate key"

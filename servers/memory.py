@@ -30,6 +30,13 @@ def empty(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     return array if array is not None else np.empty(shape, dtype)
 
 
+def zeros(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """A zero-filled C-contiguous array, on huge pages when it is big enough (fresh
+    mappings are zero already: nothing is written until the caller writes)."""
+    array = _mapped(shape, dtype, 0)
+    return array if array is not None else np.zeros(shape, dtype)
+
+
 def reserve(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray | None:
     """A zero-filled array whose memory is claimed page by page as it is first written.
 
