@@ -26,6 +26,7 @@ import sys
 
 import yaml
 
+from persia_py import allocator
 from persia_py.config import load_embedding_config, load_global_config
 from persia_py.env import (
     ENV_BIND_HOST,
@@ -128,6 +129,7 @@ def _env(args: argparse.Namespace, role: str) -> list[dict]:
         {"name": ENV_BIND_HOST, "value": "0.0.0.0"},
         {"name": ENV_METRICS_PORT, "value": str(args.metrics_port)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "GLIBC_TUNABLES", "value": allocator.TUNABLES},
         {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index_field}}},
     ]
     if args.auth_secret_name:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from persia_py import allocator
 from persia_py.env import (
     ENV_DATA_LOADER_ADDRS,
     ENV_EMBEDDING_CONFIG,
@@ -116,7 +117,7 @@ class LocalCluster:
             self._spawn(role, role.command)
 
     def _spawn(self, role: Role, command: list[str]) -> None:
-        env = self.env
+        env = allocator.with_tunables(self.env)
         if role.kind != "nn-worker" and "OMP_NUM_THREADS" not in env:
             # Servers and loaders run on threads of their own; an OpenMP pool in each of
             # them only fights the NN worker's for the same cores.

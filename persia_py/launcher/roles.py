@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 
+from persia_py import allocator
 from persia_py.config import load_embedding_config, load_global_config
 from persia_py.env import (
     ENV_DATA_LOADER_PORT,
@@ -52,6 +53,7 @@ def run_parameter_server(args: argparse.Namespace) -> int:
     from persia_py.servers.parameter_server import ParameterServer
     from persia_py.servers.service import create_ps_server
 
+    allocator.tune_this_process()
     global_path, embedding_path = _config_paths(args)
     if embedding_path is None:
         raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
@@ -107,6 +109,7 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
     from persia_py.workers.embedding_worker_service import create_embedding_worker_server
     from persia_py.workers.ps_client import PSClient
 
+    allocator.tune_this_process()
     global_path, embedding_path = _config_paths(args)
     if embedding_path is None:
         raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
@@ -149,8 +152,9 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
 
 def _user_env(args: argparse.Namespace) -> dict[str, str]:
     """This process's environment plus the config paths, for a user script; both config
-    files are validated first, so a bad key stops the role before the script starts."""
-    env = dict(os.environ)
+    files are validated first, so a bad key stops the role before the script starts. The
+    script starts with persia_py's malloc settings (:mod:`persia_py.allocator`)."""
+    env = allocator.with_tunables(dict(os.environ))
     global_path, embedding_path = _config_paths(args)
     validate_configs(global_path, embedding_path)
     if global_path:
