@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.ps_process import parameter_server_process
+from persia_py import allocator
 from persia_py.config import CommonConfig
 from persia_py.routing import mix64
 from persia_py.servers.optimizers import AdagradConfig, optimizer_to_dict, state_width
@@ -327,6 +328,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    allocator.tune_this_process()  # as every persia_py role does (the gRPC client side)
     rows, dim, batch, repeats = args.rows, args.dim, args.batch, args.repeats
     rng = np.random.default_rng(0)
     figures: dict[str, Any] = {"rows": rows, "dim": dim, "batch": batch, "repeats": repeats,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import re
 import subprocess
@@ -12,6 +13,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+
+from persia_py import allocator
 
 START_TIMEOUT_S = 120.0
 
@@ -55,7 +58,9 @@ def parameter_server_process(workdir: Path, slot: str, dim: int,
                "--global-config", str(global_config)]
     lines: queue.Queue[str | None] = queue.Queue()
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        # With the malloc settings ``persia-launcher local`` gives its roles.
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env=allocator.with_tunables(dict(os.environ)))
         reader = threading.Thread(target=_forward_lines, args=(proc.stdout, lines),
                                   name="ps-stdout")
         reader.start()
