@@ -70,14 +70,16 @@ def _find_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray) -> np.ndar
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _find_gather_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
-                        weights: np.ndarray, out: np.ndarray, stamps: np.ndarray,
-                        tick: int) -> np.ndarray:
-    """:func:`_find_kernel` and ``kernels.gather_rows`` in one pipelined pass.
+                        weights: np.ndarray, out: np.ndarray, positions: np.ndarray,
+                        stamps: np.ndarray, tick: int) -> np.ndarray:
+    """:func:`_find_kernel` and ``kernels.gather_rows_at`` in one pipelined pass.
 
     At step ``i`` the slot of id ``i + 2A`` is prefetched, id ``i + A`` (its slot now
     in cache) is probed and its row prefetched, and row ``i`` (in cache by now) is
-    copied, so index and row misses of nearby ids overlap. Returns the rows.
+    copied to ``out[positions[i]]`` (``out[i]`` when ``positions`` is empty), so index
+    and row misses of nearby ids overlap. Returns the rows.
     """
+    scatter = positions.shape[0] > 0
     mask = keys.shape[0] - 1
     home = _home_slots(ids, 0, mask)
     n = ids.shape[0]
@@ -105,12 +107,13 @@ def _find_gather_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
         if i < 0:
             continue
         r = rows[i]
+        p = positions[i] if scatter else i
         if r < 0:
             for d in range(dim):
-                out[i, d] = 0.0
+                out[p, d] = 0.0
             continue
         for d in range(dim):
-            out[i, d] = weights[r, d]
+            out[p, d] = weights[r, d]
         stamps[r] = tick
     return rows
 
@@ -183,6 +186,9 @@ def _insert_all_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, rows
     return -1
 
 
+_NO_POSITIONS = np.zeros(0, np.int64)
+
+
 def _slots_for(entries: int, minimum: int) -> int:
     """Smallest power of two >= ``minimum`` that holds ``entries`` at load <= 1/2."""
     need = max(minimum, 2 * entries, 2)
@@ -241,11 +247,15 @@ class HashIndex:
         return _find_kernel(self._keys, self._vals, ids)
 
     def find_gather(self, ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
-                    stamps: np.ndarray, tick: int) -> np.ndarray:
-        """:meth:`find`, copying each found id's row of ``weights`` to ``out`` (zeros
-        where absent) and setting its ``stamps`` entry to ``tick``; returns the rows."""
+                    stamps: np.ndarray, tick: int,
+                    positions: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`find`, copying each found id's row of ``weights`` to ``out`` (row
+        ``positions[i]`` of it for id ``i``, or row ``i``; zeros where absent) and setting
+        its ``stamps`` entry to ``tick``; returns the rows."""
         ids = _check_ids(ids)
-        return _find_gather_kernel(self._keys, self._vals, ids, weights, out, stamps, tick)
+        positions = _NO_POSITIONS if positions is None else positions
+        return _find_gather_kernel(self._keys, self._vals, ids, weights, out, positions,
+                                   stamps, tick)
 
     def find_or_insert(self, ids: np.ndarray, next_row: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``ids``, inserting the absent ones; returns ``(rows, is_new)``.

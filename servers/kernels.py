@@ -82,34 +82,6 @@ def mix64(value: np.uint64) -> np.uint64:
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def gather_rows(weights: np.ndarray, rows: np.ndarray, out: np.ndarray,
-                stamps: np.ndarray, tick: int) -> int:
-    """``out[i] = weights[rows[i]]`` (zeros where ``rows[i] < 0``), stamping each row read.
-
-    Returns how many rows were found.
-    """
-    n = rows.shape[0]
-    dim = weights.shape[1]
-    found = 0
-    for i in range(n):
-        if i + _AHEAD < n:
-            ahead = rows[i + _AHEAD]
-            if ahead >= 0:
-                prefetch_row(weights, ahead)
-                prefetch_item(stamps, ahead)
-        r = rows[i]
-        if r < 0:
-            for d in range(dim):
-                out[i, d] = 0.0
-            continue
-        found += 1
-        for d in range(dim):
-            out[i, d] = weights[r, d]
-        stamps[r] = tick
-    return found
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
 def initial_rows_into(ids: np.ndarray, seed_salt: np.uint64, column_keys: np.ndarray,
                       lower: np.float32, span: np.float32, top: np.float32,
                       out: np.ndarray) -> None:
@@ -326,7 +298,8 @@ def adam_step(weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: n
 @njit(cache=True, nogil=True, error_model="numpy")
 def gather_rows_at(weights: np.ndarray, rows: np.ndarray, positions: np.ndarray,
                    out: np.ndarray, stamps: np.ndarray, tick: int) -> int:
-    """:func:`gather_rows` writing row ``i`` to ``out[positions[i]]`` (one shard's part)."""
+    """``out[positions[i]] = weights[rows[i]]`` (zeros where ``rows[i] < 0``), stamping
+    each row read; returns how many rows were found."""
     n = rows.shape[0]
     dim = weights.shape[1]
     found = 0

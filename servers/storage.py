@@ -128,23 +128,18 @@ class _Shard:
                positions: np.ndarray | None) -> None:
         """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``)."""
         with self.lock:
-            if positions is None:  # the common case: find and copy in one pass
-                rows = self.index.find_gather(ids, self.weights, out, self.last_access, tick)
-            else:
-                rows = self.index.find(ids)
+            rows = self.index.find_gather(ids, self.weights, out, self.last_access, tick,
+                                          positions)
             num_missing = int(np.count_nonzero(rows < 0))
             self.hits += ids.shape[0] - num_missing
             self.misses += num_missing
-            if positions is not None:
-                if num_missing and insert:
-                    rows = self._insert_missing(ids, rows, tick)
-                kernels.gather_rows_at(self.weights, rows, positions, out, self.last_access, tick)
-            elif num_missing and insert:
+            if num_missing and insert:
                 # Rows found are copied already (an eviction below never takes them:
                 # they carry this tick); copy the new ones.
                 new = np.flatnonzero(rows < 0)
                 rows = self._insert_missing(ids, rows, tick)
-                kernels.gather_rows_at(self.weights, rows[new], new, out, self.last_access, tick)
+                at = new if positions is None else positions[new]
+                kernels.gather_rows_at(self.weights, rows[new], at, out, self.last_access, tick)
 
     def _admit(self, new_ids: np.ndarray, tick: int) -> np.ndarray:
         """Which of these distinct absent ids may be stored now (bool mask)."""
