@@ -8,7 +8,7 @@ import sys
 import grpc
 import numpy as np
 
-from persia_py import codec
+from persia_py import codec, wire_rpc
 from persia_py.monitoring import ParameterServerMetrics
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
@@ -123,36 +123,16 @@ class _LookupAnswer:
         return bytes(self.buffer)
 
 
-def _serialize_lookup(response: bytes | pb.LookupResponse) -> bytes:
-    return response if isinstance(response, bytes) else response.SerializeToString()
-
-
-def _add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None:
-    """``add_ParameterServerServicer_to_server``, except that Lookup may answer with
-    bytes already serialized (:class:`_LookupAnswer`)."""
-    captured: dict = {}
-
-    class _Capture:
-        def add_generic_rpc_handlers(self, handlers: object) -> None:
-            pass
-
-        def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
-            captured.update(name=name, handlers=dict(handlers))
-
-    parameter_server_pb2_grpc.add_ParameterServerServicer_to_server(servicer, _Capture())
-    name, handlers = captured["name"], captured["handlers"]
-    handlers["Lookup"] = handlers["Lookup"]._replace(response_serializer=_serialize_lookup)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
-
-
 def create_ps_server(ps: ParameterServer, address: str,
                      metrics: ParameterServerMetrics | None = None) -> tuple[grpc.Server, int]:
     """A started gRPC server for ``ps`` on ``address`` (port 0 picks one); returns (server, port)."""
     server, port = create_server(address, ps.global_config.common_config)
-    _add_servicer(
-        ParameterServerServicer(ps, metrics), server
-    )
+    # Lookup may answer with bytes already serialized (:class:`_LookupAnswer`); ids and
+    # gradients are read from the requests' bytes without protobuf's copies.
+    wire_rpc.add_servicer(parameter_server_pb2_grpc.add_ParameterServerServicer_to_server,
+                          ParameterServerServicer(ps, metrics), server,
+                          parsed_requests={"Lookup": pb.LookupRequest, "Update": pb.UpdateRequest},
+                          bytes_answers=("Lookup",))
     add_checkpoint_service(ps, server)
     server.start()
     return server, port

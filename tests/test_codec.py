@@ -7,6 +7,7 @@ import pytest
 
 from persia_py import codec
 from persia_py.proto import common_pb2
+from persia_py.proto import parameter_server_pb2 as ps_pb
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "uint64", "int64", "int32", "bool"])
@@ -71,3 +72,50 @@ def test_id_feature_round_trip() -> None:
     assert slot == "s"
     np.testing.assert_array_equal(got_ids, ids)
     np.testing.assert_array_equal(got_lengths, lengths)
+
+
+def _update_pieces(slots, **wire) -> list:
+    pieces = [ps_pb.UpdateRequest(worker_id="w", sequence=7).SerializeToString()]
+    for slot, ids, grads in slots:
+        pieces += codec.message_field(1, [ps_pb.SlotGradients(slot=slot).SerializeToString(),
+                                          *codec.tensor_field(2, ids),
+                                          *codec.tensor_field(3, grads, **wire)])
+    return pieces
+
+
+@pytest.mark.parametrize("wire", [{}, {"fp16": True}, {"compress": True}])
+def test_pieces_join_into_the_message_protobuf_writes(wire) -> None:
+    slots = [("a", np.arange(5, dtype=np.uint64), np.linspace(0, 1, 15, dtype=np.float32).reshape(5, 3)),
+             ("b", np.zeros(0, np.uint64), np.zeros((0, 3), np.float32))]
+    written = codec.join(_update_pieces(slots, **wire))
+    expected = ps_pb.UpdateRequest(worker_id="w", sequence=7, slots=[
+        ps_pb.SlotGradients(slot=s, ids=codec.encode(i), grads=codec.encode(g, **wire))
+        for s, i, g in slots])
+    assert ps_pb.UpdateRequest.FromString(written) == expected
+    if not wire.get("compress"):  # the same bytes, field order aside
+        assert sorted(written) == sorted(expected.SerializeToString())
+
+
+def test_parse_reads_arrays_without_copies_and_scalars_like_protobuf() -> None:
+    grads = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+    written = codec.join(_update_pieces([("a", np.arange(4, dtype=np.uint64), grads)], fp16=True))
+    parsed = codec.parse(ps_pb.UpdateRequest, written)
+    assert (parsed.worker_id, parsed.sequence, len(parsed.slots)) == ("w", 7, 1)
+    (slot,) = parsed.slots
+    assert slot.slot == "a" and slot.grads.dtype == "float16" and not slot.grads.lz4
+    view = codec.decode(slot.grads, ndim=2, copy=False)
+    assert not view.flags.writeable and view.base is not None  # a view of `written`
+    np.testing.assert_allclose(codec.decode(slot.grads, as_float32=True), grads, atol=1e-3)
+    empty = codec.parse(ps_pb.UpdateRequest, b"")
+    assert empty.slots == [] and empty.worker_id == ""
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"\xff", "bad varint"),
+    (b"\x0a\x05ab", "truncated"),
+    (b"\x0f", "wire type 7"),
+    (b"\x0a\x04\x12\x00\x12\x00", "appears 2 times"),  # a slot with ids twice
+])
+def test_parse_refuses_malformed_messages(raw, message) -> None:
+    with pytest.raises(codec.CodecError, match=message):
+        codec.parse(ps_pb.UpdateRequest, raw)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from persia_py import codec
 from persia_py.config import ConfigError, GlobalConfig, embedding_config_from_dict
 from persia_py.proto import embedding_worker_pb2
 from persia_py.routing import hash_stack
@@ -33,7 +34,7 @@ class _DirectClient:
     def configure(self, request) -> None:
         self.ps.configure(**configure_args(request))
 
-    def lookup(self, slots, *, training: bool):
+    def lookup(self, slots, *, training: bool, as_float32: bool = True):
         return self.ps.lookup(slots, training=training)
 
     def update(self, slots, *, worker_id: str, sequence: int) -> int:
@@ -175,7 +176,8 @@ def test_hash_stack_rounds_travel_on_the_wire() -> None:
     worker, _ = _cluster(STACKED)
     checked = worker.validate_features([_feature(s, [1, 2]) for s in STACKED["slots_config"]], 2)
     rows = next(r for r in worker._lookup(checked, training=True)[0] if r.slot == "seq")
-    (back,) = _decode_rows(_encode_rows([rows], embedding_worker_pb2.WireOptions()))
+    answer = _encode_rows([rows], embedding_worker_pb2.WireOptions())
+    (back,) = _decode_rows(codec.parse(embedding_worker_pb2.LookupBatchResponse, answer))
     assert back.hash_stack_rounds == ROUNDS
     np.testing.assert_array_equal(back.index, rows.index)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from persia_py import codec
+from persia_py import codec, wire_rpc
 from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, embedding_worker_pb2_grpc
 from persia_py.proto import embedding_worker_pb2 as pb
@@ -34,16 +34,20 @@ def _features(request_features, worker: EmbeddingWorker) -> list[SlotIds]:
     return features
 
 
-def _encode_rows(rows: list[SlotRows], wire: pb.WireOptions) -> pb.LookupBatchResponse:
-    return pb.LookupBatchResponse(slots=[
-        pb.SlotEmbedding(
-            slot=r.slot, rows=codec.encode(r.rows, fp16=wire.fp16, compress=wire.lz4),
-            index=codec.encode(r.index, compress=wire.lz4),
-            lengths=codec.encode(r.lengths), pooling=r.pooling, sqrt_scaling=r.sqrt_scaling,
-            sample_fixed_size=r.sample_fixed_size, hash_stack_rounds=r.hash_stack_rounds,
-        )
-        for r in rows
-    ])
+def _encode_rows(rows: list[SlotRows], wire: pb.WireOptions) -> bytes:
+    """A serialized LookupBatchResponse; rows travel as the parameter servers sent them
+    (float16 with their ``embedding_fp16``) or narrowed to float16 for ``wire.fp16``."""
+    pieces = []
+    for r in rows:
+        pieces += codec.message_field(1, [  # LookupBatchResponse.slots
+            pb.SlotEmbedding(slot=r.slot, pooling=r.pooling, sqrt_scaling=r.sqrt_scaling,
+                             sample_fixed_size=r.sample_fixed_size,
+                             hash_stack_rounds=r.hash_stack_rounds).SerializeToString(),
+            *codec.tensor_field(2, r.rows, fp16=wire.fp16, compress=wire.lz4),
+            *codec.tensor_field(3, r.index, compress=wire.lz4),
+            *codec.tensor_field(4, r.lengths),
+        ])
+    return codec.join(pieces)
 
 
 def _decode_rows(response: pb.LookupBatchResponse) -> list[SlotRows]:
@@ -90,10 +94,10 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
         for i, s in enumerate(request.slots):
             if s.slot in grads:
                 raise ValueError(f"slot {s.slot!r} appears twice")
-            # Kept in the precision they arrived in: this worker only routes them (the
-            # parameter servers widen to float32 before the optimizer step).
+            # Kept in the precision they arrived in, as views of the request: this worker
+            # only routes them (the parameter servers widen to float32 before the step).
             grads[s.slot] = codec.decode(s.grads, name=f"slots[{i}].grads",
-                                         dtypes=("float16", "float32"), ndim=2)
+                                         dtypes=("float16", "float32"), ndim=2, copy=False)
         return pb.UpdateGradientsResponse(num_updated=self.worker.update_gradients(request.ref, grads))
 
     @grpc_method
@@ -104,8 +108,13 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 def create_embedding_worker_server(worker: EmbeddingWorker, address: str) -> tuple[grpc.Server, int]:
     """A started gRPC server for ``worker`` on ``address``; returns (server, port)."""
     server, port = create_server(address, worker.global_config.common_config, max_workers=32)
-    embedding_worker_pb2_grpc.add_EmbeddingWorkerServicer_to_server(
-        EmbeddingWorkerServicer(worker), server
+    # Big messages skip protobuf's copies (persia_py.wire_rpc).
+    wire_rpc.add_servicer(
+        embedding_worker_pb2_grpc.add_EmbeddingWorkerServicer_to_server,
+        EmbeddingWorkerServicer(worker), server,
+        parsed_requests={"PutBatch": pb.PutBatchRequest, "LookupDirect": pb.LookupDirectRequest,
+                         "UpdateGradients": pb.UpdateGradientsRequest},
+        bytes_answers=("Lookup", "LookupDirect"),
     )
     server.start()
     return server, port
@@ -119,6 +128,14 @@ class EmbeddingWorkerClient:
         self.common = common
         self.channel = create_channel(address, common)
         self.stub = embedding_worker_pb2_grpc.EmbeddingWorkerStub(self.channel)
+        service = pb.DESCRIPTOR.services_by_name["EmbeddingWorker"]
+        self._put_batch, self._lookup, self._lookup_direct, self._update_gradients = (
+            wire_rpc.unary(self.channel, service, method, response_class=response,
+                           parse_response=response is pb.LookupBatchResponse)
+            for method, response in [
+                ("PutBatch", pb.PutBatchResponse), ("Lookup", pb.LookupBatchResponse),
+                ("LookupDirect", pb.LookupBatchResponse),
+                ("UpdateGradients", pb.UpdateGradientsResponse)])
         self._outages = OutageLog()
 
     def wait_ready(self) -> None:
@@ -137,35 +154,39 @@ class EmbeddingWorkerClient:
 
     def put_batch(self, features: list[tuple[str, np.ndarray, np.ndarray]], batch_size: int,
                   requires_grad: bool, *, timeout: float | None = None) -> int:
-        request = pb.PutBatchRequest(
-            features=[codec.encode_id_feature(*f) for f in features],
-            batch_size=batch_size, requires_grad=requires_grad,
-        )
-        return self._call(self.stub.PutBatch, request, idempotent=False, timeout=timeout).ref
+        pieces = [pb.PutBatchRequest(batch_size=batch_size,
+                                     requires_grad=requires_grad).SerializeToString()]
+        for f in features:
+            pieces += codec.id_feature_field(1, *f)  # PutBatchRequest.features
+        return self._call(self._put_batch, codec.join(pieces), idempotent=False,
+                          timeout=timeout).ref
 
     def lookup(self, ref: int) -> list[SlotRows]:
         # Safe to retry: a lookup that failed leaves the batch unclaimed.
         request = pb.LookupBatchRequest(ref=ref, wire=self._wire())
-        return _decode_rows(self._call(self.stub.Lookup, request, idempotent=True))
+        return _decode_rows(self._call(self._lookup, request, idempotent=True))
 
     def lookup_direct(self, features: list[tuple[str, np.ndarray, np.ndarray]],
                       batch_size: int) -> list[SlotRows]:
-        request = pb.LookupDirectRequest(
-            features=[codec.encode_id_feature(*f) for f in features], batch_size=batch_size,
-            wire=self._wire(),
-        )
-        return _decode_rows(self._call(self.stub.LookupDirect, request, idempotent=True))
+        pieces = [pb.LookupDirectRequest(batch_size=batch_size,
+                                         wire=self._wire()).SerializeToString()]
+        for f in features:
+            pieces += codec.id_feature_field(1, *f)  # LookupDirectRequest.features
+        return _decode_rows(self._call(self._lookup_direct, codec.join(pieces), idempotent=True))
 
     def update_gradients(self, ref: int, grads: list[tuple[str, np.ndarray]]) -> int:
-        request = pb.UpdateGradientsRequest(
-            ref=ref, slots=[pb.SlotRowGradients(slot=s, grads=codec.encode(
-                g, fp16=self.common.embedding_fp16, compress=self.common.lz4_compression))
-                for s, g in grads]
-        )
+        pieces = [pb.UpdateGradientsRequest(ref=ref).SerializeToString()]
+        for s, g in grads:
+            pieces += codec.message_field(2, [  # UpdateGradientsRequest.slots
+                pb.SlotRowGradients(slot=s).SerializeToString(),
+                *codec.tensor_field(2, g, fp16=self.common.embedding_fp16,
+                                    compress=self.common.lz4_compression),
+            ])
+        request = codec.join(pieces)
         # Safe to retry: the embedding worker keeps the batch and its update's sequence
         # numbers until every parameter server acknowledged, and answers a repeat of a
         # finished ref without applying it again.
-        return self._call(self.stub.UpdateGradients, request, idempotent=True).num_updated
+        return self._call(self._update_gradients, request, idempotent=True).num_updated
 
     def close(self) -> None:
         self.channel.close()

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from persia_py import codec
+from persia_py import codec, wire_rpc
 from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
@@ -21,6 +21,12 @@ class PSClient:
         self.common = common
         self.channel = create_channel(address, common)
         self.stub = parameter_server_pb2_grpc.ParameterServerStub(self.channel)
+        service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+        # Embeddings and gradients skip protobuf's copies (persia_py.wire_rpc).
+        self._lookup = wire_rpc.unary(self.channel, service, "Lookup",
+                                      response_class=pb.LookupResponse, parse_response=True)
+        self._update = wire_rpc.unary(self.channel, service, "Update",
+                                      response_class=pb.UpdateResponse)
         self._outages = OutageLog()
 
     def wait_ready(self) -> None:
@@ -33,19 +39,22 @@ class PSClient:
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
 
-    def lookup(self, slots: list[tuple[str, np.ndarray]], *, training: bool) -> list[np.ndarray]:
-        """Embeddings ``[n, dim]`` (float32) for each ``(slot, ids)``."""
-        request = pb.LookupRequest(
-            slots=[pb.SlotIds(slot=s, ids=codec.encode(ids)) for s, ids in slots],
-            training=training,
-            fp16=self.common.embedding_fp16,
-            lz4=self.common.lz4_compression,
-        )
+    def lookup(self, slots: list[tuple[str, np.ndarray]], *, training: bool,
+               as_float32: bool = True) -> list[np.ndarray]:
+        """Embeddings ``[n, dim]`` for each ``(slot, ids)``: float32, or with
+        ``as_float32=False`` read-only arrays as they travelled (float16 with
+        ``embedding_fp16``), for a caller that only sends them on."""
+        pieces = [pb.LookupRequest(training=training, fp16=self.common.embedding_fp16,
+                                   lz4=self.common.lz4_compression).SerializeToString()]
+        for s, ids in slots:
+            pieces += codec.message_field(1, [  # LookupRequest.slots
+                pb.SlotIds(slot=s).SerializeToString(), *codec.tensor_field(2, ids)])
+        request = codec.join(pieces)
         # A training lookup may insert rows, but inserting the same ids again is a no-op
         # (initialization is a pure function of the id), so the call is safe to retry.
-        response = self._call(self.stub.Lookup, request, idempotent=True)
+        response = self._call(self._lookup, request, idempotent=True)
         return [
-            codec.decode(t, name="embeddings", ndim=2, as_float32=True)
+            codec.decode(t, name="embeddings", ndim=2, as_float32=as_float32, copy=as_float32)
             for t in response.embeddings
         ]
 
@@ -57,16 +66,15 @@ class PSClient:
         sequence: int,
     ) -> int:
         """Send gradients; ``(worker_id, sequence)`` makes a retry apply once."""
-        request = pb.UpdateRequest(
-            slots=[
-                pb.SlotGradients(slot=s, ids=codec.encode(ids), grads=codec.encode(
-                    g, fp16=self.common.embedding_fp16, compress=self.common.lz4_compression))
-                for s, ids, g in slots
-            ],
-            worker_id=worker_id,
-            sequence=sequence,
-        )
-        return self._call(self.stub.Update, request, idempotent=True).num_updated
+        pieces = [pb.UpdateRequest(worker_id=worker_id, sequence=sequence).SerializeToString()]
+        for s, ids, g in slots:
+            pieces += codec.message_field(1, [  # UpdateRequest.slots
+                pb.SlotGradients(slot=s).SerializeToString(),
+                *codec.tensor_field(2, ids),
+                *codec.tensor_field(3, g, fp16=self.common.embedding_fp16,
+                                    compress=self.common.lz4_compression),
+            ])
+        return self._call(self._update, codec.join(pieces), idempotent=True).num_updated
 
     def stats(self) -> pb.StatsResponse:
         return self._call(self.stub.Stats, pb.StatsRequest(), idempotent=True)
