@@ -58,3 +58,26 @@ def test_backward_gives_one_summed_gradient_per_distinct_id(pooling: str) -> Non
     pool_slot(rows, _slot(pooling)).sum().backward()
     # Each distinct row's gradient counts its occurrences: row 0 twice, 1 twice, 2 and 3 once.
     np.testing.assert_array_equal(rows.grad.numpy(), np.repeat([[2.0], [2.0], [1.0], [1.0]], 3, 1))
+
+
+@pytest.mark.parametrize("pooling, sqrt_scaling, rounds", [
+    ("sum", False, 1), ("mean", False, 1), ("sum", True, 1), ("mean", True, 1),
+    ("sum", False, 2), ("mean", False, 2)])
+def test_backward_matches_embedding_bag_autograd(pooling: str, sqrt_scaling: bool,
+                                                 rounds: int) -> None:
+    index = np.repeat(INDEX, rounds) if rounds > 1 else INDEX
+    slot = SlotRows("s", ROWS, index, LENGTHS, pooling, sqrt_scaling, 3, rounds)
+    upstream = torch.linspace(-1, 1, 12).reshape(4, 3)
+    rows = torch.from_numpy(ROWS.copy()).requires_grad_(True)
+    (pool_slot(rows, slot) * upstream).sum().backward()
+    # The same pooling through F.embedding_bag's own backward.
+    lengths = torch.from_numpy(LENGTHS.astype(np.int64)) * rounds
+    count = torch.from_numpy(LENGTHS.astype(np.float32)).clamp(min=1)
+    scale = (count.rsqrt() if sqrt_scaling else torch.ones(4)) / (
+        count if pooling == "mean" else 1)
+    expected_rows = torch.from_numpy(ROWS.copy()).requires_grad_(True)
+    pooled = torch.nn.functional.embedding_bag(
+        torch.from_numpy(index), expected_rows, torch.cumsum(lengths, 0) - lengths, mode="sum",
+        per_sample_weights=torch.repeat_interleave(scale, lengths))
+    (pooled * upstream).sum().backward()
+    np.testing.assert_allclose(rows.grad.numpy(), expected_rows.grad.numpy(), rtol=1e-6, atol=1e-7)
