@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from persia_py.workers import nn_worker
 from persia_py.workers.embedding_worker import SlotRows
 from persia_py.workers.nn_worker import pool_slot
 
@@ -60,11 +61,15 @@ def test_backward_gives_one_summed_gradient_per_distinct_id(pooling: str) -> Non
     np.testing.assert_array_equal(rows.grad.numpy(), np.repeat([[2.0], [2.0], [1.0], [1.0]], 3, 1))
 
 
+@pytest.mark.parametrize("native_up_to", [0, 1000], ids=["index_add", "torch"])
 @pytest.mark.parametrize("pooling, sqrt_scaling, rounds", [
     ("sum", False, 1), ("mean", False, 1), ("sum", True, 1), ("mean", True, 1),
     ("sum", False, 2), ("mean", False, 2)])
 def test_backward_matches_embedding_bag_autograd(pooling: str, sqrt_scaling: bool,
-                                                 rounds: int) -> None:
+                                                 rounds: int, native_up_to: int,
+                                                 monkeypatch) -> None:
+    # Both backward paths: the scatter of _Bag and torch's own.
+    monkeypatch.setattr(nn_worker, "_NATIVE_BACKWARD_MAX_ENTRIES", native_up_to)
     index = np.repeat(INDEX, rounds) if rounds > 1 else INDEX
     slot = SlotRows("s", ROWS, index, LENGTHS, pooling, sqrt_scaling, 3, rounds)
     upstream = torch.linspace(-1, 1, 12).reshape(4, 3)

@@ -59,15 +59,28 @@ def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
         return flat.view(batch_size, fixed, rows.shape[1])
     offsets = torch.cumsum(entries, 0) - entries
     mode = slot.pooling
+    bag = (_Bag.apply if index.numel() > _NATIVE_BACKWARD_MAX_ENTRIES * max(batch_size, 1)
+           else _native_bag)
     if not slot.sqrt_scaling and (mode == "sum" or rounds == 1):
-        return _Bag.apply(rows, index, offsets, entries, mode, None)
+        return bag(rows, index, offsets, entries, mode, None)
     # A per-entry weight of the sample: 1/sqrt(n) for sqrt_scaling, 1/n for mean.
     count = lengths.clamp(min=1).to(rows.dtype)
     scale = count.rsqrt() if slot.sqrt_scaling else torch.ones_like(count)
     if mode == "mean":
         scale = scale / count
     weights = torch.repeat_interleave(scale, entries)
-    return _Bag.apply(rows, index, offsets, entries, "sum", weights)
+    return bag(rows, index, offsets, entries, "sum", weights)
+
+
+_NATIVE_BACKWARD_MAX_ENTRIES = 4
+"""Up to this many index entries per sample, pooling keeps torch's own backward: with
+few entries :class:`_Bag`'s gain is small, and its backward runs Python code that must
+win the GIL from the worker's lookup and gradient threads (dense-heavy, 1 id per slot:
+13,400-15,200 vs 16,000-19,700 samples/s with torch's, 4 interleaved pairs)."""
+
+
+def _native_bag(rows, index, offsets, entries, mode, weights):
+    return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
 
 
 class _Bag(torch.autograd.Function):
