@@ -26,14 +26,14 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux
 
 def empty(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     """An uninitialized C-contiguous array, on huge pages when it is big enough."""
-    array = _mapped(shape, dtype, 0)
+    array = _mapped(shape, dtype)
     return array if array is not None else np.empty(shape, dtype)
 
 
 def zeros(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     """A zero-filled C-contiguous array, on huge pages when it is big enough (fresh
     mappings are zero already: nothing is written until the caller writes)."""
-    array = _mapped(shape, dtype, 0)
+    array = _mapped(shape, dtype)
     return array if array is not None else np.zeros(shape, dtype)
 
 
@@ -47,18 +47,20 @@ def reserve(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray 
     if not _MAP_NORESERVE:
         return None
     try:
-        return _mapped(shape, dtype, _MAP_NORESERVE)
+        array = _mapped(shape, dtype, _MAP_NORESERVE)
     except (OSError, ValueError, OverflowError):
         return None
+    return array if array is not None else np.zeros(shape, dtype)
 
 
-def _mapped(shape: int | tuple[int, ...], dtype: np.dtype | type, flags: int
+def _mapped(shape: int | tuple[int, ...], dtype: np.dtype | type, flags: int = 0
             ) -> np.ndarray | None:
+    """The array as its own huge-page mapping (zero-filled); None when it is too small."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < _MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.zeros(shape, dtype) if flags else None
+        return None
     # Anonymous private memory (shared anonymous memory would be shmem, which follows a
     # different huge-page policy), over-sized by one huge page to start on a boundary.
     buffer = mmap.mmap(-1, nbytes + HUGE_PAGE,
