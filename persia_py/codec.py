@@ -1,8 +1,8 @@
 """The wire codec: numpy arrays <-> ``Tensor`` messages (bytes + dtype + shape).
 
 Every array that crosses the wire goes through :func:`encode` (or, for big messages,
-:func:`tensor_field` pieces joined by :func:`join`, or :func:`tensor_list_buffer`, which
-lay out the same bytes without protobuf's copies) and :func:`decode` (of a message
+:func:`tensor_field` pieces joined by :func:`join`, which lay out the same bytes without
+protobuf's copies) and :func:`decode` (of a message
 protobuf parsed, or of one :func:`parse` read without copying its arrays' bytes).
 Decoding validates everything a peer could get wrong (dtype, shape, byte length,
 compression) and raises :class:`CodecError` with a message that names the field.
@@ -10,7 +10,6 @@ compression) and raises :class:`CodecError` with a message that names the field.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
@@ -298,34 +297,3 @@ def _parse(descriptor: Any, buf: memoryview) -> RawMessage:
                       fields)
 
 
-def tensor_list_buffer(field_number: int, specs: list[tuple[str, tuple[int, ...]]]
-                       ) -> tuple[bytearray, list[np.ndarray]]:
-    """The serialized form of a message whose field ``field_number`` is a repeated
-    ``Tensor``, one per ``(dtype, shape)`` of ``specs`` (uncompressed), with a writable
-    array view of each tensor's data inside the buffer.
-
-    Fill the views, then send ``bytes(buffer)``: the same bytes as :func:`encode` of the
-    filled arrays put into that message and serialized, without the three copies of
-    building and serializing the message (about 40 ms for 12.8 MB). Little-endian
-    hosts only (the wire is little-endian); elsewhere use :func:`encode`.
-    """
-    if sys.byteorder != "little":
-        raise CodecError("tensor_list_buffer needs a little-endian host; use encode")
-    headers, sizes = [], []
-    for dtype_name, shape in specs:
-        if dtype_name not in WIRE_DTYPES:
-            raise CodecError(f"dtype {dtype_name} cannot travel; allowed: {sorted(WIRE_DTYPES)}")
-        num_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype_name).itemsize
-        header = _tensor_header(dtype_name, shape, num_bytes)
-        headers.append(_key(field_number) + _varint(len(header) + num_bytes) + header)
-        sizes.append(num_bytes)
-    buffer = bytearray(sum(len(h) for h in headers) + sum(sizes))
-    views, offset = [], 0
-    for header, num_bytes, (dtype_name, shape) in zip(headers, sizes, specs, strict=True):
-        buffer[offset:offset + len(header)] = header
-        offset += len(header)
-        count = num_bytes // np.dtype(dtype_name).itemsize
-        views.append(np.frombuffer(buffer, dtype=dtype_name, count=count, offset=offset)
-                     .reshape(shape) if count else np.empty(shape, dtype=dtype_name))
-        offset += num_bytes
-    return buffer, views

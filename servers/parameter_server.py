@@ -168,13 +168,11 @@ class ParameterServer:
                 )
 
     def lookup(self, requests: list[tuple[str, np.ndarray]], *, training: bool,
-               answer_itemsize: int = 4, outs: list[np.ndarray] | None = None
-               ) -> list[np.ndarray]:
+               answer_itemsize: int = 4) -> list[np.ndarray]:
         """Embeddings ``[n, dim]`` for each ``(slot, ids)``; training lookups insert new ids.
 
         A request whose answer (``answer_itemsize`` bytes per value) would not fit in
-        ``max_message_bytes`` is refused before anything is inserted. ``outs``: float32
-        arrays of :meth:`answer_shapes` to write the embeddings to (they are returned).
+        ``max_message_bytes`` is refused before anything is inserted.
         """
         if training and self.inference:
             raise FailedPrecondition("this parameter server is in inference mode (read-only): "
@@ -187,14 +185,7 @@ class ParameterServer:
         if answer_bytes > limit:
             raise ValueError(f"the answer would carry {answer_bytes} bytes of embeddings, over "
                              f"max_message_bytes {limit}; look up fewer ids per call")
-        if outs is None:
-            return [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
-        return [t.lookup(ids, insert=training, out=out)
-                for t, (_, ids), out in zip(tables, requests, outs, strict=True)]
-
-    def answer_shapes(self, requests: list[tuple[str, np.ndarray]]) -> list[tuple[int, int]]:
-        """Shape ``(n, dim)`` of each answer of :meth:`lookup` (unknown slots refused)."""
-        return [(ids.shape[0], self._table(slot).dim) for slot, ids in requests]
+        return [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
 
     def update(
         self,
@@ -212,20 +203,17 @@ class ParameterServer:
             raise FailedPrecondition("this parameter server is in inference mode (read-only): "
                                      "updates are refused")
         tables = [self._table(slot) for slot, _, _ in requests]
+        checked = []
         for (slot, ids, grads), table in zip(requests, tables):
             self._check_ids(slot, ids)
-            if grads.shape != (ids.size, table.dim):
-                raise ValueError(
-                    f"slot {slot!r}: gradients of shape {grads.shape} do not match "
-                    f"{ids.size} ids of dim {table.dim}"
-                )
-            if not np.isfinite(grads).all():
-                raise ValueError(f"slot {slot!r}: gradients contain NaN or infinite values")
+            try:
+                checked.append(table.check_update(ids, grads))
+            except ValueError as exc:
+                raise ValueError(f"slot {slot!r}: {exc}") from None
         if worker_id and self._seen_before(worker_id, sequence):
             return 0, True
-        num_updated = sum(
-            table.update(ids, grads) for (_, ids, grads), table in zip(requests, tables)
-        )
+        num_updated = sum(table.apply_update(ids, grads)
+                          for (ids, grads), table in zip(checked, tables))
         with self._seen_lock:
             self.num_updates += 1
         return num_updated, False

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import grpc
-import numpy as np
 
 from persia_py import codec, wire_rpc
 from persia_py.monitoring import ParameterServerMetrics
@@ -52,12 +50,14 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             (s.slot, codec.decode(s.ids, name=f"slots[{i}].ids", dtypes=("uint64",), ndim=1))
             for i, s in enumerate(request.slots)
         ]
-        answer = _LookupAnswer(self.ps, slots, request)
         with self.metrics.lookup_seconds.time():
-            embeddings = self.ps.lookup(slots, training=request.training, outs=answer.outs,
+            embeddings = self.ps.lookup(slots, training=request.training,
                                         answer_itemsize=2 if request.fp16 else 4)
         self.metrics.lookup_ids.inc(sum(ids.size for _, ids in slots))
-        return answer.serialized(embeddings)
+        # Serialized here: the rows are copied once, into the bytes gRPC sends, where
+        # building and serializing a LookupResponse would copy them three times.
+        return codec.join([piece for e in embeddings for piece in codec.tensor_field(
+            1, e, fp16=request.fp16, compress=request.lz4)])  # LookupResponse.embeddings
 
     @grpc_method
     def Update(self, request, context):
@@ -89,45 +89,11 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
                                          configured=self.ps.configured)
 
 
-class _LookupAnswer:
-    """A LookupResponse built as bytes: the table writes its rows straight into the
-    answer's buffer (``outs``), so a 12.8 MB answer is copied once (into the ``bytes``
-    gRPC sends) instead of three times by encode, message construction and protobuf
-    serialization. lz4 answers, big-endian hosts and answers over ``max_message_bytes``
-    (which ``lookup`` refuses) take the plain path."""
-
-    def __init__(self, ps: ParameterServer, slots: list[tuple[str, np.ndarray]],
-                 request: pb.LookupRequest) -> None:
-        self.fp16, self.lz4 = request.fp16, request.lz4
-        self.buffer: bytearray | None = None
-        self.outs: list[np.ndarray] | None = None
-        shapes = ps.answer_shapes(slots)
-        itemsize = 2 if self.fp16 else 4
-        limit = ps.global_config.common_config.max_message_bytes
-        if self.lz4 or sys.byteorder != "little" or sum(
-                n * dim * itemsize for n, dim in shapes) > limit:
-            return
-        dtype = "float16" if self.fp16 else "float32"
-        self.buffer, views = codec.tensor_list_buffer(1, [(dtype, s) for s in shapes])
-        if not self.fp16:
-            self.outs = views
-        self._views = views
-
-    def serialized(self, embeddings: list[np.ndarray]) -> bytes | pb.LookupResponse:
-        if self.buffer is None:
-            return pb.LookupResponse(embeddings=[
-                codec.encode(e, fp16=self.fp16, compress=self.lz4) for e in embeddings])
-        if self.fp16:
-            for view, e in zip(self._views, embeddings, strict=True):
-                codec.cast_float(e, "float16", out=view)
-        return bytes(self.buffer)
-
-
 def create_ps_server(ps: ParameterServer, address: str,
                      metrics: ParameterServerMetrics | None = None) -> tuple[grpc.Server, int]:
     """A started gRPC server for ``ps`` on ``address`` (port 0 picks one); returns (server, port)."""
     server, port = create_server(address, ps.global_config.common_config)
-    # Lookup may answer with bytes already serialized (:class:`_LookupAnswer`); ids and
+    # Lookup answers with bytes already serialized; ids and
     # gradients are read from the requests' bytes without protobuf's copies.
     wire_rpc.add_servicer(parameter_server_pb2_grpc.add_ParameterServerServicer_to_server,
                           ParameterServerServicer(ps, metrics), server,

@@ -482,17 +482,28 @@ class EmbeddingTable:
 
         Gradients of repeated ids are summed first. Ids not in the table (never
         looked up with insert, not admitted, or evicted or expired since) are skipped.
+        Bad input raises ValueError and changes nothing (:meth:`check_update`).
         """
+        return self.apply_update(*self.check_update(ids, grads))
+
+    def check_update(self, ids: np.ndarray, grads: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, grads)`` as :meth:`apply_update` takes them (contiguous uint64 ids,
+        float32 gradients), or ValueError saying what is wrong: ids, shape, dtype, NaN."""
         ids = self._check_ids(ids)
         if not isinstance(grads, np.ndarray) or grads.shape != (ids.shape[0], self.dim):
             got = grads.shape if isinstance(grads, np.ndarray) else type(grads).__name__
-            raise ValueError(f"grads must be a numpy array of shape "
-                             f"({ids.shape[0]}, {self.dim}), got {got}")
+            raise ValueError(f"grads of shape {got} do not match {ids.shape[0]} ids of dim "
+                             f"{self.dim}: expected ({ids.shape[0]}, {self.dim})")
         if grads.dtype.kind != "f":
             raise ValueError(f"grads must have a floating dtype, got {grads.dtype}")
         grads = np.ascontiguousarray(grads, dtype=np.float32)
         if not bool(np.isfinite(grads).all()):
             raise ValueError("grads contain NaN or infinite values; nothing was updated")
+        return ids, grads
+
+    def apply_update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        """:meth:`update` of input :meth:`check_update` returned (not checked again)."""
         if ids.shape[0] == 0:
             return 0
         tick = self._current_tick()

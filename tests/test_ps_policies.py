@@ -230,23 +230,6 @@ def test_configure_applies_slot_policies_and_optimizer() -> None:
 # --- wire -------------------------------------------------------------------------------
 
 
-def test_tensor_list_buffer_matches_serialized_message() -> None:
-    specs = [("float32", (3, 4)), ("float16", (0, 8)), ("float32", (300, 32)),
-             ("float16", (5, 2))]
-    buffer, views = codec.tensor_list_buffer(1, specs)
-    rng = np.random.default_rng(0)
-    arrays = []
-    for view in views:
-        array = rng.standard_normal(view.shape).astype(view.dtype)
-        view[...] = array
-        arrays.append(array)
-    want = pb.LookupResponse(embeddings=[codec.encode(a) for a in arrays])
-    assert bytes(buffer) == want.SerializeToString()
-    got = pb.LookupResponse.FromString(bytes(buffer))
-    for tensor, array in zip(got.embeddings, arrays, strict=True):
-        np.testing.assert_array_equal(codec.decode(tensor), array)
-
-
 @pytest.mark.parametrize("fp16", [False, True])
 @pytest.mark.parametrize("lz4", [False, True])
 def test_lookup_answer_same_as_encoded_message(fp16, lz4) -> None:
