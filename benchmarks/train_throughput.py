@@ -7,7 +7,13 @@ measured in the same run.
 Prints samples/s of both sides and their ratio for the dense-heavy and embedding-heavy
 workloads (medians over repeats), then samples/s for embedding staleness 1, 2, 4, 8 on
 the embedding-heavy workload. Embeddings and gradients travel as float16 unless
-``--fp32-wire``; both sides train on batches built before their clocks start.
+``--fp32-wire``; both sides train on batches built before their clocks start, and both
+clocks start after the same warm-up steps (``workloads.WARMUP_STEPS``).
+
+Runs are long enough to reach steady state: in a run's first tens of steps the parameter
+server inserts most of the rows it will hold (new memory, touched for the first time),
+while the plain process allocates and fills its whole tables before its clock starts.
+``--steps 40`` shows that start-up phase.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "throughput"
 sys.path.insert(0, str(HERE))
-from workloads import SLOT_NAMES, WORKLOADS  # noqa: E402
+from workloads import SLOT_NAMES, WARMUP_STEPS, WORKLOADS  # noqa: E402
 
 TARGETS = {"dense_heavy": 0.85, "embedding_heavy": 1.0}
 
@@ -68,13 +74,16 @@ def plain(workload: str, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40, help="batches per run (5 warm-up)")
+    parser.add_argument("--steps", type=int, default=200,
+                        help=f"batches per run, the first {WARMUP_STEPS} not timed")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--staleness", type=int, default=4, help="staleness of the main runs")
     parser.add_argument("--fp32-wire", action="store_true",
                         help="send embeddings and gradients as float32 (default: float16)")
     parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
     fp16 = not args.fp32_wire
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:

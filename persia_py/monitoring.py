@@ -146,8 +146,9 @@ class EmbeddingWorkerMetrics:
         self._worker = worker
         phase = Histogram(
             "persia_embedding_worker_lookup_seconds",
-            "Time of one lookup by phase: pre (dedup and routing), rpc (parameter-server "
-            "calls), post (assembling the answer)",
+            "Time of one lookup by phase: pre (routing; dedup too for direct lookups, "
+            "stored batches are deduplicated on arrival), rpc (parameter-server calls), "
+            "post (assembling the answer)",
             ["phase"], registry=self.registry, buckets=_LATENCY_BUCKETS)
         self._pre, self._rpc, self._post = (phase.labels(p) for p in ("pre", "rpc", "post"))
         self.update_seconds = Histogram(

@@ -174,8 +174,8 @@ def test_hash_stacking_is_deterministic_across_clusters() -> None:
 
 def test_hash_stack_rounds_travel_on_the_wire() -> None:
     worker, _ = _cluster(STACKED)
-    checked = worker.validate_features([_feature(s, [1, 2]) for s in STACKED["slots_config"]], 2)
-    rows = next(r for r in worker._lookup(checked, training=True)[0] if r.slot == "seq")
+    answer = worker.lookup_direct([_feature(s, [1, 2]) for s in STACKED["slots_config"]], 2)
+    rows = next(r for r in answer if r.slot == "seq")
     answer = _encode_rows([rows], embedding_worker_pb2.WireOptions())
     (back,) = _decode_rows(codec.parse(embedding_worker_pb2.LookupBatchResponse, answer))
     assert back.hash_stack_rounds == ROUNDS

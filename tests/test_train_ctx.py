@@ -178,3 +178,24 @@ def test_staleness_bound_holds_and_every_batch_trains_once(embedding_worker, mon
     assert steps == NUM_BATCHES == data_ctx.num_sent
     assert state["looked_up"] == state["acked"] == NUM_BATCHES
     assert state["max_ahead"] == staleness
+
+
+def test_a_failed_lookup_stops_training_with_its_error(embedding_worker, monkeypatch) -> None:
+    # Staleness 3 runs two lookup threads: the failing one's error must reach the
+    # training loop even when the other one finishes the stream.
+    real_lookup, calls = EmbeddingWorkerClient.lookup, []
+
+    def lookup(self, ref):
+        calls.append(ref)
+        if len(calls) == 3:
+            raise ConnectionError("lookup 3 failed")
+        return real_lookup(self, ref)
+
+    monkeypatch.setattr(EmbeddingWorkerClient, "lookup", lookup)
+    data_ctx, thread, errors = _start_loader(embedding_worker)
+    with pytest.raises(RuntimeError, match="batch pipeline failed: lookup 3 failed"):
+        _train(embedding_worker, data_ctx, staleness=3)
+    monkeypatch.undo()
+    _train(embedding_worker, data_ctx, staleness=3)  # drains the loader's other batches
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not errors

@@ -1,9 +1,10 @@
 """The embedding worker, as a plain object: dedup, routing, and per-id gradient updates.
 
-A batch's ID features arrive from a data loader (``put_batch``) and wait in the forward
-buffer under a ref. When an NN worker asks (``lookup``), each slot's ids are deduplicated,
-split by owning parameter-server replica, fetched with one RPC per replica for all slots,
-and answered as the distinct rows plus an index per id occurrence. The distinct ids stay
+A batch's ID features arrive from a data loader (``put_batch``), are deduplicated per
+slot at once (while earlier batches train) and wait in the forward buffer under a ref.
+When an NN worker asks (``lookup``), each slot's distinct ids are split by owning
+parameter-server replica, fetched with one RPC per replica for all slots, and answered as
+the distinct rows plus an index per id occurrence. The distinct ids stay
 here until the NN worker's gradients for those rows come back (``update_gradients``); they
 are then routed to the same replicas. All of it is vectorized over the batch.
 
@@ -76,12 +77,27 @@ class SlotRows:
     """Consecutive index entries per raw id; their rows are summed into the id's embedding."""
 
 
+@dataclass(frozen=True)
+class _DedupedSlot:
+    """One slot of a batch, deduplicated: ``ids == unique[inverse]``."""
+
+    slot: str
+    unique: np.ndarray  # uint64 [num_distinct], in order of first occurrence
+    inverse: np.ndarray  # int64 [num_ids]
+    lengths: np.ndarray  # int32 [batch_size], in raw ids
+
+    @classmethod
+    def of(cls, f: SlotIds) -> _DedupedSlot:
+        # One pass with a hash set (np.unique sorts: 39 vs 13 ms per embedding-heavy batch).
+        return cls(f.slot, *unique_in_order(f.ids), f.lengths)
+
+
 @dataclass
 class _PendingBatch:
-    features: list[SlotIds]
+    slots: list[_DedupedSlot]
     requires_grad: bool
     nbytes: int
-    unique_ids: dict[str, np.ndarray] | None = None  # set once looked up
+    looked_up: bool = False  # claimed by a lookup; its gradients may come back
     sequences: list[int] | None = None  # of its update, per replica; kept for retries
     update_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -112,8 +128,8 @@ class EmbeddingWorker:
                                         thread_name_prefix="ps-call")
         self.num_nonfinite_skipped: dict[str, int] = {}
         self.on_lookup_timed: Callable[[float, float, float], None] | None = None
-        """Metrics hook: called with the seconds of a lookup's phases (pre: dedup and
-        routing, rpc: parameter-server calls, post: assembling the answer)."""
+        """Metrics hook: called with the seconds of a lookup's phases (pre: routing, and
+        dedup for a direct lookup; rpc: parameter-server calls; post: assembling the answer)."""
         self._configured = False
         self._configure_request: common_pb2.ConfigureRequest | None = None
         self._done: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -204,9 +220,10 @@ class EmbeddingWorker:
     # -- forward buffer --------------------------------------------------------------
 
     def put_batch(self, features: list[SlotIds], batch_size: int, requires_grad: bool) -> int:
-        """Store a batch's ID features; returns its ref. Overloaded when the buffer is full."""
+        """Store a batch's ID features, deduplicated per slot at once (off the lookup's
+        path); returns its ref. Overloaded when the buffer is full."""
         features = self.validate_features(features, batch_size)
-        # Ids and lengths now, and at most as many distinct ids kept after the lookup.
+        # The distinct ids (at most one per id) and the int64 inverse, with the lengths.
         nbytes = sum(2 * f.ids.nbytes + f.lengths.nbytes for f in features)
         if not self.budget.try_acquire(nbytes, timeout=_PUT_WAIT_SEC):
             raise Overloaded(f"buffer full ({self.budget.used} of {self.budget.capacity} bytes); "
@@ -218,7 +235,13 @@ class EmbeddingWorker:
                 self.budget.release(nbytes)
                 raise Overloaded(f"forward buffer full ({self._capacity} batches); retry later")
             ref = next(self._next_ref)
-            self._buffer[ref] = _PendingBatch(features, requires_grad, nbytes)
+            # Holds its place; nobody knows the ref before this returns.
+            self._buffer[ref] = batch = _PendingBatch([], requires_grad, nbytes)
+        try:
+            batch.slots = [_DedupedSlot.of(f) for f in features]
+        except BaseException:
+            self._release(ref)
+            raise
         return ref
 
     def _release(self, ref: int) -> None:
@@ -236,7 +259,7 @@ class EmbeddingWorker:
     def num_looked_up(self) -> int:
         """Batches looked up whose gradients have not come back yet."""
         with self._buffer_changed:
-            return sum(b.unique_ids is not None for b in self._buffer.values())
+            return sum(b.looked_up for b in self._buffer.values())
 
     # -- lookup ----------------------------------------------------------------------
 
@@ -246,52 +269,47 @@ class EmbeddingWorker:
             batch = self._buffer.get(ref)
             if batch is None:
                 raise NotFound(f"no batch with ref {ref} on this embedding worker")
-            if batch.unique_ids is not None:
+            if batch.looked_up:
                 raise ValueError(f"batch {ref} was already looked up")
-            batch.unique_ids = {}  # claims the batch; filled below
+            batch.looked_up = True  # claims the batch
         try:
-            rows, unique_ids = self._lookup(batch.features, training=batch.requires_grad)
+            rows = self._lookup(batch.slots, training=batch.requires_grad)
         except BaseException:
-            batch.unique_ids = None  # let the caller retry the lookup
+            batch.looked_up = False  # let the caller retry the lookup
             raise
-        if batch.requires_grad:
-            batch.unique_ids = unique_ids
-        else:
+        if not batch.requires_grad:
             self._release(ref)
         return rows
 
     def lookup_direct(self, features: list[SlotIds], batch_size: int) -> list[SlotRows]:
         """Look up ids for inference: nothing is inserted, nothing is kept."""
-        rows, _ = self._lookup(self.validate_features(features, batch_size), training=False)
-        return rows
-
-    def _lookup(
-        self, features: list[SlotIds], *, training: bool
-    ) -> tuple[list[SlotRows], dict[str, np.ndarray]]:
         started = time.perf_counter()
-        # Dedup per slot (the NN worker gets one row per distinct id of the slot), then per
-        # table: the slots of a feature group share one table, so their ids are fetched once.
-        uniques, inverses = {}, {}
-        for f in features:
-            # One pass with a hash set (np.unique sorts: 39 vs 13 ms per embedding-heavy batch).
-            uniques[f.slot], inverses[f.slot] = unique_in_order(f.ids)
-        tables = self._tables_of([f.slot for f in features])
+        slots = [_DedupedSlot.of(f) for f in self.validate_features(features, batch_size)]
+        return self._lookup(slots, training=False, started=started)
+
+    def _lookup(self, slots: list[_DedupedSlot], *, training: bool,
+                started: float | None = None) -> list[SlotRows]:
+        """Rows of deduplicated slots: the NN worker gets one row per distinct id of a slot."""
+        started = time.perf_counter() if started is None else started
+        # The slots of a feature group share one table, so their ids are fetched once.
+        uniques = {s.slot: s.unique for s in slots}
+        tables = self._tables_of([s.slot for s in slots])
         table_ids = {t: _union([uniques[s] for s in slots]) for t, slots in tables.items()}
         rpc_started = time.perf_counter()
         table_rows = self._lookup_tables(table_ids, training=training)
         rpc_done = time.perf_counter()
         result = []
-        for f in features:
-            cfg = self.embedding_config.slots_config[f.slot]
-            table = self.embedding_config.table_of(f.slot)
+        for s in slots:
+            cfg = self.embedding_config.slots_config[s.slot]
+            table = self.embedding_config.table_of(s.slot)
             rows = table_rows[table]
             if len(tables[table]) > 1:
-                rows = rows[np.searchsorted(table_ids[table], uniques[f.slot])]
+                rows = rows[np.searchsorted(table_ids[table], s.unique)]
             result.append(SlotRows(
-                slot=f.slot,
+                slot=s.slot,
                 rows=rows,
-                index=inverses[f.slot],
-                lengths=f.lengths,
+                index=s.inverse,
+                lengths=s.lengths,
                 pooling=cfg.pooling_mode,
                 sqrt_scaling=cfg.sqrt_scaling,
                 sample_fixed_size=cfg.sample_fixed_size,
@@ -300,7 +318,7 @@ class EmbeddingWorker:
         if self.on_lookup_timed is not None:
             self.on_lookup_timed(rpc_started - started, rpc_done - rpc_started,
                                  time.perf_counter() - rpc_done)
-        return result, uniques
+        return result
 
     def _tables_of(self, slots: list[str]) -> dict[str, list[str]]:
         """Table name -> the given slots it holds, in order."""
@@ -367,16 +385,17 @@ class EmbeddingWorker:
 
     def _update_gradients(self, ref: int, batch: _PendingBatch,
                           grads: dict[str, np.ndarray]) -> int:
-        if not batch.unique_ids:
+        if not (batch.looked_up and batch.requires_grad):
             raise ValueError(f"batch {ref} has not been looked up for training")
-        unknown = set(grads) - set(batch.unique_ids)
+        unique_ids = {s.slot: s.unique for s in batch.slots}
+        unknown = set(grads) - set(unique_ids)
         if unknown:
             raise ValueError(f"gradients for slots {sorted(unknown)} not in batch {ref}")
-        missing = set(batch.unique_ids) - set(grads)
+        missing = set(unique_ids) - set(grads)
         if missing:
             raise ValueError(f"batch {ref}: gradients missing for slots {sorted(missing)}")
         finite = {}
-        for slot, unique in batch.unique_ids.items():
+        for slot, unique in unique_ids.items():
             g = grads[slot]
             dim = self.embedding_config.slots_config[slot].dim
             if g.shape != (unique.size, dim):
@@ -392,7 +411,7 @@ class EmbeddingWorker:
         num_replicas = len(self.ps_clients)
         per_replica: list[list[tuple[str, np.ndarray, np.ndarray]]] = [[] for _ in range(num_replicas)]
         for table, slots in self._tables_of(list(finite)).items():
-            ids, g = _sum_by_id([batch.unique_ids[s] for s in slots], [finite[s] for s in slots])
+            ids, g = _sum_by_id([unique_ids[s] for s in slots], [finite[s] for s in slots])
             for r, positions in enumerate(_by_replica(ids, num_replicas)):
                 part = ids[positions]
                 if part.size:

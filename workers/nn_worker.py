@@ -187,6 +187,9 @@ class GradientSender:
 
 _END = object()
 
+_LOOKUP_THREADS = 2
+"""Lookups in flight at once (at most ``embedding_staleness``)."""
+
 
 class BatchStream:
     """Training batches from the data loaders, with embeddings looked up ahead of use."""
@@ -228,9 +231,14 @@ class BatchStream:
         self._threads = [threading.Thread(target=self._guard, args=(self._fetch, g),
                                           name=f"fetch-{i}", daemon=True)
                          for i, g in enumerate(groups)]
-        self._num_fetchers = len(self._threads)
-        self._threads.append(threading.Thread(target=self._guard, args=(self._lookup,),
-                                              name="lookup", daemon=True))
+        self._fetchers_left = len(self._threads)
+        # Reproducible: one lookup at a time, in arrival order. Otherwise several, so that
+        # one batch's dedup, parameter-server reads and decoding overlap another's (the
+        # staleness semaphore still bounds how many are looked up ahead).
+        self._lookups_left = 1 if reproducible else min(staleness, _LOOKUP_THREADS)
+        self._threads += [threading.Thread(target=self._lookup,
+                                           name=f"lookup-{i}", daemon=True)
+                          for i in range(self._lookups_left)]
         for t in self._threads:
             t.start()
 
@@ -261,32 +269,49 @@ class BatchStream:
                     active.remove(stub)
                 elif response.has_batch and not self._put(self._raw, response.batch):
                     return
-        self._put(self._raw, _END)
+        with self._outstanding_lock:
+            self._fetchers_left -= 1
+
+    def _next_raw(self):
+        """The next fetched batch, or None once every fetcher has ended and all are taken."""
+        while not self._stop.is_set():
+            try:
+                return self._raw.get(timeout=0.2)
+            except queue.Empty:
+                if self._fetchers_left == 0:  # a fetcher puts its last batch before it ends
+                    try:
+                        return self._raw.get_nowait()
+                    except queue.Empty:
+                        return None
+        return None
 
     def _lookup(self) -> None:
-        ended = 0
-        while ended < self._num_fetchers and not self._stop.is_set():
-            try:
-                item = self._raw.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if item is _END:
-                ended += 1
-                continue
-            while not self.staleness.acquire(timeout=0.2):
-                if self._stop.is_set():
+        failed = False
+        try:
+            while (item := self._next_raw()) is not None:
+                while not self.staleness.acquire(timeout=0.2):
+                    if self._stop.is_set():
+                        return
+                with self._outstanding_lock:
+                    self._outstanding += 1
+                    staleness = self._outstanding - 1
+                try:
+                    batch = self._to_training_batch(item, staleness)
+                except BaseException:
+                    self._release_slot()
+                    raise
+                if not self._put(self._ready, batch):
                     return
+        except BaseException as exc:  # noqa: BLE001 - handed to the training loop
+            failed = True
+            logger.exception("batch lookup thread failed")
+            self._put(self._ready, exc)  # before this thread counts as done: never after _END
+        finally:
             with self._outstanding_lock:
-                self._outstanding += 1
-                staleness = self._outstanding - 1
-            try:
-                batch = self._to_training_batch(item, staleness)
-            except BaseException:
-                self._release_slot()
-                raise
-            if not self._put(self._ready, batch):
-                return
-        self._put(self._ready, _END)
+                self._lookups_left -= 1
+                last = self._lookups_left == 0 and not failed
+        if last:
+            self._put(self._ready, _END)
 
     def _release_slot(self) -> None:
         with self._outstanding_lock:

@@ -10,13 +10,13 @@ import time
 
 import torch
 from torch import nn
-from workloads import NUM_SLOTS, WORKLOADS
+from workloads import NUM_SLOTS, WARMUP_STEPS, WORKLOADS
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=WARMUP_STEPS)
     args = parser.parse_args()
     w = WORKLOADS[args.workload]
     torch.manual_seed(0)

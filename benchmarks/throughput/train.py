@@ -5,7 +5,7 @@ import argparse
 import time
 
 import torch
-from workloads import WORKLOADS
+from workloads import WARMUP_STEPS, WORKLOADS
 
 from persia_py.ctx import TrainCtx
 from persia_py.data import DataLoader, StreamingDataset
@@ -14,7 +14,7 @@ from persia_py.embedding.optim import Adagrad
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=WARMUP_STEPS)
     parser.add_argument("--embedding-staleness", type=int, default=4)
     args = parser.parse_args()
     w = WORKLOADS[args.workload]

@@ -15,6 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
+WARMUP_STEPS = 20
+"""Steps before either side starts its clock: process start-up, first page faults, and
+for persia_py the filling of the pipeline."""
+
 NUM_DENSE = 13
 NUM_SLOTS = 26
 SLOT_NAMES = [f"s{i}" for i in range(NUM_SLOTS)]
