@@ -85,7 +85,7 @@ def main() -> None:
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
     fp16 = not args.fp32_wire
-    figures: dict[str, float] = {}
+    figures: dict[str, float | list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for workload in WORKLOADS:
@@ -94,7 +94,9 @@ def main() -> None:
                 plain_runs.append(plain(workload, args.steps))
                 ours_runs.append(ours(workload, args.steps, args.staleness, workdir, fp16))
             o, p = statistics.median(ours_runs), statistics.median(plain_runs)
-            figures.update({f"{workload}_samples_per_sec": o,
+            figures.update({f"{workload}_runs_samples_per_sec": ours_runs,
+                            f"{workload}_plain_runs_samples_per_sec": plain_runs,
+                            f"{workload}_samples_per_sec": o,
                             f"{workload}_plain_samples_per_sec": p,
                             f"{workload}_ratio": o / p})
             print(f"{workload:16s} persia_py {o:10.0f} samples/s   plain PyTorch {p:10.0f} "
