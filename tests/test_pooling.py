@@ -86,3 +86,21 @@ def test_backward_matches_embedding_bag_autograd(pooling: str, sqrt_scaling: boo
         per_sample_weights=torch.repeat_interleave(scale, lengths))
     (pooled * upstream).sum().backward()
     np.testing.assert_allclose(rows.grad.numpy(), expected_rows.grad.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("pooling, sqrt_scaling", [("sum", False), ("mean", True)])
+def test_one_id_per_sample_matches_embedding_bag(pooling: str, sqrt_scaling: bool) -> None:
+    # The one-entry-per-sample shortcut (index_select) gives embedding_bag's values and
+    # gradients, duplicates included.
+    index = np.array([2, 0, 2, 1, 3], np.int64)
+    slot = SlotRows("s", ROWS, index, np.ones(5, np.int32), pooling, sqrt_scaling, 3)
+    upstream = torch.linspace(-1, 1, 15).reshape(5, 3)
+    rows = torch.from_numpy(ROWS.copy()).requires_grad_(True)
+    got = pool_slot(rows, slot)
+    (got * upstream).sum().backward()
+    expected_rows = torch.from_numpy(ROWS.copy()).requires_grad_(True)
+    pooled = torch.nn.functional.embedding_bag(torch.from_numpy(index), expected_rows,
+                                               torch.arange(5), mode=pooling)
+    (pooled * upstream).sum().backward()
+    np.testing.assert_array_equal(got.detach().numpy(), pooled.detach().numpy())
+    np.testing.assert_allclose(rows.grad.numpy(), expected_rows.grad.numpy(), rtol=1e-6)

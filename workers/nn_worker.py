@@ -57,6 +57,10 @@ def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
         flat = rows.new_zeros(batch_size * fixed, rows.shape[1])
         flat = flat.index_add(0, sample * fixed + position, rows[index])
         return flat.view(batch_size, fixed, rows.shape[1])
+    if rounds == 1 and index.numel() == batch_size and bool((lengths == 1).all()):
+        # One id per sample: sum, mean and sqrt scaling all give its row, and
+        # index_select's backward (one index_add) is cheaper than embedding_bag's.
+        return rows.index_select(0, index)
     offsets = torch.cumsum(entries, 0) - entries
     mode = slot.pooling
     bag = (_Bag.apply if index.numel() > _NATIVE_BACKWARD_MAX_ENTRIES * max(batch_size, 1)
