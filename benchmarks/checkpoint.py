@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from persia_py import checkpoint_format as fmt
-from persia_py.config import EmbeddingConfig, GlobalConfig, ParameterServerConfig, SlotConfig
+from persia_py.config import EmbeddingTablesConfig, GlobalConfig, ParameterServerConfig, SlotConfig
 from persia_py.servers.checkpoint import dump_replica, load_replica
 from persia_py.servers.parameter_server import ParameterServer
 
@@ -28,7 +28,7 @@ from persia_py.servers.parameter_server import ParameterServer
 def _server(rows: int, dim: int) -> ParameterServer:
     cfg = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
         capacity=2 * rows, num_hashmap_internal_shards=4))
-    ps = ParameterServer(cfg, EmbeddingConfig(slots_config={"slot": SlotConfig(dim=dim)}))
+    ps = ParameterServer(cfg, EmbeddingTablesConfig(slots_config={"slot": SlotConfig(dim=dim)}))
     ps.configure(optimizer={"type": "adagrad", "lr": 0.01})
     return ps
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 import tempfile
 import threading
@@ -53,6 +54,9 @@ def client_loop(address: str, index: int, args: argparse.Namespace, deadline: fl
     rng = np.random.default_rng([args.seed, index])
     client = PSClient(address, CommonConfig(rpc_timeout_sec=30))
     sequence = 0
+    # Random per client and run, as the embedding worker's: a reused id would make the
+    # server answer this run's first updates as duplicates of an earlier run's.
+    worker_id = f"load-{index}-{secrets.token_hex(16)}"
     try:
         while time.monotonic() < deadline:
             ids = np.unique(rng.integers(1, args.id_space, args.batch, dtype=np.uint64))
@@ -63,7 +67,7 @@ def client_loop(address: str, index: int, args: argparse.Namespace, deadline: fl
             try:
                 if update:
                     sequence += 1
-                    client.update([(SLOT, ids, grads)], worker_id=f"load-{index}",
+                    client.update([(SLOT, ids, grads)], worker_id=worker_id,
                                   sequence=sequence)
                 else:
                     client.lookup([(SLOT, ids)], training=True)
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_ids = np.arange(1, 257, dtype=np.uint64)  # compile the kernels before measuring
         admin.lookup([(SLOT, warm_ids)], training=True)
         admin.update([(SLOT, warm_ids, np.zeros((256, args.dim), np.float32))],
-                     worker_id="warm-up", sequence=1)
+                     worker_id=f"warm-up-{secrets.token_hex(16)}", sequence=1)
         idle_rss = proc_status_bytes(pid, "VmRSS")
         # Rows plus Adagrad state, ids and the LRU clock, without the hash index.
         table_payload = args.capacity * (2 * args.dim * 4 + 8 + 8)

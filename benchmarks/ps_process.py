@@ -6,6 +6,7 @@ import contextlib
 import os
 import queue
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from persia_py import allocator
+from persia_py.security import ENV_AUTH_TOKEN
 
 START_TIMEOUT_S = 120.0
 
@@ -57,7 +59,13 @@ def parameter_server_process(workdir: Path, slot: str, dim: int,
                "--port", "0", "--embedding-config", str(embedding_config),
                "--global-config", str(global_config)]
     lines: queue.Queue[str | None] = queue.Queue()
-    with open(stderr_path, "w") as stderr:
+    # The server requires a job token (secure by default); the benchmark's clients, in
+    # this process, read the same one from the environment.
+    token_before = os.environ.get(ENV_AUTH_TOKEN)
+    os.environ[ENV_AUTH_TOKEN] = token_before or secrets.token_hex(32)
+    with contextlib.ExitStack() as restore, open(stderr_path, "w") as stderr:
+        if token_before is None:
+            restore.callback(os.environ.pop, ENV_AUTH_TOKEN, None)
         # With the malloc settings ``persia-launcher local`` gives its roles.
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                 env=allocator.with_tunables(dict(os.environ)))

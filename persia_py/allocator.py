@@ -2,7 +2,7 @@
 
 Every role builds and parses messages of tens of MB per step. With glibc's defaults
 such a buffer often lands in memory just handed back to the kernel, so each use starts
-with a page fault per 4 KiB (about 3,000 per 12.8 MB answer, ~2 us each here). Three
+with a page fault per 4 KiB, thousands per answer (docs/benchmarks.md). Three
 settings stop that:
 
 * ``glibc.malloc.hugetlb=1``: malloc'd memory is advised for transparent huge pages,

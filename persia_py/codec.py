@@ -5,12 +5,17 @@ Every array that crosses the wire goes through :func:`encode` (or, for big messa
 protobuf's copies) and :func:`decode` (of a message
 protobuf parsed, or of one :func:`parse` read without copying its arrays' bytes).
 Decoding validates everything a peer could get wrong (dtype, shape, byte length,
-compression) and raises :class:`CodecError` with a message that names the field.
+compression) and raises :class:`CodecError` with a message that names the field; sizes a
+peer claims are checked before anything is allocated for them (:func:`check_decoded_size`
+for a whole message's lz4 payloads, :data:`MAX_PARSED_MESSAGES` for what :func:`parse`
+builds).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from functools import cache
 from typing import Any
 
 import lz4.block
@@ -28,15 +33,21 @@ MAX_ELEMENTS = 1 << 31
 """Upper bound on the elements of one decoded array (a guard against absurd shapes)."""
 
 
+MAX_PARSED_MESSAGES = 1 << 14
+"""Most sub-messages :func:`parse` builds for one message. Each costs a few hundred bytes
+of memory for the two bytes it may take on the wire, so without a bound a small request
+of empty entries would cost gigabytes. A slot takes up to three (its entry, ids and
+gradients or lengths), so this allows over 5,000 slots per request."""
+
 _LZ4_MAX_RATIO = 255
 
 
 def cast_float(array: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
     """``array`` as float16/float32 (into ``out`` if given), bit-identical to numpy's cast.
 
-    The cast runs through torch's vectorized kernels: numpy's float16 conversion takes about
-    70 ns per value that is tiny in float16 (as gradients often are) and 2-3 ns otherwise;
-    torch takes under 1 ns (measured: 8.3M gradient values, 565 ms vs 5 ms).
+    The cast runs through torch's vectorized kernels: numpy's float16 conversion is slow
+    for values that are tiny in float16, as gradients often are, and torch's is not
+    (figures in docs/benchmarks.md).
     """
     import torch  # a dependency of the package; imported here so codec users need not load it
 
@@ -132,6 +143,53 @@ def decode(
     return array.astype(dtype.newbyteorder("="), copy=copy)
 
 
+def check_decoded_size(message: Any, wire_bytes: int, limit: int, *, what: str) -> None:
+    """Refuse ``message`` (protobuf or :class:`RawMessage`, ``wire_bytes`` long) if its lz4
+    payloads would decompress it past ``limit`` bytes, judged from the shapes and dtypes
+    its tensors claim, before anything is decompressed.
+
+    LZ4 expands up to 255x, so without this check a request under the message limit could
+    make the receiver allocate 255 times that limit. ``what`` names the limit in the error.
+    """
+    total = wire_bytes
+    for name, tensor in _lz4_tensors(message, ""):
+        total += _claimed_bytes(tensor) - len(tensor.data)
+        if total > limit:
+            raise CodecError(f"{name}: lz4 payload claims {_claimed_bytes(tensor)} decoded bytes, "
+                             f"which makes the message larger than max ({total} vs. {limit}, "
+                             f"{what})")
+
+
+def _claimed_bytes(tensor: Any) -> int:
+    """Bytes ``tensor`` would decode to by its shape and dtype (0 for what decode refuses)."""
+    if tensor.dtype not in WIRE_DTYPES or any(s < 0 for s in tensor.shape):
+        return 0
+    # float64: an absurd shape gives inf instead of a huge exact product
+    size = float(np.prod(tensor.shape, dtype=np.float64)) * np.dtype(tensor.dtype).itemsize
+    return int(min(size, 2**62))
+
+
+def _lz4_tensors(message: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """``(field path, tensor)`` of every lz4-compressed Tensor inside ``message``."""
+    for f in _fields_with_tensors(message.DESCRIPTOR):
+        value = getattr(message, f.name)
+        entries = enumerate(value) if f.is_repeated else [(None, value)]
+        for i, sub in entries:
+            name = f"{prefix}{f.name}" + ("" if i is None else f"[{i}]")
+            if f.message_type is common_pb2.Tensor.DESCRIPTOR:
+                if sub.lz4:
+                    yield name, sub
+            else:
+                yield from _lz4_tensors(sub, name + ".")
+
+
+@cache
+def _fields_with_tensors(descriptor: Any) -> tuple[Any, ...]:
+    """The message-typed fields of ``descriptor`` that are or hold Tensors."""
+    return tuple(f for f in descriptor.fields if f.message_type is not None and (
+        f.message_type is common_pb2.Tensor.DESCRIPTOR or _fields_with_tensors(f.message_type)))
+
+
 def encode_id_feature(slot: str, ids: np.ndarray, lengths: np.ndarray) -> common_pb2.IdFeature:
     """One ID-type feature in CSR form: flat uint64 ids and int32 per-sample lengths."""
     return common_pb2.IdFeature(
@@ -213,7 +271,7 @@ def join(pieces: list) -> bytes:
     """The serialized message: the pieces copied once into one ``bytes``.
 
     Protobuf would copy an array's bytes three times (``tobytes``, into the message, and
-    serializing it) at about 3 ms per MB; this copies them once.
+    serializing it); this copies them once.
     """
     return b"".join(pieces)
 
@@ -251,11 +309,19 @@ class RawMessage:
 
 def parse(message_class: type, data: bytes | memoryview) -> RawMessage:
     """``message_class.FromString(data)`` without copying ``bytes`` fields (array data):
-    they come back as memoryviews of ``data``, which they keep alive."""
-    return _parse(message_class.DESCRIPTOR, memoryview(data).cast("B"))
+    they come back as memoryviews of ``data``, which they keep alive. At most
+    :data:`MAX_PARSED_MESSAGES` sub-messages are built."""
+    return _parse(message_class.DESCRIPTOR, memoryview(data).cast("B"), [MAX_PARSED_MESSAGES])
 
 
-def _parse(descriptor: Any, buf: memoryview) -> RawMessage:
+@cache
+def _empty(descriptor: Any) -> RawMessage:
+    """The RawMessage of an absent sub-message (shared: RawMessages are read-only)."""
+    return _parse(descriptor, memoryview(b""), [1])
+
+
+def _parse(descriptor: Any, buf: memoryview, budget: list[int]) -> RawMessage:
+    """``budget[0]``: sub-messages that may still be built, shared by the whole parse."""
     special = {f.number: f for f in descriptor.fields
                if f.message_type is not None or f.type == f.TYPE_BYTES}
     values: dict[str, list] = {f.name: [] for f in special.values()}
@@ -272,8 +338,13 @@ def _parse(descriptor: Any, buf: memoryview) -> RawMessage:
             size, pos = _read_varint(buf, pos)
             if field is not None and pos + size <= len(buf):
                 value = buf[pos:pos + size]
-                values[field.name].append(value if field.message_type is None
-                                          else _parse(field.message_type, value))
+                if field.message_type is not None:
+                    budget[0] -= 1
+                    if budget[0] < 0:
+                        raise CodecError(f"malformed message: more than {MAX_PARSED_MESSAGES} "
+                                         f"sub-messages (field {field.name})")
+                    value = _parse(field.message_type, value, budget)
+                values[field.name].append(value)
                 pos += size
                 continue
             pos += size
@@ -292,7 +363,7 @@ def _parse(descriptor: Any, buf: memoryview) -> RawMessage:
         elif found:
             fields[f.name] = found[0]
         else:
-            fields[f.name] = b"" if f.message_type is None else _parse(f.message_type, buf[:0])
+            fields[f.name] = b"" if f.message_type is None else _empty(f.message_type)
     return RawMessage(message_factory.GetMessageClass(descriptor).FromString(join(scalars)),
                       fields)
 

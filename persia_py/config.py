@@ -17,6 +17,10 @@ from typing import Any, Literal
 
 import yaml
 
+from persia_py.checks import check_number
+from persia_py.optimizer_config import optimizer_from_dict
+from persia_py.table_policy import TablePolicy
+
 
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and the key path."""
@@ -27,7 +31,11 @@ class CommonConfig:
     job_type: Literal["Train", "Infer"] = "Train"
     """``Train`` or ``Infer``."""
     max_message_bytes: int = 512 * 1024 * 1024
-    """Largest gRPC message sent or received, on every channel and server."""
+    """Largest gRPC message sent or received, on every channel and server; also the most
+    bytes a received request may decompress to (lz4 payloads, checked before decoding)."""
+    max_control_message_bytes: int = 1024 * 1024
+    """Largest request a server accepts for a call that carries no arrays (Configure,
+    Stats, Health, checkpoint calls, a lookup by ref); checked before parsing."""
     rpc_timeout_sec: float = 120.0
     """Deadline of every RPC; idempotent calls are retried until it passes."""
     startup_timeout_sec: float = 300.0
@@ -53,6 +61,7 @@ class CommonConfig:
 
     def __post_init__(self) -> None:
         _check_range(self, "max_message_bytes", 4 * 1024 * 1024, 2**31 - 1)
+        _check_range(self, "max_control_message_bytes", 64 * 1024, 2**31 - 1)
         _check_range(self, "rpc_timeout_sec", 0.1, 86400.0)
         _check_range(self, "startup_timeout_sec", 1.0, 86400.0)
         tls = ("tls_cert_file", "tls_key_file", "tls_ca_file")
@@ -106,6 +115,13 @@ class NNWorkerConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
+    root: str | None = None
+    """The folder every checkpoint and incremental export of the job lives in. Each
+    parameter server reads and writes only inside it (checkpoint calls name folders in
+    it, never paths); ``dir``, ``incremental_dir`` and the folders given to
+    ``dump_checkpoint`` / ``load_checkpoint`` must be it or lie directly in it. Unset:
+    the current directory of each process (``persia-launcher local`` starts every role
+    in the directory it was started in)."""
     dir: str | None = None
     """Checkpoint root that ``TrainCtx`` writes periodic checkpoints to (none: off)."""
     every_steps: int = 0
@@ -208,20 +224,14 @@ class SlotConfig:
     def __post_init__(self) -> None:
         _check_range(self, "dim", 1, 65536)
         _check_range(self, "sample_fixed_size", 1, 1_000_000)
-        if self.capacity is not None:
-            _check_range(self, "capacity", 1, 2**62)
-        if not 0.0 < self.admit_probability <= 1.0:
-            raise ConfigError(f"admit_probability: {self.admit_probability} is out of range; "
-                              "expected 0 < admit_probability <= 1")
-        _check_range(self, "min_occurrences", 1, 255)
-        if self.expire_after_steps is not None:
-            _check_range(self, "expire_after_steps", 1, 2**62)
-        if self.expire_after_seconds is not None and not 0.0 < self.expire_after_seconds < 1e12:
-            raise ConfigError(f"expire_after_seconds: {self.expire_after_seconds} is out of "
-                              "range; expected a number of seconds > 0")
+        try:
+            TablePolicy(capacity=self.capacity, admit_probability=self.admit_probability,
+                        min_occurrences=self.min_occurrences,
+                        expire_after_steps=self.expire_after_steps,
+                        expire_after_seconds=self.expire_after_seconds)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.optimizer is not None:
-            from persia_py.servers.optimizers import optimizer_from_dict
-
             try:
                 optimizer_from_dict(self.optimizer)
             except ValueError as exc:
@@ -234,7 +244,11 @@ class SlotConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
-class EmbeddingConfig:
+class EmbeddingTablesConfig:
+    """``embedding_config.yml``: the slots and the tables that hold them. (The user's
+    :class:`persia_py.embedding.EmbeddingConfig`, as in PERSIA, is another thing: the
+    initialization and weight bound a training job sends.)"""
+
     slots_config: dict[str, SlotConfig]
     """One entry per ID-type feature (slot), by name."""
     feature_index_prefix_bit: int = 0
@@ -327,9 +341,10 @@ _TABLE_KEYS = ("dim", "capacity", "admit_probability", "min_occurrences", "expir
 
 
 def _check_range(obj: Any, name: str, low: float, high: float) -> None:
-    value = getattr(obj, name)
-    if not low <= value <= high:
-        raise ConfigError(f"{name}: {value} is out of range; expected {low} <= {name} <= {high}")
+    try:
+        check_number(name, getattr(obj, name), low=low, high=high)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _describe(tp: Any) -> str:
@@ -438,9 +453,9 @@ def load_global_config(path: str | os.PathLike | None) -> GlobalConfig:
     return GlobalConfig() if path is None else _load(GlobalConfig, path)
 
 
-def load_embedding_config(path: str | os.PathLike) -> EmbeddingConfig:
+def load_embedding_config(path: str | os.PathLike) -> EmbeddingTablesConfig:
     """Read ``embedding_config.yml``."""
-    return _load(EmbeddingConfig, path)
+    return _load(EmbeddingTablesConfig, path)
 
 
 def global_config_from_dict(data: dict) -> GlobalConfig:
@@ -448,6 +463,6 @@ def global_config_from_dict(data: dict) -> GlobalConfig:
     return _build(GlobalConfig, data, "")
 
 
-def embedding_config_from_dict(data: dict) -> EmbeddingConfig:
-    """Build an EmbeddingConfig from a mapping, with the same checks as a file."""
-    return _build(EmbeddingConfig, data, "")
+def embedding_config_from_dict(data: dict) -> EmbeddingTablesConfig:
+    """Build an EmbeddingTablesConfig from a mapping, with the same checks as a file."""
+    return _build(EmbeddingTablesConfig, data, "")

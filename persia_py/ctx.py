@@ -9,29 +9,41 @@
 from __future__ import annotations
 
 import contextvars
+import io
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from persia_py.checkpoint import Checkpointer
+from persia_py.checkpoint_format import check_name
 from persia_py.config import GlobalConfig, load_global_config
-from persia_py.data import StreamingDataset
 from persia_py.embedding import EmbeddingConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.embedding.optim import Optimizer
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
 from persia_py.progress import StepReporter
+from persia_py.stateful import Stateful, TrainState
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.data_loader import DataCtx
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
-from persia_py.workers.nn_worker import BatchStream, GradientSender, TrainingBatch, pool_slot
+from persia_py.workers.nn_worker import (
+    BatchStream,
+    DataLoaderSource,
+    GradientSender,
+    LocalSource,
+    TrainingBatch,
+    look_up,
+    pool_slot,
+)
 from persia_py.workers.ps_client import configure_request
 
 __all__ = ["TrainCtx", "InferCtx", "DataCtx", "eval_ctx", "current_ctx"]
@@ -52,8 +64,25 @@ def current_ctx() -> EmbeddingCtx:
     return ctx
 
 
+def _check_batch(batch: object) -> None:
+    """``ctx.forward``'s argument must be a looked-up batch, not a raw one."""
+    if isinstance(batch, TrainingBatch):
+        return
+    if isinstance(batch, PersiaBatch):
+        raise TypeError(
+            "ctx.forward takes a batch whose embeddings are looked up, from "
+            "persia_py.data.DataLoader; got a raw PersiaBatch. Yield it from a "
+            "persia_py.data.IterableDataset and iterate DataLoader(dataset) (or, for one "
+            "evaluation batch, pass ctx.prepare(batch))")
+    raise TypeError(f"ctx.forward takes a batch from persia_py.data.DataLoader, got "
+                    f"{type(batch).__name__}")
+
+
 class EmbeddingCtx:
     """Forward passes with embeddings from the embedding workers (the base of the contexts)."""
+
+    _training = False
+    """Whether this context trains (stores the ids of training batches, sends gradients)."""
 
     def __init__(self, *, model: torch.nn.Module | None = None,
                  embedding_worker_addresses: list[str] | None = None,
@@ -70,6 +99,9 @@ class EmbeddingCtx:
         self.mixed_precision = False
         self._token: contextvars.Token | None = None
         self._round_robin = itertools.count()
+        self.budget = ByteBudget(self.global_config.nn_worker_config.max_buffer_bytes,
+                                 "nn_worker_config.max_buffer_bytes")
+        """Bytes held by looked-up batches and their gradients not yet acknowledged."""
 
     def __enter__(self):
         if not self._addresses:
@@ -92,21 +124,28 @@ class EmbeddingCtx:
     # -- batches -----------------------------------------------------------------------
 
     def prepare(self, batch: PersiaBatch) -> TrainingBatch:
-        """Look up the embeddings of a batch made in this process."""
-        if batch.requires_grad:
-            raise ValueError("this context only evaluates; build the batch with "
-                             "requires_grad=False, or train inside TrainCtx")
-        worker = self.workers[next(self._round_robin) % len(self.workers)]
-        slots = worker.lookup_direct(batch.id_features(), batch.batch_size)
-        return TrainingBatch(
-            non_id_type_features=[torch.from_numpy(f.data) for f in batch.non_id_type_features],
-            labels=[torch.from_numpy(f.data) for f in batch.labels],
-            slots=slots, requires_grad=False, batch_size=batch.batch_size,
-            meta=batch.meta or b"",
-        )
+        """Look up the embeddings of one evaluation batch made in this process (e.g. a
+        serving request); no rows are inserted. A dataset of batches goes through
+        :class:`persia_py.data.DataLoader`, which looks ahead."""
+        return look_up(batch, self.workers, training=False,
+                       next_worker=next(self._round_robin) % len(self.workers))
 
-    def stream(self, dataset: StreamingDataset, *, reproducible: bool,
-               embedding_staleness: int) -> Iterator[TrainingBatch]:
+    def stream_local(self, batches: Iterable[PersiaBatch], *, buffer_size: int,
+                     reproducible: bool, embedding_staleness: int) -> Iterator[TrainingBatch]:
+        """Batches made in this process, looked up ahead within the same staleness bound
+        and byte budget as the data loaders' stream (``DataLoader(IterableDataset)``)."""
+        stream = BatchStream(source=LocalSource(batches), workers=self.workers,
+                             staleness=embedding_staleness, buffer_size=buffer_size,
+                             reproducible=reproducible, budget=self.budget,
+                             training=self._training)
+        try:
+            yield from stream
+        finally:
+            stream.close()
+
+    def stream_from_loaders(self, *, buffer_size: int, reproducible: bool,
+                            embedding_staleness: int) -> Iterator[TrainingBatch]:
+        """The data loaders' stream (``DataLoader(StreamingDataset)``); TrainCtx only."""
         raise RuntimeError("a StreamingDataset is read for training; use it inside TrainCtx")
 
     def _embedding_tensors(self, batch: TrainingBatch, requires_grad: bool):
@@ -122,6 +161,7 @@ class EmbeddingCtx:
 
     def forward(self, batch: TrainingBatch):
         """Run the model on ``batch``; returns ``(output, labels)`` (as PERSIA)."""
+        _check_batch(batch)
         if self.model is None:
             raise RuntimeError("this context has no model")
         with torch.no_grad(), self._autocast():
@@ -132,7 +172,50 @@ class EmbeddingCtx:
 
 
 class InferCtx(EmbeddingCtx):
-    """Forward-only context, e.g. for serving: lookups never insert rows."""
+    """Context of an inference process, e.g. a serving replica (as PERSIA's ``InferCtx``).
+
+    Forward only: lookups never insert rows, training batches are refused, and the model
+    is in eval mode inside the context (its mode is restored on exit).
+
+    Args:
+        embedding_worker_address_list: PERSIA's first argument: the embedding workers to
+            look up in (default: ``PERSIA_EMBEDDING_WORKER_ADDRS``). ``embedding_worker_addresses``
+            is the same, by this package's name; give at most one.
+        model, global_config, device_id, env: as :class:`TrainCtx`.
+    """
+
+    def __init__(self, embedding_worker_address_list: list[str] | None = None, *,
+                 model: torch.nn.Module | None = None,
+                 embedding_worker_addresses: list[str] | None = None,
+                 global_config: GlobalConfig | None = None, device_id: int | None = None,
+                 env: PersiaEnv | None = None) -> None:
+        if embedding_worker_address_list is not None and embedding_worker_addresses is not None:
+            raise ValueError("give embedding_worker_address_list or embedding_worker_addresses, "
+                             "not both")
+        super().__init__(model=model, global_config=global_config, device_id=device_id, env=env,
+                         embedding_worker_addresses=(embedding_worker_address_list
+                                                     or embedding_worker_addresses))
+        self._was_training: bool | None = None
+
+    def __enter__(self) -> InferCtx:
+        super().__enter__()
+        if self.model is not None:
+            self._was_training = self.model.training
+            self.model.eval()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.model is not None and self._was_training is not None:
+            self.model.train(self._was_training)
+        super().__exit__(exc_type, exc, tb)
+
+    def wait_for_serving(self) -> None:
+        """PERSIA's wait until the embedding workers serve: entering this context already
+        waited for each (``common_config.startup_timeout_sec``), so inside it this returns
+        at once; outside it, RuntimeError."""
+        if self._token is None:
+            raise RuntimeError("wait_for_serving is called inside `with InferCtx(...)`, which "
+                               "waits for the embedding workers on entry")
 
 
 @contextmanager
@@ -166,6 +249,8 @@ class TrainCtx(EmbeddingCtx):
             CUDA, bfloat16 on CPU. Embedding rows stay float32 on the servers.
     """
 
+    _training = True
+
     def __init__(self, *, model: torch.nn.Module, embedding_optimizer: Optimizer,
                  dense_optimizer: torch.optim.Optimizer,
                  embedding_config: EmbeddingConfig | None = None,
@@ -184,13 +269,13 @@ class TrainCtx(EmbeddingCtx):
         self._sender: GradientSender | None = None
         self._pending: tuple[TrainingBatch, list[torch.Tensor]] | None = None
         self._owns_process_group = False
-        self.budget = ByteBudget(self.global_config.nn_worker_config.max_buffer_bytes,
-                                 "nn_worker_config.max_buffer_bytes")
         self.staleness: int = 0
         """Staleness of the batch of the current step (see ``TrainingBatch.staleness``)."""
         self._staleness_sum = 0
         self._staleness_max = 0
-        self._num_steps = 0
+        self._num_steps = 0  # in this context, for the staleness figures
+        self.train_state = TrainState()
+        """Batches this rank has trained, counting those before a resumed checkpoint."""
         self.checkpointer: Checkpointer | None = None
         self.reporter: StepReporter | None = None
         """Progress line, training log and metrics of this rank (see persia_py.progress)."""
@@ -217,7 +302,9 @@ class TrainCtx(EmbeddingCtx):
         for w in self.workers:
             w.configure(request)
         self._sender = GradientSender(self.workers, max_in_flight=8)
-        self.checkpointer = Checkpointer(self)
+        self.checkpointer = Checkpointer(
+            self.state_dict(), flush=self.flush, ps_addrs=self.env.ps_addrs, common=self.common,
+            config=self.global_config.checkpoint_config, device=self.device)
         self.checkpointer.resume_if_asked()
         return self
 
@@ -250,11 +337,48 @@ class TrainCtx(EmbeddingCtx):
         """Wait until the servers have acknowledged every embedding update sent so far."""
         self._sender.flush(self.common.rpc_timeout_sec)
 
-    def dump_checkpoint(self, dst_dir: str) -> None:
+    def state_dict(self) -> dict[str, Stateful]:
+        """This rank's part of a checkpoint, as ``torch.distributed.checkpoint`` takes it:
+        ``model`` (the dense model), ``dense_optimizer`` and ``train_state``
+        (:class:`~persia_py.stateful.TrainState`), each a Stateful object read and
+        restored in place. The embeddings live on the servers (see :meth:`dump_checkpoint`)."""
+        return {"model": self.model, "dense_optimizer": self.dense_optimizer,
+                "train_state": self.train_state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict`'s parts' ``state_dict()`` returned, given as
+        plain mappings under the same keys; every key is required."""
+        parts = self.state_dict()
+        if set(state_dict) != set(parts):
+            raise ValueError(f"state_dict: expected the keys {sorted(parts)}, got "
+                             f"{sorted(state_dict)}")
+        for key, part in parts.items():
+            part.load_state_dict(state_dict[key])
+
+    def dump_checkpoint(self, dst_dir: str, *, with_jit_model: bool = False,
+                        jit_dense_filename: str = "jit_dense.pt",
+                        blocking: bool = True) -> Path | None:
         """Checkpoint embeddings with optimizer state, the dense model and optimizer, and
         the batches trained into ``dst_dir`` (see :mod:`persia_py.checkpoint`); every rank
-        calls it at the same step."""
-        self.checkpointer.dump(dst_dir)
+        calls it at the same step. Returns the checkpoint folder on rank 0, else None.
+
+        With ``with_jit_model`` (as PERSIA) the folder also holds the dense model compiled
+        by ``torch.jit.script`` as ``jit_dense_filename`` (load it with ``torch.jit.load``);
+        a model TorchScript cannot compile is a ``ValueError`` before anything is written.
+        Dumps always block (``blocking=False`` is refused): a checkpoint is a cut that
+        every rank waits for.
+        """
+        if not blocking:
+            raise ValueError("blocking=False is not supported: every rank waits for the "
+                             "checkpoint's consistent cut; call dump_checkpoint(dst_dir)")
+        extra_files = {}
+        if with_jit_model:
+            check_name(jit_dense_filename, "jit_dense_filename")
+            if not jit_dense_filename.endswith(".pt"):
+                raise ValueError(f"jit_dense_filename: {jit_dense_filename!r} must end with "
+                                 "'.pt'")
+            extra_files[jit_dense_filename] = _torchscript(self.model)
+        return self.checkpointer.dump(dst_dir, extra_files=extra_files)
 
     def load_checkpoint(self, src_dir: str) -> None:
         """Load a checkpoint written by :meth:`dump_checkpoint` (a root or one folder)."""
@@ -265,31 +389,27 @@ class TrainCtx(EmbeddingCtx):
         self.reporter.log(**values)
 
     def prepare(self, batch: PersiaBatch) -> TrainingBatch:
-        if not batch.requires_grad:
-            return super().prepare(batch)
-        # A training batch made in this process: store its ids like a data loader would.
-        index = next(self._round_robin) % len(self.workers)
-        ref = self.workers[index].put_batch(batch.id_features(), batch.batch_size, True)
-        return TrainingBatch(
-            non_id_type_features=[torch.from_numpy(f.data) for f in batch.non_id_type_features],
-            labels=[torch.from_numpy(f.data) for f in batch.labels],
-            slots=self.workers[index].lookup(ref), requires_grad=True,
-            batch_size=batch.batch_size, meta=batch.meta or b"", ref=ref,
-            embedding_worker=index,
-        )
+        """Look up one evaluation batch (see :meth:`EmbeddingCtx.prepare`)."""
+        if batch.requires_grad:
+            raise ValueError(
+                "a training batch made in this process goes through "
+                "persia_py.data.DataLoader(IterableDataset), which bounds its embedding "
+                "staleness and bytes as for the data loaders' batches")
+        return super().prepare(batch)
 
-    def stream(self, dataset: StreamingDataset, *, reproducible: bool,
-               embedding_staleness: int) -> Iterator[TrainingBatch]:
+    def stream_from_loaders(self, *, buffer_size: int, reproducible: bool,
+                            embedding_staleness: int) -> Iterator[TrainingBatch]:
         if reproducible and (embedding_staleness != 1 or self.env.world_size != 1):
             raise ValueError(
                 "reproducible=True needs embedding_staleness=1 and one NN-worker rank "
                 f"(got staleness {embedding_staleness}, {self.env.world_size} ranks): with more, "
                 "the order in which updates reach the servers depends on timing")
-        stream = BatchStream(
-            rank=self.env.rank, data_loader_addrs=self.env.data_loader_addrs,
-            workers=self.workers, common=self.common, staleness=embedding_staleness,
-            buffer_size=dataset.buffer_size, reproducible=reproducible, budget=self.budget,
-        )
+        source = DataLoaderSource(rank=self.env.rank,
+                                  data_loader_addrs=self.env.data_loader_addrs,
+                                  common=self.common, reproducible=reproducible)
+        stream = BatchStream(source=source, workers=self.workers, staleness=embedding_staleness,
+                             buffer_size=buffer_size, reproducible=reproducible,
+                             budget=self.budget)
         try:
             # Ranks may receive different numbers of batches: Join lets the ranks that run
             # out shadow the others' allreduces, so every batch is trained.
@@ -306,6 +426,7 @@ class TrainCtx(EmbeddingCtx):
 
     def forward(self, batch: TrainingBatch):
         """Forward ``batch``; training batches keep what ``backward`` needs."""
+        _check_batch(batch)
         if not batch.requires_grad:
             return super().forward(batch)
         self._sender.raise_if_failed()
@@ -321,6 +442,7 @@ class TrainCtx(EmbeddingCtx):
         self._staleness_sum += batch.staleness
         self._staleness_max = max(self._staleness_max, batch.staleness)
         self._num_steps += 1
+        self.train_state.steps += 1
         self.reporter.forward_done()
         return output, [t.to(self.device) for t in batch.labels]
 
@@ -359,3 +481,18 @@ class TrainCtx(EmbeddingCtx):
         self.reporter.backward_done(started=started, batch_size=batch.batch_size,
                                     loss=float(loss.detach()), staleness=batch.staleness)
         return loss
+
+
+def _torchscript(model: torch.nn.Module) -> bytes:
+    """``model`` compiled by ``torch.jit.script``, serialized; ValueError if it cannot be."""
+    try:
+        scripted = torch.jit.script(model)
+    except Exception as exc:  # noqa: BLE001 - TorchScript raises many kinds; all mean "cannot"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"with_jit_model=True: torch.jit.script cannot compile the dense model "
+            f"{type(model).__name__} ({reason}); make its forward scriptable (type hints, "
+            f"no Python-only constructs) or dump without with_jit_model") from exc
+    buffer = io.BytesIO()
+    torch.jit.save(scripted, buffer)
+    return buffer.getvalue()

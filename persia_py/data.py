@@ -12,12 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from persia_py.ctx import current_ctx
 from persia_py.embedding.data import PersiaBatch
 from persia_py.workers.nn_worker import TrainingBatch
 
 
 class IterableDataset:
-    """Base of datasets made in the NN-worker process; subclasses implement ``__iter__``."""
+    """Base of datasets made in the NN-worker process; subclasses implement ``__iter__``.
+
+    A :class:`DataLoader` reads it in a background thread, ``buffer_size`` batches ahead,
+    and looks up their embeddings within the same staleness bound and byte budget as
+    the data loaders' batches.
+    """
 
     def __init__(self, buffer_size: int = 10) -> None:
         if buffer_size < 1:
@@ -48,8 +54,6 @@ class DataLoader:
 
     def __init__(self, dataset: IterableDataset, *, reproducible: bool = False,
                  embedding_staleness: int | None = None) -> None:
-        from persia_py.ctx import current_ctx
-
         if not isinstance(dataset, IterableDataset):
             raise TypeError(f"dataset must be a persia_py.data.IterableDataset, got "
                             f"{type(dataset).__name__}")
@@ -61,7 +65,8 @@ class DataLoader:
             raise ValueError(f"embedding_staleness must be >= 1, got {embedding_staleness}")
 
     def __iter__(self) -> Iterator[TrainingBatch]:
+        options = dict(buffer_size=self.dataset.buffer_size, reproducible=self.reproducible,
+                       embedding_staleness=self.embedding_staleness)
         if isinstance(self.dataset, StreamingDataset):
-            return self.ctx.stream(self.dataset, reproducible=self.reproducible,
-                                   embedding_staleness=self.embedding_staleness)
-        return (self.ctx.prepare(batch) for batch in self.dataset)
+            return self.ctx.stream_from_loaders(**options)
+        return self.ctx.stream_local(self.dataset, **options)

@@ -24,6 +24,25 @@ ENV_BIND_HOST = "PERSIA_BIND_HOST"
 ENV_SKIP_BATCHES = "PERSIA_SKIP_BATCHES"
 
 
+def job_env(*, ps_addrs: list[str], embedding_worker_addrs: list[str],
+            data_loader_addrs: list[str], nn_world_size: int, bind_host: str,
+            embedding_config: str, global_config: str | None) -> dict[str, str]:
+    """The variables every role of a job is started with: where the other roles are, how
+    many NN-worker ranks there are, what to bind and where the config files are. The one
+    list that ``persia-launcher local`` and the Kubernetes manifests both set."""
+    env = {
+        ENV_EMBEDDING_CONFIG: embedding_config,
+        ENV_PS_ADDRS: ",".join(ps_addrs),
+        ENV_EMBEDDING_WORKER_ADDRS: ",".join(embedding_worker_addrs),
+        ENV_DATA_LOADER_ADDRS: ",".join(data_loader_addrs),
+        ENV_NN_WORLD_SIZE: str(nn_world_size),
+        ENV_BIND_HOST: bind_host,
+    }
+    if global_config is not None:
+        env[ENV_GLOBAL_CONFIG] = global_config
+    return env
+
+
 def _addrs(value: str | None) -> tuple[str, ...]:
     return tuple(a.strip() for a in (value or "").split(",") if a.strip())
 

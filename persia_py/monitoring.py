@@ -103,6 +103,10 @@ class ParameterServerMetrics:
                                   registry=self.registry)
         self.update_ids = Counter("persia_ps_update_ids", "Ids whose rows were updated",
                                   registry=self.registry)
+        self.increment_failures = Counter(
+            "persia_ps_increment_failures",
+            "Failed attempts to write (kind=export) or apply (kind=apply) an incremental "
+            "export; each is retried", ["kind"], registry=self.registry)
         self.registry.register(_StateCollector(self._tables))
 
     def _tables(self) -> Iterator:

@@ -18,7 +18,9 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pool
 
+from persia_py import codec
 from persia_py.config import CommonConfig
 from persia_py.security import TransportSecurity
 
@@ -49,14 +51,41 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def _carries_arrays(descriptor: Any) -> bool:
+    """Whether a message of this type can carry arrays (a Tensor or ``bytes`` field)."""
+    return any(f.type == f.TYPE_BYTES or (f.message_type is not None
+                                          and _carries_arrays(f.message_type))
+               for f in descriptor.fields)
+
+
+def _request_limit(method: str, common: CommonConfig) -> tuple[int, str]:
+    """Largest request ``method`` (``/package.Service/Method``) accepts, and its config key.
+
+    Requests that cannot carry arrays (Configure, Stats, Health, checkpoint calls, a
+    lookup by ref) get the small ``max_control_message_bytes``; the others, and methods
+    unknown to protobuf's pool, ``max_message_bytes``.
+    """
+    try:
+        found = descriptor_pool.Default().FindMethodByName(method.strip("/").replace("/", "."))
+    except KeyError:
+        found = None
+    if found is not None and not _carries_arrays(found.input_type):
+        return (min(common.max_control_message_bytes, common.max_message_bytes),
+                "common_config.max_control_message_bytes")
+    return common.max_message_bytes, "common_config.max_message_bytes"
+
+
 class _ParseRequests(grpc.ServerInterceptor):
-    """Parse requests inside the handler, so undecodable bytes get INVALID_ARGUMENT.
+    """Parse requests inside the handler, so undecodable bytes get INVALID_ARGUMENT, after
+    checking their size against the method's limit (:func:`_request_limit`) and, before
+    any array is decoded, the size their lz4 payloads claim to decompress to.
 
     gRPC itself answers a request its deserializer rejects with INTERNAL, which reads
     as a server bug; a malformed message is the caller's error.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, common: CommonConfig) -> None:
+        self._common = common
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
         self._lock = threading.Lock()
 
@@ -71,13 +100,23 @@ class _ParseRequests(grpc.ServerInterceptor):
                 or handler.request_deserializer is None):
             return handler
         parse, behavior = handler.request_deserializer, handler.unary_unary
+        limit, key = _request_limit(method, self._common)
+        decoded_limit = self._common.max_message_bytes
 
         def parse_then_call(raw: bytes, context: grpc.ServicerContext) -> Any:
+            if len(raw) > limit:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{method}: request larger than max ({len(raw)} vs. {limit}, {key})")
             try:
                 request = parse(raw)
             except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{method}: request is not a valid message ({exc})")
+            try:
+                codec.check_decoded_size(request, len(raw), decoded_limit,
+                                         what="common_config.max_message_bytes")
+            except codec.CodecError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {exc}")
             return behavior(request, context)
 
         wrapped = grpc.unary_unary_rpc_method_handler(
@@ -101,7 +140,8 @@ def create_server(
     security = TransportSecurity.from_common(common)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[*security.server_interceptors(), _ParseRequests()],
+        # The token is checked first: an unauthenticated body is never read (security.py).
+        interceptors=[*security.server_interceptors(), _ParseRequests(common)],
         options=_options(common.max_message_bytes),
         maximum_concurrent_rpcs=_MAX_QUEUED_PER_WORKER * max_workers,
     )
@@ -213,6 +253,33 @@ def call(
         else:
             outages.recovered(what)
             return answer
+
+
+class ServiceClient:
+    """Base of a client of one service at ``address``: its channel, deadlines and retries
+    (:func:`call`), and its outages logged once (:class:`OutageLog`)."""
+
+    service_name = "service"
+    """How logs and errors name the service, before its address."""
+
+    def __init__(self, address: str, common: CommonConfig) -> None:
+        self.address = address
+        self.common = common
+        self.channel = create_channel(address, common)
+        self._outages = OutageLog()
+
+    def wait_ready(self) -> None:
+        """Block until the service is reachable (``common_config.startup_timeout_sec``)."""
+        wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
+
+    def _call(self, method: Callable[..., Any], request: Any, *, idempotent: bool,
+              timeout: float | None = None) -> Any:
+        return call(method, request, timeout=timeout or self.common.rpc_timeout_sec,
+                    idempotent=idempotent, what=f"{self.service_name} {self.address}",
+                    outages=self._outages)
+
+    def close(self) -> None:
+        self.channel.close()
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:

@@ -11,8 +11,8 @@ callers; no other module opens a socket with gRPC. Both take the settings from
 * The job token (``auth_token_file``, else ``$PERSIA_AUTH_TOKEN``; never a command-line
   flag, which any local user could read in the process list): channels attach it to
   every call as ``authorization: Bearer <token>``; a server interceptor checks it with a
-  constant-time compare before the request is even deserialized, and answers
-  UNAUTHENTICATED without calling the service when it is missing or wrong.
+  constant-time compare on the call's metadata, and answers UNAUTHENTICATED without
+  reading the request's body (let alone parsing it) when it is missing or wrong.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import hmac
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -111,11 +111,14 @@ class TokenServerInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = (_TOKEN_PREFIX + token).encode()
 
-        def deny(message: str):
-            def abort(request: bytes, context: grpc.ServicerContext) -> None:
+        def deny(message: str) -> grpc.RpcMethodHandler:
+            def abort(requests: Iterator[bytes], context: grpc.ServicerContext) -> None:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            # No request deserializer: an unauthenticated payload is never parsed.
-            return grpc.unary_unary_rpc_method_handler(abort)
+            # A request-streaming handler that never reads its requests: gRPC reads a
+            # message only when the handler asks for it, so an unauthenticated body is
+            # neither received in full nor copied nor parsed (a unary handler would get
+            # the whole body, up to max_message_bytes, copied twice before it could refuse).
+            return grpc.stream_unary_rpc_method_handler(abort)
 
         self._missing = deny(f"no job token in the call's {TOKEN_METADATA_KEY!r} metadata")
         self._wrong = deny("wrong job token")

@@ -202,15 +202,16 @@ def run_serve(args: argparse.Namespace) -> int:
     launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
     follow = (["--follow-increments", os.path.abspath(args.follow_increments)]
               if args.follow_increments else [])
+    insecure = ["--insecure"] if args.insecure else []  # the servers have no token either
     roles = [Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
                               "--bind", host, "--replica-index", str(i),
-                              "--replica-size", str(args.num_ps), "--inference",
+                              "--replica-size", str(args.num_ps), "--inference", *insecure,
                               "--load-checkpoint", str(folder), *follow])
              for i, p in enumerate(ps_ports)]
     for role in roles:  # a replica that dies comes back from the same checkpoint
         role.restart = (lambda command: lambda: command)(role.command)
     roles.append(Role("embedding-worker-0", [*launcher, "embedding-worker", "--port",
-                                             str(ew_port), "--bind", host]))
+                                             str(ew_port), "--bind", host, *insecure]))
     cluster = LocalCluster(roles, env)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,20 +1,31 @@
 """Dump and load the tables of one parameter-server replica (see ``persia_py.checkpoint_format``).
 
 A replica writes ``ps-<r>.json`` (its index, the replica count, the optimizer settings,
-each table's dim, state width, row count and files) and four ``.npy`` files per table.
-Loading reads every replica's files of a checkpoint and keeps the rows whose
-``replica_of(id, M)`` is this replica's index, so a checkpoint taken with N replicas
-loads into M: re-sharding needs nothing more. Rows keep their optimizer state and LRU
-clock, so training continues as if never stopped; the exactly-once window of
-``(worker id, sequence)`` is saved and restored with them.
+each table's dim, state width, row count and files, the exactly-once window) and four
+``.npy`` files per table. Loading reads every replica's files of a checkpoint and keeps
+the rows whose ``replica_of(id, M)`` is this replica's index, so a checkpoint taken with
+N replicas loads into M: re-sharding needs nothing more. Rows keep their optimizer state
+and LRU clock, so training continues as if never stopped; the exactly-once window of
+``(worker id, sequence)`` is saved and restored with them. Only the replica's state
+interface is used (``ParameterServer.state_dict`` / ``load_state_dict``).
+
+**Trust.** Over gRPC a server reads and writes only inside its checkpoint root
+(:class:`CheckpointRoot`: ``--checkpoint-root``, else ``checkpoint_config.root``, else its
+current directory): Dump and Load name a checkpoint folder in it by plain names, never a
+path, and every folder on the way is opened without following a link. Dump writes into
+a private folder of its own inside the checkpoint, then renames its files into place
+(``ps-<r>.json`` last). Load checks every file (plain names in the JSON, dtypes, shapes,
+values, distinct ids) while building new tables, and swaps them in only when all is
+well: a failed Load changes nothing. Serving replicas do not offer the service.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
+import os
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -24,133 +35,302 @@ from persia_py.proto import checkpoint_pb2 as pb
 from persia_py.proto import checkpoint_pb2_grpc
 from persia_py.routing import replica_of
 from persia_py.rpc import FailedPrecondition, grpc_method
-from persia_py.servers.parameter_server import ParameterServer
+from persia_py.servers.parameter_server import ParameterServer, ReplicaState, Rows
 
 logger = logging.getLogger(__name__)
 
-_ARRAYS = ("ids", "weights", "state", "last_access")
+_ARRAYS = {"ids": np.uint64, "weights": np.float32, "state": np.float32,
+           "last_access": np.int64}
+"""The files of one table and their element types."""
+MAX_REPLICAS = 4096
+"""Most parameter-server replicas a checkpoint may say it was taken with."""
 
 
 def replica_file(index: int) -> str:
     return f"ps-{index}.json"
 
 
-def dump_replica(ps: ParameterServer, directory: str | Path) -> tuple[int, int]:
-    """Write ``ps``'s tables into ``directory``; returns (rows, bytes).
+class CheckpointRoot:
+    """The folder a server's checkpoint calls name things in (created if missing)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = fmt.configured_root(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def open(self, *names: tuple[str, str]) -> Iterator[int]:
+        """A descriptor of ``ROOT/name/...`` for ``(name, field)`` pairs, each checked as a
+        plain name (InvalidName names ``field``) and opened without following a link."""
+        checked = [fmt.check_name(value, field) for value, field in names]
+        with contextlib.ExitStack() as stack:
+            fd = stack.enter_context(fmt.opened_dir(None, self.path))
+            for name in checked:
+                fd = stack.enter_context(fmt.opened_dir(fd, name))
+            yield fd
+
+
+@contextlib.contextmanager
+def _folder(directory: int | str | os.PathLike) -> Iterator[int]:
+    """A descriptor of ``directory``: given (not closed here), or opened from a path."""
+    if isinstance(directory, int):
+        yield directory
+    else:
+        with fmt.opened_dir(None, directory) as fd:
+            yield fd
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def write_replica(dir_fd: int, state: ReplicaState, replica_index: int,
+                  replica_size: int) -> tuple[list[str], int, int]:
+    """Write ``state`` as replica ``replica_index``'s files into folder ``dir_fd`` (new
+    files only); returns (the file names, ``ps-<r>.json`` last; rows; bytes). The one
+    writer of checkpoints and incremental exports."""
+    r = replica_index
+    names, tables, num_rows, num_bytes = [], {}, 0, 0
+    for t, (name, rows) in enumerate(sorted(state.tables.items())):
+        files = {}
+        for key in _ARRAYS:
+            files[key] = f"ps-{r}-t{t}-{key}.npy"
+            num_bytes += fmt.save_array_at(dir_fd, files[key], rows[key])
+            names.append(files[key])
+        n = int(rows["ids"].shape[0])
+        num_rows += n
+        tables[name] = {"dim": int(rows["weights"].shape[1]),
+                        "state_width": int(rows["state"].shape[1]), "num_rows": n,
+                        "clock": int(rows["clock"]), "files": files}
+    # The exactly-once window, least recently updating worker first. File names are
+    # numbered: a worker id is a value in the JSON, never part of a name.
+    seen = []
+    for k, (worker_id, sequences) in enumerate(state.seen.items()):
+        file = f"ps-{r}-seen{k}.npy"
+        num_bytes += fmt.save_array_at(dir_fd, file, sequences)
+        names.append(file)
+        seen.append([worker_id, file])
+    fmt.save_json_at(dir_fd, replica_file(r), {
+        "replica_index": r, "replica_size": replica_size, "settings": state.settings,
+        "tables": tables, "seen": seen, "increment_seq": int(state.increment_seq)})
+    names.append(replica_file(r))
+    return names, num_rows, num_bytes
+
+
+def dump_replica(ps: ParameterServer, directory: int | str | os.PathLike) -> tuple[int, int]:
+    """Write ``ps``'s state into the checkpoint folder ``directory`` (an open descriptor,
+    or a path); returns (rows, bytes). The files are written into a private folder inside
+    it, then renamed into it, ``ps-<r>.json`` last.
 
     Each internal shard is copied under its lock; the caller makes the cut consistent
     across tables and replicas by dumping only when no update is in flight
     (``TrainCtx.dump_checkpoint`` flushes and barriers first).
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"checkpoint directory {directory} does not exist")
-    if ps._settings is None:
+    started = time.perf_counter()
+    state = ps.state_dict()
+    if state.settings is None:
         raise FailedPrecondition("nothing to dump: no embedding optimizer configured yet")
-    started = time.perf_counter()
-    # Read before any row is copied: increments after this one hold rows at least as new.
-    increment_seq = ps.increment_seq
-    tables, num_rows, num_bytes = {}, 0, 0
-    r = ps.replica_index
-    for t, (name, table) in enumerate(sorted(ps._tables.items())):
-        rows = table.export_rows()
-        files = {}
-        for key in _ARRAYS:
-            files[key] = f"ps-{r}-t{t}-{key}.npy"
-            num_bytes += fmt.save_array(directory / files[key], rows[key])
-        num_rows += rows["ids"].shape[0]
-        tables[name] = {"dim": table.dim, "state_width": table.state_width,
-                        "num_rows": int(rows["ids"].shape[0]), "clock": rows["clock"],
-                        "files": files}
-    # The exactly-once window of (worker id, sequence), so that an update applied before
-    # the checkpoint and retried after a restore from it is not applied twice.
-    seen = {}
-    for k, (worker_id, sequences) in enumerate(sorted(ps.export_seen().items())):
-        seen[worker_id] = f"ps-{r}-seen{k}.npy"
-        num_bytes += fmt.save_array(directory / seen[worker_id], sequences)
-    fmt.save_json(directory / replica_file(r), {
-        "replica_index": r, "replica_size": ps.replica_size,
-        "settings": dataclasses.asdict(ps._settings), "tables": tables, "seen": seen,
-        "increment_seq": increment_seq,
-    })
-    logger.info("replica %d dumped %d rows (%.1f MB) to %s in %.2fs", r, num_rows,
-                num_bytes / 1e6, directory, time.perf_counter() - started)
+    with _folder(directory) as fd:
+        if _exists(fd, fmt.MANIFEST):
+            raise FailedPrecondition(f"the checkpoint is complete (it has {fmt.MANIFEST}): "
+                                     "Dump writes only into a checkpoint being written")
+        with fmt.private_dir(fd) as private:
+            names, num_rows, num_bytes = write_replica(private, state, ps.replica_index,
+                                                       ps.replica_size)
+            fmt.move_into(private, fd, names)
+    logger.info("replica %d dumped %d rows (%.1f MB) in %.2fs", ps.replica_index, num_rows,
+                num_bytes / 1e6, time.perf_counter() - started)
     return num_rows, num_bytes
 
 
-def _reset_tables(ps: ParameterServer, settings: dict) -> None:
-    """Empty tables configured with ``settings`` (those of the checkpoint)."""
-    with ps._lock:
-        old, ps._tables, ps._settings = ps._tables, {}, None
-    for table in old.values():
-        table.close()
-    ps.configure(**settings)
+def _exists(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` (a file, folder or link) is in folder ``dir_fd``."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
-def load_replica(ps: ParameterServer, path: str | Path) -> tuple[int, int]:
-    """Replace ``ps``'s tables by the rows of checkpoint ``path`` that route to it.
+# -- reading ------------------------------------------------------------------------------
 
-    The optimizer settings come from the checkpoint; a server already configured with
-    other settings refuses (FailedPrecondition). Returns (rows loaded, bytes read).
-    """
-    started = time.perf_counter()
-    folder = fmt.resolve(path)
-    manifest = fmt.load_json(folder / fmt.MANIFEST)
-    num_replicas = int(manifest["num_ps_replicas"])
-    replicas = [fmt.load_json(folder / replica_file(i)) for i in range(num_replicas)]
-    settings = replicas[0]["settings"]
-    if ps._settings is not None and dataclasses.asdict(ps._settings) != settings:
-        raise FailedPrecondition(
-            f"this server is configured with {dataclasses.asdict(ps._settings)}, the checkpoint "
-            f"{folder} with {settings}; use the checkpoint's embedding optimizer and settings")
-    unknown = sorted(set(replicas[0]["tables"]) - set(ps.embedding_config.tables))
-    if unknown:
-        raise fmt.CheckpointError(f"checkpoint {folder} has tables {unknown} that the "
-                                  f"embedding config lacks ({sorted(ps.embedding_config.tables)})")
-    _reset_tables(ps, settings)
-    num_rows = num_bytes = 0
-    for replica in replicas:
-        for name, entry in replica["tables"].items():
-            table = ps._tables[name]
-            if (entry["dim"], entry["state_width"]) != (table.dim, table.state_width):
-                raise fmt.CheckpointError(
-                    f"table {name!r}: checkpoint rows have dim {entry['dim']}, state width "
-                    f"{entry['state_width']}; this server's {table.dim}, {table.state_width}")
-            arrays = {k: fmt.load_array(folder / f, mmap=True) for k, f in entry["files"].items()}
-            ids = np.asarray(arrays["ids"])
-            mine = (np.flatnonzero(replica_of(ids, ps.replica_size) == ps.replica_index)
-                    if ps.replica_size > 1 else None)
-            rows = {k: (np.asarray(a) if mine is None else a[mine]) for k, a in arrays.items()}
-            table.import_rows(rows["ids"], rows["weights"], rows["state"],
-                              rows["last_access"], entry["clock"])
-            num_rows += rows["ids"].shape[0]
-            num_bytes += sum(a.nbytes for a in rows.values())
+
+def _value(data: object, key: str, kind: type | tuple[type, ...], where: str) -> object:
+    """``data[key]`` if ``data`` is a mapping holding a ``kind`` there; CheckpointError if not."""
+    value = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise fmt.CheckpointError(f"{where}: {key!r} is missing or not a "
+                                  f"{getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _int(data: object, key: str, where: str, low: int, high: int) -> int:
+    value = _value(data, key, int, where)
+    if not low <= value <= high:
+        raise fmt.CheckpointError(f"{where}: {key!r} = {value} is not in [{low}, {high}]")
+    return value
+
+
+def read_replica(dir_fd: int, index: int, replica_size: int | None = None) -> dict:
+    """The description ``ps-<index>.json`` in ``dir_fd``, its structure checked (file
+    names are plain names; CheckpointError says what is wrong)."""
+    where = replica_file(index)
+    entry = fmt.load_json_at(dir_fd, where)
+    if _int(entry, "replica_index", where, 0, MAX_REPLICAS) != index:
+        raise fmt.CheckpointError(f"{where}: says it is replica {entry['replica_index']}")
+    if replica_size is not None and _int(entry, "replica_size", where, 1,
+                                         MAX_REPLICAS) != replica_size:
+        raise fmt.CheckpointError(f"{where}: taken with {entry['replica_size']} replicas, "
+                                  f"the manifest says {replica_size}")
+    for name, table in _value(entry, "tables", dict, where).items():
+        at = f"{where}: table {name!r}"
+        files = _value(table, "files", dict, at)
+        if set(files) != set(_ARRAYS):
+            raise fmt.CheckpointError(f"{at}: files must be exactly {sorted(_ARRAYS)}")
+        for key, file in files.items():
+            fmt.check_name(file, f"{at}: files.{key}")
+        _int(table, "dim", at, 1, 2**20)
+        _int(table, "state_width", at, 0, 2**21)
+        _int(table, "num_rows", at, 0, 2**62)
+        _int(table, "clock", at, 0, 2**62)
+    seen = entry.get("seen", [])
+    if isinstance(seen, dict):  # written before the window kept its order
+        seen = sorted(seen.items())
+    if not isinstance(seen, list) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in seen):
+        raise fmt.CheckpointError(f"{where}: 'seen' must list [worker id, file] pairs")
+    for worker_id, file in seen:
+        fmt.check_name(file, f"{where}: seen file of {worker_id[:128]!r}")
+    entry["seen"] = seen
+    return entry
+
+
+def read_rows(dir_fd: int, table: dict, where: str, keep: tuple[int, int] | None) -> Rows:
+    """One table's rows from its files (``table`` as :func:`read_replica` checked it):
+    dtypes and shapes must match the description. ``keep`` = (replica index, replica
+    count): only the rows that route to that replica."""
+    n, dim, width = table["num_rows"], table["dim"], table["state_width"]
+    shapes = {"ids": (n,), "weights": (n, dim), "state": (n, width), "last_access": (n,)}
+    arrays = {}
+    for key, dtype in _ARRAYS.items():
+        array = fmt.load_array_at(dir_fd, table["files"][key], mmap=True)
+        if array.dtype != dtype or array.shape != shapes[key]:
+            raise fmt.CheckpointError(
+                f"{where}: {table['files'][key]} holds {array.dtype} {array.shape}, the "
+                f"description says {np.dtype(dtype).name} {shapes[key]}")
+        arrays[key] = array
+    if keep is not None and keep[1] > 1:
+        mine = np.flatnonzero(replica_of(np.asarray(arrays["ids"]), keep[1]) == keep[0])
+        arrays = {k: a[mine] for k, a in arrays.items()}
+    rows: Rows = {k: np.ascontiguousarray(a) for k, a in arrays.items()}
+    rows["clock"] = table["clock"]
+    return rows
+
+
+def _concat(parts: list[Rows]) -> Rows:
+    rows: Rows = {k: np.concatenate([p[k] for p in parts]) for k in _ARRAYS}
+    rows["clock"] = max(p["clock"] for p in parts)
+    return rows
+
+
+def read_state(dir_fd: int, replica_index: int, replica_size: int) -> tuple[ReplicaState, int]:
+    """The state of replica ``replica_index`` of ``replica_size`` in the complete checkpoint
+    folder ``dir_fd`` (rows of every replica that route to it), and the bytes read."""
+    manifest = fmt.check_manifest(fmt.load_json_at(dir_fd, fmt.MANIFEST), fmt.MANIFEST)
+    num_replicas = _int(manifest, "num_ps_replicas", fmt.MANIFEST, 1, MAX_REPLICAS)
+    entries = [read_replica(dir_fd, i, num_replicas) for i in range(num_replicas)]
+    settings = entries[0].get("settings")
+    if any(e.get("settings") != settings for e in entries):
+        raise fmt.CheckpointError("the replicas' optimizer settings differ")
+    parts: dict[str, list[Rows]] = {}
+    windows: dict[str, list[np.ndarray]] = {}
+    for i, entry in enumerate(entries):
+        for name, table in entry["tables"].items():
+            parts.setdefault(name, []).append(read_rows(
+                dir_fd, table, f"{replica_file(i)}: table {name!r}",
+                keep=(replica_index, replica_size)))
         # Sequence numbers are unique per worker across replicas: the union is safe after
-        # re-sharding too. (Checkpoints without a window: nothing to remember.)
-        ps.import_seen({w: fmt.load_array(folder / f) for w, f in replica.get("seen", {}).items()})
-    logger.info("replica %d of %d loaded %d rows from %s (taken with %d replicas) in %.2fs",
-                ps.replica_index, ps.replica_size, num_rows, folder, num_replicas,
-                time.perf_counter() - started)
+        # re-sharding too.
+        for worker_id, file in entry["seen"]:
+            windows.setdefault(worker_id, []).append(fmt.load_array_at(dir_fd, file))
+    tables = {name: _concat(p) for name, p in parts.items()}
+    seen = {}
+    for worker_id, arrays in windows.items():
+        if any(a.ndim != 1 or a.dtype not in (np.uint64, np.int64) for a in arrays):
+            raise fmt.CheckpointError(f"the window of worker {worker_id[:128]!r} is not a 1-D "
+                                      "integer array")
+        seen[worker_id] = np.unique(np.concatenate([a.astype(np.uint64) for a in arrays]))
+    num_bytes = sum(a.nbytes for rows in tables.values() for k, a in rows.items()
+                    if k != "clock")
+    return ReplicaState(settings=settings, tables=tables, seen=seen), num_bytes
+
+
+def load_replica(ps: ParameterServer, checkpoint: int | str | os.PathLike) -> tuple[int, int]:
+    """Replace ``ps``'s state by the rows of ``checkpoint`` that route to it: an open
+    descriptor of a complete checkpoint folder, or a path (a root: its ``LATEST``; or a
+    folder). The optimizer settings come from the checkpoint; a server already
+    configured with other settings refuses (FailedPrecondition). All or nothing.
+    Returns (rows loaded, bytes read)."""
+    started = time.perf_counter()
+    path = checkpoint if isinstance(checkpoint, int) else fmt.resolve(checkpoint)
+    with _folder(path) as fd:
+        state, num_bytes = read_state(fd, ps.replica_index, ps.replica_size)
+    try:
+        num_rows = ps.load_state_dict(state)
+    except ValueError as exc:
+        raise fmt.CheckpointError(f"checkpoint does not fit: {exc}") from None
+    logger.info("replica %d of %d loaded %d rows in %.2fs", ps.replica_index, ps.replica_size,
+                num_rows, time.perf_counter() - started)
     return num_rows, num_bytes
+
+
+# -- the service --------------------------------------------------------------------------
+
+
+def _names(request: pb.DumpRequest | pb.LoadRequest) -> list[tuple[str, str]]:
+    folder = [(request.folder, "folder")] if request.folder else []
+    return [*folder, (request.checkpoint, "checkpoint")]
+
+
+@contextlib.contextmanager
+def _file_errors(what: str) -> Iterator[None]:
+    """The file system's refusals (permissions, a full disk) as FailedPrecondition."""
+    try:
+        yield
+    except OSError as exc:
+        raise FailedPrecondition(f"{what}: {exc.strerror or exc}") from None
 
 
 class CheckpointServicer(checkpoint_pb2_grpc.ParameterServerCheckpointServicer):
-    def __init__(self, ps: ParameterServer) -> None:
-        self.ps = ps
+    """Dump and Load of one replica, inside ``root``."""
+
+    def __init__(self, ps: ParameterServer, root: CheckpointRoot) -> None:
+        self.ps, self.root = ps, root
 
     @grpc_method
     def Dump(self, request, context):
-        num_rows, num_bytes = dump_replica(self.ps, request.directory)
+        with _file_errors("Dump"), self.root.open(*_names(request)) as fd:
+            num_rows, num_bytes = dump_replica(self.ps, fd)
         return pb.DumpResponse(num_rows=num_rows, num_bytes=num_bytes,
                                replica_index=self.ps.replica_index,
                                replica_size=self.ps.replica_size)
 
     @grpc_method
     def Load(self, request, context):
-        num_rows, num_bytes = load_replica(self.ps, request.directory)
+        with _file_errors("Load"), self.root.open(*_names(request)) as fd:
+            num_rows, num_bytes = load_replica(self.ps, fd)
         return pb.LoadResponse(num_rows=num_rows, num_bytes=num_bytes)
 
 
-def add_checkpoint_service(ps: ParameterServer, server: grpc.Server) -> None:
+def add_checkpoint_service(ps: ParameterServer, server: grpc.Server,
+                           root: CheckpointRoot | str | os.PathLike | None) -> None:
+    """Serve Dump and Load of ``ps`` inside ``root`` (None: the current directory); a
+    serving (inference) replica offers neither (UNIMPLEMENTED)."""
+    if ps.inference:
+        return
+    if not isinstance(root, CheckpointRoot):
+        root = CheckpointRoot(root or os.getcwd())
     checkpoint_pb2_grpc.add_ParameterServerCheckpointServicer_to_server(
-        CheckpointServicer(ps), server)
+        CheckpointServicer(ps, root), server)
+
+
+__all__ = ["CheckpointRoot", "add_checkpoint_service", "dump_replica", "load_replica",
+           "read_replica", "read_rows", "read_state", "write_replica"]

@@ -4,9 +4,16 @@ Linear probing over a power-of-two slot array. A slot holds the id's complement
 (``~id``), so an all-zero slot is empty and fresh zeroed memory is an empty index with no
 fill pass; ``RESERVED_ID`` (all ones) would complement to zero, so it can never be
 stored. The load factor is kept at or below one half, which keeps probe sequences short
-without a per-slot occupancy array. Each kernel first hashes the whole batch and only
+without a per-slot occupancy array. Each call first hashes the whole batch and only
 then probes, so the independent cache misses of the probe loop can overlap instead of
 waiting behind hash arithmetic.
+
+The home slot of an id is its keyed hash (:mod:`persia_py.hashing`) under a key secret to
+this index: ids are chosen by whoever sends them, and under a public hash they could be
+chosen to share one home slot, which makes linear probing quadratic (a flood of such ids
+held the shard lock for seconds and left the index slow for good). The key is redrawn
+whenever the slot array is rebuilt (growth, eviction), so it never lives long enough to
+be learned from timings. ``probe_bound`` reports the longest probe any lookup can make.
 """
 
 from __future__ import annotations
@@ -14,64 +21,56 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from persia_py.routing import _GOLDEN, _M1, _M2, RESERVED_ID
+from persia_py.hashing import HashKey, keyed_hash_one
+from persia_py.routing import RESERVED_ID
 from persia_py.servers import memory
-from persia_py.servers.kernels import _AHEAD, prefetch_item, prefetch_row
+from persia_py.servers.kernels import PREFETCH_AHEAD, prefetch_item, prefetch_row
 
 _EMPTY = np.uint64(0)
 """A free slot's key: the complement of ``RESERVED_ID``."""
 _FLIP = np.uint64(RESERVED_ID)
 """``key ^ _FLIP`` turns an id into its stored form and back."""
-# A salt distinct from the routing salts: ids of one shard agree on their shard hash
-# modulo the shard count, so reusing that hash would cluster them in the index.
-_SALT = np.uint64(0xA4093822299F31D0)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 
 
 @njit(cache=True, nogil=True)
-def _home_slots(ids: np.ndarray, start: int, mask: int) -> np.ndarray:
-    """splitmix64 of every id in ``ids[start:]``, reduced to a slot number."""
+def _keyed_slots(ids: np.ndarray, start: int, mask: int, words: np.ndarray) -> np.ndarray:
+    """Keyed hash of every id in ``ids[start:]``, reduced to a slot number."""
     n = ids.shape[0] - start
     home = np.empty(n, np.int64)
     umask = np.uint64(mask)
     for i in range(n):
-        z = (ids[start + i] ^ _SALT) + _GOLDEN
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
-        z = z ^ (z >> _S31)
-        home[i] = np.int64(z & umask)
+        home[i] = np.int64(keyed_hash_one(ids[start + i], words) & umask)
     return home
 
 
-@njit(cache=True, nogil=True)
-def _find_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray) -> np.ndarray:
+@njit(cache=True, nogil=True, inline="always")
+def _probe(keys: np.ndarray, key: np.uint64, s: int) -> int:
+    """The slot holding ``key``, or the empty slot where its probe ends."""
     mask = keys.shape[0] - 1
-    home = _home_slots(ids, 0, mask)
+    while True:
+        k = keys[s]
+        if k == key or k == _EMPTY:
+            return s
+        s = (s + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def _find_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, home: np.ndarray
+                 ) -> np.ndarray:
     n = ids.shape[0]
     rows = np.empty(n, np.int64)
     for i in range(n):
-        if i + _AHEAD < n:
-            prefetch_item(keys, home[i + _AHEAD])
-        key = ids[i] ^ _FLIP
-        s = home[i]
-        while True:
-            k = keys[s]
-            if k == key:
-                rows[i] = vals[s]
-                break
-            if k == _EMPTY:
-                rows[i] = -1
-                break
-            s = (s + 1) & mask
+        if i + PREFETCH_AHEAD < n:
+            prefetch_item(keys, home[i + PREFETCH_AHEAD])
+        s = _probe(keys, ids[i] ^ _FLIP, home[i])
+        rows[i] = -1 if keys[s] == _EMPTY else vals[s]
     return rows
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _find_gather_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
-                        weights: np.ndarray, out: np.ndarray, positions: np.ndarray,
-                        stamps: np.ndarray, tick: int) -> np.ndarray:
+                        home: np.ndarray, weights: np.ndarray, out: np.ndarray,
+                        positions: np.ndarray, stamps: np.ndarray, tick: int) -> np.ndarray:
     """:func:`_find_kernel` and ``kernels.gather_rows_at`` in one pipelined pass.
 
     At step ``i`` the slot of id ``i + 2A`` is prefetched, id ``i + A`` (its slot now
@@ -80,30 +79,22 @@ def _find_gather_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
     and row misses of nearby ids overlap. Returns the rows.
     """
     scatter = positions.shape[0] > 0
-    mask = keys.shape[0] - 1
-    home = _home_slots(ids, 0, mask)
     n = ids.shape[0]
     dim = weights.shape[1]
     rows = np.empty(n, np.int64)
-    for i in range(-_AHEAD, n):
-        if i + 2 * _AHEAD < n:
-            prefetch_item(keys, home[i + 2 * _AHEAD])
-        j = i + _AHEAD
+    for i in range(-PREFETCH_AHEAD, n):
+        if i + 2 * PREFETCH_AHEAD < n:
+            prefetch_item(keys, home[i + 2 * PREFETCH_AHEAD])
+        j = i + PREFETCH_AHEAD
         if j < n:
-            key = ids[j] ^ _FLIP
-            s = home[j]
-            while True:
-                k = keys[s]
-                if k == key:
-                    r = np.int64(vals[s])
-                    rows[j] = r
-                    prefetch_row(weights, r)
-                    prefetch_item(stamps, r)
-                    break
-                if k == _EMPTY:
-                    rows[j] = -1
-                    break
-                s = (s + 1) & mask
+            s = _probe(keys, ids[j] ^ _FLIP, home[j])
+            if keys[s] == _EMPTY:
+                rows[j] = -1
+            else:
+                r = np.int64(vals[s])
+                rows[j] = r
+                prefetch_row(weights, r)
+                prefetch_item(stamps, r)
         if i < 0:
             continue
         r = rows[i]
@@ -123,6 +114,7 @@ def _find_or_insert_kernel(
     keys: np.ndarray,
     vals: np.ndarray,
     ids: np.ndarray,
+    home: np.ndarray,
     start: int,
     rows: np.ndarray,
     is_new: np.ndarray,
@@ -130,60 +122,65 @@ def _find_or_insert_kernel(
     count: int,
     max_count: int,
 ) -> tuple[int, int, int]:
-    """Fill ``rows``/``is_new`` from ``start`` on; stop before exceeding ``max_count``.
+    """Fill ``rows``/``is_new`` from ``start`` on (``home``: slots of ``ids[start:]``);
+    stop before exceeding ``max_count``.
 
     Returns ``(stopped_at, count, next_row)``; ``stopped_at < len(ids)`` means the
     caller must grow the slot arrays and call again from there.
     """
-    mask = keys.shape[0] - 1
-    home = _home_slots(ids, start, mask)
     n = home.shape[0]
     for j in range(n):
-        if j + _AHEAD < n:
-            prefetch_item(keys, home[j + _AHEAD])
+        if j + PREFETCH_AHEAD < n:
+            prefetch_item(keys, home[j + PREFETCH_AHEAD])
         i = start + j
         key = ids[i] ^ _FLIP
-        s = home[j]
-        while True:
-            k = keys[s]
-            if k == key:
-                rows[i] = vals[s]
-                break
-            if k == _EMPTY:
-                if count >= max_count:
-                    return i, count, next_row
-                keys[s] = key
-                vals[s] = next_row
-                rows[i] = next_row
-                is_new[i] = True
-                next_row += 1
-                count += 1
-                break
-            s = (s + 1) & mask
+        s = _probe(keys, key, home[j])
+        if keys[s] == key:
+            rows[i] = vals[s]
+            continue
+        if count >= max_count:
+            return i, count, next_row
+        keys[s] = key
+        vals[s] = next_row
+        rows[i] = next_row
+        is_new[i] = True
+        next_row += 1
+        count += 1
     return ids.shape[0], count, next_row
 
 
 @njit(cache=True, nogil=True)
-def _insert_all_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> int:
+def _insert_all_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
+                       home: np.ndarray, rows: np.ndarray) -> int:
     """Insert into empty-enough arrays; returns the position of a duplicate id, or -1."""
-    mask = keys.shape[0] - 1
-    home = _home_slots(ids, 0, mask)
     n = ids.shape[0]
     for i in range(n):
-        if i + _AHEAD < n:
-            prefetch_item(keys, home[i + _AHEAD])
+        if i + PREFETCH_AHEAD < n:
+            prefetch_item(keys, home[i + PREFETCH_AHEAD])
         key = ids[i] ^ _FLIP
-        s = home[i]
-        while True:
-            k = keys[s]
-            if k == _EMPTY:
-                keys[s] = key
-                vals[s] = rows[i]
-                break
-            if k == key:
-                return i
-            s = (s + 1) & mask
+        s = _probe(keys, key, home[i])
+        if keys[s] == key:
+            return i
+        keys[s] = key
+        vals[s] = rows[i]
     return -1
+
+
+@njit(cache=True, nogil=True)
+def _longest_run(keys: np.ndarray) -> int:
+    """Longest run of occupied slots, wrapping around (the slot array is never full)."""
+    n = keys.shape[0]
+    first_empty = 0
+    while keys[first_empty] != _EMPTY:
+        first_empty += 1
+    longest = run = 0
+    for step in range(1, n + 1):
+        if keys[(first_empty + step) % n] == _EMPTY:
+            run = 0
+        else:
+            run += 1
+            longest = max(longest, run)
+    return longest
 
 
 _NO_POSITIONS = np.zeros(0, np.int64)
@@ -227,6 +224,11 @@ class HashIndex:
         self._pairs = pairs
         self._keys = pairs[:, 0]
         self._vals = pairs[:, 1].view(np.int64)
+        self._key = HashKey.random()  # every new slot array is filled under a new key
+
+    def _home_slots(self, ids: np.ndarray, start: int = 0) -> np.ndarray:
+        """Home slot of each id in ``ids[start:]`` (int64)."""
+        return _keyed_slots(ids, start, self.slots - 1, self._key.words)
 
     def __len__(self) -> int:
         return self._count
@@ -241,10 +243,16 @@ class HashIndex:
         """Bytes held by the slot arrays."""
         return self._keys.nbytes + self._vals.nbytes
 
+    def probe_bound(self) -> int:
+        """Most slots any :meth:`find` reads for one id now: the longest run of occupied
+        slots plus the empty slot that ends it. Small (tens) for any input the key was
+        not known for; O(slots) to compute, for tests and diagnostics."""
+        return _longest_run(self._keys) + 1
+
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Row of each id (int64), -1 where the id is absent; duplicates are fine."""
         ids = _check_ids(ids)
-        return _find_kernel(self._keys, self._vals, ids)
+        return _find_kernel(self._keys, self._vals, ids, self._home_slots(ids))
 
     def find_gather(self, ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
                     stamps: np.ndarray, tick: int,
@@ -254,8 +262,8 @@ class HashIndex:
         its ``stamps`` entry to ``tick``; returns the rows."""
         ids = _check_ids(ids)
         positions = _NO_POSITIONS if positions is None else positions
-        return _find_gather_kernel(self._keys, self._vals, ids, weights, out, positions,
-                                   stamps, tick)
+        return _find_gather_kernel(self._keys, self._vals, ids, self._home_slots(ids),
+                                   weights, out, positions, stamps, tick)
 
     def find_or_insert(self, ids: np.ndarray, next_row: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``ids``, inserting the absent ones; returns ``(rows, is_new)``.
@@ -273,8 +281,8 @@ class HashIndex:
         start = 0
         while True:
             start, self._count, next_row = _find_or_insert_kernel(
-                self._keys, self._vals, ids, start, rows, is_new,
-                next_row, self._count, self.slots // 2,
+                self._keys, self._vals, ids, self._home_slots(ids, start), start, rows,
+                is_new, next_row, self._count, self.slots // 2,
             )
             if start >= n:
                 return rows, is_new
@@ -286,7 +294,7 @@ class HashIndex:
         occupied = self._keys != _EMPTY
         keys, vals = self._keys[occupied] ^ _FLIP, self._vals[occupied]
         self._set_slots(_empty_slots(slots))
-        dup = _insert_all_kernel(self._keys, self._vals, keys, vals)
+        dup = _insert_all_kernel(self._keys, self._vals, keys, self._home_slots(keys), vals)
         assert dup < 0, "hash index held a duplicate key"
 
     def rebuild(self, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -296,7 +304,7 @@ class HashIndex:
         if rows.shape != ids.shape:
             raise ValueError(f"rows must have shape {ids.shape}, got {rows.shape}")
         self._reset(_slots_for(ids.shape[0], self._min_slots))
-        dup = _insert_all_kernel(self._keys, self._vals, ids, rows)
+        dup = _insert_all_kernel(self._keys, self._vals, ids, self._home_slots(ids), rows)
         if dup >= 0:
             self._reset(self._min_slots)
             raise ValueError(f"ids must be unique; id {int(ids[dup])} repeats")

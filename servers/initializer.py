@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from persia_py.routing import mix64
+from persia_py.hashing import INIT_COLUMN_SALT, mix64
 from persia_py.servers.kernels import initial_rows_into
 
 _U64 = (1 << 64) - 1
-# Distinct salts keep the per-id key and the per-column stream uncorrelated.
-_COLUMN_SALT = np.uint64(0x452821E638D01377)
 
 
 def initial_rows(ids: np.ndarray, dim: int, lower: float, upper: float, seed: int,
@@ -41,7 +39,7 @@ def initial_rows(ids: np.ndarray, dim: int, lower: float, upper: float, seed: in
     if lo == hi:
         out[...] = lo
         return out
-    columns = mix64(np.arange(dim, dtype=np.uint64), _COLUMN_SALT)
+    columns = mix64(np.arange(dim, dtype=np.uint64), INIT_COLUMN_SALT)
     # Rounding of lo + span * unit may land exactly on ``upper``; keep the interval open.
     top = np.nextafter(hi, lo)
     initial_rows_into(ids, np.uint64(int(seed) & _U64), columns, lo, np.float32(hi - lo),

@@ -2,9 +2,9 @@
 
 Every kernel walks a batch once and works on each id's row in place, so no batch-sized
 copy of weights or optimizer state is ever made. Rows are random in memory; each
-kernel prefetches the rows ``_AHEAD`` ids ahead, so the cache misses of consecutive ids
-overlap instead of queueing one behind another (measured here on 4M rows x 32: a plain
-row-by-row gather 16 ms per 100k ids, with prefetch 5 ms; ``numpy.take`` 9 ms).
+kernel prefetches the rows ``PREFETCH_AHEAD`` ids ahead, so the cache misses of consecutive
+ids overlap instead of queueing one behind another (which makes a row-by-row gather faster
+than ``numpy.take``: docs/benchmarks.md).
 
 All arithmetic is float32 with float32 constants (the caller converts them), matching
 the numpy formulas of :mod:`persia_py.servers.optimizers` operation for operation.
@@ -18,14 +18,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from persia_py.routing import _GOLDEN, _M1, _M2
+from persia_py.dedup import rows_in_order
+from persia_py.hashing import mix64_one
 
-_AHEAD = 8
-"""Ids between a prefetch and the use of its row (8-16 measured best)."""
+PREFETCH_AHEAD = 8
+"""Ids between a prefetch and the use of its row: far enough for the miss to resolve,
+near enough that the line is still cached (4-32 were tried; 8-16 did best)."""
 _LINE_BYTES = 64
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 _S40 = np.uint64(40)
 
 
@@ -69,15 +68,6 @@ def prefetch_item(array: np.ndarray, index: int) -> None:
     _prefetch1(array, index)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def mix64(value: np.uint64) -> np.uint64:
-    """splitmix64's finalizer of one value; ``persia_py.routing.mix64`` with salt 0."""
-    z = value + _GOLDEN
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
-
-
 # -- lookup -----------------------------------------------------------------------------
 
 
@@ -89,9 +79,9 @@ def initial_rows_into(ids: np.ndarray, seed_salt: np.uint64, column_keys: np.nda
     dim = column_keys.shape[0]
     unit_scale = np.float32(2.0**-24)
     for i in range(ids.shape[0]):
-        key = mix64(ids[i] ^ seed_salt)
+        key = mix64_one(ids[i] ^ seed_salt)
         for d in range(dim):
-            bits = mix64(key ^ column_keys[d])
+            bits = mix64_one(key ^ column_keys[d])
             unit = np.float32(bits >> _S40) * unit_scale
             value = lower + span * unit
             out[i, d] = value if value < top else top
@@ -125,58 +115,33 @@ def _rows_repeat(rows: np.ndarray, num_rows: int) -> bool:
     return False
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
 def sum_duplicate_rows(rows: np.ndarray, grads: np.ndarray, num_rows: int
                        ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Distinct found rows and the sum of their gradients, in order of first position.
 
-    Rows ``< 0`` (ids not stored) are dropped; every row is ``< num_rows``. When no row
+    Rows -1 (ids not stored) are dropped; every row is ``< num_rows``. When no row
     repeats, returns ``rows`` and ``grads`` themselves (no copy) with ``False``; the
     caller then skips rows < 0.
     """
     if not _rows_repeat(rows, num_rows):
         return rows, grads, False
-    n = rows.shape[0]
-    slots = 16
-    while slots < 2 * n:
-        slots *= 2
-    mask = slots - 1
-    table = np.full(slots, -1, np.int64)  # slot -> position in the output
-    first = np.empty(n, np.int64)  # position i -> its output position, -1: dropped
-    num_unique = 0
-    for i in range(n):
-        r = rows[i]
-        if r < 0:
-            first[i] = -1
-            continue
-        s = np.int64(mix64(np.uint64(r)) & np.uint64(mask))
-        while True:
-            j = table[s]
-            if j < 0:
-                table[s] = i
-                first[i] = num_unique
-                num_unique += 1
-                break
-            if rows[j] == r:
-                first[i] = first[j]
-                break
-            s = (s + 1) & mask
-    num_found = 0
-    for i in range(n):
-        if first[i] >= 0:
-            num_found += 1
-    if num_unique == num_found:
+    unique, inverse = rows_in_order(rows)
+    if unique.shape[0] == np.count_nonzero(inverse >= 0):
         return rows, grads, False
-    out_rows = np.empty(num_unique, np.int64)
-    out_grads = np.zeros((num_unique, grads.shape[1]), np.float32)
-    for i in range(n):
-        j = first[i]
+    return unique, _sum_by_group(inverse, grads, unique.shape[0]), True
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sum_by_group(inverse: np.ndarray, grads: np.ndarray, num_groups: int) -> np.ndarray:
+    """Row ``j`` of the result: the sum of ``grads[i]`` over ``inverse[i] == j``."""
+    out = np.zeros((num_groups, grads.shape[1]), np.float32)
+    for i in range(inverse.shape[0]):
+        j = inverse[i]
         if j < 0:
             continue
-        out_rows[j] = rows[i]
         for d in range(grads.shape[1]):
-            out_grads[j, d] += grads[i, d]
-    return out_rows, out_grads, True
+            out[j, d] += grads[i, d]
+    return out
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -188,88 +153,40 @@ def _clamp(value: np.float32, bound: np.float32) -> np.float32:
     return value
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: np.ndarray,
-             tick: int, lr: np.float32, weight_decay: np.float32, bound: np.float32) -> int:
-    """``w -= lr * (g + weight_decay * w)``, clamped to ``[-bound, bound]``; in place."""
-    n = rows.shape[0]
-    dim = weights.shape[1]
-    count = 0
-    for i in range(n):
-        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
-            prefetch_row(weights, rows[i + _AHEAD])
-            prefetch_item(stamps, rows[i + _AHEAD])
-        r = rows[i]
-        if r < 0:
-            continue
-        count += 1
-        for d in range(dim):
-            w = weights[r, d]
-            g = grads[i, d] + weight_decay * w
-            weights[r, d] = _clamp(w - lr * g, bound)
-        stamps[r] = tick
-    return count
+SGD, ADAGRAD, ADAM = 0, 1, 2
+"""Values of :func:`optimizer_step`'s ``kind``."""
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def adagrad_step(weights: np.ndarray, accumulators: np.ndarray, rows: np.ndarray,
-                 grads: np.ndarray, stamps: np.ndarray, tick: int, lr: np.float32,
-                 eps: np.float32, weight_decay: np.float32, momentum: np.float32,
-                 bound: np.float32) -> int:
-    """Adagrad in place; one accumulator per row when ``accumulators`` has one column."""
+def optimizer_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.ndarray,
+                   grads: np.ndarray, stamps: np.ndarray, tick: int, lr: np.float32,
+                   weight_decay: np.float32, bound: np.float32, eps: np.float32,
+                   momentum: np.float32, beta1: float, beta2: float) -> int:
+    """One optimizer step on ``weights[rows]`` in place; rows < 0 are skipped. Returns the
+    number of rows stepped. Every weight is clamped to ``[-bound, bound]``.
+
+    * ``SGD``: ``w -= lr * (g + weight_decay * w)``; ``state`` has no columns.
+    * ``ADAGRAD``: ``acc = momentum * acc + g**2``, ``w -= lr * g / (sqrt(acc) + eps)``;
+      one accumulator per row (the mean of ``g**2``) when ``state`` has one column.
+    * ``ADAM``: ``state[r] = [m (dim), v (dim), t]`` with per-row bias correction.
+
+    One loop for every optimizer: the branch on ``kind`` is taken the same way for every
+    row, so it costs nothing, where a shared helper called per row cost a quarter of the
+    step (its array arguments are reference-counted on every call).
+    """
     n = rows.shape[0]
     dim = weights.shape[1]
-    shared = accumulators.shape[1] == 1 and dim > 1
+    shared = state.shape[1] == 1 and dim > 1
     dim32 = np.float32(dim)
-    g_row = np.empty(dim, np.float32)
-    count = 0
-    for i in range(n):
-        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
-            ahead = rows[i + _AHEAD]
-            prefetch_row(weights, ahead)
-            prefetch_row(accumulators, ahead)
-            prefetch_item(stamps, ahead)
-        r = rows[i]
-        if r < 0:
-            continue
-        count += 1
-        if shared:
-            mean_g2 = np.float32(0.0)
-            for d in range(dim):
-                g = grads[i, d] + weight_decay * weights[r, d]
-                g_row[d] = g
-                mean_g2 += g * g
-            acc = momentum * accumulators[r, 0] + mean_g2 / dim32
-            accumulators[r, 0] = acc
-            denom = np.sqrt(acc) + eps
-            for d in range(dim):
-                weights[r, d] = _clamp(weights[r, d] - lr * g_row[d] / denom, bound)
-        else:
-            for d in range(dim):
-                w = weights[r, d]
-                g = grads[i, d] + weight_decay * w
-                acc = momentum * accumulators[r, d] + g * g
-                accumulators[r, d] = acc
-                weights[r, d] = _clamp(w - lr * g / (np.sqrt(acc) + eps), bound)
-        stamps[r] = tick
-    return count
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def adam_step(weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray,
-              stamps: np.ndarray, tick: int, lr: np.float32, beta1: float, beta2: float,
-              eps: np.float32, weight_decay: np.float32, bound: np.float32) -> int:
-    """Adam in place; ``state[r] = [m (dim), v (dim), t]`` with per-row bias correction."""
-    n = rows.shape[0]
-    dim = weights.shape[1]
     b1 = np.float32(beta1)
     b2 = np.float32(beta2)
     one_minus_b1 = np.float32(1.0 - beta1)
     one_minus_b2 = np.float32(1.0 - beta2)
+    g_row = np.empty(dim, np.float32)
     count = 0
     for i in range(n):
-        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
-            ahead = rows[i + _AHEAD]
+        if i + PREFETCH_AHEAD < n and rows[i + PREFETCH_AHEAD] >= 0:
+            ahead = rows[i + PREFETCH_AHEAD]
             prefetch_row(weights, ahead)
             prefetch_row(state, ahead)
             prefetch_item(stamps, ahead)
@@ -277,20 +194,44 @@ def adam_step(weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: n
         if r < 0:
             continue
         count += 1
-        t = state[r, 2 * dim] + np.float32(1.0)
-        state[r, 2 * dim] = t
-        # Bias corrections in float64: 1 - b2**t is tiny for small t and loses digits in f32.
-        correction1 = np.float32(1.0 - beta1 ** np.float64(t))
-        correction2 = np.float32(1.0 - beta2 ** np.float64(t))
-        for d in range(dim):
-            w = weights[r, d]
-            g = grads[i, d] + weight_decay * w
-            m = b1 * state[r, d] + one_minus_b1 * g
-            v = b2 * state[r, dim + d] + one_minus_b2 * (g * g)
-            state[r, d] = m
-            state[r, dim + d] = v
-            step = lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
-            weights[r, d] = _clamp(w - step, bound)
+        if kind == SGD:
+            for d in range(dim):
+                w = weights[r, d]
+                g = grads[i, d] + weight_decay * w
+                weights[r, d] = _clamp(w - lr * g, bound)
+        elif kind == ADAGRAD and shared:
+            mean_g2 = np.float32(0.0)
+            for d in range(dim):
+                g = grads[i, d] + weight_decay * weights[r, d]
+                g_row[d] = g
+                mean_g2 += g * g
+            acc = momentum * state[r, 0] + mean_g2 / dim32
+            state[r, 0] = acc
+            denom = np.sqrt(acc) + eps
+            for d in range(dim):
+                weights[r, d] = _clamp(weights[r, d] - lr * g_row[d] / denom, bound)
+        elif kind == ADAGRAD:
+            for d in range(dim):
+                w = weights[r, d]
+                g = grads[i, d] + weight_decay * w
+                acc = momentum * state[r, d] + g * g
+                state[r, d] = acc
+                weights[r, d] = _clamp(w - lr * g / (np.sqrt(acc) + eps), bound)
+        else:
+            t = state[r, 2 * dim] + np.float32(1.0)
+            state[r, 2 * dim] = t
+            # Bias corrections in float64: 1 - b2**t is tiny for small t and loses digits in f32.
+            correction1 = np.float32(1.0 - beta1 ** np.float64(t))
+            correction2 = np.float32(1.0 - beta2 ** np.float64(t))
+            for d in range(dim):
+                w = weights[r, d]
+                g = grads[i, d] + weight_decay * w
+                m = b1 * state[r, d] + one_minus_b1 * g
+                v = b2 * state[r, dim + d] + one_minus_b2 * (g * g)
+                state[r, d] = m
+                state[r, dim + d] = v
+                step = lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
+                weights[r, d] = _clamp(w - step, bound)
         stamps[r] = tick
     return count
 
@@ -304,8 +245,8 @@ def gather_rows_at(weights: np.ndarray, rows: np.ndarray, positions: np.ndarray,
     dim = weights.shape[1]
     found = 0
     for i in range(n):
-        if i + _AHEAD < n:
-            ahead = rows[i + _AHEAD]
+        if i + PREFETCH_AHEAD < n:
+            ahead = rows[i + PREFETCH_AHEAD]
             if ahead >= 0:
                 prefetch_row(weights, ahead)
                 prefetch_item(stamps, ahead)
@@ -326,39 +267,6 @@ def gather_rows_at(weights: np.ndarray, rows: np.ndarray, positions: np.ndarray,
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def unique_in_order(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(unique, inverse)``: distinct ids in order of first position, ``ids == unique[inverse]``.
-
-    O(n) with a scratch hash set, unlike ``numpy.unique``'s sort.
-    """
-    n = ids.shape[0]
-    slots = 16
-    while slots < 2 * n:
-        slots *= 2
-    mask = np.uint64(slots - 1)
-    table = np.full(slots, -1, np.int64)
-    inverse = np.empty(n, np.int64)
-    unique = np.empty(n, np.uint64)
-    num_unique = 0
-    for i in range(n):
-        key = ids[i]
-        s = np.int64(mix64(key) & mask)
-        while True:
-            j = table[s]
-            if j < 0:
-                table[s] = num_unique
-                unique[num_unique] = key
-                inverse[i] = num_unique
-                num_unique += 1
-                break
-            if unique[j] == key:
-                inverse[i] = j
-                break
-            s = (s + 1) & np.int64(mask)
-    return unique[:num_unique].copy(), inverse
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
 def count_sightings(sketch: np.ndarray, salts: np.ndarray, ids: np.ndarray,
                     threshold: int) -> np.ndarray:
     """Count one sighting of each id in a count-min sketch; True where it reached ``threshold``.
@@ -374,7 +282,7 @@ def count_sightings(sketch: np.ndarray, salts: np.ndarray, ids: np.ndarray,
     for i in range(ids.shape[0]):
         low = 255
         for k in range(depth):
-            c = np.int64(mix64(ids[i] ^ salts[k]) & mask)
+            c = np.int64(mix64_one(ids[i] ^ salts[k]) & mask)
             cells[k] = c
             if sketch[k, c] < low:
                 low = sketch[k, c]

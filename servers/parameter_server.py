@@ -5,7 +5,17 @@ after the group (a slot outside ``feature_groups`` is a group of its own, so its
 bears the slot's name); requests name tables. Tables are created
 when the embedding optimizer arrives (``configure``), because a row's optimizer state is
 laid out by the optimizer. Updates carry ``(worker_id, sequence)``; a pair seen before is
-acknowledged without being applied again, so a retried update is applied once.
+acknowledged without being applied again, so a retried update is applied once. An update
+that carries no ids is refused (it would mark a pair as applied and nothing else). The
+window remembers the last ``SEEN_PER_WORKER`` sequence numbers of at most
+``MAX_UPDATE_WORKERS`` worker ids; past that, the worker id that updated least recently
+is forgotten first (embedding workers take a random id per process start, so a restarted
+one never reuses a window).
+
+The replica's state (optimizer settings, every table's rows, the exactly-once window)
+goes in and out through :meth:`ParameterServer.state_dict` and
+:meth:`ParameterServer.load_state_dict`, as plain arrays (:class:`ReplicaState`):
+checkpoints and incremental exports use only these, never the tables themselves.
 
 A replica in *inference* mode (serving) is read-only: it answers lookups with
 ``training=False`` only (unknown ids read as zeros and are never inserted) and refuses
@@ -16,20 +26,60 @@ checkpoint or applying an incremental export. Its tables never expire rows.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import re
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from persia_py.config import EmbeddingConfig, GlobalConfig
+from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.routing import RESERVED_ID, replica_of
 from persia_py.rpc import FailedPrecondition
 from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict
 from persia_py.servers.storage import EmbeddingTable
+from persia_py.table_policy import check_init_bounds, check_weight_bound
 
-_SEEN_PER_WORKER = 65536
+SEEN_PER_WORKER = 65536
 """How many recent sequence numbers per worker are remembered for exactly-once updates."""
+MAX_UPDATE_WORKERS = 128
+"""How many worker ids the exactly-once window remembers (the least recently updating
+one is forgotten first): bounds its memory at about 128 x 65536 sequence numbers."""
+MAX_WORKER_ID_CHARS = 128
+_WORKER_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
+_SETTINGS_KEYS = ("optimizer", "init_lower", "init_upper", "weight_bound", "seed")
+_ROW_KEYS = ("ids", "weights", "state", "last_access", "clock")
+Rows = dict
+"""One table's rows as plain arrays: ``ids`` (uint64 [n]), ``weights`` (float32 [n, dim]),
+``state`` (float32 [n, state width]), ``last_access`` (int64 [n]) and ``clock`` (int),
+as :meth:`EmbeddingTable.export_rows` gives them."""
+
+
+def check_worker_id(worker_id: object, field: str = "worker_id") -> str:
+    """``worker_id`` if it is 1 to 128 characters out of letters, digits and ``_.:-`` (not
+    starting with ``.``, ``:`` or ``-``); ValueError naming ``field`` otherwise."""
+    if (not isinstance(worker_id, str) or not 0 < len(worker_id) <= MAX_WORKER_ID_CHARS
+            or not _WORKER_ID.fullmatch(worker_id)):
+        shown = worker_id[:MAX_WORKER_ID_CHARS] if isinstance(worker_id, str) else worker_id
+        raise ValueError(f"{field}: {shown!r} is not a worker id (1 to {MAX_WORKER_ID_CHARS} "
+                         "letters, digits, '_', '.', ':' or '-')")
+    return worker_id
+
+
+@dataclass(kw_only=True)
+class ReplicaState:
+    """What one replica holds, as plain values (see ``ParameterServer.state_dict``)."""
+
+    settings: dict | None
+    """The ``configure`` arguments (None: not configured yet)."""
+    tables: dict[str, Rows]
+    """Every table's rows, by table name."""
+    seen: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    """The exactly-once window: worker id -> its remembered sequence numbers (uint64),
+    least recently updating worker first."""
+    increment_seq: int = 0
+    """Sequence number of the last incremental export taken before these rows."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,13 +93,37 @@ class TableSettings:
     seed: int
 
 
+def _settings(**given: object) -> TableSettings:
+    """Checked ``TableSettings`` from ``configure``'s arguments (or a checkpoint's copy of
+    them); ValueError names the argument that is wrong."""
+    if set(given) != set(_SETTINGS_KEYS):
+        raise ValueError(f"settings need exactly the keys {list(_SETTINGS_KEYS)}, got "
+                         f"{sorted(given)}")
+    if not isinstance(given["optimizer"], dict):
+        raise ValueError(f"optimizer must be a mapping, got {given['optimizer']!r}")
+    opt = optimizer_from_dict(given["optimizer"])  # validates
+    bounds = check_init_bounds(given["init_lower"], given["init_upper"],
+                               "init_lower, init_upper")
+    weight_bound = check_weight_bound(given["weight_bound"])
+    seed = given["seed"]
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return TableSettings(
+        optimizer=optimizer_to_dict(opt),
+        init_lower=float(bounds[0]),
+        init_upper=float(bounds[1]),
+        weight_bound=weight_bound,
+        seed=seed,
+    )
+
+
 class ParameterServer:
     """Replica ``replica_index`` of ``replica_size``: lookups and updates of its ids."""
 
     def __init__(
         self,
         global_config: GlobalConfig,
-        embedding_config: EmbeddingConfig,
+        embedding_config: EmbeddingTablesConfig,
         *,
         replica_index: int = 0,
         replica_size: int = 1,
@@ -66,7 +140,8 @@ class ParameterServer:
         self._lock = threading.Lock()
         self._settings: TableSettings | None = None
         self._tables: dict[str, EmbeddingTable] = {}
-        self._seen: dict[str, collections.OrderedDict[int, None]] = {}
+        self._seen: collections.OrderedDict[str, collections.OrderedDict[int, None]] = (
+            collections.OrderedDict())
         self._seen_lock = threading.Lock()
         self.num_updates = 0
         self.tracks_changes = False
@@ -86,50 +161,48 @@ class ParameterServer:
         seed: int = 0,
     ) -> None:
         """Create the tables with this optimizer; a repeat with equal settings is a no-op."""
-        opt = optimizer_from_dict(optimizer)  # validates
-        if not (np.isfinite(init_lower) and np.isfinite(init_upper) and init_lower < init_upper):
-            raise ValueError(f"initialization bounds must satisfy lower < upper, got "
-                             f"({init_lower}, {init_upper})")
-        if weight_bound is not None and not weight_bound > 0:
-            raise ValueError(f"weight_bound must be > 0, got {weight_bound}")
-        settings = TableSettings(
-            optimizer=optimizer_to_dict(opt),
-            init_lower=float(init_lower),
-            init_upper=float(init_upper),
-            weight_bound=weight_bound,
-            seed=int(seed),
-        )
+        settings = _settings(optimizer=optimizer, init_lower=init_lower, init_upper=init_upper,
+                             weight_bound=weight_bound, seed=seed)
         with self._lock:
             if self._settings is not None:
-                if settings != self._settings:
-                    raise FailedPrecondition(
-                        "already configured with different settings: "
-                        f"{json.dumps(self._settings.__dict__)}"
-                    )
+                self._check_same_settings(settings)
                 return
-            ps_cfg = self.global_config.embedding_parameter_server_config
-            for name, slots in self.embedding_config.tables.items():
-                # A group's slots agree on dim and capacity (checked by the config).
-                slot = self.embedding_config.slots_config[slots[0]]
-                self._tables[name] = EmbeddingTable(
-                    dim=slot.dim,
-                    optimizer=opt if slot.optimizer is None else optimizer_from_dict(
-                        slot.optimizer),
-                    init_lower=settings.init_lower,
-                    init_upper=settings.init_upper,
-                    seed=settings.seed,
-                    num_shards=ps_cfg.num_hashmap_internal_shards,
-                    capacity=slot.capacity or ps_cfg.capacity,
-                    weight_bound=weight_bound,
-                    admit_probability=slot.admit_probability,
-                    min_occurrences=slot.min_occurrences,
-                    # A serving replica keeps every row it was given.
-                    expire_after_steps=None if self.inference else slot.expire_after_steps,
-                    expire_after_seconds=None if self.inference else slot.expire_after_seconds,
-                )
-                if self.tracks_changes:
-                    self._tables[name].track_changes()
+            self._tables = self._build_tables(settings)
             self._settings = settings
+
+    def _check_same_settings(self, settings: TableSettings, source: str = "the request") -> None:
+        if self._settings is not None and settings != self._settings:
+            raise FailedPrecondition(
+                "already configured with different settings: "
+                f"{json.dumps(self._settings.__dict__)}; {source} has "
+                f"{json.dumps(settings.__dict__)}")
+
+    def _build_tables(self, settings: TableSettings) -> dict[str, EmbeddingTable]:
+        """New, empty tables of the embedding config with ``settings``."""
+        opt = optimizer_from_dict(settings.optimizer)
+        ps_cfg = self.global_config.embedding_parameter_server_config
+        tables = {}
+        for name, slots in self.embedding_config.tables.items():
+            # A group's slots agree on dim and capacity (checked by the config).
+            slot = self.embedding_config.slots_config[slots[0]]
+            tables[name] = EmbeddingTable(
+                dim=slot.dim,
+                optimizer=opt if slot.optimizer is None else optimizer_from_dict(slot.optimizer),
+                init_lower=settings.init_lower,
+                init_upper=settings.init_upper,
+                seed=settings.seed,
+                num_shards=ps_cfg.num_hashmap_internal_shards,
+                capacity=slot.capacity or ps_cfg.capacity,
+                weight_bound=settings.weight_bound,
+                admit_probability=slot.admit_probability,
+                min_occurrences=slot.min_occurrences,
+                # A serving replica keeps every row it was given.
+                expire_after_steps=None if self.inference else slot.expire_after_steps,
+                expire_after_seconds=None if self.inference else slot.expire_after_seconds,
+            )
+            if self.tracks_changes:
+                tables[name].track_changes()
+        return tables
 
     def track_changes(self) -> None:
         """Every table, now and after any (re)configuration, remembers the rows that
@@ -197,11 +270,17 @@ class ParameterServer:
         """Apply gradients ``(slot, ids, grads)``; returns (rows updated, was duplicate).
 
         The whole request is validated before any table changes, so a bad request
-        changes nothing.
+        changes nothing; a request without ids is refused. ``worker_id`` (see
+        :func:`check_worker_id`; empty: no exactly-once) and ``sequence`` identify it.
         """
         if self.inference:
             raise FailedPrecondition("this parameter server is in inference mode (read-only): "
                                      "updates are refused")
+        if not any(ids.size for _, ids, _ in requests):
+            raise ValueError("slots: an update must carry at least one id; empty updates are "
+                             "refused")
+        if worker_id:
+            check_worker_id(worker_id)
         tables = [self._table(slot) for slot, _, _ in requests]
         checked = []
         for (slot, ids, grads), table in zip(requests, tables):
@@ -212,37 +291,133 @@ class ParameterServer:
                 raise ValueError(f"slot {slot!r}: {exc}") from None
         if worker_id and self._seen_before(worker_id, sequence):
             return 0, True
-        num_updated = sum(table.apply_update(ids, grads)
-                          for (ids, grads), table in zip(checked, tables))
+        try:
+            num_updated = sum(table.apply_update(ids, grads)
+                              for (ids, grads), table in zip(checked, tables))
+        except BaseException:
+            if worker_id:  # not applied: a retry must not be taken for a duplicate
+                self._forget(worker_id, sequence)
+            raise
         with self._seen_lock:
             self.num_updates += 1
         return num_updated, False
 
     def _seen_before(self, worker_id: str, sequence: int) -> bool:
+        """Whether ``(worker_id, sequence)`` is in the window; remembers it if not."""
         with self._seen_lock:
-            seen = self._seen.setdefault(worker_id, collections.OrderedDict())
+            seen = self._seen.get(worker_id)
+            if seen is None:
+                seen = self._seen[worker_id] = collections.OrderedDict()
+                while len(self._seen) > MAX_UPDATE_WORKERS:
+                    self._seen.popitem(last=False)
+            else:
+                self._seen.move_to_end(worker_id)
             if sequence in seen:
                 return True
             seen[sequence] = None
-            if len(seen) > _SEEN_PER_WORKER:
+            if len(seen) > SEEN_PER_WORKER:
                 seen.popitem(last=False)
             return False
 
-    def export_seen(self) -> dict[str, np.ndarray]:
-        """The exactly-once window: worker id -> its remembered sequence numbers, oldest first."""
+    def _forget(self, worker_id: str, sequence: int) -> None:
         with self._seen_lock:
-            return {w: np.fromiter(seen, dtype=np.int64, count=len(seen))
+            self._seen.get(worker_id, {}).pop(sequence, None)
+
+    def export_seen(self) -> dict[str, np.ndarray]:
+        """The exactly-once window: worker id -> its remembered sequence numbers (uint64),
+        oldest first; the least recently updating worker first."""
+        with self._seen_lock:
+            return {w: np.fromiter(seen, dtype=np.uint64, count=len(seen))
                     for w, seen in self._seen.items()}
 
-    def import_seen(self, windows: dict[str, np.ndarray]) -> None:
-        """Remember these sequence numbers too (a checkpoint's window), in ascending order."""
-        with self._seen_lock:
-            for worker_id, sequences in windows.items():
-                seen = self._seen.setdefault(worker_id, collections.OrderedDict())
-                for sequence in np.unique(np.asarray(sequences, dtype=np.int64)).tolist():
-                    seen[sequence] = None
-                while len(seen) > _SEEN_PER_WORKER:
-                    seen.popitem(last=False)
+    # -- state: checkpoints and incremental exports ---------------------------------
+
+    def state_dict(self) -> ReplicaState:
+        """A copy of everything this replica holds (each internal shard copied under its
+        lock). The caller makes the cut consistent across tables and replicas by taking
+        it only when no update is in flight (``TrainCtx.dump_checkpoint`` flushes first)."""
+        # Read before any row is copied: increments after this one hold rows at least as new.
+        increment_seq = self.increment_seq
+        with self._lock:
+            settings, tables = self._settings, dict(self._tables)
+        return ReplicaState(
+            settings=None if settings is None else dataclasses.asdict(settings),
+            tables={name: table.export_rows() for name, table in sorted(tables.items())},
+            seen=self.export_seen(), increment_seq=increment_seq)
+
+    def load_state_dict(self, state: ReplicaState) -> int:
+        """Replace the settings, every table and the exactly-once window by ``state``'s;
+        returns the rows stored. All or nothing: new tables are built and filled beside
+        the live ones, and swapped in only once every check passed (settings, table names,
+        row shapes and dtypes, distinct ids, finite values, clocks, worker ids); a failure
+        (ValueError, or FailedPrecondition if this replica is configured with other
+        settings) changes nothing. Tables the state lacks start empty."""
+        if state.settings is None:
+            raise ValueError("settings: the state has no optimizer settings")
+        if not isinstance(state.settings, dict):
+            raise ValueError(f"settings: expected a mapping, got {state.settings!r}")
+        settings = _settings(**state.settings)
+        with self._lock:
+            self._check_same_settings(settings, "the checkpoint (its embedding optimizer)")
+        unknown = sorted(set(state.tables) - set(self.embedding_config.tables))
+        if unknown:
+            raise ValueError(f"tables {unknown} are not in the embedding config "
+                             f"({sorted(self.embedding_config.tables)})")
+        seen = _checked_window(state.seen)
+        tables = self._build_tables(settings)
+        try:
+            num_rows = self._import(tables, state.tables)
+            with self._lock:
+                # A Configure may have come meanwhile.
+                self._check_same_settings(settings, "the checkpoint (its embedding optimizer)")
+                if self.tracks_changes:
+                    for table in tables.values():
+                        table.track_changes()
+                old, self._tables, self._settings = self._tables, tables, settings
+                with self._seen_lock:
+                    self._seen = seen
+        except BaseException:
+            for table in tables.values():
+                table.close()
+            raise
+        for table in old.values():
+            table.close()
+        return num_rows
+
+    def changed_rows(self) -> dict[str, Rows]:
+        """Every table's rows inserted or updated since the last call (see
+        :meth:`track_changes`); each table's log of them is emptied."""
+        with self._lock:
+            tables = dict(self._tables)
+        return {name: table.export_changed_rows() for name, table in sorted(tables.items())}
+
+    def apply_rows(self, rows: dict[str, Rows]) -> int:
+        """Store ``rows`` by table name into the live tables, overwriting rows of the same
+        ids (an incremental export's); returns how many. Each table's rows are checked
+        before any of them is stored."""
+        with self._lock:
+            if self._settings is None:
+                raise FailedPrecondition("not configured: load a checkpoint first")
+            tables = dict(self._tables)
+        missing = sorted(set(rows) - set(tables))
+        if missing:
+            raise ValueError(f"tables {missing} are not on this server ({sorted(tables)})")
+        return self._import(tables, rows)
+
+    @staticmethod
+    def _import(tables: dict[str, EmbeddingTable], rows: dict[str, Rows]) -> int:
+        num_rows = 0
+        for name, table_rows in rows.items():
+            if not isinstance(table_rows, dict) or set(table_rows) != set(_ROW_KEYS):
+                raise ValueError(f"table {name!r}: rows need exactly the keys {list(_ROW_KEYS)}")
+            try:
+                tables[name].import_rows(table_rows["ids"], table_rows["weights"],
+                                         table_rows["state"], table_rows["last_access"],
+                                         table_rows["clock"])
+            except ValueError as exc:
+                raise ValueError(f"table {name!r}: {exc}") from None
+            num_rows += int(table_rows["ids"].shape[0])
+        return num_rows
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per-table statistics (empty before configuration)."""
@@ -251,3 +426,28 @@ class ParameterServer:
     def close(self) -> None:
         for table in self._tables.values():
             table.close()
+
+
+def _checked_window(windows: object) -> collections.OrderedDict:
+    """The exactly-once window ``windows`` describes (worker id -> sequence numbers),
+    checked: valid worker ids, at most ``MAX_UPDATE_WORKERS`` of them, each with at most
+    ``SEEN_PER_WORKER`` distinct non-negative integer sequence numbers."""
+    if not isinstance(windows, dict):
+        raise ValueError(f"seen: expected a mapping of worker ids, got {type(windows).__name__}")
+    if len(windows) > MAX_UPDATE_WORKERS:
+        raise ValueError(f"seen: {len(windows)} worker ids, over the {MAX_UPDATE_WORKERS} "
+                         "a replica remembers")
+    out: collections.OrderedDict = collections.OrderedDict()
+    for worker_id, sequences in windows.items():
+        check_worker_id(worker_id, "seen: worker id")
+        if (not isinstance(sequences, np.ndarray) or sequences.ndim != 1
+                or sequences.dtype not in (np.uint64, np.int64)):
+            raise ValueError(f"seen[{worker_id!r}]: expected a 1-D uint64 or int64 array")
+        if sequences.dtype == np.int64 and bool((sequences < 0).any()):
+            raise ValueError(f"seen[{worker_id!r}]: negative sequence numbers")
+        unique = np.unique(sequences.astype(np.uint64))
+        if unique.size != sequences.size or unique.size > SEEN_PER_WORKER:
+            raise ValueError(f"seen[{worker_id!r}]: {sequences.size} sequence numbers, "
+                             f"{unique.size} distinct; at most {SEEN_PER_WORKER}, all distinct")
+        out[worker_id] = collections.OrderedDict.fromkeys(unique.tolist())
+    return out

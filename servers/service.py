@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import grpc
 
@@ -11,7 +12,7 @@ from persia_py.monitoring import ParameterServerMetrics
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
 from persia_py.rpc import create_server, grpc_method
-from persia_py.servers.checkpoint import add_checkpoint_service
+from persia_py.servers.checkpoint import CheckpointRoot, add_checkpoint_service
 from persia_py.servers.parameter_server import ParameterServer
 
 
@@ -90,8 +91,13 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
 
 
 def create_ps_server(ps: ParameterServer, address: str,
-                     metrics: ParameterServerMetrics | None = None) -> tuple[grpc.Server, int]:
-    """A started gRPC server for ``ps`` on ``address`` (port 0 picks one); returns (server, port)."""
+                     metrics: ParameterServerMetrics | None = None, *,
+                     checkpoint_root: CheckpointRoot | str | os.PathLike | None = None,
+                     ) -> tuple[grpc.Server, int]:
+    """A started gRPC server for ``ps`` on ``address`` (port 0 picks one); returns (server, port).
+
+    Training replicas also serve Dump and Load inside ``checkpoint_root`` (None: the
+    current directory); serving replicas do not."""
     server, port = create_server(address, ps.global_config.common_config)
     # Lookup answers with bytes already serialized; ids and
     # gradients are read from the requests' bytes without protobuf's copies.
@@ -99,6 +105,6 @@ def create_ps_server(ps: ParameterServer, address: str,
                           ParameterServerServicer(ps, metrics), server,
                           parsed_requests={"Lookup": pb.LookupRequest, "Update": pb.UpdateRequest},
                           bytes_answers=("Lookup",))
-    add_checkpoint_service(ps, server)
+    add_checkpoint_service(ps, server, checkpoint_root)
     server.start()
     return server, port

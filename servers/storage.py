@@ -1,6 +1,6 @@
 """``EmbeddingTable``: the rows of one embedding slot on one parameter-server replica.
 
-The table is split into internal shards (chosen by ``shard_of``), each with its own
+The table is split into internal shards (chosen by a keyed hash), each with its own
 hash index, lock and contiguous growable arrays: weights ``(rows, dim)``, optimizer
 state ``(rows, width)``, the id of each row, and a logical access clock for LRU
 eviction and expiry. Rows are dense (``0..size-1``); lookups and optimizer steps are
@@ -19,7 +19,6 @@ enough, the shards are worked on in parallel threads: every kernel releases the 
 from __future__ import annotations
 
 import collections
-import math
 import os
 import threading
 import time
@@ -28,9 +27,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Self
 
 import numpy as np
-from numba import njit
 
-from persia_py.routing import RESERVED_ID, mix64, shard_of
+from persia_py.dedup import unique_in_order
+from persia_py.hashing import ADMIT_SALT, HashKey, keyed_buckets, mix64
+from persia_py.routing import RESERVED_ID, split_by
 from persia_py.servers import kernels, memory
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
@@ -42,8 +42,12 @@ from persia_py.servers.optimizers import (
     initial_state,
     state_width,
 )
+from persia_py.table_policy import TablePolicy, check_init_bounds, check_weight_bound
 
 _INITIAL_ROWS = 1024
+MAX_CLOCK = 2**62
+"""Largest LRU clock value a table accepts from outside (import_rows): far from int64's
+end, so that counting on from it never overflows."""
 # Below this many ids, handing shards to worker threads costs more than it saves.
 _PARALLEL_MIN_IDS = 8192
 # Evict at least this fraction of a shard's share at once, so the O(share) index
@@ -52,35 +56,12 @@ _EVICT_FRACTION = 16
 # Expiry sweeps run once 1/_EXPIRE_LAG of the expiry period has passed since the last
 # one, so a row goes at most that much later than its period says.
 _EXPIRE_LAG = 16
-_ADMIT_SALT = np.uint64(0x082EFA98EC4E6C89)
 _SKETCH_DEPTH = 4
-_SKETCH_SALTS = mix64(np.arange(_SKETCH_DEPTH, dtype=np.uint64), np.uint64(0x3F84D5B5B5470917))
 _SKETCH_MIN_WIDTH = 1 << 12
 _SKETCH_MAX_WIDTH = 1 << 22
 # Halve every counter after this many sightings per sketch column, so that counts
 # reflect recent traffic and the sketch never saturates.
 _SKETCH_DECAY_PER_COLUMN = 8
-
-
-@njit(cache=True, nogil=True)
-def _group_by_shard(owner: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray]:
-    """Counting sort of positions by owner: O(n), unlike the argsort in ``split_by``.
-
-    Same contract as ``persia_py.routing.split_by``: positions of shard ``k`` are
-    ``order[bounds[k]:bounds[k + 1]]``, in their original relative order.
-    """
-    bounds = np.zeros(num_shards + 1, np.int64)
-    for i in range(owner.shape[0]):
-        bounds[owner[i] + 1] += 1
-    for k in range(num_shards):
-        bounds[k + 1] += bounds[k]
-    fill = bounds[:-1].copy()
-    order = np.empty(owner.shape[0], np.int64)
-    for i in range(owner.shape[0]):
-        k = owner[i]
-        order[fill[k]] = i
-        fill[k] += 1
-    return order, bounds
 
 
 class _Shard:
@@ -116,6 +97,9 @@ class _Shard:
             width = 1 << max(share - 1, 1).bit_length()
             width = min(max(width, _SKETCH_MIN_WIDTH), _SKETCH_MAX_WIDTH)
             self.sketch = np.zeros((_SKETCH_DEPTH, width), dtype=np.uint8)
+            # Secret salts: with public ones, ids could be crafted to share counters and
+            # reach ``min_occurrences`` sooner (no slowdown: the sketch never probes).
+            self.sketch_salts = HashKey.random(_SKETCH_DEPTH).words
 
     def nbytes(self) -> int:
         arrays = (self.ids, self.weights, self.state, self.last_access)
@@ -146,14 +130,14 @@ class _Shard:
         table = self.table
         keep = np.ones(new_ids.shape[0], dtype=np.bool_)
         if self.sketch is not None:
-            keep = kernels.count_sightings(self.sketch, _SKETCH_SALTS, new_ids,
+            keep = kernels.count_sightings(self.sketch, self.sketch_salts, new_ids,
                                            table.min_occurrences)
             self.sightings += new_ids.shape[0]
             if self.sightings >= _SKETCH_DECAY_PER_COLUMN * self.sketch.shape[1]:
                 self.sketch >>= 1
                 self.sightings = 0
         if table.admit_probability < 1.0:
-            draw = mix64(mix64(new_ids, _ADMIT_SALT ^ np.uint64(table.seed)), np.uint64(tick))
+            draw = mix64(mix64(new_ids, ADMIT_SALT ^ np.uint64(table.seed)), np.uint64(tick))
             unit = (draw >> np.uint64(11)).astype(np.float64) * 2.0**-53
             keep &= unit < table.admit_probability
         return keep
@@ -164,7 +148,7 @@ class _Shard:
         hit_rows = rows[found]
         # Stamping the hits first shields them from the eviction below.
         self.last_access[hit_rows] = tick
-        new_ids, inverse = kernels.unique_in_order(ids[missing])
+        new_ids, inverse = unique_in_order(ids[missing])
         keep = self._admit(new_ids, tick)
         admitted = new_ids if keep.all() else new_ids[keep]
         n_new = admitted.shape[0]
@@ -282,6 +266,25 @@ class _Shard:
                                     self.last_access, tick)
 
 
+def _check_array(name: str, value: object, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
+    if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.shape != shape):
+        got = (f"{value.dtype} {value.shape}" if isinstance(value, np.ndarray)
+               else type(value).__name__)
+        raise ValueError(f"{name} must be {np.dtype(dtype).name} of shape {shape}, got {got}")
+    return value
+
+
+def _check_fits(shard: _Shard, ids: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Rows of ``ids`` in ``shard`` (-1: absent) and how many are absent; ValueError if
+    storing them would exceed the shard's share. The caller holds ``shard.lock``."""
+    rows = shard.index.find(ids)
+    n_new = int(np.count_nonzero(rows < 0))
+    if shard.size + n_new > shard.share:
+        raise ValueError(f"{shard.size + n_new} rows do not fit one internal shard's share "
+                         f"of {shard.share} (capacity {capacity}); raise capacity")
+    return rows, n_new
+
+
 def _check_int(name: str, value: object, minimum: int) -> int:
     ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
     if not ok or value < minimum:
@@ -316,43 +319,29 @@ class EmbeddingTable:
                  expire_after_steps: int | None = None,
                  expire_after_seconds: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        # The same rules as the config file and the user's EmbeddingConfig.
+        TablePolicy(capacity=capacity, admit_probability=admit_probability,
+                    min_occurrences=min_occurrences, expire_after_steps=expire_after_steps,
+                    expire_after_seconds=expire_after_seconds)
         self.dim = _check_int("dim", dim, 1)
         self.num_shards = _check_int("num_shards", num_shards, 1)
-        self.capacity = _check_int("capacity", capacity, 1)
+        self.capacity = int(capacity)
         self.seed = _check_int("seed", seed, 0)
         self.state_width = state_width(optimizer, dim)  # rejects non-config objects
         self.optimizer = optimizer
-        if not (math.isfinite(init_lower) and math.isfinite(init_upper)
-                and init_lower <= init_upper):
-            raise ValueError("init_lower and init_upper must be finite with "
-                             f"init_lower <= init_upper, got {init_lower}, {init_upper}")
-        self.init_lower, self.init_upper = float(init_lower), float(init_upper)
-        if weight_bound is not None and not (math.isfinite(weight_bound) and weight_bound > 0):
-            raise ValueError(f"weight_bound must be None or a finite number > 0, "
-                             f"got {weight_bound!r}")
-        self.weight_bound = None if weight_bound is None else float(weight_bound)
-        if (isinstance(admit_probability, bool)
-                or not isinstance(admit_probability, (int, float))
-                or not 0.0 < admit_probability <= 1.0):
-            raise ValueError(f"admit_probability must be a number in (0, 1], "
-                             f"got {admit_probability!r}")
+        self.init_lower, self.init_upper = check_init_bounds(init_lower, init_upper,
+                                                             "init_lower, init_upper")
+        self.weight_bound = check_weight_bound(weight_bound)
         self.admit_probability = float(admit_probability)
-        self.min_occurrences = _check_int("min_occurrences", min_occurrences, 1)
-        if self.min_occurrences > 255:
-            raise ValueError(f"min_occurrences must be <= 255, got {min_occurrences}")
+        self.min_occurrences = int(min_occurrences)
         self.expire_after_steps = (None if expire_after_steps is None
-                                   else _check_int("expire_after_steps", expire_after_steps, 1))
-        if expire_after_seconds is not None and not (
-                isinstance(expire_after_seconds, (int, float))
-                and not isinstance(expire_after_seconds, bool)
-                and math.isfinite(expire_after_seconds) and expire_after_seconds > 0):
-            raise ValueError(f"expire_after_seconds must be None or a finite number > 0, "
-                             f"got {expire_after_seconds!r}")
+                                   else int(expire_after_steps))
         self.expire_after_seconds = (None if expire_after_seconds is None
                                      else float(expire_after_seconds))
         self._step_args = _step_args(optimizer, self.weight_bound)
         share = -(-capacity // num_shards)
         self._shards = [_Shard(self, share) for _ in range(num_shards)]
+        self._shard_key = HashKey.random()
         self._clock = 0
         self._clock_lock = threading.Lock()
         self._now = clock
@@ -422,6 +411,17 @@ class EmbeddingTable:
             raise ValueError("ids contain the reserved id 2**64-1, which cannot be stored")
         return np.ascontiguousarray(ids)
 
+    def _split_by_shard(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``split_by`` of ids by internal shard.
+
+        The shard of an id is a keyed hash, secret to this table: with a public one,
+        ids could be crafted to fill one shard's share of the capacity (evicting its
+        honest rows, or failing batches) and to serialize every call on its lock. Shard
+        placement is local to the process: a checkpoint load re-inserts rows.
+        """
+        num_shards = self.num_shards
+        return split_by(keyed_buckets(ids, self._shard_key, num_shards), num_shards)
+
     def _per_shard(self, ids: np.ndarray,
                    work: Callable[[_Shard, np.ndarray | None], None]) -> None:
         """Call ``work(shard, positions)`` for each shard owning some of ``ids``.
@@ -433,7 +433,7 @@ class EmbeddingTable:
         if self.num_shards == 1:
             work(self._shards[0], None)
             return
-        order, bounds = _group_by_shard(shard_of(ids, self.num_shards), self.num_shards)
+        order, bounds = self._split_by_shard(ids)
         parts = [(self._shards[k], order[bounds[k]:bounds[k + 1]])
                  for k in range(self.num_shards) if bounds[k + 1] > bounds[k]]
         executor = self._executor
@@ -521,12 +521,8 @@ class EmbeddingTable:
     def _step(self, weights: np.ndarray, state: np.ndarray, rows: np.ndarray,
               grads: np.ndarray, stamps: np.ndarray, tick: int) -> int:
         """One optimizer step on ``rows`` (distinct; < 0 skipped) of one shard, in place."""
-        kind, args = self._step_args
-        if kind == "sgd":
-            return kernels.sgd_step(weights, rows, grads, stamps, tick, *args)
-        if kind == "adagrad":
-            return kernels.adagrad_step(weights, state, rows, grads, stamps, tick, *args)
-        return kernels.adam_step(weights, state, rows, grads, stamps, tick, *args)
+        kind, params = self._step_args
+        return kernels.optimizer_step(kind, weights, state, rows, grads, stamps, tick, *params)
 
     def export_rows(self) -> dict[str, np.ndarray | int]:
         """Copies of every stored row, for checkpoints: ``ids`` (uint64 [n]), ``weights``
@@ -564,28 +560,45 @@ class EmbeddingTable:
 
     def import_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
                     last_access: np.ndarray | None = None, clock: int = 0) -> None:
-        """Store rows as given (distinct ids; stored ones are overwritten), e.g. from a
-        checkpoint. Raises ValueError if a shard would exceed its share of capacity."""
+        """Store rows as given, e.g. from a checkpoint; stored rows of the same ids are
+        overwritten.
+
+        All or nothing: checked first, ValueError says what is wrong and nothing is
+        stored: ids (1-D uint64, distinct, not the reserved id), ``weights`` float32
+        ``(n, dim)`` and ``state`` float32 ``(n, state width)``, both finite,
+        ``last_access`` int64 ``(n,)`` in ``[0, clock]``, ``clock`` an int in
+        ``[0, MAX_CLOCK]``, and every internal shard within its share of the capacity.
+        """
         ids = self._check_ids(ids)
         n = ids.shape[0]
-        if weights.shape != (n, self.dim) or state.shape != (n, self.state_width):
-            raise ValueError(f"rows of shape {weights.shape} / state {state.shape} do not fit "
-                             f"{n} ids of dim {self.dim}, state width {self.state_width}")
-        stamps = (np.zeros(n, np.int64) if last_access is None
-                  else np.asarray(last_access, dtype=np.int64))
-        with self._clock_lock:
-            self._clock = max(self._clock, int(clock), int(stamps.max(initial=0)))
-        order, bounds = _group_by_shard(shard_of(ids, self.num_shards), self.num_shards)
-        for k, shard in enumerate(self._shards):
-            pos = order[bounds[k]:bounds[k + 1]]
+        _check_array("weights", weights, np.float32, (n, self.dim))
+        _check_array("state", state, np.float32, (n, self.state_width))
+        clock = _check_int("clock", clock, 0)
+        if clock > MAX_CLOCK:
+            raise ValueError(f"clock must be <= {MAX_CLOCK}, got {clock}")
+        if last_access is None:
+            stamps = np.zeros(n, np.int64)
+        else:
+            stamps = _check_array("last_access", last_access, np.int64, (n,))
+            if n and not (int(stamps.min()) >= 0 and int(stamps.max()) <= clock):
+                raise ValueError(f"last_access must lie in [0, clock={clock}], got "
+                                 f"[{int(stamps.min())}, {int(stamps.max())}]")
+        for name, values in (("weights", weights), ("state", state)):
+            if not bool(np.isfinite(values).all()):
+                raise ValueError(f"{name} contain NaN or infinite values")
+        if np.unique(ids).shape[0] != n:
+            raise ValueError(f"ids are not distinct ({n - np.unique(ids).shape[0]} repeats)")
+        order, bounds = self._split_by_shard(ids)
+        parts = [(shard, order[bounds[k]:bounds[k + 1]]) for k, shard in enumerate(self._shards)]
+        for shard, pos in parts:  # capacity, for every shard before any row is stored
             with shard.lock:
-                rows = shard.index.find(ids[pos])
+                _check_fits(shard, ids[pos], self.capacity)
+        for shard, pos in parts:
+            with shard.lock:
+                # Checked again under the lock that the store holds: a concurrent insert
+                # (training lookups of a live table) may have taken room meanwhile.
+                rows, n_new = _check_fits(shard, ids[pos], self.capacity)
                 new = rows < 0
-                n_new = int(np.count_nonzero(new))
-                if shard.size + n_new > shard.share:
-                    raise ValueError(f"{shard.size + n_new} rows do not fit one internal "
-                                     f"shard's share of {shard.share} (capacity "
-                                     f"{self.capacity}); raise capacity")
                 shard._reserve(shard.size + n_new)
                 new_rows, _ = shard.index.find_or_insert(ids[pos][new], shard.size)
                 rows[new] = new_rows
@@ -594,6 +607,8 @@ class EmbeddingTable:
                 shard.weights[rows] = weights[pos]
                 shard.state[rows] = state[pos]
                 shard.last_access[rows] = stamps[pos]
+        with self._clock_lock:
+            self._clock = max(self._clock, clock)
 
     @property
     def num_entries(self) -> int:
@@ -627,16 +642,17 @@ STAT_KEYS = ("entries", "bytes", "hits", "misses", "inserted", "evicted", "admit
 """Keys of :meth:`EmbeddingTable.stats`, in the order of the ``TableStats`` message."""
 
 
-def _step_args(cfg: OptimizerConfig, weight_bound: float | None) -> tuple[str, tuple]:
-    """The kernel name and its float32 hyper-parameters, converted once per table."""
+def _step_args(cfg: OptimizerConfig, weight_bound: float | None) -> tuple[int, tuple]:
+    """``kernels.optimizer_step``'s kind and hyper-parameters (those after ``tick``),
+    converted once per table."""
     f32 = np.float32
-    bound = f32(np.inf if weight_bound is None else weight_bound)
+    common = (f32(cfg.lr), f32(cfg.weight_decay),
+              f32(np.inf if weight_bound is None else weight_bound))
     if isinstance(cfg, SGDConfig):
-        return "sgd", (f32(cfg.lr), f32(cfg.weight_decay), bound)
+        return kernels.SGD, (*common, f32(0.0), f32(0.0), 0.0, 0.0)
     if isinstance(cfg, AdagradConfig):
-        return "adagrad", (f32(cfg.lr), f32(cfg.eps), f32(cfg.weight_decay),
-                           f32(cfg.g_square_momentum), bound)
+        return kernels.ADAGRAD, (*common, f32(cfg.eps), f32(cfg.g_square_momentum), 0.0, 0.0)
     if isinstance(cfg, AdamConfig):
-        return "adam", (f32(cfg.lr), float(cfg.betas[0]), float(cfg.betas[1]), f32(cfg.eps),
-                        f32(cfg.weight_decay), bound)
+        return kernels.ADAM, (*common, f32(cfg.eps), f32(0.0), float(cfg.betas[0]),
+                              float(cfg.betas[1]))
     raise ValueError(f"unsupported optimizer {type(cfg).__name__}")

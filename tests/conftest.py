@@ -5,14 +5,19 @@ from __future__ import annotations
 import os
 import queue
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import grpc
 import pytest
+
+from persia_py.security import ENV_AUTH_TOKEN, TokenClientInterceptor
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "criteo_synthetic"
@@ -119,6 +124,30 @@ def start_server(role: str, *args: str, env: dict[str, str] | None = None) -> tu
     return proc, int(match.group(1))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def job_token() -> Iterator[str]:
+    """Every test runs with a job token in its environment, as a user of the secure default
+    does: the roles it starts require one (or ``--insecure``), and clients in the test
+    process read it from there. Restored at the end of the session."""
+    saved = os.environ.get(ENV_AUTH_TOKEN)
+    token = saved or secrets.token_hex(32)
+    os.environ[ENV_AUTH_TOKEN] = token
+    try:
+        yield token
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_AUTH_TOKEN, None)
+        else:
+            os.environ[ENV_AUTH_TOKEN] = saved
+
+
+def token_channel(address: str, options: Sequence[tuple[str, int]] = ()) -> grpc.Channel:
+    """A plaintext channel with no limits of persia_py's own (for raw or malformed calls)
+    that carries this session's job token, so the servers' own checks are what answer."""
+    channel = grpc.insecure_channel(address, options=list(options))
+    return grpc.intercept_channel(channel, TokenClientInterceptor(os.environ[ENV_AUTH_TOKEN]))
+
+
 @pytest.fixture
 def tmp_configs(tmp_path: Path):
     """Write a small embedding and global config; returns their paths."""
@@ -130,3 +159,39 @@ def tmp_configs(tmp_path: Path):
         return str(e), str(g)
 
     return write
+
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "processes: the test starts processes (servers, roles, torchrun, "
+        "subprocesses); `pytest -m 'not processes'` runs the unit tests alone, in seconds")
+    _guard_process_starts()
+
+
+_running: list[pytest.Item] = []
+"""The test being set up, run or torn down (its fixtures included)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> None:
+    _running[:] = [item]
+
+
+def _guard_process_starts() -> None:
+    """A test that starts a process (itself or through a fixture of any scope) without the
+    ``processes`` marker fails, so that ``-m 'not processes'`` really leaves out every test
+    that starts one."""
+    import multiprocessing.process
+
+    def guarded(original):
+        def start(*args, **kwargs):
+            if _running and _running[0].get_closest_marker("processes") is None:
+                raise AssertionError(f"{_running[0].nodeid} starts a process: mark it (or its "
+                                     "module) with @pytest.mark.processes")
+            return original(*args, **kwargs)
+        return start
+
+    subprocess.Popen.__init__ = guarded(subprocess.Popen.__init__)
+    multiprocessing.process.BaseProcess.start = guarded(multiprocessing.process.BaseProcess.start)
+    os.fork = guarded(os.fork)

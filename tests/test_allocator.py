@@ -44,6 +44,7 @@ def test_with_tunables_adds_them_but_a_users_choice_wins() -> None:
     assert allocator.with_tunables(mine) == mine
 
 
+@pytest.mark.processes
 @glibc_only
 def test_tuned_process_reuses_message_buffers() -> None:
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
@@ -54,6 +55,7 @@ def test_tuned_process_reuses_message_buffers() -> None:
     assert tuned < plain / 5, (tuned, plain)
 
 
+@pytest.mark.processes
 @glibc_only
 def test_tune_this_process_sets_the_thresholds_at_run_time() -> None:
     code = ("from persia_py import allocator; import sys; "

@@ -16,12 +16,12 @@ import torch
 from conftest import EXAMPLE, RoleProcess, launcher_command
 
 from persia_py import checkpoint_format as fmt
-from persia_py.config import EmbeddingConfig, GlobalConfig, SlotConfig
+from persia_py.config import EmbeddingTablesConfig, GlobalConfig, SlotConfig
 from persia_py.routing import replica_of
 from persia_py.servers.checkpoint import dump_replica, load_replica
 from persia_py.servers.parameter_server import ParameterServer
 
-EMBEDDING = EmbeddingConfig(slots_config={"user": SlotConfig(dim=4), "item": SlotConfig(dim=8)})
+EMBEDDING = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4), "item": SlotConfig(dim=8)})
 ADAGRAD = {"type": "adagrad", "lr": 0.1}
 
 
@@ -55,7 +55,7 @@ def _dump(replicas: list[ParameterServer], root: Path, step: int) -> Path:
 
 
 def _rows(replicas: list[ParameterServer], table: str) -> dict[str, np.ndarray]:
-    parts = [ps._tables[table].export_rows() for ps in replicas]
+    parts = [ps.state_dict().tables[table] for ps in replicas]
     ids = np.concatenate([p["ids"] for p in parts])
     order = np.argsort(ids)
     return {k: np.concatenate([p[k] for p in parts])[order]
@@ -76,7 +76,7 @@ def test_resharding_keeps_every_row_and_its_optimizer_state(tmp_path, old, new) 
         for key in want:
             assert np.array_equal(want[key], got[key]), (table, key)
         for r, ps in enumerate(after):  # each row went to the replica that owns it
-            ids = ps._tables[table].export_rows()["ids"]
+            ids = ps.state_dict().tables[table]["ids"]
             assert (replica_of(ids, new) == r).all()
     # Training continues identically on the loaded copy.
     rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
@@ -141,6 +141,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_intact(tmp_path) -> None:
     root = tmp_path / "ckpt"
     writer = RoleProcess([sys.executable, "-c", WRITER, str(root)])
@@ -229,16 +230,17 @@ def _run(tmp_path: Path, name: str, *extra: str, global_config: Path, die_after:
     return code, job.output()
 
 
+@pytest.mark.processes
 def test_killed_and_resumed_job_ends_bit_identical_to_an_uninterrupted_one(tmp_path) -> None:
+    # Every checkpoint lies in the job's checkpoint root: the servers write nowhere else.
     plain = tmp_path / "plain.yml"
-    plain.write_text((EXAMPLE / "global_config.yml").read_text())
+    plain.write_text((EXAMPLE / "global_config.yml").read_text() + textwrap.dedent(f"""
+        checkpoint_config:
+          root: {tmp_path}
+    """))
     periodic = tmp_path / "periodic.yml"
     ckpt = tmp_path / "ckpt"
-    periodic.write_text(plain.read_text() + textwrap.dedent(f"""
-        checkpoint_config:
-          dir: {ckpt}
-          every_steps: 5
-    """))
+    periodic.write_text(plain.read_text() + f"  dir: {ckpt}\n  every_steps: 5\n")
     code, out = _run(tmp_path, "whole", global_config=plain)
     assert code == 0 and "trained 20 batches" in out, out
     code, out = _run(tmp_path, "killed", global_config=periodic, die_after=12)

@@ -119,3 +119,28 @@ def test_parse_reads_arrays_without_copies_and_scalars_like_protobuf() -> None:
 def test_parse_refuses_malformed_messages(raw, message) -> None:
     with pytest.raises(codec.CodecError, match=message):
         codec.parse(ps_pb.UpdateRequest, raw)
+
+
+@pytest.mark.parametrize("parsed", [False, True], ids=["protobuf", "raw"])
+def test_decoded_size_is_judged_from_claims_before_decompressing(parsed: bool) -> None:
+    zeros = np.zeros((1024, 64), np.float32)  # 256 KiB that compress to about 1 KiB
+    written = codec.join(_update_pieces([("a", np.arange(1024, dtype=np.uint64), zeros)] * 2,
+                                        compress=True))
+    message = (codec.parse(ps_pb.UpdateRequest, written) if parsed
+               else ps_pb.UpdateRequest.FromString(written))
+    codec.check_decoded_size(message, len(written), 2 * zeros.nbytes + 64 * 1024, what="limit")
+    with pytest.raises(codec.CodecError, match=r"slots\[1\]\.grads: lz4 payload claims 262144 "
+                                               r"decoded bytes.*larger than max.*limit"):
+        codec.check_decoded_size(message, len(written), zeros.nbytes + 64 * 1024, what="limit")
+    # A claim past what any payload could back, with a nonsense shape, is judged the same.
+    bomb = ps_pb.UpdateRequest(slots=[ps_pb.SlotGradients(grads=common_pb2.Tensor(
+        dtype="float32", shape=[2**40, 2**40], data=b"x", lz4=True))])
+    with pytest.raises(codec.CodecError, match=r"slots\[0\]\.grads"):
+        codec.check_decoded_size(bomb, bomb.ByteSize(), 2**31, what="limit")
+
+
+def test_parse_builds_a_bounded_number_of_sub_messages() -> None:
+    within = b"\x0a\x00" * codec.MAX_PARSED_MESSAGES  # empty entries: no tensors built
+    assert len(codec.parse(ps_pb.UpdateRequest, within).slots) == codec.MAX_PARSED_MESSAGES
+    with pytest.raises(codec.CodecError, match="sub-messages"):
+        codec.parse(ps_pb.UpdateRequest, b"\x0a\x00" * (codec.MAX_PARSED_MESSAGES + 1))

@@ -11,7 +11,7 @@ import typing
 
 from conftest import ROOT
 
-from persia_py.config import EmbeddingConfig, GlobalConfig
+from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 
 
 def _keys(cls: type, prefix: str = "") -> list[str]:
@@ -31,7 +31,7 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
 
 def test_readme_documents_every_config_key() -> None:
     readme = (ROOT / "README.md").read_text()
-    keys = _keys(GlobalConfig) + _keys(EmbeddingConfig)
+    keys = _keys(GlobalConfig) + _keys(EmbeddingTablesConfig)
     missing = [k for k in keys if f"`{k}`" not in readme]
     assert not missing, f"README.md configuration reference lacks {missing}"
 

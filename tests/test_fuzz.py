@@ -7,7 +7,9 @@ protobufs reach the servers. Every message to a method that could change the tab
 training lookup, an update, a batch put) carries at least one *breaker*, a defect that
 must make the server refuse the whole request; other mutations (random ids, NaN, flipped
 flags, random refs) ride along. Methods that change nothing (inference lookups, Stats,
-Health, NextBatch) also get unbroken mutations. Seeds are fixed, so a failure repeats.
+Health, NextBatch) also get unbroken mutations. The checkpoint service gets Dump and Load
+calls naming hostile folders (``..``, absolute, NUL, over-long, links' targets, a checkpoint
+whose files lie outside it). Seeds are fixed, so a failure repeats.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import grpc
 import lz4.block
 import numpy as np
 import pytest
-from conftest import RoleProcess, launcher_command, start_server
+from conftest import RoleProcess, launcher_command, start_server, token_channel
 
 from persia_py import codec
 from persia_py.config import CommonConfig
+from persia_py.proto import checkpoint_pb2 as ckpt_pb
 from persia_py.proto import common_pb2, data_loader_pb2
 from persia_py.proto import embedding_worker_pb2 as ew_pb
 from persia_py.proto import parameter_server_pb2 as ps_pb
@@ -36,6 +39,7 @@ from persia_py.routing import RESERVED_ID
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.ps_client import PSClient, configure_request
 
+pytestmark = pytest.mark.processes
 SEED = 20240607
 MESSAGES_PER_SERVICE = 10_000
 NUM_THREADS = 4
@@ -174,7 +178,10 @@ def _slot_ids_pairs(m: Mutator, ids_source: Callable[[int], np.ndarray]):
 
 
 def ps_message(m: Mutator, state: dict, raw: bool) -> tuple[str, bytes]:
-    method = m.choice(["Lookup"] * 5 + ["Update"] * 5 + ["Configure", "Stats", "Health"])
+    method = m.choice(["Lookup"] * 5 + ["Update"] * 5
+                      + ["Configure", "Stats", "Health", "Dump", "Load"])
+    if method in ("Dump", "Load"):
+        return checkpoint_message(m, method)
     if method == "Lookup":
         request = ps_pb.LookupRequest(
             slots=[ps_pb.SlotIds(slot=s, ids=codec.encode(ids))
@@ -247,6 +254,33 @@ def ps_message(m: Mutator, state: dict, raw: bool) -> tuple[str, bytes]:
     else:
         request = common_pb2.HealthRequest()
     return f"/persia_py.ParameterServer/{method}", request.SerializeToString()
+
+
+CHECKPOINT_NAMES = ["", ".", "..", "../..", "/etc", "/tmp/x", "a/b", "x\x00y", "ckpt",
+                    "escaping", "missing", "LATEST", "x" * 129, "y" * 5000, "caf\u00e9", "-x",
+                    ".hidden", "ckpt/..", "\\", "%2e%2e"]
+"""Dump and Load names: ``ckpt`` (an empty folder) and ``escaping`` (a manifest whose
+files lie outside) exist in the fuzzed server's checkpoint root; no complete checkpoint
+does, so no Load can change the rows."""
+
+
+def checkpoint_message(m: Mutator, method: str) -> tuple[str, bytes]:
+    request = (ckpt_pb.DumpRequest if method == "Dump" else ckpt_pb.LoadRequest)(
+        folder=m.choice(CHECKPOINT_NAMES) if m.chance(0.3) else "",
+        checkpoint=m.choice(CHECKPOINT_NAMES + [m.rng.bytes(6).hex()]))
+    return f"/persia_py.ParameterServerCheckpoint/{method}", request.SerializeToString()
+
+
+def _escaping_checkpoint(folder) -> None:
+    """A complete-looking checkpoint whose description names files outside its folder."""
+    folder.mkdir()
+    files = {k: f"../../{k}.npy" for k in ("ids", "weights", "state", "last_access")}
+    (folder / "ps-0.json").write_text(json.dumps({
+        "replica_index": 0, "replica_size": 1, "settings": None, "seen": [],
+        "tables": {"user": {"dim": DIMS["user"], "state_width": DIMS["user"], "num_rows": 1,
+                            "clock": 1, "files": files}}}))
+    (folder / "manifest.json").write_text(json.dumps(
+        {"format": "persia_py-checkpoint", "version": 1, "step": 1, "num_ps_replicas": 1}))
 
 
 def _batch_features(m: Mutator, batch_size: int) -> list[common_pb2.IdFeature]:
@@ -408,9 +442,13 @@ def fuzz_cluster(tmp_path_factory):
     (root / "global_config.yml").write_text(GLOBAL_CONFIG)
     config = ["--embedding-config", str(root / "embedding_config.yml"),
               "--global-config", str(root / "global_config.yml")]
+    checkpoints = root / "checkpoints"
+    (checkpoints / "ckpt").mkdir(parents=True)
+    _escaping_checkpoint(checkpoints / "escaping")
     procs = []
     try:
-        ps, ps_port = start_server("embedding-parameter-server", *config)
+        ps, ps_port = start_server("embedding-parameter-server", *config,
+                                   "--checkpoint-root", str(checkpoints))
         procs.append(ps)
         ew_proc, ew_port = start_server("embedding-worker", *config,
                                         "--ps-addrs", f"127.0.0.1:{ps_port}")
@@ -462,8 +500,8 @@ def _next_batch(channel: grpc.Channel, rank: int) -> data_loader_pb2.NextBatchRe
 def _raw_channel(address: str) -> grpc.Channel:
     # Room to send more than the servers accept, so that their limit is what refuses it.
     big = 4 * MAX_MESSAGE_BYTES
-    return grpc.insecure_channel(address, options=[("grpc.max_send_message_length", big),
-                                                   ("grpc.max_receive_message_length", big)])
+    return token_channel(address, options=[("grpc.max_send_message_length", big),
+                                           ("grpc.max_receive_message_length", big)])
 
 
 def _fuzz(address: str, build, harmless, service_index: int, state: dict):
@@ -507,7 +545,7 @@ def _fuzz(address: str, build, harmless, service_index: int, state: dict):
 
 
 def _health(address: str, service: str) -> common_pb2.HealthResponse:
-    channel = grpc.insecure_channel(address)
+    channel = token_channel(address)
     try:
         return channel.unary_unary(
             f"/persia_py.{service}/Health",
@@ -522,7 +560,7 @@ def test_fuzz_every_service_keeps_serving_and_rows_unchanged(fuzz_cluster) -> No
     c = fuzz_cluster
     before = _checksum(c["ps"])
     assert before[0] == {"user": KNOWN_IDS.size, "tags": KNOWN_IDS.size}
-    dl_channel = grpc.insecure_channel(c["dl"])
+    dl_channel = token_channel(c["dl"])
     while not _next_batch(dl_channel, 0).end_of_stream:  # take the batch; wait for the end
         pass
     state = {"ref": c["ref"], "unique": c["unique"]}
@@ -583,6 +621,14 @@ def test_refusals_say_what_was_wrong(fuzz_cluster) -> None:
          grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
         (c["ps"], "/persia_py.ParameterServer/Configure", common_pb2.ConfigureRequest(
             optimizer_json="[" * 100_000).SerializeToString(), invalid, "nested too deeply"),
+        (c["ps"], "/persia_py.ParameterServerCheckpoint/Dump", ckpt_pb.DumpRequest(
+            checkpoint="../escape").SerializeToString(), invalid, "checkpoint: '../escape' is "
+                                                                  "not a plain name"),
+        (c["ps"], "/persia_py.ParameterServerCheckpoint/Load", ckpt_pb.LoadRequest(
+            folder="x" * 5000, checkpoint="c").SerializeToString(), invalid,
+         "folder: a name has at most 128 characters"),
+        (c["ps"], "/persia_py.ParameterServerCheckpoint/Load", ckpt_pb.LoadRequest(
+            checkpoint="escaping").SerializeToString(), invalid, "is not a plain name"),
         (c["ew"].address, "/persia_py.EmbeddingWorker/PutBatch", ew_pb.PutBatchRequest(
             features=[codec.encode_id_feature(s, np.array([RESERVED_ID], np.uint64),
                                               np.ones(1, np.int32)) for s in DIMS],

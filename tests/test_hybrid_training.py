@@ -8,6 +8,8 @@ import sys
 import pytest
 from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command, processes_with_marker
 
+pytestmark = pytest.mark.processes
+
 ADULT_CSV = ROOT.parent / "shared" / "data" / "adult.csv"
 RUN_ADULT = ROOT / "examples" / "adult_income" / "run_local.py"
 

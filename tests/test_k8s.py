@@ -34,19 +34,24 @@ def test_objects_match_the_flags() -> None:
     objects = _render(*FLAGS)
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
     assert kinds == {
-        ("ConfigMap", "ctr-config"),
+        ("NetworkPolicy", "ctr-ingress"), ("Secret", "ctr-token"), ("ConfigMap", "ctr-config"),
         ("Service", "ctr-ps"), ("StatefulSet", "ctr-ps"),
         ("Service", "ctr-embedding-worker"), ("StatefulSet", "ctr-embedding-worker"),
         ("Service", "ctr-data-loader"), ("StatefulSet", "ctr-data-loader"),
         ("Service", "ctr-nn-worker"), ("Job", "ctr-nn-worker"),
     }
-    assert len(objects) == len(kinds) and objects[0]["kind"] == "ConfigMap"
+    # The policy, the token and the config come before any pod that needs them.
+    assert len(objects) == len(kinds)
+    assert [o["kind"] for o in objects[:3]] == ["NetworkPolicy", "Secret", "ConfigMap"]
     assert all(o["metadata"]["namespace"] == "ml" for o in objects)
     by = {(o["kind"], o["metadata"]["name"]): o for o in objects}
 
     config = by["ConfigMap", "ctr-config"]["data"]
     assert config["embedding_config.yml"] == (EXAMPLE / "embedding_config.yml").read_text()
-    assert config["global_config.yml"] == (EXAMPLE / "global_config.yml").read_text()
+    # The user's global config, plus the path the token Secret is mounted at.
+    expected = yaml.safe_load((EXAMPLE / "global_config.yml").read_text())
+    expected["common_config"]["auth_token_file"] = "/etc/persia-token/token"
+    assert yaml.safe_load(config["global_config.yml"]) == expected
 
     for name, replicas, port in (("ctr-ps", 3, 23000), ("ctr-embedding-worker", 2, 23001),
                                  ("ctr-data-loader", 4, 23002)):
@@ -112,8 +117,8 @@ def test_objects_match_the_flags() -> None:
 def test_cli_writes_the_manifest(tmp_path) -> None:
     out = tmp_path / "job.yaml"
     assert main([*FLAGS, "-o", str(out)]) == 0
-    assert len(list(yaml.safe_load_all(out.read_text()))) == 9
-
+    assert len(list(yaml.safe_load_all(out.read_text()))) == 11
+    assert out.stat().st_mode & 0o777 == 0o600  # it holds the generated token
 
 def test_configs_are_validated_before_rendering(tmp_path) -> None:
     bad = tmp_path / "global_config.yml"
@@ -124,9 +129,129 @@ def test_configs_are_validated_before_rendering(tmp_path) -> None:
         _render(*flags)
 
 
-@pytest.mark.parametrize("flag, value", [("--job-name", "Bad_Name"), ("--num-ps", "0")])
+@pytest.mark.parametrize("flag, value", [("--job-name", "Bad_Name"), ("--num-ps", "0"),
+                                         ("--auth-secret-name", "Bad/Name"),
+                                         ("--tls-secret-name", "TLS")])
 def test_bad_flags_are_refused(flag: str, value: str) -> None:
-    flags = [*FLAGS]
-    flags[flags.index(flag) + 1] = value
+    flags = [*FLAGS, flag, value]  # the last one given wins
     with pytest.raises(SystemExit, match=flag):
         _render(*flags)
+
+
+# -- secure by default ----------------------------------------------------------------------
+
+def _pod_templates(objects: list[dict]) -> list[dict]:
+    return [o["spec"]["template"] for o in objects if o["kind"] in ("StatefulSet", "Job")]
+
+
+def _global_config(objects: list[dict]) -> dict:
+    (config,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    return yaml.safe_load(config["data"]["global_config.yml"])
+
+
+def test_the_token_comes_from_a_secret_file_never_a_literal_in_a_pod_spec() -> None:
+    objects = _render(*FLAGS)
+    (secret,) = [o for o in objects if o["kind"] == "Secret"]
+    token = secret["stringData"]["token"]
+    assert len(token) == 64 and int(token, 16) >= 0  # 256 random bits, hex
+    others = [o for o in objects if o is not secret]
+    assert not [o["metadata"]["name"] for o in others if token in yaml.safe_dump(o)]
+    assert _global_config(objects)["common_config"]["auth_token_file"] == (
+        "/etc/persia-token/token")
+    templates = _pod_templates(objects)
+    assert len(templates) == 4
+    for template in templates:
+        pod = template["spec"]
+        volume = {v["name"]: v for v in pod["volumes"]}["persia-token"]["secret"]
+        assert volume["secretName"] == "ctr-token"
+        assert volume["items"] == [{"key": "token", "path": "token"}]
+        assert volume["defaultMode"] == 0o440  # the pod's group (fsGroup) only
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+        (container,) = pod["containers"]
+        assert {"name": "persia-token", "mountPath": "/etc/persia-token",
+                "readOnly": True} in container["volumeMounts"]
+        assert "PERSIA_AUTH_TOKEN" not in _env(container)
+        assert "--insecure" not in container["command"]
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                "capabilities": {"drop": ["ALL"]}}
+    again = [o for o in _render(*FLAGS) if o["kind"] == "Secret"][0]["stringData"]["token"]
+    assert again != token  # a new token per rendering
+
+
+def test_an_existing_token_secret_is_referenced_not_made() -> None:
+    objects = _render(*FLAGS, "--auth-secret-name", "team-token")
+    assert "Secret" not in {o["kind"] for o in objects}
+    for template in _pod_templates(objects):
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert volumes["persia-token"]["secret"]["secretName"] == "team-token"
+
+
+def test_insecure_is_an_explicit_opt_out_that_every_role_is_told() -> None:
+    objects = _render(*FLAGS, "--insecure")
+    kinds = [o["kind"] for o in objects]
+    assert "Secret" not in kinds and kinds[0] == "NetworkPolicy"
+    assert "auth_token_file" not in (_global_config(objects).get("common_config") or {})
+    for template in _pod_templates(objects):
+        (container,) = template["spec"]["containers"]
+        assert container["command"][2] == "--insecure"  # right after the subcommand
+        assert "persia-token" not in {v["name"] for v in template["spec"]["volumes"]}
+    with pytest.raises(SystemExit, match="--insecure and --auth-secret-name"):
+        _render(*FLAGS, "--insecure", "--auth-secret-name", "team-token")
+
+
+def test_a_tls_secret_is_mounted_and_the_config_points_at_it() -> None:
+    objects = _render(*FLAGS, "--tls-secret-name", "ctr-tls")
+    common = _global_config(objects)["common_config"]
+    assert {k: common[k] for k in ("tls_cert_file", "tls_key_file", "tls_ca_file")} == {
+        "tls_cert_file": "/etc/persia-tls/tls.crt", "tls_key_file": "/etc/persia-tls/tls.key",
+        "tls_ca_file": "/etc/persia-tls/ca.crt"}
+    for template in _pod_templates(objects):
+        volume = {v["name"]: v for v in template["spec"]["volumes"]}["persia-tls"]["secret"]
+        assert volume["secretName"] == "ctr-tls"
+        assert {i["key"] for i in volume["items"]} == {"tls.crt", "tls.key", "ca.crt"}
+        (container,) = template["spec"]["containers"]
+        assert {"name": "persia-tls", "mountPath": "/etc/persia-tls",
+                "readOnly": True} in container["volumeMounts"]
+    assert "persia-tls" not in yaml.safe_dump(_render(*FLAGS))  # only when asked
+
+
+def test_the_network_policy_admits_the_jobs_pods_and_the_metrics_scraper_only() -> None:
+    objects = _render(*FLAGS)
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    job = {"app.kubernetes.io/name": "persia", "persia.job": "ctr"}
+    assert spec["podSelector"] == {"matchLabels": job} and spec["policyTypes"] == ["Ingress"]
+    for template in _pod_templates(objects):  # the policy covers every pod of the job
+        assert job.items() <= template["metadata"]["labels"].items()
+    own, scraper = spec["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": job}}]}
+    assert scraper["from"] == [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    # Metrics only; NN-worker rank r of 8 serves on 9100 + r.
+    assert scraper["ports"] == [{"protocol": "TCP", "port": 9100, "endPort": 9107}]
+
+    custom = _render(*FLAGS, "--metrics-scraper-namespace", "team=obs, tier=infra",
+                     "--metrics-scraper-pods", "")
+    (policy,) = [o for o in custom if o["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["ingress"][1]["from"] == [{
+        "namespaceSelector": {"matchLabels": {"team": "obs", "tier": "infra"}},
+        "podSelector": {"matchLabels": {}}}]
+    with pytest.raises(SystemExit, match="--metrics-scraper-pods"):
+        _render(*FLAGS, "--metrics-scraper-pods", "prometheus")
+
+
+def test_a_config_that_sets_what_the_secrets_provide_is_refused(tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    config = tmp_path / "global_config.yml"
+    config.write_text(f"common_config:\n  auth_token_file: {token}\n")
+    flags = [*FLAGS]
+    flags[flags.index("--global-config") + 1] = str(config)
+    with pytest.raises(SystemExit, match="common_config.auth_token_file is set"):
+        _render(*flags)
+    # With --insecure the manifests set no token file: the user's stays as written.
+    assert _global_config(_render(*flags, "--insecure")) == {
+        "common_config": {"auth_token_file": str(token)}}

@@ -8,6 +8,8 @@ import textwrap
 import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
 
+pytestmark = pytest.mark.processes
+
 
 def _local(*extra: str, nn_worker: str = str(EXAMPLE / "train.py"),
            data_loader: str = str(EXAMPLE / "data_loader.py")) -> list[str]:

@@ -8,8 +8,11 @@ import re
 import signal
 import urllib.request
 
+import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
 from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.processes
 
 _METRICS_LINE = r"^\[(?P<role>[\w-]+)\] .* metrics on (?P<url>http://\S+/metrics)"
 

@@ -1,20 +1,23 @@
-"""Embedding optimizers, checked through EmbeddingTable.update against numpy references."""
+"""Embedding optimizers, checked through EmbeddingTable.update against numpy references;
+the user classes, the config files and the servers share one schema."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 
-from persia_py.servers.optimizers import (
+from persia_py.config import ConfigError, SlotConfig
+from persia_py.embedding.optim import SGD, Adagrad, Adam
+from persia_py.optimizer_config import (
     AdagradConfig,
     AdamConfig,
     SGDConfig,
-    apply_update,
-    initial_state,
     optimizer_from_dict,
     optimizer_to_dict,
-    state_width,
 )
+from persia_py.servers.optimizers import apply_update, initial_state, state_width
 from persia_py.servers.storage import EmbeddingTable
 
 DIM = 6
@@ -193,3 +196,33 @@ def test_configs_are_frozen_and_keyword_only() -> None:
 def test_table_rejects_non_config_optimizer() -> None:
     with pytest.raises(ValueError, match="optimizer"):
         EmbeddingTable(dim=4, optimizer={"type": "sgd", "lr": 0.1})  # type: ignore[arg-type]
+
+
+def test_user_classes_take_persia_arguments_and_the_schema_defaults() -> None:
+    """PERSIA's positional order; the defaults are the schema's, declared once."""
+    assert Adagrad().to_dict() == optimizer_to_dict(AdagradConfig())
+    assert Adam().to_dict() == optimizer_to_dict(AdamConfig())
+    assert SGD(0.5).to_dict() == optimizer_to_dict(SGDConfig(lr=0.5))
+    assert Adagrad(0.1, 0.2, 0.3, 0.9, 1e-6, True).config == AdagradConfig(
+        lr=0.1, initial_accumulator_value=0.2, weight_decay=0.3, g_square_momentum=0.9,
+        eps=1e-6, vectorwise_shared=True)
+    assert Adam(0.01, (0.8, 0.9), 0.1, 1e-6).config == AdamConfig(
+        lr=0.01, betas=(0.8, 0.9), weight_decay=0.1, eps=1e-6)
+    assert optimizer_from_dict(Adam(0.01, (0.8, 0.9)).to_dict()) == Adam(0.01, (0.8, 0.9)).config
+
+
+@pytest.mark.parametrize(("make", "as_dict"), [
+    (lambda: SGD(lr=-1.0), {"type": "sgd", "lr": -1.0}),
+    (lambda: Adagrad(eps=0.0), {"type": "adagrad", "eps": 0.0}),
+    (lambda: Adam(betas=(0.9, 1.0)), {"type": "adam", "betas": [0.9, 1.0]}),
+])
+def test_one_rule_for_user_classes_config_files_and_servers(make, as_dict) -> None:
+    """A bad value is refused at once by the user class, with the message the servers
+    (and a slot's ``optimizer`` in embedding_config.yml) give for it."""
+    with pytest.raises(ValueError) as user:
+        make()
+    with pytest.raises(ValueError) as server:
+        optimizer_from_dict(as_dict)
+    assert str(user.value) == str(server.value)
+    with pytest.raises(ConfigError, match=f"optimizer: {re.escape(str(server.value))}"):
+        SlotConfig(dim=4, optimizer=as_dict)

@@ -10,7 +10,10 @@ import sys
 import venv
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.processes
 
 
 def test_generated_protos_match_sources(tmp_path: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 from persia_py.launcher.cli import main
 from persia_py.progress import StepReporter
 
@@ -55,6 +57,7 @@ def test_other_ranks_print_and_write_nothing(tmp_path) -> None:
     assert out.getvalue() == "" and not (tmp_path / "log.jsonl").exists()
 
 
+@pytest.mark.processes
 def test_plot_writes_a_png(tmp_path) -> None:
     log = tmp_path / "train_log.jsonl"
     reporter = StepReporter(rank=0, train_log=str(log), out=io.StringIO())

@@ -18,7 +18,7 @@ import pytest
 from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command, processes_with_marker
 
 from persia_py import checkpoint_format as fmt
-from persia_py.config import CommonConfig, EmbeddingConfig, GlobalConfig, SlotConfig
+from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, SlotConfig
 from persia_py.servers.checkpoint import dump_replica, load_replica
 from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.service import create_ps_server
@@ -30,7 +30,7 @@ NUM_BATCHES = 240
 
 
 GLOBAL = GlobalConfig(common_config=CommonConfig(rpc_timeout_sec=20, startup_timeout_sec=20))
-EMBEDDING = EmbeddingConfig(slots_config={"user": SlotConfig(dim=4)})
+EMBEDDING = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4)})
 CONFIGURE = configure_request({"type": "sgd", "lr": 1.0}, init_lower=-0.01, init_upper=0.01,
                               weight_bound=None, seed=3)
 
@@ -172,12 +172,14 @@ def _ps_pid(marker: str, replica: int) -> int:
     return found[0]
 
 
+@pytest.mark.processes
 def test_a_killed_parameter_server_is_restarted_and_every_batch_is_trained_once(
         tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     global_config = tmp_path / "global_config.yml"
     global_config.write_text((EXAMPLE / "global_config.yml").read_text() + textwrap.dedent(f"""
         checkpoint_config:
+          root: {tmp_path}
           dir: {ckpt}
           every_steps: 20
     """))

@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.processes
 
 
 def test_ps_load_smoke(tmp_path) -> None:

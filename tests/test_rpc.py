@@ -6,7 +6,13 @@ import grpc
 import pytest
 
 from persia_py.config import CommonConfig
-from persia_py.rpc import call, create_channel, create_server
+from persia_py.proto import (  # noqa: F401 - imported to register the services' descriptors
+    checkpoint_pb2,
+    embedding_worker_pb2,
+    parameter_server_pb2,
+    serving_pb2,
+)
+from persia_py.rpc import _request_limit, call, create_channel, create_server
 
 LIMIT = 4 * 1024 * 1024  # the smallest allowed
 
@@ -40,3 +46,22 @@ def test_message_over_the_size_limit_is_refused_once_not_retried(echo_channel) -
         call(counted, b"x" * (2 * LIMIT), timeout=30, idempotent=True, what="echo")
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert attempts == [10, 2 * LIMIT]  # one attempt each: the big one was not retried
+
+
+@pytest.mark.parametrize("method, control", [
+    ("/persia_py.ParameterServer/Configure", True),
+    ("/persia_py.ParameterServer/Stats", True),
+    ("/persia_py.EmbeddingWorker/Health", True),
+    ("/persia_py.EmbeddingWorker/Lookup", True),  # by ref
+    ("/persia_py.ParameterServerCheckpoint/Dump", True),
+    ("/persia_py.ParameterServer/Update", False),
+    ("/persia_py.EmbeddingWorker/PutBatch", False),
+    ("/persia_py.Serving/Predict", False),
+    ("/test.Echo/Echo", False),  # unknown to protobuf: the general limit
+])
+def test_calls_without_arrays_get_the_control_message_limit(method: str, control: bool) -> None:
+    common = CommonConfig(max_control_message_bytes=100_000)
+    assert _request_limit(method, common) == ((100_000, "common_config.max_control_message_bytes")
+                                              if control else
+                                              (common.max_message_bytes,
+                                               "common_config.max_message_bytes"))

@@ -79,6 +79,7 @@ def _ps_checksum(address: str, common: CommonConfig) -> tuple[int, str]:
         client.close()
 
 
+@pytest.mark.processes
 def test_tls_and_token_train_end_to_end_and_refuse_everyone_else(secure_cluster, monkeypatch):
     monkeypatch.delenv(ENV_AUTH_TOKEN, raising=False)
     ps_addr, ew_addr, trusted, files = secure_cluster

@@ -7,13 +7,15 @@ import os
 import textwrap
 
 import grpc
+import lz4.block
 import numpy as np
 import pytest
-from conftest import RoleProcess, launcher_command, start_server
+from conftest import RoleProcess, launcher_command, start_server, token_channel
 
 from persia_py import codec
 from persia_py.config import CommonConfig
 from persia_py.proto import (
+    common_pb2,
     data_loader_pb2,
     data_loader_pb2_grpc,
     embedding_worker_pb2,
@@ -25,6 +27,8 @@ from persia_py.routing import replica_of
 from persia_py.servers.initializer import initial_rows
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.ps_client import PSClient, configure_request
+
+pytestmark = pytest.mark.processes
 
 EMBEDDING_CONFIG = """
 slots_config:
@@ -134,7 +138,7 @@ def _expect_error(fn, code: grpc.StatusCode, *needles: str) -> None:
 
 def test_parameter_server_rejects_bad_requests_and_keeps_serving(cluster) -> None:
     ps_addrs, _, _, _ = cluster
-    channel = grpc.insecure_channel(ps_addrs[0])
+    channel = token_channel(ps_addrs[0])
     stub = parameter_server_pb2_grpc.ParameterServerStub(channel)
     ids = np.array([5], np.uint64)
     ids = ids if replica_of(ids, 2)[0] == 0 else np.array([6], np.uint64)
@@ -191,6 +195,15 @@ def test_embedding_worker_rejects_bad_requests_and_keeps_serving(cluster) -> Non
                   grpc.StatusCode.INVALID_ARGUMENT, "expected (1, 4)")
     # The batch is still there and takes a correct update.
     assert ew.update_gradients(ref, [(s.slot, np.zeros_like(s.rows)) for s in slots]) == 2
+    # Ids whose lz4 payload claims more than max_message_bytes are refused undecoded.
+    claim = COMMON.max_message_bytes // 8 + 1
+    bomb = common_pb2.Tensor(dtype="uint64", shape=[claim], lz4=True,
+                             data=lz4.block.compress(bytes(8 * 4096), store_size=False))
+    lz4_bomb = embedding_worker_pb2.PutBatchRequest(
+        features=[common_pb2.IdFeature(slot="user", ids=bomb, lengths=codec.encode(one))],
+        batch_size=1, requires_grad=True)
+    _expect_error(lambda: stub.PutBatch(lz4_bomb, timeout=10), grpc.StatusCode.INVALID_ARGUMENT,
+                  "features[0].ids: lz4 payload claims", "max_message_bytes")
 
 
 DATA_LOADER_SCRIPT = textwrap.dedent("""
@@ -214,7 +227,7 @@ def test_data_loader_rejects_bad_requests_and_keeps_serving(cluster) -> None:
     loader = RoleProcess(launcher_command("data-loader", "--port", "0", str(script)), env=env)
     try:
         port = int(loader.wait_for_line(r"on port (\d+) ready", timeout=60).group(1))
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        channel = token_channel(f"127.0.0.1:{port}")
         stub = data_loader_pb2_grpc.DataLoaderStub(channel)
         _expect_error(lambda: stub.NextBatch(data_loader_pb2.NextBatchRequest(rank=3), timeout=10),
                       grpc.StatusCode.INVALID_ARGUMENT, "rank 3 not in [0, 1)")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command
 
-from persia_py.config import CommonConfig, EmbeddingConfig, GlobalConfig, SlotConfig
+from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, SlotConfig
 from persia_py.rpc import FailedPrecondition
 from persia_py.servers.parameter_server import ParameterServer
 
@@ -21,12 +21,13 @@ JOB = ROOT / "tests" / "serving_job"
 
 
 def test_an_inference_replica_never_inserts_and_refuses_updates() -> None:
-    ps = ParameterServer(GlobalConfig(), EmbeddingConfig(slots_config={
+    ps = ParameterServer(GlobalConfig(), EmbeddingTablesConfig(slots_config={
         "user": SlotConfig(dim=4, expire_after_steps=1)}), inference=True)
     ps.configure(optimizer={"type": "sgd", "lr": 0.1})
     ids = np.arange(1, 100, dtype=np.uint64)
-    ps._tables["user"].import_rows(ids[:50], np.ones((50, 4), np.float32),
-                                   np.zeros((50, 0), np.float32), np.zeros(50, np.int64), 0)
+    ps.apply_rows({"user": {"ids": ids[:50], "weights": np.ones((50, 4), np.float32),
+                            "state": np.zeros((50, 0), np.float32),
+                            "last_access": np.zeros(50, np.int64), "clock": 0}})
     (rows,) = ps.lookup([("user", ids)], training=False)
     assert (rows[:50] == 1).all() and (rows[50:] == 0).all()
     for _ in range(3):  # no expiry on a serving replica
@@ -52,14 +53,18 @@ def _ps_entries(addresses: list[str]) -> int:
     return total
 
 
+@pytest.mark.processes
 def test_served_predictions_equal_the_training_jobs_evaluation(tmp_path: Path) -> None:
     ckpt, predictions = tmp_path / "ckpt", tmp_path / "eval.npy"
     num_test, batch_size = 1000, 256
+    global_config = tmp_path / "global_config.yml"  # the example's, checkpoints in tmp_path
+    global_config.write_text((EXAMPLE / "global_config.yml").read_text()
+                             + f"checkpoint_config:\n  root: {tmp_path}\n")
     job = RoleProcess(launcher_command(
         "local", "--nn-worker", str(JOB / "train_and_eval.py"),
         "--data-loader", str(EXAMPLE / "data_loader.py"),
         "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
-        "--global-config", str(EXAMPLE / "global_config.yml"), "--num-ps", "2",
+        "--global-config", str(global_config), "--num-ps", "2",
         "--no-metrics", "--run-dir", str(tmp_path / "run"),
         "--data-loader-args", "--train-samples 2560",
         "--nn-worker-args", f"--checkpoint {ckpt} --predictions {predictions} "
@@ -114,7 +119,7 @@ def test_served_predictions_equal_the_training_jobs_evaluation(tmp_path: Path) -
 
 
 def _rows_of(replicas: list[ParameterServer], table: str) -> dict[str, np.ndarray]:
-    parts = [ps._tables[table].export_rows() for ps in replicas]
+    parts = [ps.state_dict().tables[table] for ps in replicas]
     ids = np.concatenate([p["ids"] for p in parts])
     order = np.argsort(ids)
     return {k: np.concatenate([p[k] for p in parts])[order] for k in ("ids", "weights", "state")}
@@ -132,7 +137,7 @@ def test_a_serving_replica_following_increments_converges_to_the_training_rows(
         newest_increments,
     )
 
-    embedding = EmbeddingConfig(slots_config={"user": SlotConfig(dim=4),
+    embedding = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4),
                                               "item": SlotConfig(dim=8)})
     training = [ParameterServer(GlobalConfig(), embedding, replica_index=i, replica_size=2)
                 for i in range(2)]
@@ -183,3 +188,84 @@ def test_a_serving_replica_following_increments_converges_to_the_training_rows(
         want, got = _rows_of(training, table), _rows_of([serving], table)
         for key in want:
             assert np.array_equal(want[key], got[key]), (table, key)
+
+
+@pytest.mark.processes
+def test_failed_exports_and_applies_are_retried_and_lose_no_row(tmp_path: Path) -> None:
+    import re
+    import shutil
+    import threading
+    import urllib.request
+
+    from conftest import start_server
+
+    from persia_py.servers.increments import IncrementFollower, newest_increments, write_increment
+    from persia_py.workers.ps_client import PSClient, configure_request
+
+    inc = tmp_path / "inc"
+    (tmp_path / "e.yml").write_text("slots_config:\n  user:\n    dim: 4\n")
+    (tmp_path / "g.yml").write_text(f"checkpoint_config:\n  root: {tmp_path}\n"
+                                    f"  incremental_dir: {inc}\n  incremental_every_sec: 0.1\n")
+    proc, port = start_server("embedding-parameter-server", "--metrics-port", "0",
+                              "--embedding-config", str(tmp_path / "e.yml"),
+                              "--global-config", str(tmp_path / "g.yml"))
+    metrics_url = re.search(r"metrics on (http://\S+)", proc.output()).group(1)
+    client = PSClient(f"127.0.0.1:{port}", CommonConfig(rpc_timeout_sec=30))
+    optimizer = {"type": "adagrad", "lr": 0.1}
+    ids = np.arange(1, 301, dtype=np.uint64)
+    try:
+        client.configure(configure_request(optimizer, init_lower=-0.1, init_upper=0.1,
+                                           weight_bound=None, seed=1))
+
+        def train(part: np.ndarray, sequence: int) -> None:
+            client.lookup([("user", part)], training=True)
+            client.update([("user", part, np.ones((part.size, 4), np.float32))],
+                          worker_id="w-" + "0" * 32, sequence=sequence)
+
+        train(ids[:100], 1)
+        proc.wait_for_line(r"exported increment 1 ", timeout=60)
+        # The folder is gone (a file in its place): exports fail, training goes on.
+        inc.rename(tmp_path / "inc-away")
+        inc.write_text("not a folder")
+        train(ids[50:300], 2)
+        proc.wait_for_line(r"incremental export of replica 0 .* failed", timeout=60)
+        inc.unlink()
+        (tmp_path / "inc-away").rename(inc)
+        proc.wait_for_line(r"incremental export of replica 0 .* works again", timeout=60)
+        want = client.lookup([("user", ids)], training=False)[0]
+        with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+            scraped = answer.read().decode()
+        failures = re.search(r'persia_ps_increment_failures_total\{kind="export"\} (\S+)',
+                             scraped)
+        assert failures and float(failures.group(1)) >= 1, scraped
+    finally:
+        client.close()
+        proc.stop()
+    assert proc.output().count("Traceback") == 0, proc.output()
+
+    # A serving replica following the increments gets every row, those of the outage too;
+    # an increment it cannot apply is retried, and serving goes on meanwhile.
+    serving = ParameterServer(GlobalConfig(), EmbeddingTablesConfig(slots_config={
+        "user": SlotConfig(dim=4)}), inference=True)
+    serving.configure(optimizer=optimizer, init_lower=-0.1, init_upper=0.1, seed=1)
+    newest = newest_increments(inc)[0]
+    broken = inc / f"inc-0000-{newest + 1:012d}-00"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{not json")
+    failed = threading.Event()
+    follower = IncrementFollower(serving, inc, poll_sec=0.05, on_failure=failed.set).start()
+    try:
+        assert follower.wait_applied(0, newest, timeout=30), follower.applied
+        np.testing.assert_array_equal(serving.lookup([("user", ids)], training=False)[0], want)
+        assert failed.wait(timeout=30)
+        assert follower.error is None and follower.outage.failing
+        shutil.rmtree(broken)
+        extra = np.array([1000], np.uint64)
+        write_increment(inc, 0, 1, newest + 1, {"user": {
+            "ids": extra, "weights": np.full((1, 4), 3, np.float32),
+            "state": np.zeros((1, 4), np.float32), "last_access": np.ones(1, np.int64),
+            "clock": 1}})
+        assert follower.wait_applied(0, newest + 1, timeout=30), follower.applied
+        assert (serving.lookup([("user", extra)], training=False)[0] == 3).all()
+    finally:
+        follower.close()

@@ -37,7 +37,7 @@ class _DirectClient:
     def lookup(self, slots, *, training: bool, as_float32: bool = True):
         return self.ps.lookup(slots, training=training)
 
-    def update(self, slots, *, worker_id: str, sequence: int) -> int:
+    def update(self, slots, *, worker_id: str, sequence: int, resend: bool = False) -> int:
         return self.ps.update(slots, worker_id=worker_id, sequence=sequence)[0]
 
     def close(self) -> None:

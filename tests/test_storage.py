@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from persia_py.hashing import HASH_STACK_SALT, inverse_mix64, mix64
 from persia_py.routing import RESERVED_ID
 from persia_py.servers import memory
 from persia_py.servers.hash_index import HashIndex
@@ -15,6 +16,8 @@ from persia_py.servers.optimizers import AdagradConfig, SGDConfig
 from persia_py.servers.storage import EmbeddingTable
 
 DIM = 8
+PROBE_BOUND = 128
+"""Far above the longest run of occupied slots random ids make at load 1/2 (~40)."""
 
 
 def _ids(*values: int) -> np.ndarray:
@@ -64,6 +67,58 @@ def test_hash_index_insert_find_grow_rebuild() -> None:
     with pytest.raises(ValueError, match="uint64"):
         index.find(np.array([1, 2], dtype=np.int64))
     assert index.nbytes == index.slots * 16
+
+
+def _old_hash_collisions(count: int, salt: int) -> np.ndarray:
+    """Ids whose public ``mix64(id, salt)`` all share their low 20 bits: with the index as it
+    was (salt ``HASH_STACK_SALT``), one home slot for all of them."""
+    return inverse_mix64(np.arange(1, count + 1, dtype=np.uint64) << np.uint64(20), salt)
+
+
+def test_hash_index_keeps_probes_short_for_ids_colliding_under_the_old_hash() -> None:
+    ids = _old_hash_collisions(40_000, HASH_STACK_SALT)
+    index = HashIndex()
+    rows, is_new = index.find_or_insert(ids, next_row=0)
+    assert is_new.all() and rows.tolist() == list(range(ids.size))
+    # The old public hash made this one run of 40,000 slots; random ids give tens.
+    assert index.probe_bound() <= PROBE_BOUND
+    np.testing.assert_array_equal(index.find(ids[::-1].copy()), rows[::-1])
+    assert (index.find(_old_hash_collisions(50_000, HASH_STACK_SALT)[40_000:]) == -1).all()
+    index.rebuild(ids[::3].copy(), np.arange(ids[::3].size))  # a rebuild redraws the key
+    assert index.probe_bound() <= PROBE_BOUND
+    np.testing.assert_array_equal(index.find(ids[::3].copy()), np.arange(ids[::3].size))
+    assert (index.find(ids[1::3].copy()) == -1).all()
+
+
+def test_table_answers_right_after_a_flood_of_crafted_ids() -> None:
+    flood = _old_hash_collisions(20_000, HASH_STACK_SALT)
+    honest = np.random.default_rng(3).integers(0, 2**63, 1000, dtype=np.uint64)
+    for num_shards in (1, 4):
+        with _table(num_shards=num_shards, capacity=50_000, seed=5) as table:
+            np.testing.assert_array_equal(table.lookup(flood, insert=True),
+                                          initial_rows(flood, DIM, -0.01, 0.01, 5))
+            np.testing.assert_array_equal(table.lookup(honest, insert=True),
+                                          initial_rows(honest, DIM, -0.01, 0.01, 5))
+            grads = np.ones((flood.size, DIM), np.float32)
+            assert table.update(flood, grads) == flood.size
+            np.testing.assert_allclose(table.lookup(flood, insert=False),
+                                       initial_rows(flood, DIM, -0.01, 0.01, 5) - 0.1, atol=1e-6)
+            assert table.num_entries == flood.size + honest.size
+            assert max(shard.index.probe_bound() for shard in table._shards) <= PROBE_BOUND
+
+
+def test_internal_shard_choice_cannot_be_steered() -> None:
+    # Ids that all shared internal shard 0 of 4 under the old public shard hash: there
+    # they overflowed that shard's quarter of the capacity; keyed, they spread.
+    old_shard_salt = 0x13198A2E03707344
+    candidates = _old_hash_collisions(40_000, 0) ^ np.uint64(old_shard_salt)
+    ids = candidates[mix64(candidates, old_shard_salt) % np.uint64(4) == 0][:6000]
+    assert ids.size == 6000
+    with _table(num_shards=4, capacity=10_000) as table:
+        table.lookup(ids, insert=True)
+        assert table.stats()["evicted"] == 0 and _present(table, ids).all()
+        sizes = [shard.size for shard in table._shards]
+        assert min(sizes) > 0.8 * ids.size / 4, sizes
 
 
 def test_initial_rows_range_and_determinism() -> None:

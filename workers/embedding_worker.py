@@ -1,12 +1,12 @@
 """The embedding worker, as a plain object: dedup, routing, and per-id gradient updates.
 
 A batch's ID features arrive from a data loader (``put_batch``), are deduplicated per
-slot at once (while earlier batches train) and wait in the forward buffer under a ref.
-When an NN worker asks (``lookup``), each slot's distinct ids are split by owning
-parameter-server replica, fetched with one RPC per replica for all slots, and answered as
-the distinct rows plus an index per id occurrence. The distinct ids stay
+slot and split by owning parameter-server replica at once (a :class:`RoutingPlan`, built
+while earlier batches train) and wait in the forward buffer under a ref. When an NN
+worker asks (``lookup``), the ids are fetched with one RPC per replica for all slots and
+answered as the distinct rows plus an index per id occurrence. The batch and its plan stay
 here until the NN worker's gradients for those rows come back (``update_gradients``); they
-are then routed to the same replicas. All of it is vectorized over the batch.
+are then sent to the same replicas by the same plan. All of it is vectorized over the batch.
 
 Validation rewrites a slot's ids into the ids its table stores: a hash-stacked slot's raw
 id becomes ``hash_stack_rounds`` bucket ids (summed back into one vector on the NN
@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -30,13 +30,14 @@ from typing import Any
 import grpc
 import numpy as np
 
-from persia_py.config import EmbeddingConfig, GlobalConfig
+from persia_py.config import EmbeddingTablesConfig, GlobalConfig
+from persia_py.dedup import unique_in_order
 from persia_py.proto import common_pb2
-from persia_py.routing import RESERVED_ID, hash_stack, replica_of, split_by
+from persia_py.routing import RESERVED_ID, hash_stack
 from persia_py.rpc import NotFound, Overloaded
-from persia_py.servers.kernels import unique_in_order
 from persia_py.workers.budget import ByteBudget
-from persia_py.workers.ps_client import PSClient
+from persia_py.workers.ps_client import PSClient, UpdateNotApplied
+from persia_py.workers.routing_plan import RoutingPlan
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class _DedupedSlot:
 
     @classmethod
     def of(cls, f: SlotIds) -> _DedupedSlot:
-        # One pass with a hash set (np.unique sorts: 39 vs 13 ms per embedding-heavy batch).
+        # One pass with a hash set: np.unique sorts, which costs several times more.
         return cls(f.slot, *unique_in_order(f.ids), f.lengths)
 
 
@@ -97,8 +98,10 @@ class _PendingBatch:
     slots: list[_DedupedSlot]
     requires_grad: bool
     nbytes: int
+    plan: RoutingPlan | None = None  # built on arrival; its lookup and update both use it
     looked_up: bool = False  # claimed by a lookup; its gradients may come back
     sequences: list[int] | None = None  # of its update, per replica; kept for retries
+    sent: list[bool] | None = None  # per replica: its update was sent (a resend is a retry)
     update_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -108,7 +111,7 @@ class EmbeddingWorker:
     def __init__(
         self,
         global_config: GlobalConfig,
-        embedding_config: EmbeddingConfig,
+        embedding_config: EmbeddingTablesConfig,
         ps_clients: list[PSClient],
         *,
         index: int = 0,
@@ -116,7 +119,10 @@ class EmbeddingWorker:
         self.global_config = global_config
         self.embedding_config = embedding_config
         self.ps_clients = ps_clients
-        self.worker_id = f"embedding-worker-{index}-{os.getpid()}"
+        # Random per process start: parameter servers outlive workers, and an id derived
+        # from the index and PID (1 in every container) would be reused by a restarted
+        # worker, whose first updates the servers would then take for retries and drop.
+        self.worker_id = f"embedding-worker-{index}-{secrets.token_hex(16)}"
         self._capacity = global_config.embedding_worker_config.forward_buffer_size
         self.budget = ByteBudget(global_config.embedding_worker_config.max_buffer_bytes,
                                  "embedding_worker_config.max_buffer_bytes")
@@ -128,8 +134,9 @@ class EmbeddingWorker:
                                         thread_name_prefix="ps-call")
         self.num_nonfinite_skipped: dict[str, int] = {}
         self.on_lookup_timed: Callable[[float, float, float], None] | None = None
-        """Metrics hook: called with the seconds of a lookup's phases (pre: routing, and
-        dedup for a direct lookup; rpc: parameter-server calls; post: assembling the answer)."""
+        """Metrics hook: called with the seconds of a lookup's phases (pre: dedup and
+        routing of a direct lookup, a stored batch's were done on arrival; rpc:
+        parameter-server calls; post: assembling the answer)."""
         self._configured = False
         self._configure_request: common_pb2.ConfigureRequest | None = None
         self._done: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -220,11 +227,14 @@ class EmbeddingWorker:
     # -- forward buffer --------------------------------------------------------------
 
     def put_batch(self, features: list[SlotIds], batch_size: int, requires_grad: bool) -> int:
-        """Store a batch's ID features, deduplicated per slot at once (off the lookup's
-        path); returns its ref. Overloaded when the buffer is full."""
+        """Store a batch's ID features, deduplicated per slot and routed at once (off the
+        lookup's path); returns its ref. Overloaded when the buffer is full."""
         features = self.validate_features(features, batch_size)
-        # The distinct ids (at most one per id) and the int64 inverse, with the lengths.
-        nbytes = sum(2 * f.ids.nbytes + f.lengths.nbytes for f in features)
+        # The distinct ids (at most one per id) and the int64 inverse, with the lengths,
+        # and the routing plan.
+        grouped = {t for t, slots in self.embedding_config.tables.items() if len(slots) > 1}
+        nbytes = sum(2 * f.ids.nbytes + f.lengths.nbytes + RoutingPlan.max_nbytes(
+            f.ids.size, self.embedding_config.table_of(f.slot) in grouped) for f in features)
         if not self.budget.try_acquire(nbytes, timeout=_PUT_WAIT_SEC):
             raise Overloaded(f"buffer full ({self.budget.used} of {self.budget.capacity} bytes); "
                              "retry later")
@@ -239,6 +249,7 @@ class EmbeddingWorker:
             self._buffer[ref] = batch = _PendingBatch([], requires_grad, nbytes)
         try:
             batch.slots = [_DedupedSlot.of(f) for f in features]
+            batch.plan = self._plan(batch.slots)
         except BaseException:
             self._release(ref)
             raise
@@ -273,7 +284,7 @@ class EmbeddingWorker:
                 raise ValueError(f"batch {ref} was already looked up")
             batch.looked_up = True  # claims the batch
         try:
-            rows = self._lookup(batch.slots, training=batch.requires_grad)
+            rows = self._lookup(batch.slots, batch.plan, training=batch.requires_grad)
         except BaseException:
             batch.looked_up = False  # let the caller retry the lookup
             raise
@@ -285,29 +296,28 @@ class EmbeddingWorker:
         """Look up ids for inference: nothing is inserted, nothing is kept."""
         started = time.perf_counter()
         slots = [_DedupedSlot.of(f) for f in self.validate_features(features, batch_size)]
-        return self._lookup(slots, training=False, started=started)
+        return self._lookup(slots, self._plan(slots), training=False, started=started)
 
-    def _lookup(self, slots: list[_DedupedSlot], *, training: bool,
+    def _plan(self, slots: list[_DedupedSlot]) -> RoutingPlan:
+        """Where a batch's ids go; the slots of a feature group share one table, so their
+        ids are fetched once."""
+        return RoutingPlan.of_slots({s.slot: s.unique for s in slots},
+                                    self.embedding_config.table_of, len(self.ps_clients))
+
+    def _lookup(self, slots: list[_DedupedSlot], plan: RoutingPlan, *, training: bool,
                 started: float | None = None) -> list[SlotRows]:
         """Rows of deduplicated slots: the NN worker gets one row per distinct id of a slot."""
         started = time.perf_counter() if started is None else started
-        # The slots of a feature group share one table, so their ids are fetched once.
-        uniques = {s.slot: s.unique for s in slots}
-        tables = self._tables_of([s.slot for s in slots])
-        table_ids = {t: _union([uniques[s] for s in slots]) for t, slots in tables.items()}
         rpc_started = time.perf_counter()
-        table_rows = self._lookup_tables(table_ids, training=training)
+        table_rows = self._fetch_rows(plan, training=training)
         rpc_done = time.perf_counter()
         result = []
         for s in slots:
             cfg = self.embedding_config.slots_config[s.slot]
             table = self.embedding_config.table_of(s.slot)
-            rows = table_rows[table]
-            if len(tables[table]) > 1:
-                rows = rows[np.searchsorted(table_ids[table], s.unique)]
             result.append(SlotRows(
                 slot=s.slot,
-                rows=rows,
+                rows=plan.slot_rows(table, s.slot, table_rows[table]),
                 index=s.inverse,
                 lengths=s.lengths,
                 pooling=cfg.pooling_mode,
@@ -320,40 +330,22 @@ class EmbeddingWorker:
                                  time.perf_counter() - rpc_done)
         return result
 
-    def _tables_of(self, slots: list[str]) -> dict[str, list[str]]:
-        """Table name -> the given slots it holds, in order."""
-        tables: dict[str, list[str]] = {}
-        for slot in slots:
-            tables.setdefault(self.embedding_config.table_of(slot), []).append(slot)
-        return tables
-
     def _lookup_tables(self, table_ids: dict[str, np.ndarray], *,
                        training: bool) -> dict[str, np.ndarray]:
+        """Rows ``[n, dim]`` of each table's distinct ids (table -> ids)."""
+        return self._fetch_rows(RoutingPlan.of_tables(table_ids, len(self.ps_clients)),
+                                training=training)
+
+    def _fetch_rows(self, plan: RoutingPlan, *, training: bool) -> dict[str, np.ndarray]:
         """Rows ``[n, dim]`` of each table's ids, with one RPC per replica for all tables."""
-        num_replicas = len(self.ps_clients)
-        splits = {}
-        per_replica: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(num_replicas)]
-        for table, ids in table_ids.items():
-            splits[table] = _by_replica(ids, num_replicas)
-            for r, positions in enumerate(splits[table]):
-                per_replica[r].append((table, ids[positions]))
+        per_replica = plan.lookup_requests()
         answers = list(self._pool.map(
             # Rows stay as they travelled (float16 with embedding_fp16): only sent on.
             lambda r: self._on_replica(r, lambda c: c.lookup(per_replica[r], training=training,
                                                              as_float32=False)),
-            range(num_replicas),
+            range(plan.num_replicas),
         ))
-        out = {}
-        for pos, (table, ids) in enumerate(table_ids.items()):
-            if num_replicas == 1:
-                out[table] = answers[0][pos]
-                continue
-            dim = self.embedding_config.slots_config[self.embedding_config.tables[table][0]].dim
-            rows = np.empty((ids.size, dim), dtype=answers[0][pos].dtype)
-            for r, positions in enumerate(splits[table]):
-                rows[positions] = answers[r][pos]
-            out[table] = rows
-        return out
+        return plan.table_rows(answers)
 
     # -- backward --------------------------------------------------------------------
 
@@ -394,7 +386,7 @@ class EmbeddingWorker:
         missing = set(unique_ids) - set(grads)
         if missing:
             raise ValueError(f"batch {ref}: gradients missing for slots {sorted(missing)}")
-        finite = {}
+        finite = {}  # slot -> gradients; a slot left out sends nothing
         for slot, unique in unique_ids.items():
             g = grads[slot]
             dim = self.embedding_config.slots_config[slot].dim
@@ -408,24 +400,30 @@ class EmbeddingWorker:
                                "(%d so far)", slot, ref, self.num_nonfinite_skipped[slot])
                 continue
             finite[slot] = g
-        num_replicas = len(self.ps_clients)
-        per_replica: list[list[tuple[str, np.ndarray, np.ndarray]]] = [[] for _ in range(num_replicas)]
-        for table, slots in self._tables_of(list(finite)).items():
-            ids, g = _sum_by_id([unique_ids[s] for s in slots], [finite[s] for s in slots])
-            for r, positions in enumerate(_by_replica(ids, num_replicas)):
-                part = ids[positions]
-                if part.size:
-                    per_replica[r].append((table, part, g[positions]))
+        per_replica = batch.plan.update_requests(finite)
         if batch.sequences is None:
-            batch.sequences = [next(self._sequence) for _ in range(num_replicas)]
-        sequences = batch.sequences
+            batch.sequences = [next(self._sequence) for _ in per_replica]
+            batch.sent = [False for _ in per_replica]
         counts = list(self._pool.map(
-            lambda r: self._on_replica(r, lambda c: c.update(
-                per_replica[r], worker_id=self.worker_id, sequence=sequences[r]
-            )) if per_replica[r] else 0,
-            range(num_replicas),
+            lambda r: self._update_replica(r, batch, per_replica[r]) if per_replica[r] else 0,
+            range(len(per_replica)),
         ))
         return sum(counts)
+
+    def _update_replica(self, r: int, batch: _PendingBatch,
+                        slots: list[tuple[str, np.ndarray, np.ndarray]]) -> int:
+        """Send replica ``r`` its part of a batch's update; a retry resends the same
+        ``(worker id, sequence)`` so that the replica applies it once."""
+        sequence, resend = batch.sequences[r], batch.sent[r]
+        batch.sent[r] = True
+        try:
+            return self._on_replica(r, lambda c: c.update(
+                slots, worker_id=self.worker_id, sequence=sequence, resend=resend))
+        except UpdateNotApplied:
+            # The replica had the pair from another sender: a later attempt takes a new
+            # sequence, so that it is applied (or refused again), never acknowledged unapplied.
+            batch.sequences[r], batch.sent[r] = next(self._sequence), False
+            raise
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -433,33 +431,10 @@ class EmbeddingWorker:
             client.close()
 
 
-def _by_replica(ids: np.ndarray, num_replicas: int) -> list[np.ndarray | slice]:
-    """Positions of the ids each replica owns; with one replica, a slice (views, no copies)."""
-    if num_replicas == 1:
-        return [slice(None)]
-    order, bounds = split_by(replica_of(ids, num_replicas), num_replicas)
-    return [order[bounds[r]:bounds[r + 1]] for r in range(num_replicas)]
-
-
 def _all_finite(array: np.ndarray) -> bool:
-    """No NaN or Inf in ``array`` (numpy's isfinite is slow for float16: 13 vs 5 ms for an
-    embedding-heavy batch's gradients, so those are tested by their exponent bits)."""
+    """No NaN or Inf in ``array`` (numpy's isfinite is slow for float16, so those are
+    tested by their exponent bits)."""
     if array.dtype == np.float16:
         return bool((np.bitwise_and(array.view(np.uint16), 0x7C00) != 0x7C00).all())
     return bool(np.isfinite(array).all())
 
-
-def _union(distinct_ids: list[np.ndarray]) -> np.ndarray:
-    """Distinct ids of several distinct-id arrays: the one array as it is, else sorted (so
-    that a slot finds its rows in it with searchsorted)."""
-    return distinct_ids[0] if len(distinct_ids) == 1 else np.unique(np.concatenate(distinct_ids))
-
-
-def _sum_by_id(ids: list[np.ndarray], grads: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """One gradient per distinct id: the slots of a group may touch the same row."""
-    if len(ids) == 1:
-        return ids[0], grads[0]
-    unique, inverse = np.unique(np.concatenate(ids), return_inverse=True)
-    summed = np.zeros((unique.size, grads[0].shape[1]), dtype=np.float32)
-    np.add.at(summed, inverse.reshape(-1), np.concatenate(grads))
-    return unique, summed

@@ -9,7 +9,7 @@ from persia_py import codec, wire_rpc
 from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, embedding_worker_pb2_grpc
 from persia_py.proto import embedding_worker_pb2 as pb
-from persia_py.rpc import OutageLog, call, create_channel, create_server, grpc_method, wait_for_ready
+from persia_py.rpc import ServiceClient, create_server, grpc_method
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds, SlotRows
 
 
@@ -120,13 +120,13 @@ def create_embedding_worker_server(worker: EmbeddingWorker, address: str) -> tup
     return server, port
 
 
-class EmbeddingWorkerClient:
+class EmbeddingWorkerClient(ServiceClient):
     """Client of one embedding worker."""
 
+    service_name = "embedding worker"
+
     def __init__(self, address: str, common: CommonConfig) -> None:
-        self.address = address
-        self.common = common
-        self.channel = create_channel(address, common)
+        super().__init__(address, common)
         self.stub = embedding_worker_pb2_grpc.EmbeddingWorkerStub(self.channel)
         service = pb.DESCRIPTOR.services_by_name["EmbeddingWorker"]
         self._put_batch, self._lookup, self._lookup_direct, self._update_gradients = (
@@ -136,15 +136,6 @@ class EmbeddingWorkerClient:
                 ("PutBatch", pb.PutBatchResponse), ("Lookup", pb.LookupBatchResponse),
                 ("LookupDirect", pb.LookupBatchResponse),
                 ("UpdateGradients", pb.UpdateGradientsResponse)])
-        self._outages = OutageLog()
-
-    def wait_ready(self) -> None:
-        wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
-
-    def _call(self, method, request, *, idempotent: bool, timeout: float | None = None):
-        return call(method, request, timeout=timeout or self.common.rpc_timeout_sec,
-                    idempotent=idempotent, what=f"embedding worker {self.address}",
-                    outages=self._outages)
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
@@ -187,6 +178,3 @@ class EmbeddingWorkerClient:
         # numbers until every parameter server acknowledged, and answers a repeat of a
         # finished ref without applying it again.
         return self._call(self._update_gradients, request, idempotent=True).num_updated
-
-    def close(self) -> None:
-        self.channel.close()

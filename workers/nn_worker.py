@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from persia_py import codec
 from persia_py.config import CommonConfig
+from persia_py.embedding.data import PersiaBatch
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.proto import data_loader_pb2_grpc
 from persia_py.rpc import call, create_channel, wait_for_ready
@@ -79,8 +82,8 @@ def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
 _NATIVE_BACKWARD_MAX_ENTRIES = 4
 """Up to this many index entries per sample, pooling keeps torch's own backward: with
 few entries :class:`_Bag`'s gain is small, and its backward runs Python code that must
-win the GIL from the worker's lookup and gradient threads (dense-heavy, 1 id per slot:
-13,400-15,200 vs 16,000-19,700 samples/s with torch's, 4 interleaved pairs)."""
+win the GIL from the worker's lookup and gradient threads, which costs more than it
+saves (docs/benchmarks.md)."""
 
 
 def _native_bag(rows, index, offsets, entries, mode, weights):
@@ -89,8 +92,8 @@ def _native_bag(rows, index, offsets, entries, mode, weights):
 
 class _Bag(torch.autograd.Function):
     """``F.embedding_bag`` whose backward scatters each entry's gradient onto its row with
-    one ``index_add_``: the built-in dense backward sorts the index and adds row by row
-    (embedding-heavy batch, one core: 59-76 ms vs 20 ms for the 26 slots)."""
+    one ``index_add_``: the built-in dense backward sorts the index and adds row by row,
+    several times slower with many entries per sample (docs/benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, rows, index, offsets, entries, mode, weights):
@@ -141,6 +144,44 @@ class TrainingBatch:
 
 def tensors_from_named(named) -> list[torch.Tensor]:
     return [torch.from_numpy(codec.decode(n.tensor, name=n.name)) for n in named]
+
+
+ONLY_EVALUATES = ("this context only evaluates; build the batch with requires_grad=False, "
+                  "or train inside TrainCtx")
+
+
+def look_up(item: PersiaBatch | pb.Batch, workers: Sequence[EmbeddingWorkerClient], *,
+            next_worker: int, training: bool, staleness: int = 0) -> TrainingBatch:
+    """The one place a :class:`TrainingBatch` is made: its embeddings looked up.
+
+    ``item`` is a batch from a data loader (its ids already wait on the embedding worker
+    it names) or a :class:`PersiaBatch` made in this process: a training one has its ids
+    stored on ``workers[next_worker]`` first, as a data loader would; an evaluation one
+    is looked up directly, inserting no rows. ``training=False`` refuses training batches.
+    """
+    if item.requires_grad and not training:
+        raise ValueError(ONLY_EVALUATES)
+    if isinstance(item, PersiaBatch):
+        index, worker = next_worker, workers[next_worker]
+        features = item.id_features()
+        ref = worker.put_batch(features, item.batch_size, True) if item.requires_grad else 0
+        slots = (worker.lookup(ref) if item.requires_grad
+                 else worker.lookup_direct(features, item.batch_size))
+        dense = [torch.from_numpy(f.data) for f in item.non_id_type_features]
+        labels = [torch.from_numpy(f.data) for f in item.labels]
+        meta = item.meta or b""
+    else:
+        index, ref = item.embedding_worker, item.ref
+        if not 0 <= index < len(workers):
+            raise ValueError(f"batch {item.batch_id} names embedding worker {index}, only "
+                             f"{len(workers)} known")
+        slots = workers[index].lookup(ref)
+        dense = tensors_from_named(item.non_id_features)
+        labels = tensors_from_named(item.labels)
+        meta = item.meta
+    return TrainingBatch(non_id_type_features=dense, labels=labels, slots=slots,
+                         requires_grad=item.requires_grad, batch_size=item.batch_size,
+                         meta=meta, ref=ref, embedding_worker=index, staleness=staleness)
 
 
 class GradientSender:
@@ -194,47 +235,103 @@ _END = object()
 _LOOKUP_THREADS = 2
 """Lookups in flight at once (at most ``embedding_staleness``)."""
 
+Put = Callable[[object], bool]
+"""Hands one batch to the stream; False once the stream is closing."""
+Producer = Callable[[Put, threading.Event], None]
+"""Puts batches until its source ends or the event (the stream closing) is set."""
+
+
+class DataLoaderSource:
+    """Batches pulled from the data-loader processes: one producer per loader, or one for
+    all visiting them in a fixed order when ``reproducible`` (so the batch order depends
+    only on what the loaders send)."""
+
+    def __init__(self, *, rank: int, data_loader_addrs: Sequence[str], common: CommonConfig,
+                 reproducible: bool) -> None:
+        if not data_loader_addrs:
+            raise RuntimeError("no data loader addresses (PERSIA_DATA_LOADER_ADDRS is empty)")
+        self.rank = rank
+        self.common = common
+        self._channels = [create_channel(a, common) for a in data_loader_addrs]
+        for channel, address in zip(self._channels, data_loader_addrs):
+            wait_for_ready(channel, address, common.startup_timeout_sec)
+        stubs = [data_loader_pb2_grpc.DataLoaderStub(c) for c in self._channels]
+        self._groups = [stubs] if reproducible else [[s] for s in stubs]
+
+    def producers(self) -> list[Producer]:
+        return [functools.partial(self._fetch, group) for group in self._groups]
+
+    def _fetch(self, stubs: list, put: Put, stop: threading.Event) -> None:
+        active = list(stubs)
+        while active and not stop.is_set():
+            for stub in list(active):
+                response = call(stub.NextBatch, pb.NextBatchRequest(rank=self.rank),
+                                timeout=self.common.rpc_timeout_sec, idempotent=False,
+                                what="data loader")
+                if response.end_of_stream:
+                    active.remove(stub)
+                elif response.has_batch and not put(response.batch):
+                    return
+
+    def close(self) -> None:
+        for c in self._channels:
+            c.close()
+
+
+class LocalSource:
+    """Batches made in this process (a user's ``IterableDataset``), read by one thread
+    ahead of training as PERSIA did, so their lookups overlap the training step."""
+
+    def __init__(self, batches: Iterable[PersiaBatch]) -> None:
+        self._batches = batches
+
+    def producers(self) -> list[Producer]:
+        return [self._produce]
+
+    def _produce(self, put: Put, stop: threading.Event) -> None:
+        for i, batch in enumerate(self._batches):
+            if not isinstance(batch, PersiaBatch):
+                raise TypeError(f"the dataset yielded {type(batch).__name__} as batch {i}; "
+                                "an IterableDataset yields persia_py.embedding.data.PersiaBatch")
+            if not put(batch):
+                return
+
+    def close(self) -> None:
+        pass
+
 
 class BatchStream:
-    """Training batches from the data loaders, with embeddings looked up ahead of use."""
+    """Batches with embeddings looked up ahead of use, from a :class:`DataLoaderSource`
+    or a :class:`LocalSource`: the same staleness bound and byte budget for both."""
 
     def __init__(
         self,
         *,
-        rank: int,
-        data_loader_addrs: tuple[str, ...],
+        source: DataLoaderSource | LocalSource,
         workers: list[EmbeddingWorkerClient],
-        common: CommonConfig,
         staleness: int,
         buffer_size: int,
         reproducible: bool,
         budget: ByteBudget,
+        training: bool = True,
     ) -> None:
         if staleness < 1:
             raise ValueError(f"embedding_staleness must be >= 1, got {staleness}")
-        if not data_loader_addrs:
-            raise RuntimeError("no data loader addresses (PERSIA_DATA_LOADER_ADDRS is empty)")
-        self.rank = rank
+        self.source = source
         self.workers = workers
-        self.common = common
+        self.training = training
         self.staleness = threading.BoundedSemaphore(staleness)
         self.budget = budget
+        self._round_robin = itertools.count()
         self._outstanding = 0  # batches looked up whose updates are not acknowledged
         self._outstanding_lock = threading.Lock()
         self._raw: queue.Queue = queue.Queue(maxsize=max(1, buffer_size))
         self._ready: queue.Queue = queue.Queue(maxsize=max(1, staleness))
         self._stop = threading.Event()
-        self._channels = [create_channel(a, common)
-                          for a in data_loader_addrs]
-        for channel, address in zip(self._channels, data_loader_addrs):
-            wait_for_ready(channel, address, common.startup_timeout_sec)
-        stubs = [data_loader_pb2_grpc.DataLoaderStub(c) for c in self._channels]
-        # Reproducible: one thread visits the loaders in a fixed order, so the batch order
-        # depends only on what the loaders send.
-        groups = [stubs] if reproducible else [[s] for s in stubs]
-        self._threads = [threading.Thread(target=self._guard, args=(self._fetch, g),
+        producers = source.producers()
+        self._threads = [threading.Thread(target=self._guard, args=(self._produce, p),
                                           name=f"fetch-{i}", daemon=True)
-                         for i, g in enumerate(groups)]
+                         for i, p in enumerate(producers)]
         self._fetchers_left = len(self._threads)
         # Reproducible: one lookup at a time, in arrival order. Otherwise several, so that
         # one batch's dedup, parameter-server reads and decoding overlap another's (the
@@ -262,17 +359,10 @@ class BatchStream:
                 continue
         return False
 
-    def _fetch(self, stubs: list) -> None:
-        active = list(stubs)
-        while active and not self._stop.is_set():
-            for stub in list(active):
-                response = call(stub.NextBatch, pb.NextBatchRequest(rank=self.rank),
-                                timeout=self.common.rpc_timeout_sec, idempotent=False,
-                                what="data loader")
-                if response.end_of_stream:
-                    active.remove(stub)
-                elif response.has_batch and not self._put(self._raw, response.batch):
-                    return
+    def _produce(self, producer: Producer) -> None:
+        producer(lambda batch: self._put(self._raw, batch), self._stop)
+        # Only a producer that ended well counts as done: a failed one's error must reach
+        # the training loop before the end of the stream does.
         with self._outstanding_lock:
             self._fetchers_left -= 1
 
@@ -304,7 +394,11 @@ class BatchStream:
                 except BaseException:
                     self._release_slot()
                     raise
+                if batch is None:
+                    self._release_slot()
+                    return
                 if not self._put(self._ready, batch):
+                    batch.release()  # closing: give back its budget and staleness slot
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the training loop
             failed = True
@@ -322,30 +416,17 @@ class BatchStream:
             self._outstanding -= 1
         self.staleness.release()
 
-    def _to_training_batch(self, message: pb.Batch, staleness: int) -> TrainingBatch:
-        if not 0 <= message.embedding_worker < len(self.workers):
-            raise ValueError(f"batch {message.batch_id} names embedding worker "
-                             f"{message.embedding_worker}, only {len(self.workers)} known")
-        slots = self.workers[message.embedding_worker].lookup(message.ref)
-        batch = TrainingBatch(
-            non_id_type_features=tensors_from_named(message.non_id_features),
-            labels=tensors_from_named(message.labels),
-            slots=slots,
-            requires_grad=message.requires_grad,
-            batch_size=message.batch_size,
-            meta=message.meta,
-            ref=message.ref,
-            embedding_worker=message.embedding_worker,
-            staleness=staleness,
-        )
+    def _to_training_batch(self, item: PersiaBatch | pb.Batch,
+                           staleness: int) -> TrainingBatch | None:
+        batch = look_up(item, self.workers, training=self.training, staleness=staleness,
+                        next_worker=next(self._round_robin) % len(self.workers))
         if not batch.requires_grad:
             self._release_slot()
             return batch
         # Room for the batch and its future gradients, held until the update is acknowledged.
         num_bytes = batch.nbytes
         if not self.budget.acquire(num_bytes, self._stop):
-            self._release_slot()
-            raise RuntimeError("batch stream closed")
+            return None  # the stream is closing; the caller gives back the slot
 
         def release() -> None:
             self.budget.release(num_bytes)
@@ -367,6 +448,14 @@ class BatchStream:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=10.0)
-        for c in self._channels:
-            c.close()
+        self.source.close()
+        # Batches looked up but never handed out (the loop stopped early) give back their
+        # bytes: the budget belongs to the context and outlives this stream.
+        while True:
+            try:
+                item = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, TrainingBatch):
+                item.release()
 

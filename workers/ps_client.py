@@ -10,16 +10,27 @@ from persia_py import codec, wire_rpc
 from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
-from persia_py.rpc import OutageLog, call, create_channel, wait_for_ready
+from persia_py.rpc import FailedPrecondition, ServiceClient
 
 
-class PSClient:
+class UpdateNotApplied(FailedPrecondition):
+    """A replica answered the first sending of an update ``duplicate``: it had seen the
+    ``(worker id, sequence)`` pair before and did not apply the gradients.
+
+    A retry may legitimately be answered so (its first attempt was applied, the answer
+    lost); a first attempt may not: another sender used the pair (a worker id that is not
+    unique, or a forged update), and counting the answer as success would lose the
+    gradients silently.
+    """
+
+
+class PSClient(ServiceClient):
     """Talks to the parameter server at ``address``."""
 
+    service_name = "parameter server"
+
     def __init__(self, address: str, common: CommonConfig) -> None:
-        self.address = address
-        self.common = common
-        self.channel = create_channel(address, common)
+        super().__init__(address, common)
         self.stub = parameter_server_pb2_grpc.ParameterServerStub(self.channel)
         service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
         # Embeddings and gradients skip protobuf's copies (persia_py.wire_rpc).
@@ -27,14 +38,6 @@ class PSClient:
                                       response_class=pb.LookupResponse, parse_response=True)
         self._update = wire_rpc.unary(self.channel, service, "Update",
                                       response_class=pb.UpdateResponse)
-        self._outages = OutageLog()
-
-    def wait_ready(self) -> None:
-        wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
-
-    def _call(self, method, request, *, idempotent: bool):
-        return call(method, request, timeout=self.common.rpc_timeout_sec, idempotent=idempotent,
-                    what=f"parameter server {self.address}", outages=self._outages)
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
@@ -64,8 +67,13 @@ class PSClient:
         *,
         worker_id: str,
         sequence: int,
+        resend: bool = False,
     ) -> int:
-        """Send gradients; ``(worker_id, sequence)`` makes a retry apply once."""
+        """Send gradients; ``(worker_id, sequence)`` makes a retry apply once.
+
+        ``resend``: the caller sent this pair before. Unless it did, or this call itself
+        retried, an answer ``duplicate`` raises :class:`UpdateNotApplied`.
+        """
         pieces = [pb.UpdateRequest(worker_id=worker_id, sequence=sequence).SerializeToString()]
         for s, ids, g in slots:
             pieces += codec.message_field(1, [  # UpdateRequest.slots
@@ -74,13 +82,23 @@ class PSClient:
                 *codec.tensor_field(3, g, fp16=self.common.embedding_fp16,
                                     compress=self.common.lz4_compression),
             ])
-        return self._call(self._update, codec.join(pieces), idempotent=True).num_updated
+        num_attempts = 0
+
+        def attempt(request: bytes, **kwargs: object) -> pb.UpdateResponse:
+            nonlocal num_attempts
+            num_attempts += 1
+            return self._update(request, **kwargs)
+
+        answer = self._call(attempt, codec.join(pieces), idempotent=True)
+        if answer.duplicate and not resend and num_attempts == 1:
+            raise UpdateNotApplied(
+                f"parameter server {self.address} answered the first sending of update "
+                f"(worker {worker_id!r}, sequence {sequence}) as a duplicate and did not apply "
+                f"it: another sender used this worker id and sequence")
+        return answer.num_updated
 
     def stats(self) -> pb.StatsResponse:
         return self._call(self.stub.Stats, pb.StatsRequest(), idempotent=True)
-
-    def close(self) -> None:
-        self.channel.close()
 
 
 def configure_request(

@@ -1,35 +1,43 @@
 """Embedding optimizers, applied on the parameter servers (as PERSIA's ``persia.embedding.optim``).
 
-These objects only carry hyper-parameters; the servers validate and apply them. Every
-hyper-parameter is honoured or rejected, never ignored.
+Each class takes PERSIA's arguments in PERSIA's order and checks them at once, against
+the one schema the servers use (:mod:`persia_py.optimizer_config`, where the defaults
+are declared): every hyper-parameter is honoured or rejected, never ignored.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from persia_py.optimizer_config import (
+    AdagradConfig,
+    AdamConfig,
+    OptimizerConfig,
+    SGDConfig,
+    optimizer_to_dict,
+)
+
 
 class Optimizer:
-    """Base of the embedding optimizers."""
+    """Base of the embedding optimizers: a checked optimizer config."""
 
-    def __init__(self, kind: str, **hyper: Any) -> None:
-        self.kind = kind
-        self.hyper = hyper
+    def __init__(self, config: OptimizerConfig) -> None:
+        self.config = config
 
     def to_dict(self) -> dict[str, Any]:
         """The form sent to the servers: ``{"type": kind, **hyper-parameters}``."""
-        return {"type": self.kind, **self.hyper}
+        return optimizer_to_dict(self.config)
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.hyper.items())
+        args = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k != "type")
         return f"{type(self).__name__}({args})"
 
 
 class SGD(Optimizer):
     """Plain SGD with optional L2 weight decay."""
 
-    def __init__(self, lr: float, weight_decay: float = 0.0) -> None:
-        super().__init__("sgd", lr=lr, weight_decay=weight_decay)
+    def __init__(self, lr: float, weight_decay: float = SGDConfig.weight_decay) -> None:
+        super().__init__(SGDConfig(lr=lr, weight_decay=weight_decay))
 
 
 class Adagrad(Optimizer):
@@ -37,18 +45,18 @@ class Adagrad(Optimizer):
 
     def __init__(
         self,
-        lr: float = 1e-2,
-        initial_accumulator_value: float = 1e-2,
-        weight_decay: float = 0.0,
-        g_square_momentum: float = 1.0,
-        eps: float = 1e-10,
-        vectorwise_shared: bool = False,
+        lr: float = AdagradConfig.lr,
+        initial_accumulator_value: float = AdagradConfig.initial_accumulator_value,
+        weight_decay: float = AdagradConfig.weight_decay,
+        g_square_momentum: float = AdagradConfig.g_square_momentum,
+        eps: float = AdagradConfig.eps,
+        vectorwise_shared: bool = AdagradConfig.vectorwise_shared,
     ) -> None:
-        super().__init__(
-            "adagrad", lr=lr, initial_accumulator_value=initial_accumulator_value,
+        super().__init__(AdagradConfig(
+            lr=lr, initial_accumulator_value=initial_accumulator_value,
             weight_decay=weight_decay, g_square_momentum=g_square_momentum, eps=eps,
             vectorwise_shared=vectorwise_shared,
-        )
+        ))
 
 
 class Adam(Optimizer):
@@ -56,9 +64,9 @@ class Adam(Optimizer):
 
     def __init__(
         self,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        eps: float = 1e-8,
+        lr: float = AdamConfig.lr,
+        betas: tuple[float, float] = AdamConfig.betas,
+        weight_decay: float = AdamConfig.weight_decay,
+        eps: float = AdamConfig.eps,
     ) -> None:
-        super().__init__("adam", lr=lr, betas=list(betas), weight_decay=weight_decay, eps=eps)
+        super().__init__(AdamConfig(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))

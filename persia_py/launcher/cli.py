@@ -7,6 +7,11 @@ import logging
 import sys
 
 from persia_py.config import ConfigError
+from persia_py.launcher.job_token import add_insecure_flag
+
+_NEEDS_TOKEN = ("embedding-parameter-server", "embedding-worker", "nn-worker", "data-loader",
+                "serve")
+"""Subcommands that refuse to start without a job token unless ``--insecure``."""
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -17,6 +22,7 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica-size", type=int, default=1, help="number of replicas of this role")
     _add_metrics_flag(p)
     _add_config_flags(p)
+    add_insecure_flag(p, "this server")
 
 
 def _add_metrics_flag(p: argparse.ArgumentParser, extra: str = "") -> None:
@@ -45,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load this replica's rows (and the optimizer settings) from the "
                         "checkpoint DIR (a root: its LATEST; or one checkpoint folder) "
                         "before serving")
+    p.add_argument("--checkpoint-root", default=None, metavar="DIR",
+                   help="the only folder whose checkpoints Dump and Load calls may name "
+                        "(default: checkpoint_config.root, else the current directory)")
     p.add_argument("--inference", action="store_true",
                    help="read-only serving replica: lookups never insert rows, updates are "
                         "refused (also when common_config.job_type is Infer)")
@@ -52,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --inference: apply the incremental exports in DIR (after those "
                         "--load-checkpoint already holds) as they appear")
 
-    p = sub.add_parser("embedding-worker", help="dedup, route and pool embedding lookups")
+    p = sub.add_parser("embedding-worker",
+                       help="dedup a batch's ids, look them up on the parameter servers that "
+                            "own them, and send back their gradients summed per id")
     _add_server_flags(p)
     p.add_argument("--ps-addrs", default=None,
                    help="comma-separated parameter-server addresses (default: $PERSIA_PS_ADDRS)")
@@ -78,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "$PERSIA_TRAIN_LOG takes precedence)")
     _add_metrics_flag(p, "; rank r serves on PORT + local rank r")
     _add_config_flags(p)
+    add_insecure_flag(p, "the training script")
 
     p = sub.add_parser("data-loader", help="run a data-loader script")
     p.add_argument("script", help="the data-loader script")
@@ -87,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-size", type=int, default=1, help="number of data loaders")
     _add_metrics_flag(p)
     _add_config_flags(p)
+    add_insecure_flag(p, "the data loader")
 
     p = sub.add_parser("local", help="run a whole job on this machine")
     p.add_argument("--nn-worker", required=True, help="training script")
@@ -109,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-metrics", action="store_true",
                    help="do not serve Prometheus metrics (default: every role serves them on "
                         "a free port, printed at start-up)")
+    add_insecure_flag(p, "every role", "the configured token, else a new one per run, handed "
+                      "to the roles by environment and written to RUN_DIR/auth_token, mode "
+                      "0600, for clients outside the job")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue a job from its last checkpoint in DIR (a checkpoint root or "
                         "folder): the NN workers load it, the data loaders skip the batches "
@@ -132,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow-increments", default=None, metavar="DIR",
                    help="the parameter servers apply the training job's incremental exports "
                         "in DIR (checkpoint_config.incremental_dir) as they appear")
+    add_insecure_flag(p, "the Serving service and its servers")
 
     p = sub.add_parser("k8s", help="render Kubernetes manifests for a job")
     from persia_py.launcher.k8s import add_k8s_flags
@@ -161,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         "plot": _run_plot,
     }[args.command]
     try:
+        if args.command in _NEEDS_TOKEN:
+            roles.require_token(args)
         return run(args)
     except ConfigError as exc:
         print(f"persia-launcher {args.command}: config error: {exc}", file=sys.stderr)

@@ -14,12 +14,28 @@ Objects (all labelled ``app.kubernetes.io/name: persia``, ``persia.job: <job>``,
 
 Every container serves Prometheus metrics on ``--metrics-port`` (annotated for
 scraping). The image is the one the repository's Dockerfile builds.
+
+Secure by default:
+
+* The job token comes from a Secret (key ``token``): ``--auth-secret-name`` names one that
+  exists, else a Secret ``<job>-token`` with a new random token is part of the output.
+  It is mounted as a file (``/etc/persia-token/token``) that the global config in the
+  ConfigMap names as ``common_config.auth_token_file``; it is never a literal in a pod
+  spec. ``--insecure`` is the explicit opt-out (every role then runs with ``--insecure``).
+* ``--tls-secret-name`` mounts a TLS Secret (``tls.crt``, ``tls.key``, ``ca.crt``) at
+  ``/etc/persia-tls`` and points the config's ``tls_*_file`` at it (mutual TLS).
+* A NetworkPolicy ``<job>-ingress`` admits to the job's pods only the job's own pods (every
+  port: gRPC, the rendezvous, and the ports torch.distributed picks) and the metrics
+  scraper (``--metrics-scraper-namespace`` / ``--metrics-scraper-pods``, metrics port
+  only). Servers bind 0.0.0.0 inside their pods, behind the policy and the token.
+* Pods run as the image's non-root user (uid 1000, the Dockerfile's ``persia``) without
+  privilege escalation, capabilities or a service-account token.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import logging
 import re
 import shlex
 import sys
@@ -28,18 +44,19 @@ import yaml
 
 from persia_py import allocator
 from persia_py.config import load_embedding_config, load_global_config
-from persia_py.env import (
-    ENV_BIND_HOST,
-    ENV_DATA_LOADER_ADDRS,
-    ENV_EMBEDDING_CONFIG,
-    ENV_EMBEDDING_WORKER_ADDRS,
-    ENV_GLOBAL_CONFIG,
-    ENV_NN_WORLD_SIZE,
-    ENV_PS_ADDRS,
-)
+from persia_py.env import job_env
+from persia_py.launcher import job_token
 from persia_py.monitoring import ENV_METRICS_PORT
 
+logger = logging.getLogger("persia_py.launcher")
+
 CONFIG_DIR = "/etc/persia"
+TOKEN_DIR = "/etc/persia-token"
+TLS_DIR = "/etc/persia-tls"
+TLS_FILES = {"tls_cert_file": "tls.crt", "tls_key_file": "tls.key", "tls_ca_file": "ca.crt"}
+"""``common_config`` key -> key in the TLS Secret (as cert-manager writes them)."""
+IMAGE_UID = 1000
+"""The Dockerfile's user ``persia``: pods run as it, and can read the mounted Secrets."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ROLES = {  # role -> short name in object names
     "embedding-parameter-server": "ps",
@@ -84,8 +101,23 @@ def add_k8s_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{role}-memory", default="2Gi", help=f"memory request of a {short} pod")
     p.add_argument("--nn-worker-gpus", type=int, default=0,
                    help="nvidia.com/gpu per NN-worker pod (0: CPU only)")
-    p.add_argument("--auth-secret-name", default=None,
-                   help="Secret (key 'token') given to every role as PERSIA_AUTH_TOKEN")
+    p.add_argument("--auth-secret-name", default=None, metavar="NAME",
+                   help="existing Secret whose key 'token' is the job token (default: a new "
+                        "Secret <job>-token with a random token is part of the output)")
+    job_token.add_insecure_flag(p, "every role", "the token from the Secret, mounted as a "
+                                "file that common_config.auth_token_file names")
+    p.add_argument("--tls-secret-name", default=None, metavar="NAME",
+                   help=f"TLS Secret (keys tls.crt, tls.key, ca.crt) mounted at {TLS_DIR}; "
+                        "the config's tls_*_file point at it (mutual TLS). Its certificate "
+                        "must name every address dialed, e.g. *.<job>-ps.<namespace>.svc")
+    p.add_argument("--metrics-scraper-namespace", default="kubernetes.io/metadata.name=monitoring",
+                   metavar="K=V[,K=V]",
+                   help="labels of the namespaces the NetworkPolicy lets reach the metrics "
+                        "ports ('': every namespace; default: %(default)s)")
+    p.add_argument("--metrics-scraper-pods", default="app.kubernetes.io/name=prometheus",
+                   metavar="K=V[,K=V]",
+                   help="labels of the pods in those namespaces that may scrape the metrics "
+                        "('': every pod; default: %(default)s)")
     p.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
 
 
@@ -93,49 +125,80 @@ def _check(args: argparse.Namespace) -> None:
     if not _NAME.match(args.job_name) or len(args.job_name) > 40:
         raise SystemExit(f"--job-name {args.job_name!r}: lowercase letters, digits and '-', "
                          "at most 40 characters (it prefixes object and pod names)")
+    for flag in ("auth_secret_name", "tls_secret_name"):
+        name = getattr(args, flag)
+        if name is not None and (not _NAME.match(name) or len(name) > 253):
+            raise SystemExit(f"--{flag.replace('_', '-')} {name!r}: not a Secret name "
+                             "(lowercase letters, digits and '-')")
+    if args.insecure and args.auth_secret_name:
+        raise SystemExit("--insecure and --auth-secret-name: choose one (a token, or none)")
     for name in ("num_ps", "num_embedding_workers", "num_data_loaders", "num_nn_worker_nodes",
                  "nproc_per_node"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
 
 
+def _job_labels(args: argparse.Namespace) -> dict[str, str]:
+    """Labels every pod of the job carries (and only its pods)."""
+    return {"app.kubernetes.io/name": "persia", "persia.job": args.job_name}
+
+
 def _labels(args: argparse.Namespace, role: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "persia", "persia.job": args.job_name, "persia.role": role}
+    return {**_job_labels(args), "persia.role": role}
+
+
+def _token_secret(args: argparse.Namespace) -> str | None:
+    """Name of the Secret that holds the job token (None: ``--insecure``)."""
+    if args.insecure:
+        return None
+    return args.auth_secret_name or f"{args.job_name}-token"
 
 
 def _meta(args: argparse.Namespace, name: str, role: str, **extra) -> dict:
     return {"name": name, "namespace": args.namespace, "labels": _labels(args, role), **extra}
 
 
-def _addrs(args: argparse.Namespace, short: str, count: int, port: int) -> str:
+def _addrs(args: argparse.Namespace, short: str, count: int, port: int) -> list[str]:
     svc = f"{args.job_name}-{short}"
-    return ",".join(f"{svc}-{i}.{svc}.{args.namespace}.svc:{port}" for i in range(count))
+    return [f"{svc}-{i}.{svc}.{args.namespace}.svc:{port}" for i in range(count)]
 
 
 def _env(args: argparse.Namespace, role: str) -> list[dict]:
     # A StatefulSet pod's ordinal, or an indexed Job pod's completion index.
     index_field = ("metadata.annotations['batch.kubernetes.io/job-completion-index']"
                    if role == "nn-worker" else "metadata.labels['apps.kubernetes.io/pod-index']")
-    env = [
-        {"name": ENV_GLOBAL_CONFIG, "value": f"{CONFIG_DIR}/global_config.yml"},
-        {"name": ENV_EMBEDDING_CONFIG, "value": f"{CONFIG_DIR}/embedding_config.yml"},
-        {"name": ENV_PS_ADDRS, "value": _addrs(args, "ps", args.num_ps, args.ps_port)},
-        {"name": ENV_EMBEDDING_WORKER_ADDRS,
-         "value": _addrs(args, "embedding-worker", args.num_embedding_workers,
-                         args.embedding_worker_port)},
-        {"name": ENV_DATA_LOADER_ADDRS,
-         "value": _addrs(args, "data-loader", args.num_data_loaders, args.data_loader_port)},
-        {"name": ENV_NN_WORLD_SIZE, "value": str(args.num_nn_worker_nodes * args.nproc_per_node)},
-        {"name": ENV_BIND_HOST, "value": "0.0.0.0"},
-        {"name": ENV_METRICS_PORT, "value": str(args.metrics_port)},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        {"name": "GLIBC_TUNABLES", "value": allocator.TUNABLES},
-        {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index_field}}},
-    ]
-    if args.auth_secret_name:
-        env.append({"name": "PERSIA_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": args.auth_secret_name, "key": "token"}}})
-    return env
+    variables = job_env(
+        ps_addrs=_addrs(args, "ps", args.num_ps, args.ps_port),
+        embedding_worker_addrs=_addrs(args, "embedding-worker", args.num_embedding_workers,
+                                      args.embedding_worker_port),
+        data_loader_addrs=_addrs(args, "data-loader", args.num_data_loaders,
+                                 args.data_loader_port),
+        nn_world_size=args.num_nn_worker_nodes * args.nproc_per_node,
+        # Inside a pod, behind the NetworkPolicy and (unless --insecure) the token.
+        bind_host="0.0.0.0",
+        embedding_config=f"{CONFIG_DIR}/embedding_config.yml",
+        global_config=f"{CONFIG_DIR}/global_config.yml")
+    variables.update({ENV_METRICS_PORT: str(args.metrics_port), "PYTHONUNBUFFERED": "1",
+                      "GLIBC_TUNABLES": allocator.TUNABLES})
+    return [*({"name": k, "value": v} for k, v in variables.items()),
+            {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index_field}}}]
+
+
+def _secret_volumes(args: argparse.Namespace) -> list[tuple[dict, str]]:
+    """(volume, mount path) of the token and TLS Secrets the pods mount."""
+    # Group-readable by the pod's fsGroup (the image's user), by nobody else.
+    mode = 0o440
+    found = []
+    token_secret = _token_secret(args)
+    if token_secret is not None:
+        found.append(({"name": "persia-token", "secret": {
+            "secretName": token_secret, "defaultMode": mode,
+            "items": [{"key": "token", "path": "token"}]}}, TOKEN_DIR))
+    if args.tls_secret_name:
+        found.append(({"name": "persia-tls", "secret": {
+            "secretName": args.tls_secret_name, "defaultMode": mode,
+            "items": [{"key": k, "path": k} for k in TLS_FILES.values()]}}, TLS_DIR))
+    return found
 
 
 def _container(args: argparse.Namespace, role: str, command: list[str],
@@ -153,14 +216,24 @@ def _container(args: argparse.Namespace, role: str, command: list[str],
         "env": _env(args, role),
         "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
         "resources": resources,
-        "volumeMounts": [{"name": "persia-config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": "persia-config", "mountPath": CONFIG_DIR, "readOnly": True},
+                         *({"name": v["name"], "mountPath": path, "readOnly": True}
+                           for v, path in _secret_volumes(args))],
+        "securityContext": {"allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
     }
 
 
 def _pod_spec(args: argparse.Namespace, container: dict, **extra) -> dict:
     return {
         "containers": [container],
-        "volumes": [{"name": "persia-config", "configMap": {"name": f"{args.job_name}-config"}}],
+        "volumes": [{"name": "persia-config", "configMap": {"name": f"{args.job_name}-config"}},
+                    *(v for v, _ in _secret_volumes(args))],
+        # The roles never call the Kubernetes API: no credentials for it in the pods.
+        "automountServiceAccountToken": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": IMAGE_UID,
+                            "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
         **extra,
     }
 
@@ -201,8 +274,82 @@ def _stateful_set(args: argparse.Namespace, role: str, replicas: int, port: int,
     return [_headless_service(args, role, ports), stateful_set]
 
 
-def _launcher(*args: str) -> list[str]:
-    return ["persia-launcher", *args]
+def _launcher(args: argparse.Namespace, role: str, *flags: str) -> list[str]:
+    return ["persia-launcher", role, *(["--insecure"] if args.insecure else []), *flags]
+
+
+def _selector(flag: str, value: str) -> dict[str, str]:
+    """``k=v,k2=v2`` as matchLabels ('' matches everything)."""
+    labels = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"{flag} {value!r}: expected labels as KEY=VALUE[,KEY=VALUE]")
+        labels[key.strip()] = val.strip()
+    return labels
+
+
+def _network_policy(args: argparse.Namespace) -> dict:
+    """Ingress to the job's pods: from its own pods, and from the scraper to the metrics."""
+    metrics: dict = {"protocol": "TCP", "port": args.metrics_port}
+    if args.nproc_per_node > 1:  # NN-worker rank r serves metrics on port + r
+        metrics["endPort"] = args.metrics_port + args.nproc_per_node - 1
+    scraper = {
+        "namespaceSelector": {"matchLabels": _selector("--metrics-scraper-namespace",
+                                                       args.metrics_scraper_namespace)},
+        "podSelector": {"matchLabels": _selector("--metrics-scraper-pods",
+                                                 args.metrics_scraper_pods)},
+    }
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(args, f"{args.job_name}-ingress", "network-policy"),
+        "spec": {
+            "podSelector": {"matchLabels": _job_labels(args)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                # Every port: gloo and NCCL pick their own, beside gRPC and the rendezvous.
+                {"from": [{"podSelector": {"matchLabels": _job_labels(args)}}]},
+                {"from": [scraper], "ports": [metrics]},
+            ],
+        },
+    }
+
+
+def _security_settings(args: argparse.Namespace) -> dict[str, str]:
+    """``common_config`` keys the manifests set, to the files the Secrets are mounted as."""
+    settings = {}
+    if _token_secret(args) is not None:
+        settings["auth_token_file"] = f"{TOKEN_DIR}/token"
+    if args.tls_secret_name:
+        settings.update({key: f"{TLS_DIR}/{name}" for key, name in TLS_FILES.items()})
+    return settings
+
+
+def _global_config_text(args: argparse.Namespace) -> str:
+    """The global config for the ConfigMap: the user's, with the mounted Secrets' paths."""
+    text = _read(args.global_config) if args.global_config else "{}\n"
+    settings = _security_settings(args)
+    if not settings:
+        return text
+    data = yaml.safe_load(text) or {}
+    common = data.get("common_config") or {}
+    for key in settings:
+        if common.get(key) is not None:
+            raise SystemExit(
+                f"--global-config: common_config.{key} is set ({common[key]!r}), but the "
+                f"manifests set it to {settings[key]} (a mounted Secret); remove it from the "
+                "file" + (" (or pass --insecure)" if key == "auth_token_file" else ""))
+    data["common_config"] = {**common, **settings}
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
+
+
+def _token_secret_object(args: argparse.Namespace) -> list[dict]:
+    """The Secret with a new random token, unless one is named or there is to be none."""
+    if args.insecure or args.auth_secret_name:
+        return []
+    return [{"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+             "metadata": _meta(args, _token_secret(args), "token"),
+             "stringData": {"token": job_token.new_token()}}]
 
 
 def render(args: argparse.Namespace) -> list[dict]:
@@ -211,26 +358,29 @@ def render(args: argparse.Namespace) -> list[dict]:
     load_global_config(args.global_config)
     load_embedding_config(args.embedding_config)
     files = {"embedding_config.yml": _read(args.embedding_config),
-             "global_config.yml": _read(args.global_config) if args.global_config else "{}\n"}
-    objects: list[dict] = [{
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": _meta(args, f"{args.job_name}-config", "config"), "data": files,
-    }]
+             "global_config.yml": _global_config_text(args)}
+    objects: list[dict] = [
+        # The policy first: no pod of the job is ever reachable from outside it.
+        _network_policy(args),
+        *_token_secret_object(args),
+        {"apiVersion": "v1", "kind": "ConfigMap",
+         "metadata": _meta(args, f"{args.job_name}-config", "config"), "data": files},
+    ]
     index = "$(POD_INDEX)"  # expanded by Kubernetes from the env var above
     metrics = ["--metrics-port", str(args.metrics_port)]
     objects += _stateful_set(args, "embedding-parameter-server", args.num_ps, args.ps_port, _launcher(
-        "embedding-parameter-server", "--port", str(args.ps_port), "--bind", "0.0.0.0",
+        args, "embedding-parameter-server", "--port", str(args.ps_port), "--bind", "0.0.0.0",
         "--replica-index", index, "--replica-size", str(args.num_ps), *metrics))
     objects += _stateful_set(
         args, "embedding-worker", args.num_embedding_workers, args.embedding_worker_port,
-        _launcher("embedding-worker", "--port", str(args.embedding_worker_port),
+        _launcher(args, "embedding-worker", "--port", str(args.embedding_worker_port),
                   "--bind", "0.0.0.0", "--replica-index", index,
                   "--replica-size", str(args.num_embedding_workers), *metrics))
     objects += _stateful_set(
         args, "data-loader", args.num_data_loaders, args.data_loader_port,
-        _launcher("data-loader", "--port", str(args.data_loader_port), "--replica-index", index,
-                  "--replica-size", str(args.num_data_loaders), *metrics,
-                  args.data_loader, *shlex.split(args.data_loader_args)))
+        _launcher(args, "data-loader", "--port", str(args.data_loader_port),
+                  "--replica-index", index, "--replica-size", str(args.num_data_loaders),
+                  *metrics, args.data_loader, *shlex.split(args.data_loader_args)))
     objects += _nn_worker_job(args)
     return objects
 
@@ -239,7 +389,7 @@ def _nn_worker_job(args: argparse.Namespace) -> list[dict]:
     name = f"{args.job_name}-nn-worker"
     ports = {"rendezvous": args.rdzv_port, "metrics": args.metrics_port}
     command = _launcher(
-        "nn-worker", "--nproc-per-node", str(args.nproc_per_node),
+        args, "nn-worker", "--nproc-per-node", str(args.nproc_per_node),
         "--nnodes", str(args.num_nn_worker_nodes),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{name}-0.{name}:{args.rdzv_port}",
         "--rdzv-id", args.job_name, "--metrics-port", str(args.metrics_port),
@@ -288,10 +438,17 @@ def render_yaml(args: argparse.Namespace) -> str:
 
 def run_k8s(args: argparse.Namespace) -> int:
     text = render_yaml(args)
+    if args.insecure:
+        logger.warning("--insecure: the job's roles run WITHOUT a job token; only the "
+                       "NetworkPolicy keeps other pods from calling their RPCs")
     if args.output == "-":
         sys.stdout.write(text)
     else:
-        with open(args.output, "w") as f:
-            f.write(text)
-        print(f"wrote {os.path.abspath(args.output)}", file=sys.stderr)
+        # It may hold the job token (the generated Secret): readable by its owner only.
+        path = job_token.write_private_file(args.output, text)
+        print(f"wrote {path}", file=sys.stderr)
+    if not (args.insecure or args.auth_secret_name):
+        print(f"the manifest holds Secret {args.job_name}-token with a new job token: keep it "
+              "private; rendering again makes another token, so to re-apply to a running "
+              f"job pass --auth-secret-name {args.job_name}-token", file=sys.stderr)
     return 0

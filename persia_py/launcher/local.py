@@ -9,7 +9,10 @@ signal) is the exception: it is started again on the same port with the same rep
 index, from the last checkpoint when there is one, up to ``max_restarts`` times; the
 embedding workers wait and retry meanwhile, so training goes on.
 
-Both config files are validated before any process starts. Every role serves Prometheus
+Both config files are validated before any process starts. Every role gets the job
+token by environment: the user's (``auth_token_file`` or ``$PERSIA_AUTH_TOKEN``), else a
+new one per run, also written to ``<run dir>/auth_token`` (mode 0600) for clients started
+outside the job; ``--insecure`` runs without one, and says so. Every role serves Prometheus
 metrics on a free port (its ``... metrics on http://...`` line says which) unless
 ``--no-metrics``; rank 0 writes its JSON-lines training log into the run folder.
 """
@@ -30,16 +33,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from persia_py import allocator
-from persia_py.env import (
-    ENV_DATA_LOADER_ADDRS,
-    ENV_EMBEDDING_CONFIG,
-    ENV_EMBEDDING_WORKER_ADDRS,
-    ENV_GLOBAL_CONFIG,
-    ENV_NN_WORLD_SIZE,
-    ENV_PS_ADDRS,
-)
+from persia_py.env import ENV_GLOBAL_CONFIG, job_env
+from persia_py.launcher import job_token
 from persia_py.launcher.roles import validate_configs
 from persia_py.progress import ENV_TRAIN_LOG
+from persia_py.security import ENV_AUTH_TOKEN
 
 _STOP_GRACE_SEC = 10.0
 MAX_PS_RESTARTS = 3
@@ -124,8 +122,7 @@ class LocalCluster:
             env = {**env, "OMP_NUM_THREADS": "1"}
         if role.kind == "nn-worker" and "OMP_WAIT_POLICY" not in env:
             # On one machine the NN worker shares its cores with the servers: OpenMP threads
-            # that spin while idle take CPU the servers need (measured: dense-heavy 9.4k ->
-            # 13.3k samples/s, NN-worker CPU per run 15.3 s -> 10.8 s).
+            # that spin while idle take CPU the servers need (docs/benchmarks.md).
             env = {**env, "OMP_WAIT_POLICY": "PASSIVE"}
         if role.reader is not None:
             role.reader.join(timeout=5.0)  # the old process's output is all printed
@@ -291,6 +288,31 @@ def _latest_checkpoint(root: str | None) -> str | None:
         return None
 
 
+def _job_token(args: argparse.Namespace, env: dict[str, str], run_dir: str) -> list[str]:
+    """Give the job its token; returns the flags every role needs for it.
+
+    The user's token (``auth_token_file`` or ``$PERSIA_AUTH_TOKEN``) is used as it is;
+    else, unless ``--insecure``, a new one for this run goes into every role's environment
+    (never argv: any local user can read that) and into ``<run dir>/auth_token`` (mode
+    0600), for clients started outside the job. Its path is printed, never the token.
+    """
+    if job_token.configured_token(env.get(ENV_GLOBAL_CONFIG), env) is not None:
+        print("[launcher] job token: the one configured (common_config.auth_token_file or "
+              f"${ENV_AUTH_TOKEN})", flush=True)
+        return []
+    if args.insecure:
+        print("[launcher] WARNING: running WITHOUT a job token (--insecure): any local user "
+              "can call every RPC of this job", flush=True)
+        return ["--insecure"]
+    env[ENV_AUTH_TOKEN] = token = job_token.new_token()
+    path = job_token.write_private_file(os.path.join(run_dir, job_token.TOKEN_FILE_NAME),
+                                        token + "\n")
+    print(f"[launcher] job token made for this run: {path} (mode 0600); a client outside "
+          f"the job reads it from there (common_config.auth_token_file: {path}, or "
+          f"export {ENV_AUTH_TOKEN}=$(cat {path}))", flush=True)
+    return []
+
+
 def run_local(args: argparse.Namespace) -> int:
     host = args.bind
     num_ps, num_ew, num_dl = args.num_ps, args.num_embedding_workers, args.num_data_loaders
@@ -308,49 +330,50 @@ def run_local(args: argparse.Namespace) -> int:
     ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
     dl_ports, master_port = ports[num_ps + num_ew:-1], ports[-1]
     env = dict(os.environ)
-    env.update({
-        ENV_EMBEDDING_CONFIG: os.path.abspath(args.embedding_config),
-        ENV_PS_ADDRS: ",".join(f"{host}:{p}" for p in ps_ports),
-        ENV_EMBEDDING_WORKER_ADDRS: ",".join(f"{host}:{p}" for p in ew_ports),
-        ENV_DATA_LOADER_ADDRS: ",".join(f"{host}:{p}" for p in dl_ports),
-        ENV_NN_WORLD_SIZE: str(args.nproc_per_node),
-        "PERSIA_BIND_HOST": host,
-        "PYTHONUNBUFFERED": "1",
-        ENV_TRAIN_LOG: train_log,
-    })
-    if args.global_config:
-        env[ENV_GLOBAL_CONFIG] = os.path.abspath(args.global_config)
+    env.update(job_env(
+        ps_addrs=[f"{host}:{p}" for p in ps_ports],
+        embedding_worker_addrs=[f"{host}:{p}" for p in ew_ports],
+        data_loader_addrs=[f"{host}:{p}" for p in dl_ports],
+        nn_world_size=args.nproc_per_node, bind_host=host,
+        embedding_config=os.path.abspath(args.embedding_config),
+        global_config=os.path.abspath(args.global_config) if args.global_config else None))
+    env.update({"PYTHONUNBUFFERED": "1", ENV_TRAIN_LOG: train_log})
     if getattr(args, "resume", None):
         env.update(resume_env(args.resume))
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--env expects KEY=VALUE, got {item!r}")
+        if key == ENV_AUTH_TOKEN:
+            raise SystemExit(f"--env {ENV_AUTH_TOKEN}=...: a token on the command line can be "
+                             "read by every local user; export it instead, or let local make "
+                             "one")
         env[key] = value
     launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
+    role_flags = [*metrics, *_job_token(args, env, run_dir)]  # every role takes both
     roles = [
         Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
                          "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
-                         *metrics])
+                         *role_flags])
         for i, p in enumerate(ps_ports)
     ]
     roles += [
         Role(f"embedding-worker-{i}", [*launcher, "embedding-worker", "--port", str(p),
                                        "--bind", host, "--replica-index", str(i),
-                                       "--replica-size", str(num_ew), *metrics])
+                                       "--replica-size", str(num_ew), *role_flags])
         for i, p in enumerate(ew_ports)
     ]
     roles += [
         Role(f"data-loader-{i}", [*launcher, "data-loader", "--port", str(p),
                                   "--replica-index", str(i), "--replica-size", str(num_dl),
-                                  *metrics, args.data_loader, *shlex.split(args.data_loader_args)],
+                                  *role_flags, args.data_loader, *shlex.split(args.data_loader_args)],
              kind="data-loader")
         for i, p in enumerate(dl_ports)
     ]
     roles.append(Role("nn-worker", [*launcher, "nn-worker",
                                     "--nproc-per-node", str(args.nproc_per_node),
                                     "--master-addr", host, "--master-port", str(master_port),
-                                    *metrics, args.nn_worker, *shlex.split(args.nn_worker_args)],
+                                    *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
                       kind="nn-worker"))
     checkpoint_root = _checkpoint_root(args, env)
 

@@ -11,7 +11,12 @@ import sys
 import threading
 
 from persia_py import allocator
-from persia_py.config import load_embedding_config, load_global_config
+from persia_py.config import (
+    EmbeddingTablesConfig,
+    GlobalConfig,
+    load_embedding_config,
+    load_global_config,
+)
 from persia_py.env import (
     ENV_DATA_LOADER_PORT,
     ENV_DATA_LOADER_REPLICA_INDEX,
@@ -21,6 +26,7 @@ from persia_py.env import (
     ENV_PS_ADDRS,
     PersiaEnv,
 )
+from persia_py.launcher import job_token
 from persia_py.monitoring import ENV_METRICS_PORT, serve_metrics
 from persia_py.progress import ENV_TRAIN_LOG
 
@@ -30,6 +36,21 @@ logger = logging.getLogger("persia_py.launcher")
 def _config_paths(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return (args.global_config or os.environ.get(ENV_GLOBAL_CONFIG) or None,
             args.embedding_config or os.environ.get(ENV_EMBEDDING_CONFIG) or None)
+
+
+def require_token(args: argparse.Namespace) -> None:
+    """Stop a role that has no job token, unless it was started with ``--insecure``."""
+    global_path, _ = _config_paths(args)
+    job_token.require_token(f"persia-launcher {args.command}", global_path, args.insecure)
+
+
+def _server_configs(args: argparse.Namespace) -> tuple[GlobalConfig, EmbeddingTablesConfig]:
+    """Tune this server's malloc, then read both of its config files (both required)."""
+    allocator.tune_this_process()
+    global_path, embedding_path = _config_paths(args)
+    if embedding_path is None:
+        raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
+    return load_global_config(global_path), load_embedding_config(embedding_path)
 
 
 def validate_configs(global_path: str | None, embedding_path: str | None) -> None:
@@ -49,19 +70,25 @@ def _serve_until_signal(server, what: str) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, server, port: int, registry, what: str) -> int:
+    """Serve until SIGTERM/SIGINT, with the metrics endpoint when ``--metrics-port`` asks."""
+    metrics_server = (None if args.metrics_port is None else
+                      serve_metrics(registry, args.metrics_port, args.bind, what))
+    try:
+        return _serve_until_signal(server, f"{what} on port {port}")
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+
+
 def run_parameter_server(args: argparse.Namespace) -> int:
+    from persia_py.monitoring import ParameterServerMetrics
     from persia_py.servers.parameter_server import ParameterServer
     from persia_py.servers.service import create_ps_server
 
-    allocator.tune_this_process()
-    global_path, embedding_path = _config_paths(args)
-    if embedding_path is None:
-        raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
-    from persia_py.monitoring import ParameterServerMetrics
-
-    global_config = load_global_config(global_path)
+    global_config, embedding_config = _server_configs(args)
     inference = args.inference or global_config.common_config.job_type == "Infer"
-    ps = ParameterServer(global_config, load_embedding_config(embedding_path),
+    ps = ParameterServer(global_config, embedding_config,
                          replica_index=args.replica_index, replica_size=args.replica_size,
                          inference=inference)
     if args.load_checkpoint:
@@ -78,25 +105,26 @@ def run_parameter_server(args: argparse.Namespace) -> int:
 
     background = []  # the exporter or follower thread, joined on close
     ckpt_cfg = global_config.checkpoint_config
+    checkpoint_root = args.checkpoint_root or ckpt_cfg.root
+    metrics = ParameterServerMetrics(ps)
     if args.follow_increments:
         if not inference:
             raise SystemExit("--follow-increments needs --inference (a serving replica)")
         after = base_increment_seqs(args.load_checkpoint) if args.load_checkpoint else {}
-        background.append(IncrementFollower(ps, args.follow_increments, after=after).start())
+        background.append(IncrementFollower(
+            ps, args.follow_increments, after=after,
+            on_failure=metrics.increment_failures.labels("apply").inc).start())
     elif not inference and (ckpt_cfg.incremental_every_updates or ckpt_cfg.incremental_every_sec):
         background.append(IncrementalExporter(
             ps, ckpt_cfg.incremental_dir, every_updates=ckpt_cfg.incremental_every_updates,
-            every_sec=ckpt_cfg.incremental_every_sec).start())
-    metrics = ParameterServerMetrics(ps)
-    server, port = create_ps_server(ps, f"{args.bind}:{args.port}", metrics)
-    what = f"embedding-parameter-server {args.replica_index}"
-    metrics_server = (None if args.metrics_port is None else
-                      serve_metrics(metrics.registry, args.metrics_port, args.bind, what))
+            every_sec=ckpt_cfg.incremental_every_sec, root=checkpoint_root,
+            on_failure=metrics.increment_failures.labels("export").inc).start())
+    server, port = create_ps_server(ps, f"{args.bind}:{args.port}", metrics,
+                                    checkpoint_root=checkpoint_root)
     try:
-        return _serve_until_signal(server, f"{what} on port {port}")
+        return _serve(args, server, port, metrics.registry,
+                      f"embedding-parameter-server {args.replica_index}")
     finally:
-        if metrics_server is not None:
-            metrics_server.close()
         try:
             for thread in background:
                 thread.close()
@@ -109,11 +137,7 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
     from persia_py.workers.embedding_worker_service import create_embedding_worker_server
     from persia_py.workers.ps_client import PSClient
 
-    allocator.tune_this_process()
-    global_path, embedding_path = _config_paths(args)
-    if embedding_path is None:
-        raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
-    global_config = load_global_config(global_path)
+    global_config, embedding_config = _server_configs(args)
     ps_addrs = args.ps_addrs.split(",") if args.ps_addrs else PersiaEnv.from_environ().ps_addrs
     if not ps_addrs:
         raise SystemExit(f"--ps-addrs (or {ENV_PS_ADDRS}) is required")
@@ -122,19 +146,15 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
         c.wait_ready()
     from persia_py.monitoring import EmbeddingWorkerMetrics
 
-    worker = EmbeddingWorker(global_config, load_embedding_config(embedding_path), clients,
+    worker = EmbeddingWorker(global_config, embedding_config, clients,
                              index=args.replica_index)
     metrics = EmbeddingWorkerMetrics(worker)
     worker.on_lookup_timed = metrics.observe_lookup
     server, port = create_embedding_worker_server(worker, f"{args.bind}:{args.port}")
-    what = f"embedding-worker {args.replica_index}"
-    metrics_server = (None if args.metrics_port is None else
-                      serve_metrics(metrics.registry, args.metrics_port, args.bind, what))
     try:
-        return _serve_until_signal(server, f"{what} on port {port}")
+        return _serve(args, server, port, metrics.registry,
+                      f"embedding-worker {args.replica_index}")
     finally:
-        if metrics_server is not None:
-            metrics_server.close()
         worker.close()
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n persia_py/proto/checkpoint.proto\x12\tpersia_py\" \n\x0b\x44umpRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"`\n\x0c\x44umpResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x15\n\rreplica_index\x18\x03 \x01(\x05\x12\x14\n\x0creplica_size\x18\x04 \x01(\x05\" \n\x0bLoadRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"3\n\x0cLoadResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x32\x8d\x01\n\x19ParameterServerCheckpoint\x12\x37\n\x04\x44ump\x12\x16.persia_py.DumpRequest\x1a\x17.persia_py.DumpResponse\x12\x37\n\x04Load\x12\x16.persia_py.LoadRequest\x1a\x17.persia_py.LoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n persia_py/proto/checkpoint.proto\x12\tpersia_py\"B\n\x0b\x44umpRequest\x12\x0e\n\x06\x66older\x18\x02 \x01(\t\x12\x12\n\ncheckpoint\x18\x03 \x01(\tJ\x04\x08\x01\x10\x02R\tdirectory\"`\n\x0c\x44umpResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x15\n\rreplica_index\x18\x03 \x01(\x05\x12\x14\n\x0creplica_size\x18\x04 \x01(\x05\"B\n\x0bLoadRequest\x12\x0e\n\x06\x66older\x18\x02 \x01(\t\x12\x12\n\ncheckpoint\x18\x03 \x01(\tJ\x04\x08\x01\x10\x02R\tdirectory\"3\n\x0cLoadResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x32\x8d\x01\n\x19ParameterServerCheckpoint\x12\x37\n\x04\x44ump\x12\x16.persia_py.DumpRequest\x1a\x17.persia_py.DumpResponse\x12\x37\n\x04Load\x12\x16.persia_py.LoadRequest\x1a\x17.persia_py.LoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'persia_py.proto.checkpoint_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DUMPREQUEST']._serialized_start=47
-  _globals['_DUMPREQUEST']._serialized_end=79
-  _globals['_DUMPRESPONSE']._serialized_start=81
-  _globals['_DUMPRESPONSE']._serialized_end=177
-  _globals['_LOADREQUEST']._serialized_start=179
-  _globals['_LOADREQUEST']._serialized_end=211
-  _globals['_LOADRESPONSE']._serialized_start=213
-  _globals['_LOADRESPONSE']._serialized_end=264
-  _globals['_PARAMETERSERVERCHECKPOINT']._serialized_start=267
-  _globals['_PARAMETERSERVERCHECKPOINT']._serialized_end=408
+  _globals['_DUMPREQUEST']._serialized_end=113
+  _globals['_DUMPRESPONSE']._serialized_start=115
+  _globals['_DUMPRESPONSE']._serialized_end=211
+  _globals['_LOADREQUEST']._serialized_start=213
+  _globals['_LOADREQUEST']._serialized_end=279
+  _globals['_LOADRESPONSE']._serialized_start=281
+  _globals['_LOADRESPONSE']._serialized_end=332
+  _globals['_PARAMETERSERVERCHECKPOINT']._serialized_start=335
+  _globals['_PARAMETERSERVERCHECKPOINT']._serialized_end=476
 # @@protoc_insertion_point(module_scope)

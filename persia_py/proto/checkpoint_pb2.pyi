@@ -5,10 +5,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DumpRequest(_message.Message):
-    __slots__ = ("directory",)
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
-    directory: str
-    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+    __slots__ = ("folder", "checkpoint")
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    folder: str
+    checkpoint: str
+    def __init__(self, folder: _Optional[str] = ..., checkpoint: _Optional[str] = ...) -> None: ...
 
 class DumpResponse(_message.Message):
     __slots__ = ("num_rows", "num_bytes", "replica_index", "replica_size")
@@ -23,10 +25,12 @@ class DumpResponse(_message.Message):
     def __init__(self, num_rows: _Optional[int] = ..., num_bytes: _Optional[int] = ..., replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("directory",)
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
-    directory: str
-    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+    __slots__ = ("folder", "checkpoint")
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    folder: str
+    checkpoint: str
+    def __init__(self, folder: _Optional[str] = ..., checkpoint: _Optional[str] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("num_rows", "num_bytes")

@@ -27,7 +27,11 @@ if _version_not_supported:
 
 class ParameterServerCheckpointStub:
     """Checkpoints of a parameter-server replica (served beside ParameterServer on the same
-    port). Paths are on the server's file system; in a local job every role shares one.
+    port; not by serving replicas). Each server reads and writes only inside its own
+    checkpoint root (--checkpoint-root, else checkpoint_config.root): a call names a
+    checkpoint folder in it by plain names (letters, digits, '_', '.', '-'; at most 128
+    characters; not starting with '.' or '-'), never a path. The checkpoint folder is
+    ROOT/checkpoint, or ROOT/folder/checkpoint when `folder` is set.
     """
 
     def __init__(self, channel):
@@ -50,18 +54,24 @@ class ParameterServerCheckpointStub:
 
 class ParameterServerCheckpointServicer:
     """Checkpoints of a parameter-server replica (served beside ParameterServer on the same
-    port). Paths are on the server's file system; in a local job every role shares one.
+    port; not by serving replicas). Each server reads and writes only inside its own
+    checkpoint root (--checkpoint-root, else checkpoint_config.root): a call names a
+    checkpoint folder in it by plain names (letters, digits, '_', '.', '-'; at most 128
+    characters; not starting with '.' or '-'), never a path. The checkpoint folder is
+    ROOT/checkpoint, or ROOT/folder/checkpoint when `folder` is set.
     """
 
     def Dump(self, request, context):
-        """Write this replica's tables (rows, optimizer state, settings) into `directory`.
+        """Write this replica's tables (rows, optimizer state, settings) into an existing
+        checkpoint folder (the one being written).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Load(self, request, context):
-        """Replace this replica's tables with the rows of a checkpoint that route to it.
+        """Replace this replica's tables with the rows of a complete checkpoint that route to
+        it; all or nothing (a failed Load changes nothing).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,7 +100,11 @@ def add_ParameterServerCheckpointServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ParameterServerCheckpoint:
     """Checkpoints of a parameter-server replica (served beside ParameterServer on the same
-    port). Paths are on the server's file system; in a local job every role shares one.
+    port; not by serving replicas). Each server reads and writes only inside its own
+    checkpoint root (--checkpoint-root, else checkpoint_config.root): a call names a
+    checkpoint folder in it by plain names (letters, digits, '_', '.', '-'; at most 128
+    characters; not starting with '.' or '-'), never a path. The checkpoint folder is
+    ROOT/checkpoint, or ROOT/folder/checkpoint when `folder` is set.
     """
 
     @staticmethod
