@@ -586,8 +586,10 @@ class EmbeddingTable:
         for name, values in (("weights", weights), ("state", state)):
             if not bool(np.isfinite(values).all()):
                 raise ValueError(f"{name} contain NaN or infinite values")
-        if np.unique(ids).shape[0] != n:
-            raise ValueError(f"ids are not distinct ({n - np.unique(ids).shape[0]} repeats)")
+        ordered = np.sort(ids)  # repeats are neighbours once sorted (cheaper than np.unique)
+        repeats = int(np.count_nonzero(ordered[1:] == ordered[:-1]))
+        if repeats:
+            raise ValueError(f"ids are not distinct ({repeats} repeats)")
         order, bounds = self._split_by_shard(ids)
         parts = [(shard, order[bounds[k]:bounds[k + 1]]) for k, shard in enumerate(self._shards)]
         for shard, pos in parts:  # capacity, for every shard before any row is stored

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from persia_py.dedup import unique_in_order
 from persia_py.routing import replica_of, split_by
 
 Positions = np.ndarray | slice
@@ -61,9 +62,11 @@ class RoutingPlan:
         for table, slots in slots_of.items():
             if len(slots) == 1:
                 ids, slot_rows = unique_ids[slots[0]], {slots[0]: None}
-            else:  # sorted, so that each slot finds its ids in it with searchsorted
-                ids = np.unique(np.concatenate([unique_ids[s] for s in slots]))
-                slot_rows = {s: np.searchsorted(ids, unique_ids[s]) for s in slots}
+            else:  # the group's distinct ids; each slot's rows are its part of the inverse
+                parts = [unique_ids[s] for s in slots]
+                ids, inverse = unique_in_order(np.concatenate(parts))
+                ends = np.cumsum([p.size for p in parts])
+                slot_rows = {s: inverse[end - p.size:end] for s, p, end in zip(slots, parts, ends)}
             tables[table] = TablePlan(ids, _by_replica(ids, num_replicas), slot_rows)
         return cls(tables, num_replicas)
 
