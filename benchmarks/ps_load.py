@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for n in args.client_counts:
             run = run_clients(address, pid, n, args)
-            stats = next(t for t in admin.stats().tables if t.slot == SLOT)
+            stats = next(t for t in admin.stats().tables if t.table == SLOT)
             run.update(entries=stats.entries, evicted=stats.evicted, table_bytes=stats.bytes)
             runs.append(run)
             scaling = run["ops_per_s"] / runs[0]["ops_per_s"] if runs[0]["ops_per_s"] else 0.0

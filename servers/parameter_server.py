@@ -218,31 +218,31 @@ class ParameterServer:
 
     # -- lookup and update ---------------------------------------------------------
 
-    def _table(self, slot: str) -> EmbeddingTable:
+    def _table(self, name: str) -> EmbeddingTable:
         if self._settings is None:
             raise FailedPrecondition(
                 "no embedding optimizer configured yet (TrainCtx/InferCtx configures it)"
             )
-        if slot not in self._tables:
-            raise ValueError(f"unknown slot {slot!r}; this server has {sorted(self._tables)}")
-        return self._tables[slot]
+        if name not in self._tables:
+            raise ValueError(f"unknown table {name!r}; this server has {sorted(self._tables)}")
+        return self._tables[name]
 
-    def _check_ids(self, slot: str, ids: np.ndarray) -> None:
+    def _check_ids(self, name: str, ids: np.ndarray) -> None:
         if ids.dtype != np.uint64 or ids.ndim != 1:
-            raise ValueError(f"slot {slot!r}: ids must be 1-D uint64, got {ids.dtype} {ids.shape}")
+            raise ValueError(f"table {name!r}: ids must be 1-D uint64, got {ids.dtype} {ids.shape}")
         if (ids == RESERVED_ID).any():
-            raise ValueError(f"slot {slot!r}: id {int(RESERVED_ID)} is reserved")
+            raise ValueError(f"table {name!r}: id {int(RESERVED_ID)} is reserved")
         if self.replica_size > 1 and ids.size:
             wrong = replica_of(ids, self.replica_size) != self.replica_index
             if wrong.any():
                 raise ValueError(
-                    f"slot {slot!r}: {int(wrong.sum())} ids belong to other replicas "
+                    f"table {name!r}: {int(wrong.sum())} ids belong to other replicas "
                     f"(this is replica {self.replica_index} of {self.replica_size})"
                 )
 
     def lookup(self, requests: list[tuple[str, np.ndarray]], *, training: bool,
                answer_itemsize: int = 4) -> list[np.ndarray]:
-        """Embeddings ``[n, dim]`` for each ``(slot, ids)``; training lookups insert new ids.
+        """Embeddings ``[n, dim]`` for each ``(table, ids)``; training lookups insert new ids.
 
         A request whose answer (``answer_itemsize`` bytes per value) would not fit in
         ``max_message_bytes`` is refused before anything is inserted.
@@ -250,9 +250,9 @@ class ParameterServer:
         if training and self.inference:
             raise FailedPrecondition("this parameter server is in inference mode (read-only): "
                                      "only lookups with training=False are answered")
-        tables = [self._table(slot) for slot, _ in requests]
-        for slot, ids in requests:
-            self._check_ids(slot, ids)
+        tables = [self._table(name) for name, _ in requests]
+        for name, ids in requests:
+            self._check_ids(name, ids)
         answer_bytes = sum(ids.size * t.dim * answer_itemsize for t, (_, ids) in zip(tables, requests))
         limit = self.global_config.common_config.max_message_bytes
         if answer_bytes > limit:
@@ -267,7 +267,7 @@ class ParameterServer:
         worker_id: str = "",
         sequence: int = 0,
     ) -> tuple[int, bool]:
-        """Apply gradients ``(slot, ids, grads)``; returns (rows updated, was duplicate).
+        """Apply gradients ``(table, ids, grads)``; returns (rows updated, was duplicate).
 
         The whole request is validated before any table changes, so a bad request
         changes nothing; a request without ids is refused. ``worker_id`` (see
@@ -277,18 +277,18 @@ class ParameterServer:
             raise FailedPrecondition("this parameter server is in inference mode (read-only): "
                                      "updates are refused")
         if not any(ids.size for _, ids, _ in requests):
-            raise ValueError("slots: an update must carry at least one id; empty updates are "
+            raise ValueError("tables: an update must carry at least one id; empty updates are "
                              "refused")
         if worker_id:
             check_worker_id(worker_id)
-        tables = [self._table(slot) for slot, _, _ in requests]
+        tables = [self._table(name) for name, _, _ in requests]
         checked = []
-        for (slot, ids, grads), table in zip(requests, tables):
-            self._check_ids(slot, ids)
+        for (name, ids, grads), table in zip(requests, tables):
+            self._check_ids(name, ids)
             try:
                 checked.append(table.check_update(ids, grads))
             except ValueError as exc:
-                raise ValueError(f"slot {slot!r}: {exc}") from None
+                raise ValueError(f"table {name!r}: {exc}") from None
         if worker_id and self._seen_before(worker_id, sequence):
             return 0, True
         try:
@@ -421,7 +421,7 @@ class ParameterServer:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per-table statistics (empty before configuration)."""
-        return {slot: table.stats() for slot, table in self._tables.items()}
+        return {name: table.stats() for name, table in self._tables.items()}
 
     def close(self) -> None:
         for table in self._tables.values():

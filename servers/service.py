@@ -47,14 +47,14 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
 
     @grpc_method
     def Lookup(self, request, context):
-        slots = [
-            (s.slot, codec.decode(s.ids, name=f"slots[{i}].ids", dtypes=("uint64",), ndim=1))
-            for i, s in enumerate(request.slots)
+        tables = [
+            (t.table, codec.decode(t.ids, name=f"tables[{i}].ids", dtypes=("uint64",), ndim=1))
+            for i, t in enumerate(request.tables)
         ]
         with self.metrics.lookup_seconds.time():
-            embeddings = self.ps.lookup(slots, training=request.training,
+            embeddings = self.ps.lookup(tables, training=request.training,
                                         answer_itemsize=2 if request.fp16 else 4)
-        self.metrics.lookup_ids.inc(sum(ids.size for _, ids in slots))
+        self.metrics.lookup_ids.inc(sum(ids.size for _, ids in tables))
         # Serialized here: the rows are copied once, into the bytes gRPC sends, where
         # building and serializing a LookupResponse would copy them three times.
         return codec.join([piece for e in embeddings for piece in codec.tensor_field(
@@ -62,26 +62,26 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
 
     @grpc_method
     def Update(self, request, context):
-        slots = [
+        tables = [
             (
-                s.slot,
-                codec.decode(s.ids, name=f"slots[{i}].ids", dtypes=("uint64",), ndim=1),
+                t.table,
+                codec.decode(t.ids, name=f"tables[{i}].ids", dtypes=("uint64",), ndim=1),
                 # Finiteness is checked once, by ParameterServer.update, for the whole request.
-                codec.decode(s.grads, name=f"slots[{i}].grads", dtypes=("float16", "float32"),
+                codec.decode(t.grads, name=f"tables[{i}].grads", dtypes=("float16", "float32"),
                              ndim=2, as_float32=True),
             )
-            for i, s in enumerate(request.slots)
+            for i, t in enumerate(request.tables)
         ]
         with self.metrics.update_seconds.time():
             num_updated, duplicate = self.ps.update(
-                slots, worker_id=request.worker_id, sequence=request.sequence
+                tables, worker_id=request.worker_id, sequence=request.sequence
             )
         self.metrics.update_ids.inc(num_updated)
         return pb.UpdateResponse(num_updated=num_updated, duplicate=duplicate)
 
     @grpc_method
     def Stats(self, request, context):
-        tables = [pb.TableStats(slot=slot, **stats) for slot, stats in self.ps.stats().items()]
+        tables = [pb.TableStats(table=name, **stats) for name, stats in self.ps.stats().items()]
         return pb.StatsResponse(tables=tables, num_updates=self.ps.num_updates)
 
     @grpc_method

@@ -59,8 +59,8 @@ def test_lz4_shrinks_repetitive_payloads() -> None:
 )
 def test_malformed_tensors_name_the_problem(tensor, expectation, message) -> None:
     with pytest.raises(codec.CodecError, match=message) as info:
-        codec.decode(tensor, name="slots[0].ids", **expectation)
-    assert "slots[0].ids" in str(info.value)
+        codec.decode(tensor, name="tables[0].ids", **expectation)
+    assert "tables[0].ids" in str(info.value)
 
 
 
@@ -77,7 +77,7 @@ def test_id_feature_round_trip() -> None:
 def _update_pieces(slots, **wire) -> list:
     pieces = [ps_pb.UpdateRequest(worker_id="w", sequence=7).SerializeToString()]
     for slot, ids, grads in slots:
-        pieces += codec.message_field(1, [ps_pb.SlotGradients(slot=slot).SerializeToString(),
+        pieces += codec.message_field(1, [ps_pb.TableGradients(table=slot).SerializeToString(),
                                           *codec.tensor_field(2, ids),
                                           *codec.tensor_field(3, grads, **wire)])
     return pieces
@@ -88,8 +88,8 @@ def test_pieces_join_into_the_message_protobuf_writes(wire) -> None:
     slots = [("a", np.arange(5, dtype=np.uint64), np.linspace(0, 1, 15, dtype=np.float32).reshape(5, 3)),
              ("b", np.zeros(0, np.uint64), np.zeros((0, 3), np.float32))]
     written = codec.join(_update_pieces(slots, **wire))
-    expected = ps_pb.UpdateRequest(worker_id="w", sequence=7, slots=[
-        ps_pb.SlotGradients(slot=s, ids=codec.encode(i), grads=codec.encode(g, **wire))
+    expected = ps_pb.UpdateRequest(worker_id="w", sequence=7, tables=[
+        ps_pb.TableGradients(table=s, ids=codec.encode(i), grads=codec.encode(g, **wire))
         for s, i, g in slots])
     assert ps_pb.UpdateRequest.FromString(written) == expected
     if not wire.get("compress"):  # the same bytes, field order aside
@@ -100,14 +100,14 @@ def test_parse_reads_arrays_without_copies_and_scalars_like_protobuf() -> None:
     grads = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
     written = codec.join(_update_pieces([("a", np.arange(4, dtype=np.uint64), grads)], fp16=True))
     parsed = codec.parse(ps_pb.UpdateRequest, written)
-    assert (parsed.worker_id, parsed.sequence, len(parsed.slots)) == ("w", 7, 1)
-    (slot,) = parsed.slots
-    assert slot.slot == "a" and slot.grads.dtype == "float16" and not slot.grads.lz4
-    view = codec.decode(slot.grads, ndim=2, copy=False)
+    assert (parsed.worker_id, parsed.sequence, len(parsed.tables)) == ("w", 7, 1)
+    (table,) = parsed.tables
+    assert table.table == "a" and table.grads.dtype == "float16" and not table.grads.lz4
+    view = codec.decode(table.grads, ndim=2, copy=False)
     assert not view.flags.writeable and view.base is not None  # a view of `written`
-    np.testing.assert_allclose(codec.decode(slot.grads, as_float32=True), grads, atol=1e-3)
+    np.testing.assert_allclose(codec.decode(table.grads, as_float32=True), grads, atol=1e-3)
     empty = codec.parse(ps_pb.UpdateRequest, b"")
-    assert empty.slots == [] and empty.worker_id == ""
+    assert empty.tables == [] and empty.worker_id == ""
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -129,18 +129,18 @@ def test_decoded_size_is_judged_from_claims_before_decompressing(parsed: bool) -
     message = (codec.parse(ps_pb.UpdateRequest, written) if parsed
                else ps_pb.UpdateRequest.FromString(written))
     codec.check_decoded_size(message, len(written), 2 * zeros.nbytes + 64 * 1024, what="limit")
-    with pytest.raises(codec.CodecError, match=r"slots\[1\]\.grads: lz4 payload claims 262144 "
+    with pytest.raises(codec.CodecError, match=r"tables\[1\]\.grads: lz4 payload claims 262144 "
                                                r"decoded bytes.*larger than max.*limit"):
         codec.check_decoded_size(message, len(written), zeros.nbytes + 64 * 1024, what="limit")
     # A claim past what any payload could back, with a nonsense shape, is judged the same.
-    bomb = ps_pb.UpdateRequest(slots=[ps_pb.SlotGradients(grads=common_pb2.Tensor(
+    bomb = ps_pb.UpdateRequest(tables=[ps_pb.TableGradients(grads=common_pb2.Tensor(
         dtype="float32", shape=[2**40, 2**40], data=b"x", lz4=True))])
-    with pytest.raises(codec.CodecError, match=r"slots\[0\]\.grads"):
+    with pytest.raises(codec.CodecError, match=r"tables\[0\]\.grads"):
         codec.check_decoded_size(bomb, bomb.ByteSize(), 2**31, what="limit")
 
 
 def test_parse_builds_a_bounded_number_of_sub_messages() -> None:
     within = b"\x0a\x00" * codec.MAX_PARSED_MESSAGES  # empty entries: no tensors built
-    assert len(codec.parse(ps_pb.UpdateRequest, within).slots) == codec.MAX_PARSED_MESSAGES
+    assert len(codec.parse(ps_pb.UpdateRequest, within).tables) == codec.MAX_PARSED_MESSAGES
     with pytest.raises(codec.CodecError, match="sub-messages"):
         codec.parse(ps_pb.UpdateRequest, b"\x0a\x00" * (codec.MAX_PARSED_MESSAGES + 1))

@@ -184,20 +184,20 @@ def ps_message(m: Mutator, state: dict, raw: bool) -> tuple[str, bytes]:
         return checkpoint_message(m, method)
     if method == "Lookup":
         request = ps_pb.LookupRequest(
-            slots=[ps_pb.SlotIds(slot=s, ids=codec.encode(ids))
+            tables=[ps_pb.TableIds(table=s, ids=codec.encode(ids))
                    for s, ids in _slot_ids_pairs(m, m.fuzz_ids)],
             training=not raw and m.chance(0.7), fp16=m.chance(0.3))
         if m.chance(0.01):  # an answer bigger than max_message_bytes
-            request.slots[0].ids.CopyFrom(codec.encode(m.fuzz_ids(MAX_MESSAGE_BYTES // 16)))
-            request.slots[0].slot = "tags"
+            request.tables[0].ids.CopyFrom(codec.encode(m.fuzz_ids(MAX_MESSAGE_BYTES // 16)))
+            request.tables[0].table = "tags"
             request.fp16 = False
         elif request.training or m.chance(0.7):
             if m.chance(0.2):  # before the breaker, which it could otherwise undo
-                m.noise_tensor(m.choice(request.slots).ids)
-            entry = m.choice(request.slots)
+                m.noise_tensor(m.choice(request.tables).ids)
+            entry = m.choice(request.tables)
             breaker = m.choice(["slot", "ids", "ids", "reserved"])
             if breaker == "slot":
-                entry.slot = m.unknown_slot()
+                entry.table = m.unknown_slot()
             elif breaker == "reserved":
                 ids = codec.decode(entry.ids)
                 ids[int(m.rng.integers(ids.size))] = RESERVED_ID
@@ -210,16 +210,16 @@ def ps_message(m: Mutator, state: dict, raw: bool) -> tuple[str, bytes]:
         # damaged carry fuzz ids: damage can drop or repair a breaker.
         pairs = _slot_ids_pairs(m, m.fuzz_ids if raw else lambda n: m.rng.choice(KNOWN_IDS, n))
         request = ps_pb.UpdateRequest(
-            slots=[ps_pb.SlotGradients(slot=s, ids=codec.encode(ids),
+            tables=[ps_pb.TableGradients(table=s, ids=codec.encode(ids),
                                        grads=codec.encode(m.floats((ids.size, DIMS[s])),
                                                           fp16=m.chance(0.3)))
                    for s, ids in pairs],
             worker_id=m.choice(["", "fuzz", m.rng.bytes(8).hex()]),
             sequence=int(m.rng.integers(0, 2**63)))
-        entry = m.choice(request.slots)
+        entry = m.choice(request.tables)
         breaker = m.choice(["slot", "ids", "grads", "grads", "dim", "rows", "reserved"])
         if breaker == "slot":
-            entry.slot = m.unknown_slot()
+            entry.table = m.unknown_slot()
         elif breaker == "ids":
             m.break_tensor(entry.ids, float_payload=False)
         elif breaker == "grads":
@@ -230,7 +230,7 @@ def ps_message(m: Mutator, state: dict, raw: bool) -> tuple[str, bytes]:
             entry.ids.CopyFrom(codec.encode(ids))
         else:
             n = len(codec.decode(entry.ids))
-            shape = (n, DIMS[entry.slot] + 1) if breaker == "dim" else (n + 1, DIMS[entry.slot])
+            shape = (n, DIMS[entry.table] + 1) if breaker == "dim" else (n + 1, DIMS[entry.table])
             entry.grads.CopyFrom(codec.encode(m.floats(shape)))
     elif method == "Configure":
         request = common_pb2.ConfigureRequest()
@@ -412,7 +412,7 @@ def ps_harmless(method: str, message: bytes, state: dict) -> bool:
         return request is None or not request.training
     if method.endswith("/Update"):
         request = _parse(ps_pb.UpdateRequest, message)
-        for entry in request.slots if request is not None else ():
+        for entry in request.tables if request is not None else ():
             ids = np.frombuffer(entry.ids.data[: len(entry.ids.data) // 8 * 8], np.uint64)
             if np.isin(ids, KNOWN_IDS).any():
                 return False
@@ -482,7 +482,7 @@ def fuzz_cluster(tmp_path_factory):
 def _checksum(ps_addr: str) -> tuple[dict, str]:
     client = PSClient(ps_addr, COMMON)
     try:
-        entries = {t.slot: t.entries for t in client.stats().tables}
+        entries = {t.table: t.entries for t in client.stats().tables}
         rows = client.lookup([("user", KNOWN_IDS), ("tags", KNOWN_IDS)], training=False)
         return entries, hashlib.sha256(b"".join(r.tobytes() for r in rows)).hexdigest()
     finally:
@@ -610,8 +610,8 @@ def _refusal(address: str, method: str, message: bytes) -> tuple[grpc.StatusCode
 def test_refusals_say_what_was_wrong(fuzz_cluster) -> None:
     c = fuzz_cluster
     invalid = grpc.StatusCode.INVALID_ARGUMENT
-    too_many = ps_pb.LookupRequest(slots=[ps_pb.SlotIds(
-        slot="tags", ids=codec.encode(np.arange(1, MAX_MESSAGE_BYTES // 16, dtype=np.uint64)))])
+    too_many = ps_pb.LookupRequest(tables=[ps_pb.TableIds(
+        table="tags", ids=codec.encode(np.arange(1, MAX_MESSAGE_BYTES // 16, dtype=np.uint64)))])
     cases = [
         (c["ps"], "/persia_py.ParameterServer/Lookup", too_many.SerializeToString(),
          invalid, "over max_message_bytes"),

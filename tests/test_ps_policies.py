@@ -221,7 +221,7 @@ def test_configure_applies_slot_policies_and_optimizer() -> None:
                 tuned.expire_after_seconds) == (0.5, 2, 100, 60.0)
         stats = ps.stats()
         assert set(stats["tuned"]) == set(STAT_KEYS)
-        message = pb.TableStats(slot="tuned", **stats["tuned"])  # every key has a field
+        message = pb.TableStats(table="tuned", **stats["tuned"])  # every key has a field
         assert message.admitted == 0 and message.expired == 0
     finally:
         ps.close()
@@ -240,8 +240,8 @@ def test_lookup_answer_same_as_encoded_message(fp16, lz4) -> None:
     ps = ParameterServer(global_config_from_dict({}), embedding)
     ps.configure(optimizer={"type": "sgd", "lr": 0.1}, init_lower=-1.0, init_upper=1.0)
     ids = np.arange(1, 50, dtype=np.uint64)
-    request = pb.LookupRequest(slots=[pb.SlotIds(slot="a", ids=codec.encode(ids)),
-                                      pb.SlotIds(slot="b", ids=codec.encode(ids[:0]))],
+    request = pb.LookupRequest(tables=[pb.TableIds(table="a", ids=codec.encode(ids)),
+                                      pb.TableIds(table="b", ids=codec.encode(ids[:0]))],
                                training=True, fp16=fp16, lz4=lz4)
     try:
         answer = ParameterServerServicer(ps).Lookup(request, None)

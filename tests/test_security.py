@@ -124,10 +124,10 @@ def test_tls_and_token_train_end_to_end_and_refuse_everyone_else(secure_cluster,
     new_ids = np.arange(10_000, 10_050, dtype=np.uint64)
     requests = {
         "Lookup": parameter_server_pb2.LookupRequest(
-            slots=[parameter_server_pb2.SlotIds(slot="user", ids=codec.encode(new_ids))],
+            tables=[parameter_server_pb2.TableIds(table="user", ids=codec.encode(new_ids))],
             training=True),
-        "Update": parameter_server_pb2.UpdateRequest(slots=[parameter_server_pb2.SlotGradients(
-            slot="user", ids=codec.encode(KNOWN_IDS),
+        "Update": parameter_server_pb2.UpdateRequest(tables=[parameter_server_pb2.TableGradients(
+            table="user", ids=codec.encode(KNOWN_IDS),
             grads=codec.encode(np.ones((KNOWN_IDS.size, 4), np.float32)))]),
         "Configure": configure_request({"type": "sgd", "lr": 9.0}, init_lower=-1, init_upper=1,
                                        weight_bound=None, seed=1),

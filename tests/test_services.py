@@ -142,20 +142,20 @@ def test_parameter_server_rejects_bad_requests_and_keeps_serving(cluster) -> Non
     stub = parameter_server_pb2_grpc.ParameterServerStub(channel)
     ids = np.array([5], np.uint64)
     ids = ids if replica_of(ids, 2)[0] == 0 else np.array([6], np.uint64)
-    bad_dtype = parameter_server_pb2.LookupRequest(slots=[parameter_server_pb2.SlotIds(
-        slot="user", ids=codec.encode(ids.astype(np.int32)))], training=True)
+    bad_dtype = parameter_server_pb2.LookupRequest(tables=[parameter_server_pb2.TableIds(
+        table="user", ids=codec.encode(ids.astype(np.int32)))], training=True)
     _expect_error(lambda: stub.Lookup(bad_dtype, timeout=10), grpc.StatusCode.INVALID_ARGUMENT,
-                  "slots[0].ids", "int32")
-    unknown = parameter_server_pb2.LookupRequest(slots=[parameter_server_pb2.SlotIds(
-        slot="nope", ids=codec.encode(ids))], training=True)
+                  "tables[0].ids", "int32")
+    unknown = parameter_server_pb2.LookupRequest(tables=[parameter_server_pb2.TableIds(
+        table="nope", ids=codec.encode(ids))], training=True)
     _expect_error(lambda: stub.Lookup(unknown, timeout=10), grpc.StatusCode.INVALID_ARGUMENT,
-                  "unknown slot 'nope'")
-    nan = parameter_server_pb2.UpdateRequest(slots=[parameter_server_pb2.SlotGradients(
-        slot="user", ids=codec.encode(ids),
+                  "unknown table 'nope'")
+    nan = parameter_server_pb2.UpdateRequest(tables=[parameter_server_pb2.TableGradients(
+        table="user", ids=codec.encode(ids),
         grads=codec.encode(np.full((1, 4), np.nan, np.float32)))])
     _expect_error(lambda: stub.Update(nan, timeout=10), grpc.StatusCode.INVALID_ARGUMENT, "NaN")
-    wrong_dim = parameter_server_pb2.UpdateRequest(slots=[parameter_server_pb2.SlotGradients(
-        slot="user", ids=codec.encode(ids), grads=codec.encode(np.ones((1, 3), np.float32)))])
+    wrong_dim = parameter_server_pb2.UpdateRequest(tables=[parameter_server_pb2.TableGradients(
+        table="user", ids=codec.encode(ids), grads=codec.encode(np.ones((1, 3), np.float32)))])
     _expect_error(lambda: stub.Update(wrong_dim, timeout=10), grpc.StatusCode.INVALID_ARGUMENT,
                   "do not match")
     # Still serving, and the rejected updates changed nothing.

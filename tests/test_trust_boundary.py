@@ -72,7 +72,7 @@ class Cluster:
 
     def checksum(self) -> tuple[dict[str, int], str]:
         """Row counts per table and a hash of every row (read without inserting)."""
-        entries = {t.slot: t.entries for t in self.client.stats().tables}
+        entries = {t.table: t.entries for t in self.client.stats().tables}
         rows = self.client.lookup([(s, IDS) for s in DIMS], training=False)
         return entries, hashlib.sha256(b"".join(r.tobytes() for r in rows)).hexdigest()
 
@@ -260,8 +260,8 @@ def test_a_load_failing_at_any_step_changes_nothing(cluster) -> None:
     assert cluster.outside_files() == files
     # The exactly-once window is the live one still: the last update is a duplicate.
     answer = cluster.ps.Update(ps_pb.UpdateRequest(
-        worker_id=WORKER, sequence=cluster.sequence, slots=[ps_pb.SlotGradients(
-            slot="user", ids=codec.encode(IDS[:1]), grads=codec.encode(np.ones((1, 4), np.float32)))]),
+        worker_id=WORKER, sequence=cluster.sequence, tables=[ps_pb.TableGradients(
+            table="user", ids=codec.encode(IDS[:1]), grads=codec.encode(np.ones((1, 4), np.float32)))]),
         timeout=30)
     assert answer.duplicate
     # The unchanged checkpoint loads: the rows go back to what it holds.
@@ -272,23 +272,23 @@ def test_a_load_failing_at_any_step_changes_nothing(cluster) -> None:
 def test_an_empty_update_never_marks_a_sequence_as_seen(cluster) -> None:
     before = cluster.checksum()
     worker, sequence = "embedding-worker-1-" + "cd" * 16, 7
-    empty_slot = ps_pb.SlotGradients(slot="user", ids=codec.encode(np.zeros(0, np.uint64)),
+    empty_slot = ps_pb.TableGradients(table="user", ids=codec.encode(np.zeros(0, np.uint64)),
                                      grads=codec.encode(np.zeros((0, 4), np.float32)))
     for request in (ps_pb.UpdateRequest(worker_id=worker, sequence=sequence),
-                    ps_pb.UpdateRequest(worker_id=worker, sequence=sequence, slots=[empty_slot])):
-        assert "slots" in _refused(cluster.ps.Update, request)
+                    ps_pb.UpdateRequest(worker_id=worker, sequence=sequence, tables=[empty_slot])):
+        assert "tables" in _refused(cluster.ps.Update, request)
     assert cluster.checksum() == before
     for bad in ("", "w" * 129, "a/b", "x\x00", "-x", "\u00e9"):
         if bad:
-            request = ps_pb.UpdateRequest(worker_id=bad, sequence=1, slots=[
-                ps_pb.SlotGradients(slot="user", ids=codec.encode(IDS[:1]),
+            request = ps_pb.UpdateRequest(worker_id=bad, sequence=1, tables=[
+                ps_pb.TableGradients(table="user", ids=codec.encode(IDS[:1]),
                                     grads=codec.encode(np.ones((1, 4), np.float32)))])
             assert "worker_id" in _refused(cluster.ps.Update, request)
     assert cluster.checksum() == before
     # The pair was never taken: the real update with it is applied.
     answer = cluster.ps.Update(ps_pb.UpdateRequest(
-        worker_id=worker, sequence=sequence, slots=[ps_pb.SlotGradients(
-            slot="user", ids=codec.encode(IDS[:1]), grads=codec.encode(np.ones((1, 4), np.float32)))]),
+        worker_id=worker, sequence=sequence, tables=[ps_pb.TableGradients(
+            table="user", ids=codec.encode(IDS[:1]), grads=codec.encode(np.ones((1, 4), np.float32)))]),
         timeout=30)
     assert not answer.duplicate and answer.num_updated == 1
     assert cluster.checksum() != before

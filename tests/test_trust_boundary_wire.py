@@ -102,8 +102,8 @@ def _peak_rise_mib(pid: int, fn) -> float:
 
 
 def _update(slot_tensors: list[tuple[common_pb2.Tensor, common_pb2.Tensor]]) -> bytes:
-    return parameter_server_pb2.UpdateRequest(worker_id="attacker", sequence=1, slots=[
-        parameter_server_pb2.SlotGradients(slot="user", ids=ids, grads=grads)
+    return parameter_server_pb2.UpdateRequest(worker_id="attacker", sequence=1, tables=[
+        parameter_server_pb2.TableGradients(table="user", ids=ids, grads=grads)
         for ids, grads in slot_tensors]).SerializeToString()
 
 
@@ -144,7 +144,7 @@ def test_bombs_and_unauthenticated_bodies_cost_the_server_little_memory(ps) -> N
     bomb = lz4.block.compress(bytes(4 * LIMIT), store_size=False)
     _refused(pid, update, _update([(ids, common_pb2.Tensor(dtype="float32", shape=[rows, DIM],
                                                        data=bomb, lz4=True))]),
-             auth, (grpc.StatusCode.INVALID_ARGUMENT,), "slots[0].grads: lz4 payload claims")
+             auth, (grpc.StatusCode.INVALID_ARGUMENT,), "tables[0].grads: lz4 payload claims")
     # A claim no payload backs: 255x of half the limit; believed, it would be allocated
     # before decompression failed.
     junk = secrets.token_bytes(LIMIT // 2)

@@ -42,16 +42,16 @@ class PSClient(ServiceClient):
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
 
-    def lookup(self, slots: list[tuple[str, np.ndarray]], *, training: bool,
+    def lookup(self, tables: list[tuple[str, np.ndarray]], *, training: bool,
                as_float32: bool = True) -> list[np.ndarray]:
-        """Embeddings ``[n, dim]`` for each ``(slot, ids)``: float32, or with
+        """Embeddings ``[n, dim]`` for each ``(table, ids)``: float32, or with
         ``as_float32=False`` read-only arrays as they travelled (float16 with
         ``embedding_fp16``), for a caller that only sends them on."""
         pieces = [pb.LookupRequest(training=training, fp16=self.common.embedding_fp16,
                                    lz4=self.common.lz4_compression).SerializeToString()]
-        for s, ids in slots:
-            pieces += codec.message_field(1, [  # LookupRequest.slots
-                pb.SlotIds(slot=s).SerializeToString(), *codec.tensor_field(2, ids)])
+        for table, ids in tables:
+            pieces += codec.message_field(1, [  # LookupRequest.tables
+                pb.TableIds(table=table).SerializeToString(), *codec.tensor_field(2, ids)])
         request = codec.join(pieces)
         # A training lookup may insert rows, but inserting the same ids again is a no-op
         # (initialization is a pure function of the id), so the call is safe to retry.
@@ -63,7 +63,7 @@ class PSClient(ServiceClient):
 
     def update(
         self,
-        slots: list[tuple[str, np.ndarray, np.ndarray]],
+        tables: list[tuple[str, np.ndarray, np.ndarray]],
         *,
         worker_id: str,
         sequence: int,
@@ -75,9 +75,9 @@ class PSClient(ServiceClient):
         retried, an answer ``duplicate`` raises :class:`UpdateNotApplied`.
         """
         pieces = [pb.UpdateRequest(worker_id=worker_id, sequence=sequence).SerializeToString()]
-        for s, ids, g in slots:
-            pieces += codec.message_field(1, [  # UpdateRequest.slots
-                pb.SlotGradients(slot=s).SerializeToString(),
+        for table, ids, g in tables:
+            pieces += codec.message_field(1, [  # UpdateRequest.tables
+                pb.TableGradients(table=table).SerializeToString(),
                 *codec.tensor_field(2, ids),
                 *codec.tensor_field(3, g, fp16=self.common.embedding_fp16,
                                     compress=self.common.lz4_compression),

@@ -7,25 +7,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class SlotIds(_message.Message):
-    __slots__ = ("slot", "ids")
-    SLOT_FIELD_NUMBER: _ClassVar[int]
+class TableIds(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
-    slot: str
+    table: str
     ids: _common_pb2.Tensor
-    def __init__(self, slot: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("slots", "training", "fp16", "lz4")
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("tables", "training", "fp16", "lz4")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     FP16_FIELD_NUMBER: _ClassVar[int]
     LZ4_FIELD_NUMBER: _ClassVar[int]
-    slots: _containers.RepeatedCompositeFieldContainer[SlotIds]
+    tables: _containers.RepeatedCompositeFieldContainer[TableIds]
     training: bool
     fp16: bool
     lz4: bool
-    def __init__(self, slots: _Optional[_Iterable[_Union[SlotIds, _Mapping]]] = ..., training: _Optional[bool] = ..., fp16: _Optional[bool] = ..., lz4: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., training: _Optional[bool] = ..., fp16: _Optional[bool] = ..., lz4: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("embeddings",)
@@ -33,25 +33,25 @@ class LookupResponse(_message.Message):
     embeddings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
     def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
 
-class SlotGradients(_message.Message):
-    __slots__ = ("slot", "ids", "grads")
-    SLOT_FIELD_NUMBER: _ClassVar[int]
+class TableGradients(_message.Message):
+    __slots__ = ("table", "ids", "grads")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
-    slot: str
+    table: str
     ids: _common_pb2.Tensor
     grads: _common_pb2.Tensor
-    def __init__(self, slot: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("slots", "worker_id", "sequence")
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("tables", "worker_id", "sequence")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    slots: _containers.RepeatedCompositeFieldContainer[SlotGradients]
+    tables: _containers.RepeatedCompositeFieldContainer[TableGradients]
     worker_id: str
     sequence: int
-    def __init__(self, slots: _Optional[_Iterable[_Union[SlotGradients, _Mapping]]] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableGradients, _Mapping]]] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
     __slots__ = ("num_updated", "duplicate")
@@ -66,8 +66,8 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("slot", "entries", "bytes", "hits", "misses", "inserted", "evicted", "admitted", "rejected", "expired")
-    SLOT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("table", "entries", "bytes", "hits", "misses", "inserted", "evicted", "admitted", "rejected", "expired")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
@@ -77,7 +77,7 @@ class TableStats(_message.Message):
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
-    slot: str
+    table: str
     entries: int
     bytes: int
     hits: int
@@ -87,7 +87,7 @@ class TableStats(_message.Message):
     admitted: int
     rejected: int
     expired: int
-    def __init__(self, slot: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., inserted: _Optional[int] = ..., evicted: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., inserted: _Optional[int] = ..., evicted: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tables", "num_updates")

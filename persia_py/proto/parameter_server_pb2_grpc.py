@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class ParameterServerStub:
-    """The embedding parameter server: holds its share of every slot's table.
+    """The embedding parameter server: holds its share of every table (a feature group's slots
+    share one table; a slot outside any group is a table of its own).
     """
 
     def __init__(self, channel):
@@ -64,7 +65,8 @@ class ParameterServerStub:
 
 
 class ParameterServerServicer:
-    """The embedding parameter server: holds its share of every slot's table.
+    """The embedding parameter server: holds its share of every table (a feature group's slots
+    share one table; a slot outside any group is a table of its own).
     """
 
     def Configure(self, request, context):
@@ -134,7 +136,8 @@ def add_ParameterServerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ParameterServer:
-    """The embedding parameter server: holds its share of every slot's table.
+    """The embedding parameter server: holds its share of every table (a feature group's slots
+    share one table; a slot outside any group is a table of its own).
     """
 
     @staticmethod
