@@ -53,3 +53,25 @@ def test_grafana_dashboard_charts_existing_metrics() -> None:
     assert used and used <= names, used - names
     roles = {"persia_ps", "persia_embedding_worker", "persia_nn_worker", "persia_data_loader"}
     assert all(any(n.startswith(r) for n in used) for r in roles)
+
+
+_MEASURED = re.compile(
+    r"\b\d[\d,.]*\s?(samples/s|ids/s|rows/s|MB/s|GB/s)"  # throughput
+    r"|\b\d+(\.\d+)?x\b"                                  # a ratio to a baseline
+    r"|\b\d+(\.\d+)?\s?%"                                 # a share or a rate
+    r"|\bAUC\b[^.]*\b0\.\d{2,}")                          # an accuracy
+
+
+def test_every_measured_figure_in_the_readme_links_to_the_benchmarks_page() -> None:
+    """The README is the manual; figures live in docs/benchmarks.md with their command,
+    date and machine, and a paragraph that quotes one links there."""
+    text = re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(), flags=re.S)
+    text = re.sub(r"`[^`]*`", "", text)  # example output and settings, not measurements
+    unlinked = [p for p in re.split(r"\n\s*\n|\n(?=- )", text)
+                if _MEASURED.search(p) and "docs/benchmarks.md" not in p]
+    assert not unlinked, "figures without a link to docs/benchmarks.md:\n" + "\n--\n".join(unlinked)
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    for anchor in set(re.findall(r"docs/benchmarks\.md#([\w-]+)", (ROOT / "README.md").read_text())):
+        headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
+                    for h in re.findall(r"^#+ (.+)$", page, flags=re.M)}
+        assert anchor in headings, f"README links docs/benchmarks.md#{anchor}, which has no such heading"
