@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pool
 
-from persia_py import codec
+from persia_py import codec, wire_rpc
 from persia_py.config import CommonConfig
 from persia_py.security import TransportSecurity
 
@@ -261,12 +261,22 @@ class ServiceClient:
 
     service_name = "service"
     """How logs and errors name the service, before its address."""
+    stub_class: Callable[[grpc.Channel], Any]
+    """The service's generated stub class; the client's ``stub``."""
+    wire_methods: dict[str, tuple[Any, str, type, bool]] = {}
+    """Attribute -> ``(service descriptor, method, response class, parse the response)``:
+    methods whose big messages skip protobuf's copies (:func:`persia_py.wire_rpc.unary`)."""
 
     def __init__(self, address: str, common: CommonConfig) -> None:
         self.address = address
         self.common = common
         self.channel = create_channel(address, common)
         self._outages = OutageLog()
+        self.stub = self.stub_class(self.channel)
+        for attribute, (service, method, response, parse) in self.wire_methods.items():
+            setattr(self, attribute, wire_rpc.unary(self.channel, service, method,
+                                                    response_class=response,
+                                                    parse_response=parse))
 
     def wait_ready(self) -> None:
         """Block until the service is reachable (``common_config.startup_timeout_sec``)."""

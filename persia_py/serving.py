@@ -35,7 +35,7 @@ from persia_py.ctx import InferCtx
 from persia_py.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from persia_py.proto import serving_pb2 as pb
 from persia_py.proto import serving_pb2_grpc
-from persia_py.rpc import call, create_channel, create_server, grpc_method, wait_for_ready
+from persia_py.rpc import ServiceClient, create_channel, create_server, grpc_method, wait_for_ready
 
 logger = logging.getLogger(__name__)
 
@@ -116,17 +116,14 @@ def create_serving_server(ctx: InferCtx, address: str) -> tuple[grpc.Server, int
     return server, port
 
 
-class ServingClient:
+class ServingClient(ServiceClient):
     """Client of ``persia-launcher serve``."""
 
-    def __init__(self, address: str, common: CommonConfig | None = None) -> None:
-        self.address = address
-        self.common = common or CommonConfig()
-        self.channel = create_channel(address, self.common)
-        self.stub = serving_pb2_grpc.ServingStub(self.channel)
+    service_name = "serving"
+    stub_class = serving_pb2_grpc.ServingStub
 
-    def wait_ready(self) -> None:
-        wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
+    def __init__(self, address: str, common: CommonConfig | None = None) -> None:
+        super().__init__(address, common or CommonConfig())
 
     def predict(self, id_features: list[tuple[str, np.ndarray, np.ndarray]],
                 non_id_features: list[np.ndarray]) -> list[np.ndarray]:
@@ -135,12 +132,8 @@ class ServingClient:
             id_features=[codec.encode_id_feature(*f) for f in id_features],
             non_id_features=[codec.encode(a) for a in non_id_features],
         )
-        answer = call(self.stub.Predict, request, timeout=self.common.rpc_timeout_sec,
-                      idempotent=True, what=f"serving {self.address}")
+        answer = self._call(self.stub.Predict, request, idempotent=True)
         return [codec.decode(t, name=f"outputs[{i}]") for i, t in enumerate(answer.outputs)]
-
-    def close(self) -> None:
-        self.channel.close()
 
 
 # -- persia-launcher serve ------------------------------------------------------------------

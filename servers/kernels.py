@@ -153,26 +153,49 @@ def _clamp(value: np.float32, bound: np.float32) -> np.float32:
     return value
 
 
-SGD, ADAGRAD, ADAM = 0, 1, 2
-"""Values of :func:`optimizer_step`'s ``kind``."""
+@njit(cache=True, nogil=True, error_model="numpy")
+def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: np.ndarray,
+             tick: int, lr: np.float32, weight_decay: np.float32, bound: np.float32) -> int:
+    """``w -= lr * (g + weight_decay * w)``, clamped to ``[-bound, bound]``; in place."""
+    n = rows.shape[0]
+    dim = weights.shape[1]
+    count = 0
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n and rows[i + PREFETCH_AHEAD] >= 0:
+            prefetch_row(weights, rows[i + PREFETCH_AHEAD])
+            prefetch_item(stamps, rows[i + PREFETCH_AHEAD])
+        r = rows[i]
+        if r < 0:
+            continue
+        count += 1
+        for d in range(dim):
+            w = weights[r, d]
+            g = grads[i, d] + weight_decay * w
+            weights[r, d] = _clamp(w - lr * g, bound)
+        stamps[r] = tick
+    return count
+
+
+ADAGRAD, ADAM = 1, 2
+"""Values of :func:`adaptive_step`'s ``kind``."""
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def optimizer_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.ndarray,
+def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.ndarray,
                    grads: np.ndarray, stamps: np.ndarray, tick: int, lr: np.float32,
                    weight_decay: np.float32, bound: np.float32, eps: np.float32,
                    momentum: np.float32, beta1: float, beta2: float) -> int:
-    """One optimizer step on ``weights[rows]`` in place; rows < 0 are skipped. Returns the
-    number of rows stepped. Every weight is clamped to ``[-bound, bound]``.
+    """One Adagrad or Adam step on ``weights[rows]`` in place; rows < 0 are skipped.
+    Returns the number of rows stepped. Every weight is clamped to ``[-bound, bound]``.
 
-    * ``SGD``: ``w -= lr * (g + weight_decay * w)``; ``state`` has no columns.
     * ``ADAGRAD``: ``acc = momentum * acc + g**2``, ``w -= lr * g / (sqrt(acc) + eps)``;
       one accumulator per row (the mean of ``g**2``) when ``state`` has one column.
     * ``ADAM``: ``state[r] = [m (dim), v (dim), t]`` with per-row bias correction.
 
-    One loop for every optimizer: the branch on ``kind`` is taken the same way for every
-    row, so it costs nothing, where a shared helper called per row cost a quarter of the
-    step (its array arguments are reference-counted on every call).
+    One loop for both, which share their walk over the rows: the branch on ``kind`` goes
+    the same way for every row and costs nothing measurable, where a prefetch helper
+    called per row made the step slower. SGD keeps a kernel of its own (its loop is
+    short, and it measured slower inside this one).
     """
     n = rows.shape[0]
     dim = weights.shape[1]
@@ -194,12 +217,7 @@ def optimizer_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.n
         if r < 0:
             continue
         count += 1
-        if kind == SGD:
-            for d in range(dim):
-                w = weights[r, d]
-                g = grads[i, d] + weight_decay * w
-                weights[r, d] = _clamp(w - lr * g, bound)
-        elif kind == ADAGRAD and shared:
+        if kind == ADAGRAD and shared:
             mean_g2 = np.float32(0.0)
             for d in range(dim):
                 g = grads[i, d] + weight_decay * weights[r, d]

@@ -522,7 +522,9 @@ class EmbeddingTable:
               grads: np.ndarray, stamps: np.ndarray, tick: int) -> int:
         """One optimizer step on ``rows`` (distinct; < 0 skipped) of one shard, in place."""
         kind, params = self._step_args
-        return kernels.optimizer_step(kind, weights, state, rows, grads, stamps, tick, *params)
+        if kind == _SGD:
+            return kernels.sgd_step(weights, rows, grads, stamps, tick, *params)
+        return kernels.adaptive_step(kind, weights, state, rows, grads, stamps, tick, *params)
 
     def export_rows(self) -> dict[str, np.ndarray | int]:
         """Copies of every stored row, for checkpoints: ``ids`` (uint64 [n]), ``weights``
@@ -644,17 +646,23 @@ STAT_KEYS = ("entries", "bytes", "hits", "misses", "inserted", "evicted", "admit
 """Keys of :meth:`EmbeddingTable.stats`, in the order of the ``TableStats`` message."""
 
 
+_SGD = 0
+"""``_step_args``'s kind for SGD (:func:`kernels.sgd_step`); Adagrad and Adam use
+:func:`kernels.adaptive_step`'s kinds."""
+
+
 def _step_args(cfg: OptimizerConfig, weight_bound: float | None) -> tuple[int, tuple]:
-    """``kernels.optimizer_step``'s kind and hyper-parameters (those after ``tick``),
-    converted once per table."""
+    """The step kernel's kind and its hyper-parameters (those after ``tick``), converted
+    once per table."""
     f32 = np.float32
-    common = (f32(cfg.lr), f32(cfg.weight_decay),
-              f32(np.inf if weight_bound is None else weight_bound))
+    lr, weight_decay = f32(cfg.lr), f32(cfg.weight_decay)
+    bound = f32(np.inf if weight_bound is None else weight_bound)
     if isinstance(cfg, SGDConfig):
-        return kernels.SGD, (*common, f32(0.0), f32(0.0), 0.0, 0.0)
+        return _SGD, (lr, weight_decay, bound)
     if isinstance(cfg, AdagradConfig):
-        return kernels.ADAGRAD, (*common, f32(cfg.eps), f32(cfg.g_square_momentum), 0.0, 0.0)
+        return kernels.ADAGRAD, (lr, weight_decay, bound, f32(cfg.eps),
+                                 f32(cfg.g_square_momentum), 0.0, 0.0)
     if isinstance(cfg, AdamConfig):
-        return kernels.ADAM, (*common, f32(cfg.eps), f32(0.0), float(cfg.betas[0]),
-                              float(cfg.betas[1]))
+        return kernels.ADAM, (lr, weight_decay, bound, f32(cfg.eps), f32(0.0),
+                              float(cfg.betas[0]), float(cfg.betas[1]))
     raise ValueError(f"unsupported optimizer {type(cfg).__name__}")

@@ -6,7 +6,6 @@ import grpc
 import numpy as np
 
 from persia_py import codec, wire_rpc
-from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, embedding_worker_pb2_grpc
 from persia_py.proto import embedding_worker_pb2 as pb
 from persia_py.rpc import ServiceClient, create_server, grpc_method
@@ -124,18 +123,14 @@ class EmbeddingWorkerClient(ServiceClient):
     """Client of one embedding worker."""
 
     service_name = "embedding worker"
-
-    def __init__(self, address: str, common: CommonConfig) -> None:
-        super().__init__(address, common)
-        self.stub = embedding_worker_pb2_grpc.EmbeddingWorkerStub(self.channel)
-        service = pb.DESCRIPTOR.services_by_name["EmbeddingWorker"]
-        self._put_batch, self._lookup, self._lookup_direct, self._update_gradients = (
-            wire_rpc.unary(self.channel, service, method, response_class=response,
-                           parse_response=response is pb.LookupBatchResponse)
-            for method, response in [
-                ("PutBatch", pb.PutBatchResponse), ("Lookup", pb.LookupBatchResponse),
-                ("LookupDirect", pb.LookupBatchResponse),
-                ("UpdateGradients", pb.UpdateGradientsResponse)])
+    stub_class = embedding_worker_pb2_grpc.EmbeddingWorkerStub
+    _service = pb.DESCRIPTOR.services_by_name["EmbeddingWorker"]
+    wire_methods = {
+        "_put_batch": (_service, "PutBatch", pb.PutBatchResponse, False),
+        "_lookup": (_service, "Lookup", pb.LookupBatchResponse, True),
+        "_lookup_direct": (_service, "LookupDirect", pb.LookupBatchResponse, True),
+        "_update_gradients": (_service, "UpdateGradients", pb.UpdateGradientsResponse, False),
+    }
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)

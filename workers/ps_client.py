@@ -6,8 +6,7 @@ import json
 
 import numpy as np
 
-from persia_py import codec, wire_rpc
-from persia_py.config import CommonConfig
+from persia_py import codec
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
 from persia_py.rpc import FailedPrecondition, ServiceClient
@@ -28,16 +27,11 @@ class PSClient(ServiceClient):
     """Talks to the parameter server at ``address``."""
 
     service_name = "parameter server"
-
-    def __init__(self, address: str, common: CommonConfig) -> None:
-        super().__init__(address, common)
-        self.stub = parameter_server_pb2_grpc.ParameterServerStub(self.channel)
-        service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
-        # Embeddings and gradients skip protobuf's copies (persia_py.wire_rpc).
-        self._lookup = wire_rpc.unary(self.channel, service, "Lookup",
-                                      response_class=pb.LookupResponse, parse_response=True)
-        self._update = wire_rpc.unary(self.channel, service, "Update",
-                                      response_class=pb.UpdateResponse)
+    stub_class = parameter_server_pb2_grpc.ParameterServerStub
+    _service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    # Embeddings and gradients skip protobuf's copies.
+    wire_methods = {"_lookup": (_service, "Lookup", pb.LookupResponse, True),
+                    "_update": (_service, "Update", pb.UpdateResponse, False)}
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
