@@ -57,13 +57,20 @@ TLS_FILES = {"tls_cert_file": "tls.crt", "tls_key_file": "tls.key", "tls_ca_file
 """``common_config`` key -> key in the TLS Secret (as cert-manager writes them)."""
 IMAGE_UID = 1000
 """The Dockerfile's user ``persia``: pods run as it, and can read the mounted Secrets."""
+KUBERNETES_VERSION = "1.35"
+"""The Kubernetes release whose API schemas the manifests are validated against (tests)."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # Service names must start with a letter
 _ROLES = {  # role -> short name in object names
     "embedding-parameter-server": "ps",
     "embedding-worker": "embedding-worker",
     "data-loader": "data-loader",
     "nn-worker": "nn-worker",
 }
+MAX_STATEFUL_SET_NAME = 52
+"""A StatefulSet labels its pods ``controller-revision-hash: <name>-<hash of up to 10
+characters>``, and a label value has at most 63 characters."""
+MAX_JOB_NAME = MAX_STATEFUL_SET_NAME - len("-") - max(len(short) for short in _ROLES.values())
 
 
 def add_k8s_flags(p: argparse.ArgumentParser) -> None:
@@ -122,9 +129,10 @@ def add_k8s_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if not _NAME.match(args.job_name) or len(args.job_name) > 40:
-        raise SystemExit(f"--job-name {args.job_name!r}: lowercase letters, digits and '-', "
-                         "at most 40 characters (it prefixes object and pod names)")
+    if not _JOB_NAME.match(args.job_name) or len(args.job_name) > MAX_JOB_NAME:
+        raise SystemExit(f"--job-name {args.job_name!r}: a lowercase letter, then lowercase "
+                         f"letters, digits and '-', at most {MAX_JOB_NAME} characters (it "
+                         "prefixes object and pod names)")
     for flag in ("auth_secret_name", "tls_secret_name"):
         name = getattr(args, flag)
         if name is not None and (not _NAME.match(name) or len(name) > 253):
