@@ -1,9 +1,11 @@
-"""Self-signed certificates made at test time (never committed): a CA and a leaf for 127.0.0.1."""
+"""Self-signed certificates made at test time (never committed): a CA and a leaf for 127.0.0.1
+(and any other addresses a test names)."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -21,11 +23,12 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def make_tls_files(directory: Path, prefix: str = "") -> dict[str, str]:
+def make_tls_files(directory: Path, prefix: str = "", ips: Sequence[str] = ()) -> dict[str, str]:
     """Write ``{prefix}ca.pem``, ``{prefix}cert.pem`` and ``{prefix}key.pem`` into ``directory``.
 
-    The leaf is valid for 127.0.0.1 and localhost, as a server and as a client (every role
-    is both). Returns the three paths keyed by the CommonConfig field names.
+    The leaf is valid for 127.0.0.1, localhost and ``ips`` (e.g. each emulated host's
+    address), as a server and as a client (every role is both). Returns the three paths
+    keyed by the CommonConfig field names.
     """
     now = datetime.datetime.now(datetime.UTC)
     valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
@@ -48,7 +51,8 @@ def make_tls_files(directory: Path, prefix: str = "") -> dict[str, str]:
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(valid[0]).not_valid_after(valid[1])
         .add_extension(x509.SubjectAlternativeName([
-            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            x509.DNSName("localhost"),
+            *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", *ips))]),
             critical=False)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                               ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)

@@ -195,3 +195,26 @@ def _guard_process_starts() -> None:
     subprocess.Popen.__init__ = guarded(subprocess.Popen.__init__)
     multiprocessing.process.BaseProcess.start = guarded(multiprocessing.process.BaseProcess.start)
     os.fork = guarded(os.fork)
+
+
+@pytest.fixture
+def emulated_hosts(request: pytest.FixtureRequest):
+    """Makes emulated hosts: ``emulated_hosts("a", "b")`` returns a :class:`netns.Network`
+    with hosts ``a`` (10.77.0.1) and ``b`` (10.77.0.2). Skips where network namespaces cannot
+    be made; every process and namespace is removed at the end, whether the test passed or
+    not."""
+    from netns import NamespacesUnavailable, Network, unavailable_reason
+
+    def make(*names: str) -> Network:
+        reason = unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        network = Network()
+        request.addfinalizer(network.close)
+        try:
+            network.create(names)
+        except NamespacesUnavailable as exc:
+            pytest.skip(f"cannot make network namespaces here: {exc}")
+        return network
+
+    return make

@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--master-addr/--master-port; torchrun assigns node ranks)")
     p.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend (default c10d)")
     p.add_argument("--rdzv-id", default="persia", help="rendezvous id shared by the nodes")
+    p.add_argument("--local-addr", default=None, metavar="ADDR",
+                   help="this machine's address as the other nodes reach it (default: its "
+                        "hostname); with --rdzv-endpoint, the node whose ADDR is the "
+                        "endpoint's host hosts the rendezvous")
     p.add_argument("--train-log", default="train_log.jsonl",
                    help="JSON-lines training log rank 0 writes (default: train_log.jsonl; "
                         "$PERSIA_TRAIN_LOG takes precedence)")
@@ -95,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="the data-loader script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     p.add_argument("--port", type=int, default=0, help="port to serve NN workers on")
+    p.add_argument("--bind", default=None,
+                   help="address to bind (default: $PERSIA_BIND_HOST, else 127.0.0.1)")
     p.add_argument("--replica-index", type=int, default=0, help="index of this data loader")
     p.add_argument("--replica-size", type=int, default=1, help="number of data loaders")
     _add_metrics_flag(p)

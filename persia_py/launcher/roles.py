@@ -18,6 +18,7 @@ from persia_py.config import (
     load_global_config,
 )
 from persia_py.env import (
+    ENV_BIND_HOST,
     ENV_DATA_LOADER_PORT,
     ENV_DATA_LOADER_REPLICA_INDEX,
     ENV_DATA_LOADER_REPLICA_SIZE,
@@ -192,10 +193,19 @@ def run_nn_worker(args: argparse.Namespace) -> int:
     env.setdefault(ENV_TRAIN_LOG, os.path.abspath(args.train_log))
     command = [sys.executable, "-m", "torch.distributed.run",
                f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
+    if args.local_addr:
+        # What the other nodes dial (MASTER_ADDR when this node gets rank 0); the hostname
+        # may resolve to loopback or to another interface.
+        command.append(f"--local-addr={args.local_addr}")
     if args.rdzv_endpoint:
         # Elastic rendezvous (e.g. Kubernetes): torchrun assigns node ranks.
         command += [f"--rdzv-backend={args.rdzv_backend}",
                     f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+        if args.local_addr:
+            # torchrun guesses the host of the store from the hostname's addresses, which
+            # misses a secondary interface; the node's own address says it for sure.
+            host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")
+            command.append(f"--rdzv-conf=is_host={int(host == args.local_addr)}")
     else:
         command += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
                     f"--master-port={args.master_port}"]
@@ -208,4 +218,6 @@ def run_data_loader(args: argparse.Namespace) -> int:
     env[ENV_DATA_LOADER_REPLICA_INDEX] = str(args.replica_index)
     env[ENV_DATA_LOADER_REPLICA_SIZE] = str(args.replica_size)
     env[ENV_DATA_LOADER_PORT] = str(args.port)
+    if args.bind is not None:
+        env[ENV_BIND_HOST] = args.bind
     return _run_child([sys.executable, args.script, *args.script_args], env)

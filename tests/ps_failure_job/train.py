@@ -1,5 +1,5 @@
 """NN worker of tests/test_ps_failure.py: trains the synthetic Criteo model on the stream
-and prints how many batches it trained and how many distinct batch numbers it saw."""
+and prints how many batches it trained, how many distinct batch numbers it saw and which."""
 
 import logging
 import sys
@@ -29,3 +29,4 @@ if __name__ == "__main__":
                 print(f"trained step {len(seen)}", flush=True)
         ctx.flush()
     print(f"trained {len(seen)} batches, {len(set(seen))} distinct", flush=True)
+    print(f"trained batch ids {','.join(map(str, sorted(seen)))}", flush=True)

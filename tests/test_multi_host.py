@@ -1,0 +1,242 @@
+"""A job across three emulated hosts, run with the README's own commands ("Running on
+several machines"): it trains the Criteo-shaped example to the test AUC of the same job on
+one machine (``persia-launcher local``), over mutual TLS with a job token, and clients on
+another host without a certificate or without the token are refused."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+import time
+
+import pytest
+import yaml
+from certs import make_tls_files
+from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command
+from netns import HOST_IFACE
+
+from persia_py.security import ENV_AUTH_TOKEN
+
+pytestmark = pytest.mark.processes
+
+SECTION = "## Running on several machines"
+
+
+def readme_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    return text[start:end if end != -1 else len(text)]
+
+
+def readme_blocks() -> tuple[str, dict[str, list[str]]]:
+    """The global config (YAML) and the command lines of each block, keyed by the block's
+    first comment: ``every host``, ``host A``, ... (continuation lines joined)."""
+    config, commands = None, {}
+    for lang, body in re.findall(r"```(\w+)\n(.*?)```", readme_section(), re.S):
+        if lang == "yaml":
+            config = body
+            continue
+        lines = body.replace("\\\n", " ").splitlines()
+        assert lines and lines[0].startswith("# "), f"a bash block names its host first:\n{body}"
+        commands[lines[0][2:].strip()] = [line.strip() for line in lines[1:]
+                                          if line.strip() and not line.lstrip().startswith("#")]
+    assert config is not None and set(commands) == {"every host", "host A", "host B",
+                                                    "host C"}, commands
+    return config, commands
+
+
+def substitute(text: str, values: dict[str, str]) -> str:
+    """``$NAME`` replaced by ``values[NAME]``; an unknown name fails the test."""
+    def value(match: re.Match) -> str:
+        assert match.group(1) in values, f"README uses ${match.group(1)}, unknown to the test"
+        return values[match.group(1)]
+    return re.sub(r"\$(\w+)", value, text)
+
+
+def parse_command(line: str) -> tuple[dict[str, str], list[str], bool]:
+    """(leading VAR=value assignments, persia-launcher's arguments, runs in background)."""
+    tokens = shlex.split(line)
+    background = tokens[-1] == "&"
+    if background:
+        tokens.pop()
+    env = {}
+    while "=" in tokens[0] and not tokens[0].startswith("-"):
+        key, _, value = tokens.pop(0).partition("=")
+        env[key] = value
+    assert tokens[0] == "persia-launcher", line
+    return env, tokens[1:], background
+
+
+def script_args(args: list[str], script: str) -> str:
+    """The arguments after ``script`` in a command, as one string."""
+    return shlex.join(args[args.index(script) + 1:])
+
+
+PROBE = """
+import sys, grpc
+from persia_py.proto import common_pb2, parameter_server_pb2_grpc
+address, ca, cert, key = sys.argv[1:]
+read = lambda p: open(p, "rb").read()
+mtls = grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                    certificate_chain=read(cert))
+for who, channel in (("plaintext", grpc.insecure_channel(address)),
+                     ("no-token", grpc.secure_channel(address, mtls))):
+    try:
+        parameter_server_pb2_grpc.ParameterServerStub(channel).Health(
+            common_pb2.HealthRequest(), timeout=20)
+        print(who, "OK", flush=True)
+    except grpc.RpcError as exc:
+        print(who, exc.code().name, flush=True)
+"""
+
+
+def _auc(proc: RoleProcess) -> float | None:
+    found = [line for line in proc.lines if "test_auc:" in line]
+    return float(found[-1].split("test_auc:")[1]) if found else None
+
+
+DATA_LOADER = "examples/criteo_synthetic/data_loader.py"
+TRAIN = "examples/criteo_synthetic/train.py"
+
+
+class ReadmeJob:
+    """The README's multi-host job, started on the emulated hosts ``a``, ``b`` and ``c``;
+    ``scripts`` may swap the example's scripts (and their arguments) for others."""
+
+    def __init__(self, network, tmp_path, scripts: dict[str, list[str]] | None = None) -> None:
+        hosts = network.hosts
+        self.job = tmp_path / "job"
+        self.job.mkdir()
+        self.tls = make_tls_files(self.job, ips=[h.ip for h in hosts.values()])
+        (self.job / "token").write_text(os.urandom(32).hex() + "\n")
+        (self.job / "token").chmod(0o600)
+        values = {"JOB": str(self.job), "HOST_A_IP": hosts["a"].ip,
+                  "HOST_B_IP": hosts["b"].ip, "HOST_C_IP": hosts["c"].ip,
+                  "HOST_B_IFACE": HOST_IFACE, "HOST_C_IFACE": HOST_IFACE}
+        config_text, commands = readme_blocks()
+        config = yaml.safe_load(substitute(config_text, values))
+        assert {k: config["common_config"][k] for k in self.tls} == self.tls
+        (self.job / "global_config.yml").write_text(yaml.safe_dump(config))
+        self.env = {k: v for k, v in os.environ.items() if k != ENV_AUTH_TOKEN}
+        for line in commands["every host"]:
+            assert line.startswith("export "), line
+            key, _, value = shlex.split(substitute(line, values))[1].partition("=")
+            self.env[key] = value
+        self.procs: dict[str, list[RoleProcess]] = {}
+        self.args: dict[str, list[list[str]]] = {}
+        self.foreground: dict[str, RoleProcess] = {}
+        for name in ("a", "b", "c"):
+            for line in commands[f"host {name.upper()}"]:
+                env, args, background = parse_command(substitute(line, values))
+                self.args.setdefault(name, []).append(args)
+                for script, replacement in (scripts or {}).items():
+                    if script in args:
+                        args = args[:args.index(script)] + replacement
+                # Rank 0's training log goes to the test's folder, not the working tree.
+                env = {**self.env, **env,
+                       "PERSIA_TRAIN_LOG": str(tmp_path / f"log-{name}.jsonl")}
+                proc = hosts[name].start(launcher_command(*args), env=env)
+                self.procs.setdefault(name, []).append(proc)
+                if not background:
+                    self.foreground[name] = proc
+        assert set(self.foreground) == {"b", "c"}, "the NN-worker nodes run in the foreground"
+
+    def wait(self) -> None:
+        """Both NN-worker nodes and the data loader end well; the servers still serve."""
+        for name, proc in self.foreground.items():
+            assert proc.wait(timeout=600) == 0, f"host {name}:\n{proc.output()}"
+        data_loader = self.procs["b"][0]
+        assert data_loader.wait(timeout=60) == 0, data_loader.output()
+        for proc in self.procs["a"]:
+            assert proc.process.poll() is None, f"a server on host A exited:\n{proc.output()}"
+
+
+def test_three_hosts_train_like_one_machine(emulated_hosts, tmp_path) -> None:
+    network = emulated_hosts("a", "b", "c")
+    hosts = network.hosts
+    job = ReadmeJob(network, tmp_path)
+    job.wait()
+    aucs = [auc for auc in map(_auc, job.foreground.values()) if auc is not None]
+    assert len(aucs) == 1, "\n".join(p.output() for p in job.foreground.values())
+    tls, base_env, procs, parsed = job.tls, job.env, job.procs, job.args
+
+    # From host C, which is not host A: no certificate, or no token, gets nothing.
+    probe = hosts["c"].start([sys.executable, "-c", PROBE, f"{hosts['a'].ip}:7001",
+                              tls["tls_ca_file"], tls["tls_cert_file"], tls["tls_key_file"]],
+                             env=base_env)
+    assert probe.wait(timeout=120) == 0, probe.output()
+    assert "plaintext UNAVAILABLE" in probe.output(), probe.output()
+    assert "no-token UNAUTHENTICATED" in probe.output(), probe.output()
+    for proc in procs["a"]:
+        proc.stop()
+
+    # The same job on one machine: same config, data, roles and ranks.
+    dl_args, nn_args = parsed["b"][0], parsed["b"][1]
+    local = RoleProcess(launcher_command(
+        "local", "--nn-worker", str(EXAMPLE / "train.py"),
+        "--data-loader", str(EXAMPLE / "data_loader.py"),
+        "--embedding-config", base_env["PERSIA_EMBEDDING_CONFIG"],
+        "--global-config", str(job.job / "global_config.yml"),
+        "--num-ps", "2", "--num-embedding-workers", "1", "--num-data-loaders", "1",
+        "--nproc-per-node", "2", "--no-metrics", "--run-dir", str(tmp_path / "local"),
+        "--data-loader-args", script_args(dl_args, DATA_LOADER),
+        "--nn-worker-args", script_args(nn_args, TRAIN),
+    ), env=base_env)
+    try:
+        assert local.wait(timeout=600) == 0, local.output()
+    finally:
+        local.stop()
+    local_auc = _auc(local)
+    assert local_auc is not None, local.output()
+    print(f"test AUC: 3 hosts {aucs[0]:.5f}, one machine {local_auc:.5f}")
+    assert local_auc > 0.70, local.output()
+    assert abs(aucs[0] - local_auc) <= 0.005, (aucs[0], local_auc)
+
+
+def test_local_addr_is_advertised_and_decides_who_hosts_the_rendezvous(monkeypatch) -> None:
+    from persia_py.launcher import roles
+    from persia_py.launcher.cli import build_parser
+
+    started = []
+    monkeypatch.setattr(roles, "_run_child", lambda command, env: started.append(command) or 0)
+    for local_addr, is_host in (("10.77.0.2", 1), ("10.77.0.3", 0)):
+        args = build_parser().parse_args([
+            "nn-worker", "--nnodes", "2", "--rdzv-endpoint", "10.77.0.2:29400",
+            "--local-addr", local_addr, "--insecure", "train.py"])
+        assert roles.run_nn_worker(args) == 0
+        assert f"--local-addr={local_addr}" in started[-1]
+        assert f"--rdzv-conf=is_host={is_host}" in started[-1]
+    args = build_parser().parse_args(["nn-worker", "--insecure", "train.py"])
+    roles.run_nn_worker(args)
+    assert not [a for a in started[-1] if a.startswith(("--local-addr", "--rdzv-conf"))]
+
+
+NUM_BATCHES = 300
+JOB = ROOT / "tests" / "ps_failure_job"  # its scripts number the batches and report them
+
+
+def test_a_link_down_for_seconds_loses_and_repeats_no_batch(emulated_hosts, tmp_path) -> None:
+    network = emulated_hosts("a", "b", "c")
+    job = ReadmeJob(network, tmp_path, scripts={
+        DATA_LOADER: [str(JOB / "data_loader.py"), "--batches", str(NUM_BATCHES)],
+        TRAIN: [str(JOB / "train.py")]})
+    job.foreground["c"].wait_for_line(r"trained step 30\b", timeout=300)
+    network.set_link(network.hosts["c"], up=False)
+    try:
+        time.sleep(5.0)  # the outage itself: nothing to wait on
+    finally:
+        network.set_link(network.hosts["c"], up=True)
+    job.wait()
+    assert f"sent {NUM_BATCHES} batches" in job.procs["b"][0].output()
+    ids = []
+    for name, proc in job.foreground.items():
+        found = re.findall(r"trained batch ids ([\d,]*)", proc.output())
+        assert len(found) == 1, f"host {name}:\n{proc.output()}"
+        ids += [int(i) for i in found[0].split(",") if i]
+    assert sorted(ids) == list(range(NUM_BATCHES))
+    # Host C had trained 30 batches when its link went down, and went on after it came back.
+    c_ids = re.findall(r"trained batch ids ([\d,]*)", job.foreground["c"].output())[0]
+    assert len(c_ids.split(",")) > 30, job.foreground["c"].output()
