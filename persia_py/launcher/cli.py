@@ -14,15 +14,20 @@ _NEEDS_TOKEN = ("embedding-parameter-server", "embedding-worker", "nn-worker", "
 """Subcommands that refuse to start without a job token unless ``--insecure``."""
 
 
-def _add_server_flags(p: argparse.ArgumentParser) -> None:
+def _add_server_flags(p: argparse.ArgumentParser, who: str = "this server",
+                      bind_default: str | None = "127.0.0.1") -> None:
+    """Port, bind address, replica index and count, metrics, configs and --insecure.
+    ``bind_default`` None: the role reads $PERSIA_BIND_HOST (else 127.0.0.1)."""
     p.add_argument("--port", type=int, default=0, help="port to serve on (0: any free port)")
-    p.add_argument("--bind", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; use 0.0.0.0 to serve other hosts)")
+    p.add_argument("--bind", default=bind_default,
+                   help=(f"address to bind (default {bind_default}" if bind_default else
+                         "address to bind (default: $PERSIA_BIND_HOST, else 127.0.0.1")
+                   + "; use 0.0.0.0 or an interface address to serve other hosts)")
     p.add_argument("--replica-index", type=int, default=0, help="index of this replica")
     p.add_argument("--replica-size", type=int, default=1, help="number of replicas of this role")
     _add_metrics_flag(p)
     _add_config_flags(p)
-    add_insecure_flag(p, "this server")
+    add_insecure_flag(p, who)
 
 
 def _add_metrics_flag(p: argparse.ArgumentParser, extra: str = "") -> None:
@@ -98,14 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data-loader", help="run a data-loader script")
     p.add_argument("script", help="the data-loader script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
-    p.add_argument("--port", type=int, default=0, help="port to serve NN workers on")
-    p.add_argument("--bind", default=None,
-                   help="address to bind (default: $PERSIA_BIND_HOST, else 127.0.0.1)")
-    p.add_argument("--replica-index", type=int, default=0, help="index of this data loader")
-    p.add_argument("--replica-size", type=int, default=1, help="number of data loaders")
-    _add_metrics_flag(p)
-    _add_config_flags(p)
-    add_insecure_flag(p, "the data loader")
+    _add_server_flags(p, "the data loader", bind_default=None)
 
     p = sub.add_parser("local", help="run a whole job on this machine")
     p.add_argument("--nn-worker", required=True, help="training script")
