@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,9 +39,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from persia_py import checkpoint_format as fmt
+from persia_py import dense_checkpoint
 from persia_py.config import CheckpointConfig, CommonConfig
+from persia_py.data_position import DataPositions
 from persia_py.proto import checkpoint_pb2 as pb
 from persia_py.proto import checkpoint_pb2_grpc
 from persia_py.rpc import call, create_channel, wait_for_ready
@@ -130,15 +134,30 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _gather_steps(steps: int, device: torch.device) -> list[int]:
+def _gather(values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's ``values`` (lists of any length), in rank order."""
     rank, world = _world()
     if world == 1:
-        return [steps]
+        return [list(values)]
     backend_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    mine = torch.tensor([steps], dtype=torch.int64, device=backend_device)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    return [int(t.item()) for t in every]
+    mine = torch.tensor(values, dtype=torch.int64, device=backend_device)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=backend_device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.int64, device=backend_device)
+    padded[:mine.numel()] = mine
+    every = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(every, padded)
+    return [t[:int(n.item())].tolist() for t, n in zip(every, sizes)]
+
+
+def data_positions(manifest: Mapping) -> dict:
+    """A checkpoint's data positions (JSON). A checkpoint written before they were kept
+    has only batch counts: exact with one data loader (its first ``step`` batches)."""
+    if "data_positions" in manifest:
+        return manifest["data_positions"]
+    return {"0": {"next": int(manifest["step"]), "also": []}}
 
 
 STATE_KEYS = ("model", "dense_optimizer", "train_state")
@@ -146,7 +165,24 @@ STATE_KEYS = ("model", "dense_optimizer", "train_state")
 :class:`~persia_py.stateful.TrainState` (batches trained)."""
 
 
-class Checkpointer:
+class _PeriodicJoinHook(JoinHook):
+    """Run by a rank out of batches while the others train on (``Join``): at each of
+    their periodic checkpoint steps it answers their vote with "not training", so they
+    skip that checkpoint instead of waiting for this rank at its barrier."""
+
+    def __init__(self, checkpointer: Checkpointer) -> None:
+        self._checkpointer = checkpointer
+        self._steps: int | None = None
+
+    def main_hook(self) -> None:  # once per step of the ranks still training
+        if self._steps is None:
+            self._steps = self._checkpointer.steps
+        self._steps += 1
+        if self._checkpointer.is_periodic(self._steps):
+            self._checkpointer.vote(training=False)
+
+
+class Checkpointer(Joinable):
     """Checkpoints of one training rank: the servers' tables plus the rank's ``states``.
 
     Args:
@@ -159,11 +195,13 @@ class Checkpointer:
         common: deadlines and channel settings.
         config: checkpoint root, periodic folder and interval.
         device: where this rank's collectives run (for the step counts).
+        sharded_dense: the dense model is sharded (FSDP): every rank writes its shards
+            with ``torch.distributed.checkpoint`` (:mod:`persia_py.dense_checkpoint`).
     """
 
     def __init__(self, states: Mapping[str, Stateful], *, flush: Callable[[], None],
                  ps_addrs: Sequence[str], common: CommonConfig, config: CheckpointConfig,
-                 device: torch.device) -> None:
+                 device: torch.device, sharded_dense: bool = False) -> None:
         missing = [k for k in STATE_KEYS if not isinstance(states.get(k), Stateful)]
         if missing:
             raise TypeError(f"states must map {list(STATE_KEYS)} to Stateful objects; "
@@ -174,9 +212,12 @@ class Checkpointer:
         self._common = common
         self._config = config
         self._device = device
+        self.sharded_dense = sharded_dense
+        self._dense_token: str | None = None
         self.periodic_dir = config.dir
         self.every_steps = config.every_steps
         self._client: PSCheckpointClient | None = None
+        super().__init__()
 
     @property
     def steps(self) -> int:
@@ -190,14 +231,52 @@ class Checkpointer:
         return self._client
 
     def resume_if_asked(self) -> None:
+        """Load ``$PERSIA_RESUME_DIR`` if set, else the newest complete checkpoint in the
+        periodic folder (``checkpoint_config.dir``) if there is one: a job restarted after
+        a failure goes on from its last checkpoint by itself."""
         path = os.environ.get(ENV_RESUME_DIR)
+        if not path and self.periodic_dir:
+            path = fmt.latest(self.periodic_dir)
         if path:
             logger.info("resuming from checkpoint %s", path)
             self.load(path)
 
+    def is_periodic(self, steps: int) -> bool:
+        return bool(self.every_steps) and steps % self.every_steps == 0
+
     def after_step(self) -> None:
-        if self.every_steps and self.steps % self.every_steps == 0:
+        """Write the periodic checkpoint if this step is one, and every rank still trains
+        (ranks train in step until one runs out of batches; see :class:`_PeriodicJoinHook`)."""
+        if not self.is_periodic(self.steps):
+            return
+        training = self.vote(training=True)
+        _, world = _world()
+        if training == world:
             self.dump(self.periodic_dir)
+        else:
+            logger.warning("step %d: periodic checkpoint skipped: %d of %d NN-worker ranks "
+                           "have run out of batches", self.steps, world - training, world)
+
+    def vote(self, *, training: bool) -> int:
+        """How many ranks are still training (every rank votes at a periodic step)."""
+        _, world = _world()
+        if world == 1:
+            return int(training)
+        device = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
+        count = torch.tensor([int(training)], dtype=torch.int64, device=device)
+        dist.all_reduce(count)
+        return int(count.item())
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _PeriodicJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
 
     def dump(self, root: str | os.PathLike, *, extra_files: Mapping[str, bytes] | None = None
              ) -> Path | None:
@@ -208,22 +287,33 @@ class Checkpointer:
         started = time.perf_counter()
         self._flush()
         _barrier()  # every rank's updates are acknowledged: the cut is consistent
-        rank_steps = _gather_steps(self.steps, self._device)
+        train_state = self.states["train_state"]
+        state = train_state.state_dict()
+        rank_steps = [steps for [steps] in _gather([state["steps"]], self._device)]
+        # Batch ids are < 2^63 (loader index < 2^23), so they travel as int64.
+        new_ids = [i for ids in _gather(state["new_batch_ids"], self._device) for i in ids]
+        positions = train_state.positions.advanced(new_ids)
         rank, world = _world()
         final = None
+        self._dense_token = self._write_sharded_dense(Path(root)) if self.sharded_dense else None
         if rank == 0:
-            final = self._write(Path(root), rank_steps, world, dict(extra_files or {}))
+            final = self._write(Path(root), rank_steps, world, positions,
+                                dict(extra_files or {}))
             logger.info("checkpoint %s written in %.2fs", final, time.perf_counter() - started)
         _barrier()
+        # Every rank holds the same cut: the next checkpoint counts from here.
+        train_state.load_state_dict({"steps": state["steps"],
+                                     "data_positions": positions.to_json()})
         return final
 
     def _write(self, root: Path, rank_steps: list[int], world: int,
-               extra_files: dict[str, bytes]) -> Path:
-        tmp = fmt.new_tmp_dir(root)
+               positions: DataPositions, extra_files: dict[str, bytes]) -> Path:
+        tmp = fmt.new_tmp_dir(root, self._dense_token)
         with ThreadPoolExecutor(max_workers=1) as pool:
             ps_answers = pool.submit(self._ps().dump, tmp)
-            fmt.save_tensors(tmp, "dense-model", self.states["model"].state_dict())
-            fmt.save_optimizer(tmp, "dense-optimizer", self.states["dense_optimizer"])
+            if not self.sharded_dense:  # else every rank wrote its shards already
+                fmt.save_tensors(tmp, "dense-model", self.states["model"].state_dict())
+                fmt.save_optimizer(tmp, "dense-optimizer", self.states["dense_optimizer"])
             fmt.save_array(tmp / "torch-rng-state.npy", torch.get_rng_state().numpy())
             for name, contents in extra_files.items():
                 _write_file(tmp, name, contents)
@@ -234,6 +324,7 @@ class Checkpointer:
             "ps_bytes": [a.num_bytes for a in answers],
             "world_size": world,
             "rank_steps": rank_steps,
+            "data_positions": positions.to_json(),
             "created_unix": time.time(),
         }
         return fmt.commit(tmp, manifest, step=sum(rank_steps))
@@ -252,15 +343,39 @@ class Checkpointer:
             steps = total // world + (rank < total % world)
         if rank == 0:
             self._ps().load(folder)
-        self.states["model"].load_state_dict(fmt.load_tensors(folder, "dense-model"))
-        fmt.load_optimizer(folder, "dense-optimizer", self.states["dense_optimizer"])
-        self.states["train_state"].load_state_dict({"steps": steps})
+        self._load_dense(folder)
+        self.states["train_state"].load_state_dict({"steps": steps,
+                                                    "data_positions": data_positions(manifest)})
         rng = fmt.load_array(folder / "torch-rng-state.npy")
         torch.set_rng_state(torch.from_numpy(np.array(rng)))
         _barrier()  # no rank trains before the servers hold the checkpoint's rows
         logger.info("checkpoint %s (step %d) loaded in %.2fs", folder, manifest["step"],
                     time.perf_counter() - started)
         return manifest
+
+    def _write_sharded_dense(self, root: Path) -> str:
+        """Every rank writes its dense shards into the checkpoint being written (rank 0
+        names its temporary folder); returns that folder's token for rank 0's commit."""
+        token = uuid.uuid4().hex if _world()[0] == 0 else "0" * 32
+        if _world()[1] > 1:
+            device = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
+            raw = torch.tensor(list(token.encode()), dtype=torch.uint8, device=device)
+            dist.broadcast(raw, src=0)
+            token = bytes(raw.cpu().tolist()).decode()
+        tmp = fmt.new_tmp_dir(root, token)
+        dense_checkpoint.save_sharded(tmp, self.states["model"], self.states["dense_optimizer"])
+        return token
+
+    def _load_dense(self, folder: Path) -> None:
+        """The dense model and optimizer, from either format into either kind of model."""
+        model, optimizer = self.states["model"], self.states["dense_optimizer"]
+        if dense_checkpoint.is_sharded(folder):
+            dense_checkpoint.load_sharded(folder, model, optimizer)
+        elif self.sharded_dense:
+            dense_checkpoint.load_full_into_sharded(folder, model, optimizer)
+        else:
+            model.load_state_dict(fmt.load_tensors(folder, "dense-model"))
+            fmt.load_optimizer(folder, "dense-optimizer", optimizer)
 
     def close(self) -> None:
         if self._client is not None:

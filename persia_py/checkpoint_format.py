@@ -356,6 +356,15 @@ def resolve(path: str | os.PathLike) -> Path:
     return path
 
 
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ``root`` (or ``root`` itself, if it is one);
+    None: none there yet."""
+    try:
+        return resolve(root)
+    except CheckpointError:
+        return None
+
+
 def check_manifest(data: Any, where: str, kind: str = FORMAT) -> dict:
     """``data`` if it is a manifest of this ``kind`` and version; CheckpointError if not."""
     if not isinstance(data, dict) or data.get("format") != kind or data.get("version") != VERSION:
@@ -461,6 +470,11 @@ def save_optimizer(folder: Path, name: str, optimizer: torch.optim.Optimizer) ->
 
 
 def load_optimizer(folder: Path, name: str, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.load_state_dict(read_optimizer(folder, name))
+
+
+def read_optimizer(folder: Path, name: str) -> dict:
+    """The optimizer ``state_dict()`` that :func:`save_optimizer` wrote (ids as keys)."""
     data = load_json(folder / f"{name}.json")
     state = {}
     for param_id, entry in data["state"].items():
@@ -469,4 +483,4 @@ def load_optimizer(folder: Path, name: str, optimizer: torch.optim.Optimizer) ->
             for key, v in entry.items()
         }
     groups = [{k: _from_json(v) for k, v in g.items()} for g in data["param_groups"]]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}

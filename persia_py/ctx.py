@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,17 @@ import torch.distributed as dist
 from persia_py.checkpoint import Checkpointer
 from persia_py.checkpoint_format import check_name
 from persia_py.config import GlobalConfig, load_global_config
+from persia_py.distributed import DDPOption, DenseParallel, FSDPOption
 from persia_py.embedding import EmbeddingConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.embedding.optim import Optimizer
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
+from persia_py.process_group import (
+    PeerFailure,
+    init_process_group,
+    naming_peers,
+    report_failure,
+)
 from persia_py.progress import StepReporter
 from persia_py.stateful import Stateful, TrainState
 from persia_py.workers.budget import ByteBudget
@@ -247,6 +253,10 @@ class TrainCtx(EmbeddingCtx):
         device_id: CUDA device, or None for CPU.
         mixed_precision: run the model under autocast: float16 with a gradient scaler on
             CUDA, bfloat16 on CPU. Embedding rows stay float32 on the servers.
+        distributed_option: how the ranks share the dense tower:
+            :class:`~persia_py.distributed.DDPOption` (default; a replica per rank) or
+            :class:`~persia_py.distributed.FSDPOption` (sharded, with a bound on the
+            unsharded bytes alive at once).
     """
 
     _training = True
@@ -255,10 +265,20 @@ class TrainCtx(EmbeddingCtx):
                  dense_optimizer: torch.optim.Optimizer,
                  embedding_config: EmbeddingConfig | None = None,
                  device_id: int | None = None, mixed_precision: bool = False,
-                 global_config: GlobalConfig | None = None, env: PersiaEnv | None = None) -> None:
+                 global_config: GlobalConfig | None = None, env: PersiaEnv | None = None,
+                 distributed_option: DDPOption | FSDPOption | None = None) -> None:
         super().__init__(model=model, global_config=global_config, device_id=device_id, env=env)
         if not isinstance(embedding_optimizer, Optimizer):
             raise TypeError("embedding_optimizer must come from persia_py.embedding.optim")
+        self.distributed_option = distributed_option or DDPOption()
+        if not isinstance(self.distributed_option, (DDPOption, FSDPOption)):
+            raise TypeError("distributed_option must be a persia_py.distributed.DDPOption "
+                            "or FSDPOption")
+        # A bound below one unit's need is refused here, before any process starts.
+        self.distributed_option.check(model, self.env.world_size)
+        self.dense: DenseParallel = DenseParallel(model, model)
+        """The dense tower as the ranks share it (DDP, FSDP, or whole with one rank)."""
+        self._last_inputs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.mixed_precision = mixed_precision
         self._scaler = (torch.amp.GradScaler("cuda")
                         if mixed_precision and self.device.type == "cuda" else None)
@@ -269,6 +289,8 @@ class TrainCtx(EmbeddingCtx):
         self._sender: GradientSender | None = None
         self._pending: tuple[TrainingBatch, list[torch.Tensor]] | None = None
         self._owns_process_group = False
+        self._rank_addresses: list[str] = []
+        self._peer_failed = False
         self.staleness: int = 0
         """Staleness of the batch of the current step (see ``TrainingBatch.staleness``)."""
         self._staleness_sum = 0
@@ -286,14 +308,14 @@ class TrainCtx(EmbeddingCtx):
         self.model.to(self.device)
         if self.env.world_size > 1:
             if not dist.is_initialized():
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
-                dist.init_process_group(
-                    backend, timeout=timedelta(seconds=self.common.startup_timeout_sec)
-                )
+                backend = self.distributed_option.backend or (
+                    "nccl" if self.device.type == "cuda" else "gloo")
+                self._rank_addresses = init_process_group(backend, self.common)
                 self._owns_process_group = True
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp_model = torch.nn.parallel.DistributedDataParallel(self.model,
-                                                                       device_ids=device_ids)
+            self.dense = self.distributed_option.wrap(
+                self.model, self.dense_optimizer, self.device, shadow_step=self._shadow_step,
+                registry=self.reporter.metrics.registry)
+            self.ddp_model = self.dense.module
         cfg = self.embedding_config
         request = configure_request(
             self.embedding_optimizer.to_dict(), init_lower=cfg.emb_initialization[0],
@@ -304,16 +326,21 @@ class TrainCtx(EmbeddingCtx):
         self._sender = GradientSender(self.workers, max_in_flight=8)
         self.checkpointer = Checkpointer(
             self.state_dict(), flush=self.flush, ps_addrs=self.env.ps_addrs, common=self.common,
-            config=self.global_config.checkpoint_config, device=self.device)
+            config=self.global_config.checkpoint_config, device=self.device,
+            sharded_dense=self.dense.sharded)
         self.checkpointer.resume_if_asked()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and not isinstance(exc, KeyboardInterrupt):
+            report_failure(self.env.rank, exc)
         if self._num_steps:
             logger.info("rank %d: %d steps, embedding staleness mean %.2f max %d, peak buffer "
                         "%d bytes", self.env.rank, self._num_steps,
                         self.mean_staleness, self._staleness_max,
                         self.budget.peak)
+        if self.dense.summary():
+            logger.info("rank %d: %s", self.env.rank, self.dense.summary())
         try:
             if self._sender is not None:
                 if exc_type is None:
@@ -324,7 +351,9 @@ class TrainCtx(EmbeddingCtx):
         finally:
             if self.reporter is not None:
                 self.reporter.close()
-            if self._owns_process_group and dist.is_initialized():
+            if self._owns_process_group and dist.is_initialized() and not self._peer_failed:
+                # After a peer failed, tearing the group down would wait on the store
+                # behind the same dead link; exiting releases it anyway.
                 dist.destroy_process_group()
             super().__exit__(exc_type, exc, tb)
 
@@ -413,14 +442,16 @@ class TrainCtx(EmbeddingCtx):
         try:
             # Ranks may receive different numbers of batches: Join lets the ranks that run
             # out shadow the others' allreduces, so every batch is trained.
-            joined = (torch.distributed.algorithms.Join([self.ddp_model])
-                      if self.ddp_model is not self.model else nullcontext())
+            # The checkpointer's hook keeps periodic checkpoints from waiting for them.
+            joined = (torch.distributed.algorithms.Join([self.dense.joinable, self.checkpointer])
+                      if self.dense.joinable is not None else nullcontext())
             with joined:
                 yield from stream
             self.flush()
             if dist.is_initialized():
                 # After this, every rank's embedding updates are on the servers.
-                dist.barrier()
+                with self._naming_peers("the end-of-stream barrier"):
+                    dist.barrier()
         finally:
             stream.close()
 
@@ -428,6 +459,8 @@ class TrainCtx(EmbeddingCtx):
         """Forward ``batch``; training batches keep what ``backward`` needs."""
         _check_batch(batch)
         if not batch.requires_grad:
+            if batch.batch_id is not None:  # a loader's evaluation batch is done once seen
+                self.train_state.new_batch_ids.append(batch.batch_id)
             return super().forward(batch)
         self._sender.raise_if_failed()
         if self._pending is not None:
@@ -435,14 +468,18 @@ class TrainCtx(EmbeddingCtx):
         self.reporter.forward_started()
         rows, embeddings = self._embedding_tensors(batch, requires_grad=True)
         dense = [t.to(self.device) for t in batch.non_id_type_features]
-        with self._autocast():
+        if self.dense.sharded:  # what a rank out of batches replays, with zero gradients
+            self._last_inputs = (dense, [e.detach() for e in embeddings])
+        # DDP's forward may sync buffers with the other ranks: a collective too.
+        with self._autocast(), self._naming_peers("the dense model's forward"):
+            self.dense.before_forward()
             output = self.ddp_model(dense, embeddings)
         self._pending = (batch, rows)
         self.staleness = batch.staleness
         self._staleness_sum += batch.staleness
         self._staleness_max = max(self._staleness_max, batch.staleness)
         self._num_steps += 1
-        self.train_state.steps += 1
+        self.train_state.trained(batch.batch_id)
         self.reporter.forward_done()
         return output, [t.to(self.device) for t in batch.labels]
 
@@ -454,16 +491,8 @@ class TrainCtx(EmbeddingCtx):
         self._pending = None
         started = time.perf_counter()
         try:
-            if self._scaler is None:
-                loss.backward()
-                self.dense_optimizer.step()
-                unscale = None
-            else:
-                self._scaler.scale(loss).backward()
-                unscale = 1.0 / self._scaler.get_scale()
-                self._scaler.step(self.dense_optimizer)
-                self._scaler.update()
-            self.dense_optimizer.zero_grad(set_to_none=True)
+            with self._naming_peers("the dense gradients' allreduce"):
+                unscale = self._backward_and_step(loss)
         except BaseException:
             batch.release()
             raise
@@ -481,6 +510,44 @@ class TrainCtx(EmbeddingCtx):
         self.reporter.backward_done(started=started, batch_size=batch.batch_size,
                                     loss=float(loss.detach()), staleness=batch.staleness)
         return loss
+
+    @contextmanager
+    def _naming_peers(self, what: str) -> Iterator[None]:
+        try:
+            with naming_peers(what, self._rank_addresses, self.env.rank, self.common):
+                yield
+        except PeerFailure:
+            self._peer_failed = True
+            raise
+
+    def _backward_and_step(self, loss: torch.Tensor) -> float | None:
+        """Backward and the dense optimizer step; returns the factor that unscales the
+        embedding rows' gradients under AMP (None without a gradient scaler)."""
+        if self._scaler is None:
+            loss.backward()
+            self.dense_optimizer.step()
+            unscale = None
+        else:
+            self._scaler.scale(loss).backward()
+            unscale = 1.0 / self._scaler.get_scale()
+            self._scaler.step(self.dense_optimizer)
+            self._scaler.update()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        self.dense.after_step()
+        return unscale
+
+    def _shadow_step(self) -> None:
+        """A step of a rank out of batches while the others train on (FSDP): its last
+        batch again, with a zero loss, so that it takes part in every all-gather and
+        reduce-scatter (contributing zero gradients) and steps its optimizer shard."""
+        if self._last_inputs is None:
+            raise RuntimeError("FSDP: this rank got no batch at all while others train; "
+                               "every rank needs at least one")
+        dense, embeddings = self._last_inputs
+        with self._autocast(), self._naming_peers("the dense model's shadow step"):
+            output = self.ddp_model(dense, embeddings)
+            outputs = output if isinstance(output, (list, tuple)) else [output]
+            self._backward_and_step(sum(o.float().sum() for o in outputs) * 0.0)
 
 
 def _torchscript(model: torch.nn.Module) -> bytes:

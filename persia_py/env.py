@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from persia_py.data_position import ENV_DATA_POSITIONS, DataPositions
 
 ENV_GLOBAL_CONFIG = "PERSIA_GLOBAL_CONFIG"
 ENV_EMBEDDING_CONFIG = "PERSIA_EMBEDDING_CONFIG"
@@ -21,7 +23,8 @@ ENV_DATA_LOADER_PORT = "PERSIA_DATA_LOADER_PORT"
 ENV_DATA_LOADER_REPLICA_SIZE = "PERSIA_DATA_LOADER_REPLICA_SIZE"
 ENV_NN_WORLD_SIZE = "PERSIA_NN_WORKER_WORLD_SIZE"
 ENV_BIND_HOST = "PERSIA_BIND_HOST"
-ENV_SKIP_BATCHES = "PERSIA_SKIP_BATCHES"
+ENV_RANK_FAILED_FILE = "PERSIA_RANK_FAILED_FILE"
+"""Where an NN-worker rank that fails writes why, for ``persia-launcher nn-worker``."""
 
 
 def job_env(*, ps_addrs: list[str], embedding_worker_addrs: list[str],
@@ -74,9 +77,9 @@ class PersiaEnv:
     data_loader_replica_size: int = 1
     nn_world_size: int = 1
     bind_host: str = "127.0.0.1"
-    skip_batches: int = 0
-    """Batches already trained (by all ranks) before a resumed checkpoint: the data
-    loaders drop their share of their first batches (``persia-launcher local --resume``)."""
+    data_positions: DataPositions = field(default_factory=DataPositions)
+    """Each data loader's batches trained before the checkpoint the job resumes from
+    (``$PERSIA_DATA_POSITIONS``, set by the launcher); a loader skips exactly those."""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> PersiaEnv:
@@ -95,7 +98,7 @@ class PersiaEnv:
             data_loader_replica_size=_int(env, ENV_DATA_LOADER_REPLICA_SIZE, 1),
             nn_world_size=_int(env, ENV_NN_WORLD_SIZE, 1),
             bind_host=env.get(ENV_BIND_HOST) or "127.0.0.1",
-            skip_batches=_int(env, ENV_SKIP_BATCHES, 0),
+            data_positions=DataPositions.from_env(env.get(ENV_DATA_POSITIONS)),
         )
 
     def require(self, field: str, variable: str) -> None:

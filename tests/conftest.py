@@ -82,6 +82,11 @@ class RoleProcess:
         kill_marked(self.marker)
 
 
+def env_without_token() -> dict[str, str]:
+    """This process's environment without the session's job token."""
+    return {k: v for k, v in os.environ.items() if k != ENV_AUTH_TOKEN}
+
+
 def processes_with_marker(marker: str) -> list[int]:
     """PIDs of live processes whose environment carries ``PERSIA_TEST_MARKER=marker``."""
     needle = f"PERSIA_TEST_MARKER={marker}".encode()

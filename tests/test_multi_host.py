@@ -8,16 +8,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 from certs import make_tls_files
-from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command
+from conftest import EXAMPLE, ROOT, RoleProcess, env_without_token, launcher_command
 from netns import HOST_IFACE
-
-from persia_py.security import ENV_AUTH_TOKEN
 
 pytestmark = pytest.mark.processes
 
@@ -106,7 +104,8 @@ class ReadmeJob:
     """The README's multi-host job, started on the emulated hosts ``a``, ``b`` and ``c``;
     ``scripts`` may swap the example's scripts (and their arguments) for others."""
 
-    def __init__(self, network, tmp_path, scripts: dict[str, list[str]] | None = None) -> None:
+    def __init__(self, network, tmp_path, scripts: dict[str, list[str]] | None = None,
+                 common_config: dict | None = None) -> None:
         hosts = network.hosts
         self.job = tmp_path / "job"
         self.job.mkdir()
@@ -119,8 +118,9 @@ class ReadmeJob:
         config_text, commands = readme_blocks()
         config = yaml.safe_load(substitute(config_text, values))
         assert {k: config["common_config"][k] for k in self.tls} == self.tls
+        config["common_config"].update(common_config or {})
         (self.job / "global_config.yml").write_text(yaml.safe_dump(config))
-        self.env = {k: v for k, v in os.environ.items() if k != ENV_AUTH_TOKEN}
+        self.env = env_without_token()
         for line in commands["every host"]:
             assert line.startswith("export "), line
             key, _, value = shlex.split(substitute(line, values))[1].partition("=")
@@ -201,14 +201,15 @@ def test_local_addr_is_advertised_and_decides_who_hosts_the_rendezvous(monkeypat
     from persia_py.launcher.cli import build_parser
 
     started = []
-    monkeypatch.setattr(roles, "_run_child", lambda command, env: started.append(command) or 0)
+    monkeypatch.setattr(roles, "run_torchrun",
+                        lambda command, env, grace_sec: started.append(command) or 0)
     for local_addr, is_host in (("10.77.0.2", 1), ("10.77.0.3", 0)):
         args = build_parser().parse_args([
             "nn-worker", "--nnodes", "2", "--rdzv-endpoint", "10.77.0.2:29400",
             "--local-addr", local_addr, "--insecure", "train.py"])
         assert roles.run_nn_worker(args) == 0
         assert f"--local-addr={local_addr}" in started[-1]
-        assert f"--rdzv-conf=is_host={is_host}" in started[-1]
+        assert f"--rdzv-conf=is_host={is_host},read_timeout=60,close_timeout=60" in started[-1]
     args = build_parser().parse_args(["nn-worker", "--insecure", "train.py"])
     roles.run_nn_worker(args)
     assert not [a for a in started[-1] if a.startswith(("--local-addr", "--rdzv-conf"))]
@@ -223,12 +224,15 @@ def test_a_link_down_for_seconds_loses_and_repeats_no_batch(emulated_hosts, tmp_
     job = ReadmeJob(network, tmp_path, scripts={
         DATA_LOADER: [str(JOB / "data_loader.py"), "--batches", str(NUM_BATCHES)],
         TRAIN: [str(JOB / "train.py")]})
-    job.foreground["c"].wait_for_line(r"trained step 30\b", timeout=300)
+    c = job.foreground["c"]
+    c.wait_for_line(r"trained step 30\b", timeout=300)
     network.set_link(network.hosts["c"], up=False)
     try:
-        time.sleep(5.0)  # the outage itself: nothing to wait on
+        # Keepalive finds the dead connection; host C's calls then fail and are retried.
+        c.wait_for_line(r"unavailable \(.*waiting and retrying", timeout=120)
     finally:
         network.set_link(network.hosts["c"], up=True)
+    c.wait_for_line(r"reachable again after [\d.]+ s; calls go on", timeout=120)
     job.wait()
     assert f"sent {NUM_BATCHES} batches" in job.procs["b"][0].output()
     ids = []
@@ -238,5 +242,37 @@ def test_a_link_down_for_seconds_loses_and_repeats_no_batch(emulated_hosts, tmp_
         ids += [int(i) for i in found[0].split(",") if i]
     assert sorted(ids) == list(range(NUM_BATCHES))
     # Host C had trained 30 batches when its link went down, and went on after it came back.
-    c_ids = re.findall(r"trained batch ids ([\d,]*)", job.foreground["c"].output())[0]
-    assert len(c_ids.split(",")) > 30, job.foreground["c"].output()
+    c_ids = re.findall(r"trained batch ids ([\d,]*)", c.output())[0]
+    assert len(c_ids.split(",")) > 30, c.output()
+
+
+RPC_TIMEOUT_SEC = 10
+
+
+def test_a_link_down_past_the_rpc_deadline_stops_the_job_naming_the_peer(
+        emulated_hosts, tmp_path) -> None:
+    network = emulated_hosts("a", "b", "c")
+    hosts = network.hosts
+    job = ReadmeJob(network, tmp_path, scripts={
+        DATA_LOADER: [str(JOB / "data_loader.py"), "--batches", "100000"],
+        TRAIN: [str(JOB / "train.py")]}, common_config={"rpc_timeout_sec": RPC_TIMEOUT_SEC})
+    b, c = job.foreground["b"], job.foreground["c"]
+    c.wait_for_line(r"trained step 10\b", timeout=300)
+    network.set_link(hosts["c"], up=False)
+    try:
+        # Each NN-worker node gives up on its own: no one is left waiting for a peer.
+        for name, proc in (("c", c), ("b", b)):
+            try:
+                code = proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code not in (0, None), \
+                f"host {name} ({code}):\n{proc.output()}\nhost b:\n{b.output()}"
+    finally:
+        network.set_link(hosts["c"], up=True)
+    # Host C lost host A (its embedding worker) and host B (its data loader).
+    assert re.search(rf"({hosts['a'].ip}|{hosts['b'].ip}):\d+.*unavailable", c.output()), \
+        c.output()
+    # Host B's rank waited for host C's rank in the allreduce, and says where it is.
+    assert re.search(rf"failed on rank 0: a peer NN-worker rank is unreachable or stalled "
+                     rf"\(rank 1 at {hosts['c'].ip}\)", b.output()), b.output()

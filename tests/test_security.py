@@ -5,7 +5,6 @@ token are refused, and the parameter server's rows are unchanged by their attemp
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 
 import grpc
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 from certs import make_tls_files
-from conftest import start_server
+from conftest import env_without_token, start_server
 
 from persia_py import codec
 from persia_py.config import CommonConfig, ConfigError, global_config_from_dict
@@ -48,7 +47,7 @@ def secure_cluster(tmp_path_factory):
     (root / "ps_global.yml").write_text(yaml.safe_dump(
         {"common_config": dict(common, auth_token_file=str(root / "token"))}))
     (root / "ew_global.yml").write_text(yaml.safe_dump({"common_config": common}))
-    env = {k: v for k, v in os.environ.items() if k != ENV_AUTH_TOKEN}
+    env = env_without_token()
     emb = ["--embedding-config", str(root / "embedding_config.yml")]
     procs = []
     try:

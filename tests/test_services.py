@@ -231,9 +231,16 @@ def test_data_loader_rejects_bad_requests_and_keeps_serving(cluster) -> None:
         stub = data_loader_pb2_grpc.DataLoaderStub(channel)
         _expect_error(lambda: stub.NextBatch(data_loader_pb2.NextBatchRequest(rank=3), timeout=10),
                       grpc.StatusCode.INVALID_ARGUMENT, "rank 3 not in [0, 1)")
-        response = stub.NextBatch(data_loader_pb2.NextBatchRequest(rank=0), timeout=10)
-        while not response.has_batch:
-            response = stub.NextBatch(data_loader_pb2.NextBatchRequest(rank=0), timeout=10)
+        _expect_error(lambda: stub.NextBatch(data_loader_pb2.NextBatchRequest(
+            rank=0, consumer=b"c" * 65), timeout=10), grpc.StatusCode.INVALID_ARGUMENT,
+            "consumer: 65 bytes, at most 64")
+        seq = 0
+        request = data_loader_pb2.NextBatchRequest(rank=0, consumer=b"me", request_seq=seq)
+        while not (response := stub.NextBatch(request, timeout=10)).has_batch:
+            seq += 1
+            request = data_loader_pb2.NextBatchRequest(rank=0, consumer=b"me", request_seq=seq)
+        # A retry (its reply lost on the wire) gets the same batch, not the next one.
+        assert stub.NextBatch(request, timeout=10) == response
         batch = response.batch
         assert batch.batch_size == 2 and batch.labels[0].name == "label_anonymous"
         while not response.end_of_stream:

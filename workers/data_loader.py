@@ -19,6 +19,7 @@ import grpc
 
 from persia_py import codec
 from persia_py.config import GlobalConfig, load_global_config
+from persia_py.data_position import batch_id
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
 from persia_py.monitoring import DataLoaderMetrics, MetricsServer, metrics_port_from_env, serve_metrics
@@ -34,7 +35,14 @@ _POLL_SEC = 0.5
 
 
 class BatchQueue:
-    """Batches waiting for NN workers, and which ranks have seen the end of the stream."""
+    """Batches waiting for NN workers, and which ranks have seen the end of the stream.
+
+    ``next`` answers a repeated request (same consumer and request sequence) with the
+    answer the first one got: a reply lost on the wire is asked for again and loses no
+    batch. A rank's requests are answered one at a time, so a retry that arrives while
+    the first attempt is still waiting for a batch gets that attempt's answer."""
+
+    _MAX_CONSUMER_BYTES = 64
 
     def __init__(self, maxsize: int, num_consumers: int) -> None:
         self._queue: queue.Queue[pb.Batch] = queue.Queue(maxsize=maxsize)
@@ -43,6 +51,10 @@ class BatchQueue:
         self._all_ended = threading.Event()
         self.num_consumers = num_consumers
         self._lock = threading.Lock()
+        self._rank_locks = [threading.Lock() for _ in range(num_consumers)]
+        self._last: dict[int, tuple[bytes, int, pb.NextBatchResponse]] = {}
+        self.num_repeated = 0
+        """Answers given again to a retried request."""
 
     def put(self, batch: pb.Batch, timeout: float | None = None) -> None:
         self._queue.put(batch, timeout=timeout)
@@ -50,9 +62,23 @@ class BatchQueue:
     def finish(self) -> None:
         self._finished.set()
 
-    def next(self, rank: int, wait: float) -> pb.NextBatchResponse:
+    def next(self, rank: int, wait: float, consumer: bytes = b"",
+             request_seq: int = 0) -> pb.NextBatchResponse:
         if not 0 <= rank < self.num_consumers:
             raise ValueError(f"rank {rank} not in [0, {self.num_consumers})")
+        if len(consumer) > self._MAX_CONSUMER_BYTES:
+            raise ValueError(f"consumer: {len(consumer)} bytes, at most "
+                             f"{self._MAX_CONSUMER_BYTES}")
+        with self._rank_locks[rank]:
+            last = self._last.get(rank) if consumer else None  # no consumer: no retries
+            if last is not None and last[:2] == (consumer, request_seq):
+                self.num_repeated += 1
+                return last[2]
+            answer = self._answer(rank, wait)
+            self._last[rank] = (consumer, request_seq, answer)
+            return answer
+
+    def _answer(self, rank: int, wait: float) -> pb.NextBatchResponse:
         # Once finished, no batch can arrive: an empty queue is the end, answered at once.
         if not self._finished.is_set() or not self._queue.empty():
             try:
@@ -77,7 +103,7 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
 
     @grpc_method
     def NextBatch(self, request, context):
-        return self.batches.next(request.rank, _POLL_SEC)
+        return self.batches.next(request.rank, _POLL_SEC, request.consumer, request.request_seq)
 
     @grpc_method
     def Health(self, request, context):
@@ -100,15 +126,13 @@ class DataCtx:
         self.common = self.global_config.common_config
         self.port = port if port is not None else self.env.data_loader_port
         self.batches = BatchQueue(buffer_size, self.env.nn_world_size)
-        self._seq = itertools.count()
+        self._seq = itertools.count()  # every batch the script makes, skipped ones too
         self._workers: list[EmbeddingWorkerClient] = []
         self._server: grpc.Server | None = None
         self.num_sent = 0
         self.num_skipped = 0
-        # Resumed from a checkpoint: each loader skips its equal share of the batches
-        # trained before it (exact with one loader; see persia_py.checkpoint).
-        total, size = self.env.skip_batches, self.env.data_loader_replica_size
-        self._skip = total // size + (self.env.data_loader_replica_index < total % size)
+        # Resumed from a checkpoint: the batches of this loader trained before it.
+        self._done = self.env.data_positions.of(self.env.data_loader_replica_index)
         self.metrics = DataLoaderMetrics()
         self._metrics_server: MetricsServer | None = None
 
@@ -135,15 +159,15 @@ class DataCtx:
         """Send one batch; waits (never drops) while the embedding or NN workers are full."""
         if self._server is None:
             raise RuntimeError("DataCtx.send_data called outside `with DataCtx() as ctx:`")
-        if self.num_skipped < self._skip:  # trained before the checkpoint this job resumed
+        seq = next(self._seq)
+        if self._done.done(seq):  # trained before the checkpoint this job resumed
             self.num_skipped += 1
             return
         started = time.perf_counter()
-        seq = next(self._seq)
         worker_index = seq % len(self._workers)
         ref = self._put_ids(self._workers[worker_index], batch)
         message = pb.Batch(
-            batch_id=(self.env.data_loader_replica_index << 40) | seq,
+            batch_id=batch_id(self.env.data_loader_replica_index, seq),
             batch_size=batch.batch_size,
             embedding_worker=worker_index,
             ref=ref,
@@ -191,8 +215,9 @@ class DataCtx:
                 while not self.batches.wait_all_ended(60.0):
                     logger.info("waiting %.0fs for %d NN-worker ranks to drain the stream",
                                 time.monotonic() - started, self.batches.num_consumers)
-                logger.info("data loader %d sent %d batches", self.env.data_loader_replica_index,
-                            self.num_sent)
+                logger.info("data loader %d sent %d batches (%d skipped: trained before the "
+                            "checkpoint resumed)", self.env.data_loader_replica_index,
+                            self.num_sent, self.num_skipped)
         finally:
             if self._server is not None:
                 self._server.stop(grace=1.0).wait(5.0)

@@ -18,6 +18,7 @@ import functools
 import itertools
 import logging
 import queue
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +33,7 @@ from persia_py.config import CommonConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.proto import data_loader_pb2_grpc
-from persia_py.rpc import call, create_channel, wait_for_ready
+from persia_py.rpc import OutageLog, call, create_channel, wait_for_ready
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.embedding_worker import SlotRows
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
@@ -126,6 +127,9 @@ class TrainingBatch:
     meta: bytes = b""
     ref: int = 0
     embedding_worker: int = 0
+    batch_id: int | None = None
+    """The data loader's id of this batch (see persia_py.data_position); None when the
+    batch was made in this process."""
     staleness: int = 0
     """Batches of this NN worker whose embedding updates were not yet applied when this
     batch's embeddings were looked up."""
@@ -169,7 +173,7 @@ def look_up(item: PersiaBatch | pb.Batch, workers: Sequence[EmbeddingWorkerClien
                  else worker.lookup_direct(features, item.batch_size))
         dense = [torch.from_numpy(f.data) for f in item.non_id_type_features]
         labels = [torch.from_numpy(f.data) for f in item.labels]
-        meta = item.meta or b""
+        meta, batch_id = item.meta or b"", None
     else:
         index, ref = item.embedding_worker, item.ref
         if not 0 <= index < len(workers):
@@ -178,10 +182,11 @@ def look_up(item: PersiaBatch | pb.Batch, workers: Sequence[EmbeddingWorkerClien
         slots = workers[index].lookup(ref)
         dense = tensors_from_named(item.non_id_features)
         labels = tensors_from_named(item.labels)
-        meta = item.meta
+        meta, batch_id = item.meta, item.batch_id
     return TrainingBatch(non_id_type_features=dense, labels=labels, slots=slots,
                          requires_grad=item.requires_grad, batch_size=item.batch_size,
-                         meta=meta, ref=ref, embedding_worker=index, staleness=staleness)
+                         meta=meta, ref=ref, embedding_worker=index, staleness=staleness,
+                         batch_id=batch_id)
 
 
 class GradientSender:
@@ -255,21 +260,30 @@ class DataLoaderSource:
         self._channels = [create_channel(a, common) for a in data_loader_addrs]
         for channel, address in zip(self._channels, data_loader_addrs):
             wait_for_ready(channel, address, common.startup_timeout_sec)
-        stubs = [data_loader_pb2_grpc.DataLoaderStub(c) for c in self._channels]
-        self._groups = [stubs] if reproducible else [[s] for s in stubs]
+        loaders = [(data_loader_pb2_grpc.DataLoaderStub(c), a)
+                   for c, a in zip(self._channels, data_loader_addrs)]
+        self._groups = [loaders] if reproducible else [[loader] for loader in loaders]
+        self._outages = OutageLog()
 
     def producers(self) -> list[Producer]:
         return [functools.partial(self._fetch, group) for group in self._groups]
 
-    def _fetch(self, stubs: list, put: Put, stop: threading.Event) -> None:
-        active = list(stubs)
+    def _fetch(self, loaders: list, put: Put, stop: threading.Event) -> None:
+        active = list(loaders)
+        # NextBatch is idempotent per (consumer, request_seq): a retry after a lost reply
+        # gets the same batch again (see data_loader.BatchQueue).
+        consumer = secrets.token_bytes(16)
+        request_seq = itertools.count()
         while active and not stop.is_set():
-            for stub in list(active):
-                response = call(stub.NextBatch, pb.NextBatchRequest(rank=self.rank),
-                                timeout=self.common.rpc_timeout_sec, idempotent=False,
-                                what="data loader")
+            for loader in list(active):
+                stub, address = loader
+                request = pb.NextBatchRequest(rank=self.rank, consumer=consumer,
+                                              request_seq=next(request_seq))
+                response = call(stub.NextBatch, request, timeout=self.common.rpc_timeout_sec,
+                                idempotent=True, what=f"data loader {address}",
+                                outages=self._outages)
                 if response.end_of_stream:
-                    active.remove(stub)
+                    active.remove(loader)
                 elif response.has_batch and not put(response.batch):
                     return
 

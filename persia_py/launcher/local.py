@@ -35,12 +35,21 @@ from datetime import datetime
 from persia_py import allocator
 from persia_py.env import ENV_GLOBAL_CONFIG, job_env
 from persia_py.launcher import job_token
+from persia_py.launcher.processes import descendants
+from persia_py.launcher.recovery import (
+    TrainingRecovery,
+    checkpoint_root,
+    latest_checkpoint,
+    resume_env,
+)
 from persia_py.launcher.roles import validate_configs
 from persia_py.progress import ENV_TRAIN_LOG
 from persia_py.security import ENV_AUTH_TOKEN
 
 _STOP_GRACE_SEC = 10.0
 MAX_PS_RESTARTS = 3
+MAX_TRAINING_RESTARTS = 3
+"""Restarts of the training (persia_py.launcher.recovery) each other role may cause."""
 
 
 def free_ports(count: int, host: str) -> list[int]:
@@ -69,27 +78,6 @@ class Role:
     num_restarts: int = 0
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc walk)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 class LocalCluster:
     """Starts, watches and stops the processes of one local job."""
 
@@ -100,6 +88,9 @@ class LocalCluster:
         self.max_restarts = max_restarts
         self._print_lock = threading.Lock()
         self._exited = threading.Event()
+        self.restart_training: Callable[[Role, str], bool] | None = None
+        """Called with a role without ``restart`` that died and how; True: it restarted
+        the job's training (see persia_py.launcher.recovery); None: the job stops."""
 
     def _pump(self, role: Role) -> None:
         assert role.process is not None and role.process.stdout is not None
@@ -112,9 +103,10 @@ class LocalCluster:
 
     def start(self) -> None:
         for role in self.roles:
-            self._spawn(role, role.command)
+            self.spawn(role, role.command)
 
-    def _spawn(self, role: Role, command: list[str]) -> None:
+    def spawn(self, role: Role, command: list[str]) -> None:
+        """Start ``role``'s process with ``command`` (the cluster's environment)."""
         env = allocator.with_tunables(self.env)
         if role.kind != "nn-worker" and "OMP_NUM_THREADS" not in env:
             # Servers and loaders run on threads of their own; an OpenMP pool in each of
@@ -135,27 +127,27 @@ class LocalCluster:
 
     def _try_restart(self, role: Role, code: int) -> bool:
         """Start a role that died again, if it may be; False: the job must stop."""
-        if role.restart is None:
-            return False
         try:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
         except ValueError:
             how = f"signal {-code}"
+        if role.restart is None:
+            return self.restart_training is not None and self.restart_training(role, how)
         if role.num_restarts >= self.max_restarts:
-            self._log(f"{role.name} died ({how}) after {role.num_restarts} restarts, the "
+            self.log(f"{role.name} died ({how}) after {role.num_restarts} restarts, the "
                       "limit; stopping the job")
             return False
         role.num_restarts += 1
         command = role.restart()
         source = command[command.index("--load-checkpoint") + 1] if (
             "--load-checkpoint" in command) else None
-        self._log(f"{role.name} died ({how}); restarting it on the same port (restart "
+        self.log(f"{role.name} died ({how}); restarting it on the same port (restart "
                   f"{role.num_restarts} of {self.max_restarts}, "
                   + (f"from checkpoint {source})" if source else "empty: no checkpoint yet)"))
-        self._spawn(role, command)
+        self.spawn(role, command)
         return True
 
-    def _log(self, message: str) -> None:
+    def log(self, message: str) -> None:
         with self._print_lock:
             print(f"[launcher] {message}", flush=True)
 
@@ -173,15 +165,15 @@ class LocalCluster:
                     if code != 0:
                         if self._try_restart(role, code):
                             continue
-                        self._log(f"{role.name} exited with code {code}; stopping the job")
+                        self.log(f"{role.name} exited with code {code}; stopping the job")
                         return code
-                    if role.kind == "server":
-                        self._log(f"{role.name} exited before training ended; stopping the job")
+                    if role.kind in ("server", "embedding-worker"):
+                        self.log(f"{role.name} exited before training ended; stopping the job")
                         return 1
                 if all(r.process.poll() == 0 for r in nn):
                     return self._finish()
         except KeyboardInterrupt:
-            self._log("interrupted; stopping every process")
+            self.log("interrupted; stopping every process")
             return 130
         finally:
             self.stop()
@@ -202,7 +194,7 @@ class LocalCluster:
                     continue
                 if code != 0 and self._try_restart(role, code):
                     continue
-                self._log(f"{role.name} exited with code {code}; stopping")
+                self.log(f"{role.name} exited with code {code}; stopping")
                 return code or 1
         return 0
 
@@ -213,28 +205,30 @@ class LocalCluster:
                 try:
                     code = role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    self._log(f"{role.name} still running 60s after training ended")
+                    self.log(f"{role.name} still running 60s after training ended")
                     return 1
                 if code != 0:
-                    self._log(f"{role.name} exited with code {code}")
+                    self.log(f"{role.name} exited with code {code}")
                     return code
-        self._log("training finished")
+        self.log("training finished")
         return 0
 
-    def stop(self) -> None:
-        """SIGTERM every process and its children; SIGKILL what is left after a grace period."""
+    def stop(self, roles: list[Role] | None = None) -> None:
+        """SIGTERM the processes of ``roles`` (all) and their children; SIGKILL what is
+        left after a grace period."""
+        roles = self.roles if roles is None else roles
         pids = []
-        for role in self.roles:
+        for role in roles:
             if role.process is not None and role.process.poll() is None:
                 pids.append(role.process.pid)
-                pids.extend(_descendants(role.process.pid))
+                pids.extend(descendants(role.process.pid))
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + _STOP_GRACE_SEC
-        for role in self.roles:
+        for role in roles:
             if role.process is None:
                 continue
             try:
@@ -246,46 +240,11 @@ class LocalCluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for role in self.roles:
+        for role in roles:
             if role.process is not None:
                 role.process.wait()
             if role.reader is not None:
                 role.reader.join(timeout=5.0)
-
-
-def resume_env(path: str) -> dict[str, str]:
-    """Environment that makes a job continue from the checkpoint ``path`` names."""
-    from persia_py import checkpoint_format
-    from persia_py.checkpoint import ENV_RESUME_DIR
-    from persia_py.env import ENV_SKIP_BATCHES
-
-    try:
-        folder = checkpoint_format.resolve(path)
-    except checkpoint_format.CheckpointError as exc:
-        raise SystemExit(f"--resume: {exc}") from None
-    step = checkpoint_format.load_json(folder / checkpoint_format.MANIFEST)["step"]
-    print(f"[launcher] resuming from {folder} ({step} batches trained)", flush=True)
-    return {ENV_RESUME_DIR: str(folder), ENV_SKIP_BATCHES: str(step)}
-
-
-def _checkpoint_root(args: argparse.Namespace, env: dict[str, str]) -> str | None:
-    """Where the job's checkpoints are: ``checkpoint_config.dir``, else ``--resume``."""
-    from persia_py.config import load_global_config
-
-    root = load_global_config(env.get(ENV_GLOBAL_CONFIG)).checkpoint_config.dir
-    return root or getattr(args, "resume", None)
-
-
-def _latest_checkpoint(root: str | None) -> str | None:
-    """The newest complete checkpoint under ``root`` (None: there is none yet)."""
-    from persia_py import checkpoint_format
-
-    if root is None:
-        return None
-    try:
-        return str(checkpoint_format.resolve(root))
-    except checkpoint_format.CheckpointError:
-        return None
 
 
 def _job_token(args: argparse.Namespace, env: dict[str, str], run_dir: str) -> list[str]:
@@ -338,8 +297,12 @@ def run_local(args: argparse.Namespace) -> int:
         embedding_config=os.path.abspath(args.embedding_config),
         global_config=os.path.abspath(args.global_config) if args.global_config else None))
     env.update({"PYTHONUNBUFFERED": "1", ENV_TRAIN_LOG: train_log})
+    root = checkpoint_root(args, env)
     if getattr(args, "resume", None):
         env.update(resume_env(args.resume))
+    elif (latest := latest_checkpoint(root)) is not None:
+        # The NN workers resume from it by themselves (TrainCtx); the loaders must agree.
+        env.update(resume_env(latest))
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -360,7 +323,8 @@ def run_local(args: argparse.Namespace) -> int:
     roles += [
         Role(f"embedding-worker-{i}", [*launcher, "embedding-worker", "--port", str(p),
                                        "--bind", host, "--replica-index", str(i),
-                                       "--replica-size", str(num_ew), *role_flags])
+                                       "--replica-size", str(num_ew), *role_flags],
+             kind="embedding-worker")
         for i, p in enumerate(ew_ports)
     ]
     roles += [
@@ -375,17 +339,19 @@ def run_local(args: argparse.Namespace) -> int:
                                     "--master-addr", host, "--master-port", str(master_port),
                                     *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
                       kind="nn-worker"))
-    checkpoint_root = _checkpoint_root(args, env)
-
     def ps_restart(command: list[str]) -> Callable[[], list[str]]:
         def restart() -> list[str]:
-            latest = _latest_checkpoint(checkpoint_root)
+            latest = latest_checkpoint(root)
             return command if latest is None else [*command, "--load-checkpoint", latest]
         return restart
 
     for role in roles[:num_ps]:
         role.restart = ps_restart(role.command)
     cluster = LocalCluster(roles, env)
+    recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],
+                                root=root, train_log=train_log,
+                                max_restarts=MAX_TRAINING_RESTARTS, log=cluster.log)
+    cluster.restart_training = recovery
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
@@ -396,4 +362,9 @@ def run_local(args: argparse.Namespace) -> int:
     except BaseException:
         cluster.stop()
         raise
-    return cluster.run()
+    try:
+        return cluster.run()
+    finally:
+        summary = recovery.summary()
+        if summary:
+            cluster.log(summary)

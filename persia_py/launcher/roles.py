@@ -28,6 +28,7 @@ from persia_py.env import (
     PersiaEnv,
 )
 from persia_py.launcher import job_token
+from persia_py.launcher.processes import run_torchrun
 from persia_py.monitoring import ENV_METRICS_PORT, serve_metrics
 from persia_py.progress import ENV_TRAIN_LOG
 
@@ -191,6 +192,8 @@ def run_nn_worker(args: argparse.Namespace) -> int:
     """The user's training script under torchrun (torch.distributed elastic)."""
     env = _user_env(args)
     env.setdefault(ENV_TRAIN_LOG, os.path.abspath(args.train_log))
+    deadline = int(min(60, max(5, load_global_config(env.get(ENV_GLOBAL_CONFIG))
+                               .common_config.rpc_timeout_sec)))
     command = [sys.executable, "-m", "torch.distributed.run",
                f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
     if args.local_addr:
@@ -201,15 +204,20 @@ def run_nn_worker(args: argparse.Namespace) -> int:
         # Elastic rendezvous (e.g. Kubernetes): torchrun assigns node ranks.
         command += [f"--rdzv-backend={args.rdzv_backend}",
                     f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+        # The agent's calls to the rendezvous store give up within the RPC deadline
+        # (at most torch's 60 s) where the store answers late; a dead link is left to
+        # run_torchrun.
+        conf = [f"read_timeout={deadline}", f"close_timeout={deadline}"]
         if args.local_addr:
             # torchrun guesses the host of the store from the hostname's addresses, which
             # misses a secondary interface; the node's own address says it for sure.
             host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")
-            command.append(f"--rdzv-conf=is_host={int(host == args.local_addr)}")
+            conf.insert(0, f"is_host={int(host == args.local_addr)}")
+        command.append(f"--rdzv-conf={','.join(conf)}")
     else:
         command += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
                     f"--master-port={args.master_port}"]
-    return _run_child([*command, args.script, *args.script_args], env)
+    return run_torchrun([*command, args.script, *args.script_args], env, grace_sec=deadline)
 
 
 def run_data_loader(args: argparse.Namespace) -> int:

@@ -8,10 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NextBatchRequest(_message.Message):
-    __slots__ = ("rank",)
+    __slots__ = ("rank", "consumer", "request_seq")
     RANK_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SEQ_FIELD_NUMBER: _ClassVar[int]
     rank: int
-    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+    consumer: bytes
+    request_seq: int
+    def __init__(self, rank: _Optional[int] = ..., consumer: _Optional[bytes] = ..., request_seq: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "batch_size", "embedding_worker", "ref", "non_id_features", "labels", "meta", "requires_grad")

@@ -1,0 +1,120 @@
+"""Exact data positions: which batches of each data loader have been trained.
+
+A data loader numbers the batches it makes 0, 1, 2, ... (its *sequence*; a batch's id
+is ``loader << 40 | seq``), counting every batch its script builds, so a restarted
+loader that runs its script again from the start meets the same numbers. The NN
+workers consume one loader's batches in no fixed order across ranks, so what has been
+trained is not a prefix: a position is ``next`` (every sequence below it is done) plus
+``also`` (the few done beyond it). Checkpoints store one position per loader; a loader
+that resumes from one skips exactly those batches: none dropped, none repeated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SEQ_BITS = 40
+"""Low bits of a batch id that hold the loader's sequence number."""
+
+ENV_DATA_POSITIONS = "PERSIA_DATA_POSITIONS"
+"""JSON ``{loader index: {"next": int, "also": [int, ...]}}`` a resumed job's data
+loaders skip (set by ``persia-launcher`` from the checkpoint it resumes)."""
+
+
+def batch_id(loader: int, seq: int) -> int:
+    """The id of batch ``seq`` of data loader ``loader``."""
+    return (loader << SEQ_BITS) | seq
+
+
+def split_batch_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(loader, sequence) of each batch id."""
+    ids = np.asarray(ids, dtype=np.uint64)
+    return (ids >> np.uint64(SEQ_BITS)).astype(np.int64), \
+        (ids & np.uint64((1 << SEQ_BITS) - 1)).astype(np.int64)
+
+
+@dataclass
+class Position:
+    """One loader's batches done: every sequence below ``next``, and those in ``also``."""
+
+    next: int = 0
+    also: frozenset[int] = field(default_factory=frozenset)
+
+    def done(self, seq: int) -> bool:
+        return seq < self.next or seq in self.also
+
+    def advanced(self, seqs: Iterable[int]) -> Position:
+        """This position with ``seqs`` done too (``next`` moved over every gap closed)."""
+        done = set(self.also)
+        done.update(s for s in seqs if s >= self.next)
+        nxt = self.next
+        while nxt in done:
+            done.discard(nxt)
+            nxt += 1
+        return Position(nxt, frozenset(done))
+
+    def to_json(self) -> dict:
+        return {"next": self.next, "also": sorted(self.also)}
+
+    @classmethod
+    def from_json(cls, data: object, where: str) -> Position:
+        if (not isinstance(data, dict) or set(data) != {"next", "also"}
+                or not _count(data["next"]) or not isinstance(data["also"], list)
+                or not all(_count(s) and s > data["next"] for s in data["also"])):
+            raise ValueError(f"{where}: expected {{'next': int >= 0, 'also': [ints above "
+                             f"next]}}, got {data!r}")
+        return cls(data["next"], frozenset(data["also"]))
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << SEQ_BITS
+
+
+class DataPositions:
+    """Every loader's :class:`Position` (a loader never seen has done nothing)."""
+
+    def __init__(self, positions: Mapping[int, Position] | None = None) -> None:
+        self.positions = dict(positions or {})
+
+    def of(self, loader: int) -> Position:
+        return self.positions.get(loader, Position())
+
+    def advanced(self, ids: Iterable[int]) -> DataPositions:
+        """These positions with the batches ``ids`` done too."""
+        loaders, seqs = split_batch_ids(np.fromiter(ids, dtype=np.uint64))
+        result = dict(self.positions)
+        for loader in np.unique(loaders).tolist():
+            result[loader] = self.of(loader).advanced(seqs[loaders == loader].tolist())
+        return DataPositions(result)
+
+    def to_json(self) -> dict[str, dict]:
+        return {str(k): p.to_json() for k, p in sorted(self.positions.items())}
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "data_positions") -> DataPositions:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a mapping of loader index to position, "
+                             f"got {data!r}")
+        positions = {}
+        for key, value in data.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise ValueError(f"{where}: loader index {key!r} is not a number")
+            positions[int(key)] = Position.from_json(value, f"{where}[{key}]")
+        return cls(positions)
+
+    def to_env(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def from_env(cls, text: str | None) -> DataPositions:
+        if not text:
+            return cls()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"${ENV_DATA_POSITIONS}: not JSON ({exc})") from None
+        return cls.from_json(data, f"${ENV_DATA_POSITIONS}")

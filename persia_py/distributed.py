@@ -1,0 +1,281 @@
+"""How the NN workers share the dense tower (as PERSIA's ``persia.distributed``).
+
+* :class:`DDPOption` — every rank keeps a full replica; gradients are allreduced (DDP).
+* :class:`FSDPOption` — every rank keeps a shard; parameters are all-gathered per unit
+  around its forward and backward, gradients reduce-scattered (PyTorch's FSDP2,
+  ``torch.distributed.fsdp.fully_shard``), with a bound on the unsharded bytes alive at
+  once (:mod:`persia_py.fsdp_limiter`).
+
+Pass one as ``TrainCtx(..., distributed_option=...)``; the default is ``DDPOption()``.
+Embeddings are not touched by either: they live on the parameter servers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms import Join, Joinable, JoinHook
+
+from persia_py.fsdp_limiter import UnshardedBytesMeter, floor_bytes, unit_bytes
+
+logger = logging.getLogger(__name__)
+
+_DDP_OWN_ARGS = {"self", "module", "device_ids", "output_device", "process_group"}
+"""DDP arguments TrainCtx sets itself."""
+
+
+def _default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class DDPOption:
+    """A full replica of the dense tower on every rank, gradients allreduced (DDP).
+
+    Args:
+        backend: torch.distributed backend; None: ``nccl`` on CUDA, ``gloo`` on CPU.
+        **options: keyword arguments of ``torch.nn.parallel.DistributedDataParallel``
+            (e.g. ``find_unused_parameters=True``, ``bucket_cap_mb=50``); unknown ones
+            are a ValueError. (PERSIA's ``initialization_method`` is gone: ranks join as
+            torchrun sets them up.)
+    """
+
+    def __init__(self, backend: str | None = None, **options) -> None:
+        allowed = set(inspect.signature(nn.parallel.DistributedDataParallel).parameters)
+        unknown = sorted(set(options) - (allowed - _DDP_OWN_ARGS))
+        if unknown:
+            raise ValueError(f"DDPOption: unknown DistributedDataParallel options {unknown}; "
+                             f"allowed: {sorted(allowed - _DDP_OWN_ARGS)}")
+        self.backend = backend
+        self.options = options
+
+    def check(self, model: nn.Module, world_size: int) -> None:
+        """Nothing to check before the ranks meet."""
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+             *, shadow_step: Callable[[], None], registry=None) -> DenseParallel:
+        """``model`` in DDP when the process group has more than one rank."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return DenseParallel(model, model)
+        device_ids = [device.index] if device.type == "cuda" else None
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **self.options)
+        return DenseParallel(model, ddp, joinable=ddp)
+
+
+def direct_children(model: nn.Module) -> list[nn.Module]:
+    """The default wrapping policy: each direct child of ``model`` holding parameters."""
+    return [child for child in model.children()
+            if any(True for _ in child.parameters())]
+
+
+@dataclass(kw_only=True)
+class FSDPOption:
+    """Shard the dense tower across the ranks with PyTorch's FSDP2 (``fully_shard``)."""
+
+    wrap_policy: Callable[[nn.Module], list[nn.Module]] | tuple[type, ...] | None = None
+    """The units: a function from the dense tower to its submodules to shard one by one
+    (in the order they run), or module classes (every submodule of those classes,
+    outermost only); None: each direct child holding parameters. The tower itself is
+    sharded last, taking the parameters left over."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (gather again for the
+    backward): less memory, one more all-gather per unit and step."""
+    mixed_precision: torch.distributed.fsdp.MixedPrecisionPolicy | None = None
+    """FSDP's ``MixedPrecisionPolicy`` (e.g. bfloat16 parameters and float32 gradient
+    reduction on GPU); None: parameters gathered in their own dtype."""
+    max_unsharded_bytes: int | None = None
+    """The rate limiter: most bytes of gathered parameters alive at once on a rank
+    (all-gather buffers in flight and gathered units not yet freed). Prefetching only
+    within it; a bound below one unit's need is refused (ValueError); None: FSDP's own
+    prefetching, unbounded (the peak is still measured)."""
+    backend: str | None = None
+    """torch.distributed backend; None: ``nccl`` on CUDA, ``gloo`` on CPU."""
+
+    def __post_init__(self) -> None:
+        if self.max_unsharded_bytes is not None and (
+                isinstance(self.max_unsharded_bytes, bool)
+                or not isinstance(self.max_unsharded_bytes, int)
+                or self.max_unsharded_bytes <= 0):
+            raise ValueError(f"FSDPOption.max_unsharded_bytes: expected a positive int or "
+                             f"None, got {self.max_unsharded_bytes!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"FSDPOption.reshard_after_forward: expected a bool, got "
+                             f"{self.reshard_after_forward!r}")
+
+    def units(self, model: nn.Module) -> list[nn.Module]:
+        """The submodules this option shards one by one (not the root)."""
+        policy = self.wrap_policy
+        if policy is None:
+            return direct_children(model)
+        if isinstance(policy, tuple):
+            found: list[nn.Module] = []
+            for module in model.modules():
+                if module is not model and isinstance(module, policy) and not any(
+                        module in set(f.modules()) for f in found):
+                    found.append(module)
+            return found
+        units = list(policy(model))
+        names = {id(m) for m in model.modules()}
+        if any(id(u) not in names or u is model for u in units):
+            raise ValueError("FSDPOption.wrap_policy: must return submodules of the dense "
+                             "tower (not the tower itself)")
+        return units
+
+    def _param_dtype(self) -> torch.dtype | None:
+        return None if self.mixed_precision is None else self.mixed_precision.param_dtype
+
+    def sizes(self, model: nn.Module, world_size: int) -> tuple[list[int], int]:
+        """Unsharded bytes of each unit and of the root's own parameters."""
+        units = self.units(model)
+        in_units = {id(p) for u in units for p in u.parameters()}
+        sizes = [unit_bytes(list(u.parameters()), world_size, self._param_dtype())
+                 for u in units]
+        root = unit_bytes([p for p in model.parameters() if id(p) not in in_units],
+                          world_size, self._param_dtype())
+        return sizes, root
+
+    def check(self, model: nn.Module, world_size: int) -> None:
+        """ValueError if ``max_unsharded_bytes`` is below what one unit alone needs."""
+        if self.max_unsharded_bytes is None:
+            return
+        sizes, root = self.sizes(model, world_size)
+        floor = floor_bytes(sizes, root, reshard_after_forward=self.reshard_after_forward)
+        if floor > self.max_unsharded_bytes:
+            largest = max(sizes, default=0)
+            raise ValueError(
+                f"FSDPOption.max_unsharded_bytes={self.max_unsharded_bytes} is below the "
+                f"{floor} bytes training needs at least: the largest unit is {largest} "
+                f"bytes unsharded and is alive twice for a moment (its all-gather buffer "
+                f"and the parameters copied out of it), plus the root's own {root} bytes"
+                + ("" if self.reshard_after_forward else
+                   ", and with reshard_after_forward=False every unit stays gathered")
+                + "; raise the bound or split the largest unit with wrap_policy")
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+             *, shadow_step: Callable[[], None], registry=None) -> DenseParallel:
+        """Shard ``model`` in place (its parameters become DTensor shards; ``optimizer``
+        is pointed at them) when the process group has more than one rank."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            logger.info("FSDPOption with one rank: nothing to shard, the model runs whole")
+            return DenseParallel(model, model)
+        world = dist.get_world_size()
+        self.check(model, world)
+        sizes, root_bytes = self.sizes(model, world)
+        units = self.units(model)
+        names = {id(p): name for name, p in model.named_parameters()}
+        kwargs = {"mp_policy": self.mixed_precision or MixedPrecisionPolicy()}
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **kwargs)
+        fully_shard(model, **kwargs)  # the root: FSDP keeps it gathered until backward
+        _repoint_optimizer(optimizer, names, model)
+        meter = UnshardedBytesMeter([*units, model], [*sizes, root_bytes],
+                                    bound=self.max_unsharded_bytes, root_bytes=root_bytes)
+        if registry is not None:
+            meter.register_metrics(registry)
+        return FSDPParallel(model, meter, shadow_step)
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
+                       model: nn.Module) -> None:
+    """``fully_shard`` replaces every parameter by a new one (a DTensor shard); point the
+    optimizer, built over the old ones, at the new ones, in the same places, with any
+    state it already holds (e.g. Adagrad's initial sums) sharded the same way."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    new = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        try:
+            params = [new[names[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise ValueError("FSDPOption: the dense optimizer holds parameters that are "
+                             "not the model's") from None
+        for old, param in zip(group["params"], params):
+            state = optimizer.state.pop(old, None)
+            if not state:
+                continue
+            optimizer.state[param] = {
+                key: (distribute_tensor(value, param.device_mesh, param.placements)
+                      if isinstance(param, DTensor) and torch.is_tensor(value)
+                      and value.shape == old.shape and value.dim() > 0 else value)
+                for key, value in state.items()}
+        group["params"] = params
+
+
+class DenseParallel:
+    """The dense tower as the ranks share it: ``module`` is what forward calls;
+    ``joinable`` (None with one rank) lets ranks with fewer batches shadow the others'
+    collectives inside ``torch.distributed.algorithms.Join``."""
+
+    sharded = False
+
+    def __init__(self, model: nn.Module, module: nn.Module,
+                 joinable: Joinable | None = None) -> None:
+        self.model = model
+        self.module = module
+        self.joinable = joinable
+
+    def before_forward(self) -> None:
+        """Called before each training forward."""
+
+    def after_step(self) -> None:
+        """Called after each optimizer step."""
+
+    def summary(self) -> str | None:
+        """A line for the end-of-run log, or None."""
+        return None
+
+
+class FSDPParallel(DenseParallel, Joinable):
+    """FSDP2-sharded tower with its unsharded-bytes meter.
+
+    FSDP has no Join support of its own: as a Joinable, a rank that is out of batches
+    runs ``shadow_step`` (a step that contributes zero gradients, while its shard of the
+    optimizer step still runs) for every step the others still train, as DDP's Join
+    shadows the allreduce with zeros."""
+
+    sharded = True
+
+    def __init__(self, model: nn.Module, meter: UnshardedBytesMeter,
+                 shadow_step: Callable[[], None]) -> None:
+        DenseParallel.__init__(self, model, model, joinable=self)
+        Joinable.__init__(self)
+        self.meter = meter
+        self._shadow_step = shadow_step
+
+    def before_forward(self) -> None:
+        Join.notify_join_context(self)  # the per-step "who is still training" allreduce
+
+    def after_step(self) -> None:
+        self.meter.after_step()
+
+    def summary(self) -> str:
+        bound = self.meter.bound
+        return (f"FSDP peak unsharded bytes {self.meter.peak}"
+                + (f" of max_unsharded_bytes {bound}" if bound is not None else " (no bound)"))
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _ShadowStep(self._shadow_step)
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(
+            "cuda", torch.cuda.current_device())
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
+
+
+class _ShadowStep(JoinHook):
+    def __init__(self, step: Callable[[], None]) -> None:
+        self._step = step
+
+    def main_hook(self) -> None:
+        self._step()

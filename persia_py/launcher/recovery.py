@@ -1,0 +1,122 @@
+"""Self-healing of a ``persia-launcher local`` job: when an embedding worker, a data
+loader or the NN workers die, the job's training restarts from its last checkpoint.
+
+What a dead role held is not in any other process (an embedding worker's looked-up
+batches and unsent updates, a data loader's queue, the NN ranks' dense state), so the
+training side rolls back to one consistent cut: the embedding workers, data loaders and
+NN workers are stopped and started again; the NN workers load the newest checkpoint of
+``checkpoint_config.dir`` by themselves (``TrainCtx``; the parameter servers' rows and
+exactly-once windows included, all or nothing) and every data loader skips exactly the
+batches of its own the checkpoint holds as trained (``$PERSIA_DATA_POSITIONS``). Without
+a checkpoint the parameter servers restart empty too, and training starts over. Every
+batch is thus trained exactly once between the last restore and the end; what was
+trained after the checkpoint is trained again. Each role restarts at most
+``max_restarts`` times; each restart is logged, and recorded in the training log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+from persia_py.data_position import ENV_DATA_POSITIONS
+from persia_py.env import ENV_GLOBAL_CONFIG
+
+
+def resume_env(path: str) -> dict[str, str]:
+    """Environment that makes a job continue from the checkpoint ``path`` names: the NN
+    workers load it, each data loader skips the batches of its own it holds as trained."""
+    from persia_py import checkpoint_format
+    from persia_py.checkpoint import ENV_RESUME_DIR, data_positions
+    from persia_py.data_position import DataPositions
+
+    try:
+        folder = checkpoint_format.resolve(path)
+    except checkpoint_format.CheckpointError as exc:
+        raise SystemExit(f"--resume: {exc}") from None
+    manifest = checkpoint_format.load_json(folder / checkpoint_format.MANIFEST)
+    positions = DataPositions.from_json(data_positions(manifest), f"{folder} data_positions")
+    print(f"[launcher] resuming from {folder} ({manifest['step']} batches trained)",
+          flush=True)
+    return {ENV_RESUME_DIR: str(folder), ENV_DATA_POSITIONS: positions.to_env()}
+
+
+def checkpoint_root(args: argparse.Namespace, env: dict[str, str]) -> str | None:
+    """Where the job's checkpoints are: ``checkpoint_config.dir``, else ``--resume``."""
+    from persia_py.config import load_global_config
+
+    root = load_global_config(env.get(ENV_GLOBAL_CONFIG)).checkpoint_config.dir
+    return root or getattr(args, "resume", None)
+
+
+def latest_checkpoint(root: str | None) -> str | None:
+    """The newest complete checkpoint under ``root`` (None: there is none yet)."""
+    from persia_py import checkpoint_format
+
+    found = checkpoint_format.latest(root) if root is not None else None
+    return None if found is None else str(found)
+
+
+class TrainingRecovery:
+    """``LocalCluster.restart_training``: restarts the training side from the newest
+    checkpoint in ``root`` (see the module docstring)."""
+
+    def __init__(self, cluster, *, servers: list, training: list, root: str | None,
+                 train_log: str, max_restarts: int,
+                 log: Callable[[str], None]) -> None:
+        self.cluster = cluster
+        self.servers = servers
+        self.training = training
+        self.root = root
+        self.train_log = train_log
+        self.max_restarts = max_restarts
+        self.log = log
+        self.restarts: list[tuple[str, str]] = []
+
+    def __call__(self, role, how: str) -> bool:
+        if role.num_restarts >= self.max_restarts:
+            self.log(f"{role.name} died ({how}) after {role.num_restarts} restarts, the "
+                     "limit; stopping the job")
+            return False
+        role.num_restarts += 1
+        self.restarts.append((role.name, how))
+        latest = latest_checkpoint(self.root)
+        self.log(f"{role.name} died ({how}); restarting the training "
+                 + (f"from checkpoint {latest}" if latest else
+                    "from the start (no checkpoint yet; the parameter servers too)")
+                 + f": embedding workers, data loaders, NN workers (restart "
+                 f"{role.num_restarts} of {self.max_restarts} for {role.name})")
+        self._record(role.name, how, latest)
+        self.cluster.stop(self.training)
+        restarted = list(self.training)
+        if latest is None:
+            self.cluster.stop(self.servers)
+            restarted = self.servers + restarted
+        from persia_py.checkpoint import ENV_RESUME_DIR
+
+        env = self.cluster.env
+        for key in (ENV_RESUME_DIR, ENV_DATA_POSITIONS):  # the newest checkpoint decides
+            env.pop(key, None)
+        if latest is not None:
+            env.update(resume_env(latest))
+        for r in restarted:
+            self.cluster.spawn(r, r.command)
+        return True
+
+    def _record(self, name: str, how: str, checkpoint: str | None) -> None:
+        """One line in the training log (JSON lines, as rank 0 writes them)."""
+        record = {"event": "restart", "role": name, "reason": how,
+                  "checkpoint": checkpoint, "time": time.time()}
+        with open(self.train_log, "a") as f:  # one write: appends do not interleave
+            f.write(json.dumps(record) + "\n")
+
+    def summary(self) -> str | None:
+        if not self.restarts:
+            return None
+        counts: dict[str, int] = {}
+        for name, _ in self.restarts:
+            counts[name] = counts.get(name, 0) + 1
+        return ("restarts of the training: " + ", ".join(f"{n} {c}" for n, c in counts.items())
+                + f" ({len(self.restarts)} in all)")
