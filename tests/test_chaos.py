@@ -1,8 +1,14 @@
-"""Every role kind SIGKILLed during one ``persia-launcher local`` job (2 parameter servers,
-2 embedding workers, 2 data loaders, 2 NN ranks, a periodic checkpoint), on a seeded
-schedule: the job heals itself and exits 0, every batch the loaders made is trained
-exactly once between the last checkpoint restore and the end (by batch id), and the test
-AUC is that of the same job without faults (within 0.005)."""
+"""Jobs that lose processes and go on.
+
+* Every role kind SIGKILLed during one ``persia-launcher local`` job (2 parameter servers,
+  2 embedding workers, 2 data loaders, 2 NN ranks, a checkpoint every 10 steps), on a seeded
+  schedule: the job heals itself and exits 0, every batch the loaders made is trained
+  exactly once between the last checkpoint restore and the end (by batch id), and the
+  test AUC is that of the same job without faults (within 0.005).
+* In ``reproducible`` mode (staleness 1, one rank), a job that loses an embedding worker,
+  a data loader and its NN rank, and one resumed by hand (``--resume``) from a checkpoint,
+  end bit-identical to an uninterrupted one.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import signal
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command, processes_with_marker
 
@@ -23,7 +30,7 @@ from persia_py.data_position import DataPositions, batch_id
 pytestmark = pytest.mark.processes
 
 JOB = ROOT / "tests" / "chaos_job"
-TRAIN_SAMPLES = 96_000  # 375 batches of 256, ~190 steps per rank
+TRAIN_SAMPLES = 128_000  # 500 batches of 256, 250 steps per rank
 SEED = 2026
 KINDS = ("parameter server", "embedding worker", "data loader", "NN worker")
 
@@ -37,7 +44,8 @@ def _argv_env(pid: int) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
-def _victim(marker: str, kind: str, index: int) -> tuple[int, str]:
+def _victim(marker: str, kind: str, index: int, *, loader: str = "chaos_job/data_loader.py",
+            train: str = "chaos_job/train.py") -> tuple[int, str]:
     """(pid, launcher role name) of the process that *is* replica ``index`` of ``kind``
     (for loaders and NN ranks the user's script, not the wrapper that started it)."""
     found = []
@@ -54,11 +62,11 @@ def _victim(marker: str, kind: str, index: int) -> tuple[int, str]:
                 argv[argv.index("--replica-index") + 1] == str(index):
             found.append((pid, f"embedding-worker-{index}"))
         elif kind == "data loader" and not wrapper and any(
-                a.endswith("chaos_job/data_loader.py") for a in argv) and \
+                a.endswith(loader) for a in argv) and \
                 env.get("PERSIA_DATA_LOADER_REPLICA_INDEX") == str(index):
             found.append((pid, f"data-loader-{index}"))
         elif kind == "NN worker" and not wrapper and any(
-                a.endswith("chaos_job/train.py") for a in argv) and env.get("RANK") == str(index):
+                a.endswith(train) for a in argv) and env.get("RANK") == str(index):
             found.append((pid, "nn-worker"))
     assert len(found) == 1, (kind, index, found)
     return found[0]
@@ -72,7 +80,7 @@ def _job(tmp_path: Path, name: str) -> RoleProcess:
         checkpoint_config:
           root: {folder}
           dir: {folder / "ckpt"}
-          every_steps: 20
+          every_steps: 10
     """))
     return RoleProcess(launcher_command(
         "local", "--nn-worker", str(JOB / "train.py"), "--data-loader", str(JOB / "data_loader.py"),
@@ -108,7 +116,7 @@ def test_every_role_killed_at_random_the_job_heals_and_trains_each_batch_once(
     try:
         for kind in rng.sample(KINDS, len(KINDS)):
             # A random moment: some steps after the start or the last restart.
-            steps += rng.choice([30, 40, 50, 60])
+            steps += rng.choice([20, 30, 40])  # rank 0 prints every 10 steps
             job.wait_for_line(rf"rank 0 trained step {steps}\b", timeout=600)
             pid, name = _victim(job.marker, kind, rng.randrange(2))
             os.kill(pid, signal.SIGKILL)
@@ -156,3 +164,129 @@ def test_every_role_killed_at_random_the_job_heals_and_trains_each_batch_once(
     print(f"test AUC: with faults {_auc(out):.5f}, without {_auc(clean):.5f}")
     assert _auc(clean) > 0.70
     assert abs(_auc(out) - _auc(clean)) <= 0.005
+
+
+# -- reproducible mode: bit-identical after faults ----------------------------------------
+
+TRAIN = textwrap.dedent("""
+    import argparse, os, signal, sys
+    sys.path.insert(0, {example!r})
+    import torch
+    from model import DLRM
+    from persia_py.ctx import TrainCtx
+    from persia_py.data import DataLoader, StreamingDataset
+    from persia_py.embedding.optim import Adagrad
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--die-at", type=int, default=0, help="SIGKILL itself at this step, "
+                        "once (the marker file --died says it did)")
+    parser.add_argument("--died", default=None)
+    parser.add_argument("--final", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = DLRM()
+    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.05),
+                  dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=0.05)) as ctx:
+        for batch in DataLoader(StreamingDataset(buffer_size=8), reproducible=True,
+                                embedding_staleness=1):
+            output, labels = ctx.forward(batch)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            print("at step", ctx.checkpointer.steps, flush=True)
+            if ctx.checkpointer.steps == args.die_at and not os.path.exists(args.died):
+                open(args.died, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        print("trained", ctx.checkpointer.steps, "batches", flush=True)
+        ctx.dump_checkpoint(args.final)
+""")
+
+
+def _final_state(root: Path) -> dict[str, bytes]:
+    """Every byte of a checkpoint's rows (sorted by id), dense state and step."""
+    folder = fmt.resolve(root)
+    manifest = fmt.read_manifest(root)
+    out = {"step": str(manifest["step"]).encode()}
+    for r in range(manifest["num_ps_replicas"]):
+        for name, table in fmt.load_json(folder / f"ps-{r}.json")["tables"].items():
+            ids = fmt.load_array(folder / table["files"]["ids"])
+            order = np.argsort(ids)
+            for key in ("ids", "weights", "state"):
+                out[f"{name}.{key}.{r}"] = fmt.load_array(folder / table["files"][key])[order].tobytes()
+    for p in sorted(folder.glob("dense-*.npy")):
+        out[p.name] = fmt.load_array(p).tobytes()
+    out["dense-optimizer.json"] = (folder / "dense-optimizer.json").read_bytes()
+    return out
+
+
+def _reproducible_job(root: Path, name: str, *extra: str, die_at: int = 0) -> RoleProcess:
+    """A ``local`` job training 20 batches in ``reproducible`` mode, checkpointing every 5
+    steps into ``root/ckpt-<name>``, and dumping its final state into ``root/final-<name>``."""
+    config = root / f"{name}.yml"
+    config.write_text((EXAMPLE / "global_config.yml").read_text() + textwrap.dedent(f"""
+        checkpoint_config:
+          root: {root}
+          dir: {root / f"ckpt-{name}"}
+          every_steps: 5
+    """))
+    train = root / "train.py"
+    train.write_text(TRAIN.format(example=str(EXAMPLE)))
+    return RoleProcess(launcher_command(
+        "local", "--nn-worker", str(train), "--data-loader", str(EXAMPLE / "data_loader.py"),
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+        "--global-config", str(config), "--num-ps", "2", "--no-metrics",
+        "--run-dir", str(root / f"run-{name}"), "--data-loader-args", "--train-samples 5120",
+        "--nn-worker-args", f"--final {root / f'final-{name}'} --die-at {die_at} "
+                            f"--died {root / f'died-{name}'}",
+        *extra))
+
+
+def _completes(job: RoleProcess) -> str:
+    try:
+        assert job.wait(timeout=300) == 0, job.output()
+    finally:
+        job.stop()
+    assert "trained 20 batches" in job.output(), job.output()
+    return job.output()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The checkpoint root of an uninterrupted reproducible job (``final-whole``)."""
+    root = tmp_path_factory.mktemp("reproducible")
+    _completes(_reproducible_job(root, "whole"))
+    return root
+
+
+def _same_final_state(root: Path, name: str) -> None:
+    expected, got = _final_state(root / "final-whole"), _final_state(root / f"final-{name}")
+    assert expected.keys() == got.keys()
+    assert not [k for k in expected if expected[k] != got[k]]
+
+
+def test_reproducible_job_losing_a_worker_a_loader_and_its_rank_ends_bit_identical(
+        uninterrupted: Path) -> None:
+    """Each loss rolls the training back to the last checkpoint, which replays exactly
+    the batches, embedding updates and dense steps the uninterrupted job trained."""
+    job = _reproducible_job(uninterrupted, "healed", die_at=17)
+    try:
+        for step, kind, name in ((7, "embedding worker", "embedding-worker-0"),
+                                 (13, "data loader", "data-loader-0")):
+            job.wait_for_line(rf"\[nn-worker\] at step {step}\b", timeout=300)
+            pid, _ = _victim(job.marker, kind, 0, loader="criteo_synthetic/data_loader.py")
+            os.kill(pid, signal.SIGKILL)
+            job.wait_for_line(rf"{name} died .*restarting the training from checkpoint",
+                              timeout=60)
+        job.wait_for_line(r"nn-worker died .*restarting the training from checkpoint \S+/ckpt-0+15-",
+                          timeout=300)  # its rank killed itself at step 17
+    except BaseException:
+        job.stop()
+        raise
+    _completes(job)
+    _same_final_state(uninterrupted, "healed")
+
+
+def test_a_job_resumed_by_hand_from_a_checkpoint_ends_bit_identical(uninterrupted: Path) -> None:
+    # The uninterrupted job's step-15 checkpoint (it keeps the two newest, 15 and 20).
+    step15 = next((uninterrupted / "ckpt-whole").glob("ckpt-000000000015-*"))
+    out = _completes(_reproducible_job(uninterrupted, "resumed", "--resume", str(step15)))
+    assert "resuming from" in out and "(15 batches trained)" in out, out
+    _same_final_state(uninterrupted, "resumed")

@@ -1,5 +1,5 @@
 """Checkpoints: crash-safe writes, N -> M re-sharding with optimizer state, dense state
-round trips, and a job killed and resumed ends bit-identical to an uninterrupted one."""
+round trips (a job killed and resumed, by hand or by itself: tests/test_chaos.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import EXAMPLE, RoleProcess, launcher_command
+from conftest import RoleProcess
 
 from persia_py import checkpoint_format as fmt
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig, SlotConfig
@@ -162,94 +162,3 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_intact(tmp_pa
     assert np.array_equal(fmt.load_array(folder / "ids.npy"), np.arange(1, 400_001))
     for name in ("weights", "state"):
         assert (fmt.load_array(folder / f"{name}.npy") == step).all()
-
-
-# -- kill and resume through persia-launcher local ---------------------------------------
-
-TRAIN = textwrap.dedent("""
-    import argparse, os, signal, sys
-    sys.path.insert(0, {example!r})
-    import torch
-    from model import DLRM
-    from persia_py.ctx import TrainCtx
-    from persia_py.data import DataLoader, StreamingDataset
-    from persia_py.embedding.optim import Adagrad
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--die-after", type=int, default=0)
-    parser.add_argument("--final", required=True)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    model = DLRM()
-    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.05),
-                  dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=0.05)) as ctx:
-        for batch in DataLoader(StreamingDataset(buffer_size=8), reproducible=True,
-                                embedding_staleness=1):
-            output, labels = ctx.forward(batch)
-            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
-            if ctx.checkpointer.steps == args.die_after:
-                print("dying at step", args.die_after, flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-        print("trained", ctx.checkpointer.steps, "batches", flush=True)
-        ctx.dump_checkpoint(args.final)
-""")
-
-
-def _final_state(root: Path) -> dict[str, bytes]:
-    folder = fmt.resolve(root)
-    manifest = fmt.read_manifest(root)
-    out = {"step": str(manifest["step"]).encode()}
-    for r in range(manifest["num_ps_replicas"]):
-        for name, table in fmt.load_json(folder / f"ps-{r}.json")["tables"].items():
-            ids = fmt.load_array(folder / table["files"]["ids"])
-            order = np.argsort(ids)
-            for key in ("ids", "weights", "state"):
-                out[f"{name}.{key}.{r}"] = fmt.load_array(folder / table["files"][key])[order].tobytes()
-    for p in sorted(folder.glob("dense-*.npy")):
-        out[p.name] = fmt.load_array(p).tobytes()
-    out["dense-optimizer.json"] = (folder / "dense-optimizer.json").read_bytes()
-    return out
-
-
-def _run(tmp_path: Path, name: str, *extra: str, global_config: Path, die_after: int = 0):
-    train = tmp_path / "train.py"
-    train.write_text(TRAIN.format(example=str(EXAMPLE)))
-    job = RoleProcess(launcher_command(
-        "local", "--nn-worker", str(train),
-        "--data-loader", str(EXAMPLE / "data_loader.py"),
-        "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
-        "--global-config", str(global_config), "--num-ps", "2", "--no-metrics",
-        "--run-dir", str(tmp_path / f"run-{name}"),
-        "--data-loader-args", "--train-samples 5120",
-        "--nn-worker-args", f"--final {tmp_path / f'final-{name}'} --die-after {die_after}",
-        *extra))
-    try:
-        code = job.wait(timeout=240)
-    finally:
-        job.stop()
-    return code, job.output()
-
-
-@pytest.mark.processes
-def test_killed_and_resumed_job_ends_bit_identical_to_an_uninterrupted_one(tmp_path) -> None:
-    # Every checkpoint lies in the job's checkpoint root: the servers write nowhere else.
-    plain = tmp_path / "plain.yml"
-    plain.write_text((EXAMPLE / "global_config.yml").read_text() + textwrap.dedent(f"""
-        checkpoint_config:
-          root: {tmp_path}
-    """))
-    periodic = tmp_path / "periodic.yml"
-    ckpt = tmp_path / "ckpt"
-    periodic.write_text(plain.read_text() + f"  dir: {ckpt}\n  every_steps: 5\n")
-    code, out = _run(tmp_path, "whole", global_config=plain)
-    assert code == 0 and "trained 20 batches" in out, out
-    code, out = _run(tmp_path, "killed", global_config=periodic, die_after=12)
-    assert code != 0 and "dying at step 12" in out, out
-    assert fmt.read_manifest(ckpt)["step"] == 10
-    code, out = _run(tmp_path, "resumed", "--resume", str(ckpt), global_config=periodic)
-    assert code == 0 and "trained 20 batches" in out, out
-    whole, resumed = _final_state(tmp_path / "final-whole"), _final_state(tmp_path / "final-resumed")
-    assert whole.keys() == resumed.keys()
-    differ = [k for k in whole if whole[k] != resumed[k]]
-    assert not differ, differ
-    assert fmt.read_manifest(ckpt)["step"] == 20  # periodic checkpoints went on
