@@ -5,10 +5,13 @@
 The same deep MLP (``layers`` Linear(width, width) + ReLU; 6 x 4096^2 ~ 100.7M parameters)
 with Adagrad is trained by 2 gloo ranks, first wrapped by ``DDPOption`` (the baseline, a
 replica per rank), then by ``FSDPOption(max_unsharded_bytes=2 units)``, each mode in
-fresh processes. Figures: per-rank peak resident memory (``ru_maxrss``; the model is
-built whole on each rank before it is sharded, as TrainCtx does), samples/s (after one
-warm-up step), and FSDP's measured peak of unsharded bytes against its bound. The dense
-step alone: the embeddings (on the parameter servers) are the same in both modes.
+fresh processes. DDP builds the tower as usual; FSDP builds it with
+``persia_py.distributed.build_on_meta`` (parameters on the meta device, initialized and
+sharded one unit at a time by ``FSDPOption.wrap``, to the same values), so no rank ever
+holds the whole tower (``--fsdp-whole-build`` builds it whole first, as before, for the
+comparison). Figures: per-rank peak resident memory (``ru_maxrss``), samples/s (after
+one warm-up step), and FSDP's measured peak of unsharded bytes against its bound. The
+dense step alone: the embeddings (on the parameter servers) are the same in both modes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from persia_py.distributed import DDPOption, FSDPOption
+from persia_py.distributed import DDPOption, FSDPOption, build_on_meta
 
 
 def _tower(width: int, layers: int) -> nn.Sequential:
@@ -47,7 +50,10 @@ def _rank(rank: int, port: int, mode: str, args: argparse.Namespace, results) ->
     torch.set_num_threads(1)  # 2 ranks share the 2 cores
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
-    model = _tower(args.width, args.layers)
+    if mode == "fsdp" and not args.fsdp_whole_build:
+        model = build_on_meta(_tower, args.width, args.layers)
+    else:
+        model = _tower(args.width, args.layers)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01)
     if mode == "ddp":
         option = DDPOption()
@@ -97,6 +103,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=6, help="timed steps, after one warm-up")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per mode")
+    parser.add_argument("--fsdp-whole-build", action="store_true",
+                        help="FSDP ranks build the whole tower before sharding it")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
     num_params = sum(p.numel() for p in _tower(args.width, args.layers).parameters())
@@ -107,7 +115,7 @@ def main() -> None:
     fsdp_sps = min(r["samples_per_sec"] for r in fsdp)
     figures = {
         "num_params": num_params, "ranks": 2, "batch_size_per_rank": args.batch_size,
-        "steps": args.steps,
+        "steps": args.steps, "fsdp_build": "whole" if args.fsdp_whole_build else "meta",
         "ddp_peak_rss_bytes": ddp_rss, "fsdp_peak_rss_bytes": fsdp_rss,
         "fsdp_rss_ratio": fsdp_rss / ddp_rss,
         "ddp_samples_per_sec": ddp_sps, "fsdp_samples_per_sec": fsdp_sps,

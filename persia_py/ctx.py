@@ -25,7 +25,13 @@ import torch.distributed as dist
 from persia_py.checkpoint import Checkpointer
 from persia_py.checkpoint_format import check_name
 from persia_py.config import GlobalConfig, load_global_config
-from persia_py.distributed import DDPOption, DenseParallel, FSDPOption
+from persia_py.distributed import (
+    DDPOption,
+    DenseParallel,
+    FSDPOption,
+    is_deferred,
+    materialize,
+)
 from persia_py.embedding import EmbeddingConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.embedding.optim import Optimizer
@@ -247,6 +253,8 @@ class TrainCtx(EmbeddingCtx):
 
     Args:
         model: the dense tower; called as ``model(non_id_tensors, embedding_tensors)``.
+            One from :func:`persia_py.distributed.build_on_meta` (parameters on the meta
+            device) is materialized on entry, unit by unit under ``FSDPOption``.
         embedding_optimizer: :mod:`persia_py.embedding.optim` optimizer, run on the servers.
         dense_optimizer: a ``torch.optim`` optimizer over ``model``'s parameters.
         embedding_config: initialization bounds, weight bound and seed of new rows.
@@ -305,7 +313,10 @@ class TrainCtx(EmbeddingCtx):
     def __enter__(self) -> TrainCtx:
         super().__enter__()
         self.reporter = StepReporter.from_environ(self.env)
-        self.model.to(self.device)
+        if not is_deferred(self.model):  # a build_on_meta model is materialized by wrap
+            self.model.to(self.device)
+        elif self.env.world_size == 1:
+            materialize(self.model, self.dense_optimizer, self.device)
         if self.env.world_size > 1:
             if not dist.is_initialized():
                 backend = self.distributed_option.backend or (
@@ -426,6 +437,25 @@ class TrainCtx(EmbeddingCtx):
                 "staleness and bytes as for the data loaders' batches")
         return super().prepare(batch)
 
+    def stream_local(self, batches: Iterable[PersiaBatch], *, buffer_size: int,
+                     reproducible: bool, embedding_staleness: int) -> Iterator[TrainingBatch]:
+        """Batches made in this process (see :meth:`EmbeddingCtx.stream_local`). Each rank
+        reads its own dataset, and their lengths may differ: as with the data loaders'
+        stream, a rank out of batches joins the others' steps until all are done."""
+        with self._joined():
+            yield from super().stream_local(batches, buffer_size=buffer_size,
+                                            reproducible=reproducible,
+                                            embedding_staleness=embedding_staleness)
+
+    def _joined(self):
+        """``torch.distributed.algorithms.Join`` over the dense tower (a rank out of
+        batches shadows the others' collectives: DDP's allreduce, FSDP's gathers) and
+        the checkpointer (its hook keeps periodic checkpoints from waiting for that
+        rank); nothing with one rank."""
+        if self.dense.joinable is None:
+            return nullcontext()
+        return torch.distributed.algorithms.Join([self.dense.joinable, self.checkpointer])
+
     def stream_from_loaders(self, *, buffer_size: int, reproducible: bool,
                             embedding_staleness: int) -> Iterator[TrainingBatch]:
         if reproducible and (embedding_staleness != 1 or self.env.world_size != 1):
@@ -441,11 +471,8 @@ class TrainCtx(EmbeddingCtx):
                              budget=self.budget)
         try:
             # Ranks may receive different numbers of batches: Join lets the ranks that run
-            # out shadow the others' allreduces, so every batch is trained.
-            # The checkpointer's hook keeps periodic checkpoints from waiting for them.
-            joined = (torch.distributed.algorithms.Join([self.dense.joinable, self.checkpointer])
-                      if self.dense.joinable is not None else nullcontext())
-            with joined:
+            # out shadow the others' collectives, so every batch is trained.
+            with self._joined():
                 yield from stream
             self.flush()
             if dist.is_initialized():

@@ -8,12 +8,17 @@
 
 Pass one as ``TrainCtx(..., distributed_option=...)``; the default is ``DDPOption()``.
 Embeddings are not touched by either: they live on the parameter servers.
+
+A tower too large to build whole on every rank is built with :func:`build_on_meta`: its
+parameters take no memory until ``FSDPOption`` initializes and shards them one unit at a
+time, to the values the ordinary construction would have given them.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,7 +64,9 @@ class DDPOption:
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
              *, shadow_step: Callable[[], None], registry=None) -> DenseParallel:
-        """``model`` in DDP when the process group has more than one rank."""
+        """``model`` in DDP when the process group has more than one rank (a model from
+        :func:`build_on_meta` is materialized whole first: DDP keeps a full replica)."""
+        materialize(model, optimizer, device)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return DenseParallel(model, model)
         device_ids = [device.index] if device.type == "cuda" else None
@@ -75,7 +82,10 @@ def direct_children(model: nn.Module) -> list[nn.Module]:
 
 @dataclass(kw_only=True)
 class FSDPOption:
-    """Shard the dense tower across the ranks with PyTorch's FSDP2 (``fully_shard``)."""
+    """Shard the dense tower across the ranks with PyTorch's FSDP2 (``fully_shard``).
+
+    A tower from :func:`build_on_meta` is initialized and sharded one unit at a time
+    (no rank holds it whole); any other is sharded from the whole tower each rank built."""
 
     wrap_policy: Callable[[nn.Module], list[nn.Module]] | tuple[type, ...] | None = None
     """The units: a function from the dense tower to its submodules to shard one by one
@@ -164,6 +174,7 @@ class FSDPOption:
 
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             logger.info("FSDPOption with one rank: nothing to shard, the model runs whole")
+            materialize(model, optimizer, device)
             return DenseParallel(model, model)
         world = dist.get_world_size()
         self.check(model, world)
@@ -171,8 +182,15 @@ class FSDPOption:
         units = self.units(model)
         names = {id(p): name for name, p in model.named_parameters()}
         kwargs = {"mp_policy": self.mixed_precision or MixedPrecisionPolicy()}
-        for unit in units:
+
+        def shard(unit: nn.Module) -> None:
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **kwargs)
+
+        if is_deferred(model):  # initialize and shard unit by unit: one unit whole at a time
+            _materialize(model, device, units, shard)
+        else:
+            for unit in units:
+                shard(unit)
         fully_shard(model, **kwargs)  # the root: FSDP keeps it gathered until backward
         _repoint_optimizer(optimizer, names, model)
         meter = UnshardedBytesMeter([*units, model], [*sizes, root_bytes],
@@ -184,21 +202,44 @@ class FSDPOption:
 
 def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
                        model: nn.Module) -> None:
-    """``fully_shard`` replaces every parameter by a new one (a DTensor shard); point the
-    optimizer, built over the old ones, at the new ones, in the same places, with any
-    state it already holds (e.g. Adagrad's initial sums) sharded the same way."""
+    """``fully_shard`` (and :func:`materialize`) replace every parameter by a new one (a
+    DTensor shard, or real memory for a meta one); point the optimizer, built over the
+    old ones, at the new ones, in the same places, with any state it already holds (e.g.
+    Adagrad's initial sums) sharded the same way. State the optimizer made on the meta
+    device (its constructor's, over a :func:`build_on_meta` model) has no values to move:
+    it is made again by the optimizer's own constructor over the new parameters."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     new = dict(model.named_parameters())
+    groups = []
     for group in optimizer.param_groups:
         try:
-            params = [new[names[id(p)]] for p in group["params"]]
+            groups.append([new[names[id(p)]] for p in group["params"]])
         except KeyError:
-            raise ValueError("FSDPOption: the dense optimizer holds parameters that are "
-                             "not the model's") from None
+            raise ValueError("the dense optimizer holds parameters that are not the "
+                             "model's") from None
+    fresh = None
+    if any(torch.is_tensor(v) and v.is_meta for s in optimizer.state.values()
+           for v in s.values()):
+        try:
+            # Constructor arguments too: e.g. Adagrad fills its sums from its argument
+            # initial_accumulator_value, not from the param group's copy.
+            fresh = type(optimizer)([{**g, "params": p}
+                                     for g, p in zip(optimizer.param_groups, groups)],
+                                    **optimizer.defaults)
+        except TypeError as exc:
+            raise ValueError(
+                f"the dense optimizer {type(optimizer).__name__} made state on the meta "
+                f"device and cannot be built again from its param groups ({exc}); build it "
+                "after materializing, or use an optimizer with lazy state") from exc
+    for group, params in zip(optimizer.param_groups, groups):
         for old, param in zip(group["params"], params):
             state = optimizer.state.pop(old, None)
             if not state:
+                continue
+            if fresh is not None and any(torch.is_tensor(v) and v.is_meta
+                                         for v in state.values()):
+                optimizer.state[param] = fresh.state[param]
                 continue
             optimizer.state[param] = {
                 key: (distribute_tensor(value, param.device_mesh, param.placements)
@@ -206,6 +247,111 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
                       and value.shape == old.shape and value.dim() > 0 else value)
                 for key, value in state.items()}
         group["params"] = params
+
+
+_DEFERRED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+"""Models built by :func:`build_on_meta`, each with the CPU RNG state at its build."""
+
+
+def build_on_meta(factory: Callable[..., nn.Module], *args, **kwargs) -> nn.Module:
+    """``factory(*args, **kwargs)`` with its parameters on the meta device (no memory);
+    buffers are built as usual. Pass the model to ``TrainCtx`` as any other, and build the
+    dense optimizer over its parameters as usual: with ``FSDPOption`` on several ranks each
+    unit is initialized and sharded in turn, so a rank never holds the whole tower (with
+    DDP or one rank the model is materialized whole).
+
+    Why not ``with torch.device("meta")``: buffers computed in a constructor (index
+    tables, masks) would lose their values. Initialization replays the CPU random stream
+    from its state at this call, calling each module's ``reset_parameters()`` in
+    registration order; the values equal those of ``factory()`` on the CPU when every
+    module holding parameters initializes exactly its own there, as torch's layers do,
+    and modules are built in the order they are registered. Refused (ValueError): a
+    module holding parameters without ``reset_parameters``, parameters shared between
+    modules, and a constructor that draws random numbers itself (the stream could not
+    be replayed)."""
+    rng = torch.get_rng_state()
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if type(param) is nn.Parameter and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        model = factory(*args, **kwargs)
+    finally:
+        nn.Module.register_parameter = original
+    what = getattr(factory, "__name__", type(model).__name__)
+    if not torch.equal(rng, torch.get_rng_state()):
+        raise ValueError(f"build_on_meta({what}): the constructor drew random numbers for "
+                         "something other than parameters; build it whole instead")
+    seen: set[int] = set()
+    for module in model.modules():
+        own = [p for p in module._parameters.values() if p is not None]
+        if own and not callable(getattr(module, "reset_parameters", None)):
+            raise ValueError(f"build_on_meta({what}): {type(module).__name__} holds "
+                             "parameters but has no reset_parameters() to initialize them")
+        for p in own:
+            if id(p) in seen:
+                raise ValueError(f"build_on_meta({what}): parameters shared between "
+                                 "modules are not supported")
+            seen.add(id(p))
+    _DEFERRED[model] = rng
+    return model
+
+
+def is_deferred(model: nn.Module) -> bool:
+    """Whether ``model`` came from :func:`build_on_meta` and is not materialized yet."""
+    return model in _DEFERRED
+
+
+def materialize(model: nn.Module, optimizer: torch.optim.Optimizer,
+                device: torch.device) -> None:
+    """Give a :func:`build_on_meta` model its whole parameters on ``device`` (as built on
+    the CPU) and point ``optimizer`` at them; nothing for any other model."""
+    if not is_deferred(model):
+        return
+    names = {id(p): name for name, p in model.named_parameters()}
+    _materialize(model, device, [], lambda unit: None)
+    _repoint_optimizer(optimizer, names, model)
+
+
+def _materialize(model: nn.Module, device: torch.device, units: list[nn.Module],
+                 done: Callable[[nn.Module], None]) -> None:
+    """Initialize a deferred model's parameters on ``device``, module by module in
+    registration order, replaying the RNG from its build; each of ``units`` goes to
+    ``done`` (``fully_shard``) as soon as its last module is initialized, so the whole
+    parameters of at most one unit (and the root's own) are alive at a time. The
+    caller's RNG state is left as it was."""
+    rng = _DEFERRED.pop(model)
+    modules = list(model.modules())
+    index = {id(m): i for i, m in enumerate(modules)}
+    ends: dict[int, list[nn.Module]] = {}
+    for unit in units:  # pre-order: a unit's modules follow it, contiguously
+        last = index[id(unit)] + sum(1 for _ in unit.modules()) - 1
+        ends.setdefault(last, []).append(unit)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng)
+        for i, module in enumerate(modules):
+            own = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
+            for name in own:  # on the CPU: the CPU generator draws the values, as at build
+                p = module._parameters[name]
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"),
+                                                        requires_grad=p.requires_grad)
+            if own:
+                with torch.no_grad():
+                    module.reset_parameters()
+                if device.type != "cpu":
+                    for name in own:
+                        p = module._parameters[name]
+                        module._parameters[name] = nn.Parameter(
+                            p.detach().to(device), requires_grad=p.requires_grad)
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+            for unit in sorted(ends.get(i, ()), key=lambda u: -index[id(u)]):  # inner first
+                done(unit)
 
 
 class DenseParallel:

@@ -224,3 +224,13 @@ class DataLoaderMetrics:
         self.send_seconds = Histogram("persia_data_loader_send_seconds",
                                       "Time of one send_data (waits included)",
                                       registry=self.registry, buckets=_LATENCY_BUCKETS)
+
+
+class LauncherMetrics:
+    """What ``persia-launcher local`` did to keep a job up: processes it restarted."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.restarts = Counter("persia_restarts", "Processes that died and were restarted "
+                                "(role: the launcher's name of the one that died)",
+                                ["role"], registry=self.registry)

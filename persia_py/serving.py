@@ -32,6 +32,7 @@ from persia_py import checkpoint_format as fmt
 from persia_py import codec
 from persia_py.config import CommonConfig, load_global_config
 from persia_py.ctx import InferCtx
+from persia_py.dense_checkpoint import read_full_model
 from persia_py.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from persia_py.proto import serving_pb2 as pb
 from persia_py.proto import serving_pb2_grpc
@@ -75,7 +76,8 @@ def load_dense_model(factory: Callable[[], torch.nn.Module],
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"the model factory returned a {type(model).__name__}, not a "
                         "torch.nn.Module")
-    model.load_state_dict(fmt.load_tensors(folder, "dense-model"))
+    # Whole or sharded (FSDP: every rank's shards, gathered here in one process).
+    model.load_state_dict(read_full_model(folder))
     return model.eval()
 
 

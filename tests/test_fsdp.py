@@ -1,14 +1,20 @@
 """FSDP on the NN workers (``FSDPOption``): same training as DDP, the rate limiter's bound
-holds, and dense checkpoints move between FSDP and DDP and between numbers of ranks.
+holds, a tower built on the meta device starts from the weights of the ordinary build,
+dense checkpoints move between FSDP and DDP and between numbers of ranks, and ranks with
+different numbers of batches train every batch once and skip (not stall on) periodic
+checkpoints after one ran out.
 
-Every multi-rank run is a real job: a parameter server and an embedding worker on free
-ports, and the NN-worker script under ``torchrun --standalone`` (gloo, CPU)."""
+The multi-rank checks read one real job: a parameter server and an embedding worker on
+free ports, and the NN-worker script ``tests/fsdp_job/train.py`` under ``torchrun
+--standalone`` (gloo, CPU), which runs every phase in turn on one process group (each
+phase that needs the servers' rows as they were at the start loads the ``init``
+checkpoint). One launch instead of one per phase: process start-up, not training, is
+most of the time of such a job on two cores."""
 
 from __future__ import annotations
 
 import json
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +24,14 @@ from conftest import EXAMPLE, ROOT, RoleProcess, start_server
 
 from persia_py import checkpoint_format as fmt
 from persia_py.dense_checkpoint import read_full_model
-from persia_py.distributed import DDPOption, FSDPOption
+from persia_py.distributed import DDPOption, FSDPOption, build_on_meta, materialize
 from persia_py.fsdp_limiter import floor_bytes, plan_prefetch, unit_bytes
+from persia_py.serving import load_dense_model
 
 JOB = ROOT / "tests" / "fsdp_job" / "train.py"
 STEPS = 30
+UNEVEN = (3, 6)  # batches of rank 0 and rank 1 in the uneven phases
+PERIOD = 2  # periodic checkpoint every this many steps there
 
 
 # -- without processes ----------------------------------------------------------------------
@@ -74,15 +83,76 @@ def test_wrap_policy_by_class_and_by_function() -> None:
         FSDPOption(wrap_policy=lambda m: [m]).units(model)
 
 
-# -- real jobs ---------------------------------------------------------------------------------
+def _criteo_model():
+    sys.path.insert(0, str(EXAMPLE))
+    from model import DLRM
+
+    return DLRM
 
 
-@contextmanager
-def _cluster(tmp_path: Path):
-    """A parameter server and an embedding worker for one job; yields the job's env."""
-    root = tmp_path / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    config = tmp_path / "global_config.yml"
+def test_build_on_meta_takes_no_memory_and_materializes_as_the_cpu_build() -> None:
+    """The values (and the buffers computed in the constructor) equal the ordinary
+    build's, the caller's RNG is untouched, and the optimizer is pointed at the new
+    parameters with its eagerly made state (Adagrad's sums) made again."""
+    dlrm = _criteo_model()
+    torch.manual_seed(3)
+    reference = dlrm()
+    torch.manual_seed(3)
+    model = build_on_meta(dlrm)
+    assert all(p.is_meta for p in model.parameters())
+    assert not model.pair_rows.is_meta  # buffers are built as usual
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    torch.manual_seed(9)
+    materialize(model, optimizer, torch.device("cpu"))
+    assert torch.equal(torch.rand(4), torch.manual_seed(9) and torch.rand(4))
+    expected, got = reference.state_dict(), model.state_dict()
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    params = list(model.parameters())
+    assert optimizer.param_groups[0]["params"] == params
+    assert all(torch.equal(optimizer.state[p]["sum"], torch.full_like(p, 0.5)) for p in params)
+
+
+def test_build_on_meta_refuses_what_it_could_not_replay() -> None:
+    class NoReset(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+    class RandomBuffer(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(2, 2)
+            self.register_buffer("noise", torch.randn(2))
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+            self.b.weight = self.a.weight
+
+    with pytest.raises(ValueError, match="no reset_parameters"):
+        build_on_meta(NoReset)
+    with pytest.raises(ValueError, match="drew random numbers"):
+        build_on_meta(RandomBuffer)
+    with pytest.raises(ValueError, match="shared between"):
+        build_on_meta(Tied)
+
+
+# -- one real job: every phase (see tests/fsdp_job/train.py) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> tuple[dict, Path]:
+    """The stats of every phase (``"<phase>": [rank 0's, rank 1's]``) and the
+    checkpoint root, after one launch of the job script on 2 ranks."""
+    import os
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    root, out = tmp / "checkpoints", tmp / "out"
+    root.mkdir()
+    out.mkdir()
+    config = tmp / "global_config.yml"
     config.write_text((EXAMPLE / "global_config.yml").read_text()
                       + f"checkpoint_config:\n  root: {root}\n")
     embedding = ["--embedding-config", str(EXAMPLE / "embedding_config.yml")]
@@ -92,30 +162,28 @@ def _cluster(tmp_path: Path):
         ew, ew_port = start_server("embedding-worker", *embedding,
                                    "--ps-addrs", f"127.0.0.1:{ps_port}")
         try:
-            yield {"PERSIA_PS_ADDRS": f"127.0.0.1:{ps_port}",
+            env = {**os.environ,
+                   "PERSIA_PS_ADDRS": f"127.0.0.1:{ps_port}",
                    "PERSIA_EMBEDDING_WORKER_ADDRS": f"127.0.0.1:{ew_port}",
                    "PERSIA_GLOBAL_CONFIG": str(config),
-                   "PERSIA_EMBEDDING_CONFIG": str(EXAMPLE / "embedding_config.yml")}, root
+                   "PERSIA_EMBEDDING_CONFIG": str(EXAMPLE / "embedding_config.yml")}
+            launch = RoleProcess([sys.executable, "-m", "torch.distributed.run",
+                                  "--standalone", "--nproc-per-node=2", str(JOB),
+                                  "--root", str(root), "--out", str(out)], env=env)
+            try:
+                code = launch.wait(timeout=600)
+            finally:
+                launch.stop()
+            assert code == 0, launch.output()
         finally:
             ew.stop()
     finally:
         ps.stop()
-
-
-def _job(env: dict, out: Path, nproc: int, *args: str) -> list[dict]:
-    """Run the NN-worker script on ``nproc`` ranks; returns each rank's stats."""
-    import os
-
-    out.mkdir(parents=True, exist_ok=True)
-    job = RoleProcess([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc-per-node={nproc}", str(JOB), "--out", str(out), *args],
-                      env={**os.environ, **env})
-    try:
-        code = job.wait(timeout=300)
-    finally:
-        job.stop()
-    assert code == 0, job.output()
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    stats = {}
+    for path in out.glob("*-rank*.json"):
+        phase, rank = path.stem.rsplit("-rank", 1)
+        stats.setdefault(phase, [None, None])[int(rank)] = json.loads(path.read_text())
+    return stats, root
 
 
 def _ps_rows(folder: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -131,55 +199,85 @@ def _ps_rows(folder: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return rows
 
 
+def _same_training(a: Path, b: Path) -> None:
+    """The same embedding rows and the same dense tower, within float tolerance."""
+    rows_a, rows_b = _ps_rows(a), _ps_rows(b)
+    assert rows_a.keys() == rows_b.keys() and rows_a
+    for key, (ids, weights) in rows_a.items():
+        assert np.array_equal(ids, rows_b[key][0]), key
+        np.testing.assert_allclose(rows_b[key][1], weights, rtol=1e-4, atol=1e-6)
+    dense_a, dense_b = read_full_model(a), read_full_model(b)
+    assert dense_a.keys() == dense_b.keys()
+    for key, value in dense_a.items():
+        np.testing.assert_allclose(dense_b[key].numpy(), value.numpy(), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.processes
-def test_fsdp_trains_as_ddp_within_a_bound_of_two_units(tmp_path) -> None:
+def test_fsdp_trains_as_ddp_within_a_bound_of_two_units(job) -> None:
     """(a) same losses and embedding rows as DDP; (b) with max_unsharded_bytes = two of
     the largest unit, the measured peak never exceeds it and training completes."""
-    runs = {}
-    for name, args in (("ddp", ["--dist", "ddp"]),
-                       ("fsdp", ["--dist", "fsdp", "--bound-units", "2"])):
-        with _cluster(tmp_path / name) as (env, root):
-            stats = _job(env, tmp_path / name / "out", 2, *args, "--steps", str(STEPS),
-                         "--dump", str(root / "final"))
-            runs[name] = (stats, fmt.resolve(root / "final"))
-    (ddp, ddp_ckpt), (fsdp, fsdp_ckpt) = runs["ddp"], runs["fsdp"]
+    stats, root = job
+    ddp, fsdp = stats["ddp"], stats["fsdp"]
     for rank in range(2):
         assert ddp[rank]["steps"] == fsdp[rank]["steps"] == STEPS
         a, b = np.array(ddp[rank]["losses"]), np.array(fsdp[rank]["losses"])
         assert np.max(np.abs(a - b) / np.abs(a)) <= 1e-4, (a, b)
-    ddp_rows, fsdp_rows = _ps_rows(ddp_ckpt), _ps_rows(fsdp_ckpt)
-    assert ddp_rows.keys() == fsdp_rows.keys()
-    for key, (ids, weights) in ddp_rows.items():
-        assert np.array_equal(ids, fsdp_rows[key][0]), key
-        np.testing.assert_allclose(fsdp_rows[key][1], weights, rtol=1e-4, atol=1e-6)
-    for rank in range(2):
         bound = fsdp[rank]["bound"]
         assert bound is not None and 0 < fsdp[rank]["peak"] <= bound, fsdp[rank]
-    # The dense towers agree too, gathered from the shards.
-    ddp_dense, fsdp_dense = read_full_model(ddp_ckpt), read_full_model(fsdp_ckpt)
-    assert ddp_dense.keys() == fsdp_dense.keys()
-    for key, value in ddp_dense.items():
-        np.testing.assert_allclose(fsdp_dense[key].numpy(), value.numpy(), rtol=1e-4,
-                                   atol=1e-6)
+    # The rows on the servers and the dense towers (gathered from the shards) agree too.
+    _same_training(fmt.resolve(root / "ddp"), fmt.resolve(root / "fsdp"))
 
 
 @pytest.mark.processes
-def test_checkpoint_round_trip_fsdp2_ddp1_fsdp2(tmp_path) -> None:
-    with _cluster(tmp_path) as (env, root):
-        _job(env, tmp_path / "a", 2, "--dist", "fsdp", "--steps", "4",
-             "--dump", str(root / "a"))
-        _job(env, tmp_path / "b", 1, "--dist", "ddp", "--steps", "0",
-             "--load", str(root / "a"), "--dump", str(root / "b"))
-        _job(env, tmp_path / "c", 2, "--dist", "fsdp", "--steps", "0",
-             "--load", str(root / "b"), "--dump", str(root / "c"))
-        a, b, c = (fmt.resolve(root / n) for n in "abc")
+def test_a_tower_built_on_meta_is_sharded_with_the_weights_of_the_cpu_build(job) -> None:
+    """The FSDP phase built its tower with build_on_meta (initialized unit by unit, each
+    sharded before the next): gathered, it equals the DDP phase's ordinary build."""
+    for rank in range(2):
+        assert job[0]["fsdp"][rank]["meta_build_differs"] == []
+        assert len(job[0]["fsdp"][rank]["meta_build_keys"]) == 10  # 5 Linear layers
+
+
+def _dlrm() -> torch.nn.Module:
+    sys.path.insert(0, str(EXAMPLE))
+    from model import DLRM
+    return DLRM()
+
+
+@pytest.mark.processes
+def test_checkpoint_round_trip_fsdp2_ddp1_fsdp2(job) -> None:
+    _, root = job
+    a, b, c = (fmt.resolve(root / n) for n in ("fsdp", "b", "c"))
     assert (a / "dense-dcp.json").is_file() and (c / "dense-dcp.json").is_file()
-    assert (b / "dense-model.json").is_file()  # the DDP job wrote the whole model
+    assert (b / "dense-model.json").is_file()  # the 1-rank DDP job wrote the whole model
+    assert fmt.load_json(b / fmt.MANIFEST)["world_size"] == 1
     weights = [read_full_model(f) for f in (a, b, c)]
     assert weights[0].keys() == weights[1].keys() == weights[2].keys()
     for key in weights[0]:
         assert torch.equal(weights[0][key], weights[1][key]), key
         assert torch.equal(weights[0][key], weights[2][key]), key
+    # Serving (persia-launcher serve --checkpoint) loads the FSDP checkpoint's whole tower.
+    served = load_dense_model(_dlrm, a).state_dict()
+    assert served.keys() == weights[0].keys()
+    assert all(torch.equal(served[k], weights[0][k]) for k in served)
     # The optimizer state made the trip too (Adagrad's sums, by parameter name).
     sums_b = fmt.read_optimizer(b, "dense-optimizer")["state"]
     assert any(float(s["sum"].abs().sum()) > 0 for s in sums_b.values())
+
+
+@pytest.mark.processes
+def test_uneven_batches_train_each_once_and_skip_periodic_checkpoints(job) -> None:
+    """Rank 0 has 3 batches, rank 1 has 6. Under FSDP rank 0 replays its last batch with
+    zero loss for rank 1's steps 4-6 (Join): every batch is trained once, as DDP's Join
+    trains them (same rows on the servers, same dense tower); the periodic checkpoint
+    of step 2 is written, those of steps 4 and 6 (rank 0 out of batches) are skipped,
+    and the job ends."""
+    stats, root = job
+    for phase in ("uneven-ddp", "uneven-fsdp"):
+        for rank in range(2):
+            assert stats[phase][rank]["steps"] == stats[phase][rank]["trained"] == UNEVEN[rank]
+    _same_training(fmt.resolve(root / "uneven-ddp"), fmt.resolve(root / "uneven-fsdp"))
+    periodic = [p for p in (root / "periodic").iterdir() if p.name.startswith("ckpt-")]
+    assert len(periodic) == 1, periodic
+    manifest = fmt.load_json(periodic[0] / fmt.MANIFEST)
+    assert manifest["rank_steps"] == [PERIOD, PERIOD]
+    assert fmt.resolve(root / "periodic") == periodic[0]

@@ -47,6 +47,8 @@ def _plausible(role: str, m: dict[str, float]) -> bool:
                 and "persia_embedding_worker_pending_batches" in m
                 and "persia_embedding_worker_staleness" in m
                 and len(_matching(m, "persia_embedding_worker_nan_grad_skipped_total{")) == 26)
+    if role == "launcher":  # nothing died: no restart counted (see tests/test_chaos.py)
+        return not _matching(m, "persia_restarts_total")
     if role.startswith("data-loader"):
         return m["persia_data_loader_batches_total"] > 0 and m["persia_data_loader_samples_total"] > 0
     return (m["persia_nn_worker_samples_per_second"] > 0 and m["persia_nn_worker_steps_total"] > 0
@@ -67,10 +69,11 @@ def test_every_role_serves_metrics_and_rank0_writes_a_training_log(tmp_path) -> 
     ))
     try:
         endpoints: dict[str, str] = {}
-        for _ in range(4):  # ps-0, embedding-worker-0, data-loader-0, nn-worker (rank 0)
+        for _ in range(5):  # the launcher, ps-0, embedding-worker-0, data-loader-0, rank 0
             match = job.wait_for_line(_METRICS_LINE, timeout=120)
             endpoints[match.group("role")] = match.group("url")
-        assert sorted(endpoints) == ["data-loader-0", "embedding-worker-0", "nn-worker", "ps-0"]
+        assert sorted(endpoints) == ["data-loader-0", "embedding-worker-0", "launcher",
+                                     "nn-worker", "ps-0"]
         job.wait_for_line(r"\[nn-worker\] step 20 \| \d+ samples \| [\d,]+ samples/s \| loss",
                           timeout=120)
         pending = dict(endpoints)

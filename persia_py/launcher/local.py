@@ -43,6 +43,7 @@ from persia_py.launcher.recovery import (
     resume_env,
 )
 from persia_py.launcher.roles import validate_configs
+from persia_py.monitoring import LauncherMetrics, serve_metrics
 from persia_py.progress import ENV_TRAIN_LOG
 from persia_py.security import ENV_AUTH_TOKEN
 
@@ -88,6 +89,8 @@ class LocalCluster:
         self.max_restarts = max_restarts
         self._print_lock = threading.Lock()
         self._exited = threading.Event()
+        self.metrics: LauncherMetrics | None = None
+        """Restarts counted as ``persia_restarts_total{role}`` (when serving metrics)."""
         self.restart_training: Callable[[Role, str], bool] | None = None
         """Called with a role without ``restart`` that died and how; True: it restarted
         the job's training (see persia_py.launcher.recovery); None: the job stops."""
@@ -138,6 +141,7 @@ class LocalCluster:
                       "limit; stopping the job")
             return False
         role.num_restarts += 1
+        self.count_restart(role)
         command = role.restart()
         source = command[command.index("--load-checkpoint") + 1] if (
             "--load-checkpoint" in command) else None
@@ -146,6 +150,10 @@ class LocalCluster:
                   + (f"from checkpoint {source})" if source else "empty: no checkpoint yet)"))
         self.spawn(role, command)
         return True
+
+    def count_restart(self, role: Role) -> None:
+        if self.metrics is not None:
+            self.metrics.restarts.labels(role=role.name).inc()
 
     def log(self, message: str) -> None:
         with self._print_lock:
@@ -352,6 +360,10 @@ def run_local(args: argparse.Namespace) -> int:
                                 root=root, train_log=train_log,
                                 max_restarts=MAX_TRAINING_RESTARTS, log=cluster.log)
     cluster.restart_training = recovery
+    metrics_server = None
+    if not args.no_metrics:
+        cluster.metrics = LauncherMetrics()
+        metrics_server = serve_metrics(cluster.metrics.registry, 0, host, "[launcher] launcher")
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
@@ -368,3 +380,5 @@ def run_local(args: argparse.Namespace) -> int:
         summary = recovery.summary()
         if summary:
             cluster.log(summary)
+        if metrics_server is not None:
+            metrics_server.close()

@@ -81,6 +81,7 @@ class TrainingRecovery:
                      "limit; stopping the job")
             return False
         role.num_restarts += 1
+        self.cluster.count_restart(role)
         self.restarts.append((role.name, how))
         latest = latest_checkpoint(self.root)
         self.log(f"{role.name} died ({how}); restarting the training "

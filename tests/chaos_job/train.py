@@ -1,7 +1,10 @@
 """NN worker of tests/test_chaos.py: the synthetic Criteo example's training, printing
-progress every 10 steps and, at the end, the data-loader batch ids this run trained;
-rank 0 then prints the test AUC."""
+progress every 10 steps; at the end each rank writes the data-loader batch ids this run
+trained into ``OUT/ids-rank<r>.txt`` and rank 0 prints the test AUC. Lines go out in one
+write each: the launcher's roles run unbuffered, and print's separate write of the line
+end would let two ranks' lines run into each other."""
 
+import argparse
 import logging
 import sys
 from pathlib import Path
@@ -17,8 +20,17 @@ from persia_py.data import DataLoader, StreamingDataset  # noqa: E402
 from persia_py.embedding.optim import Adagrad  # noqa: E402
 from persia_py.env import get_rank  # noqa: E402
 
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
     torch.manual_seed(0)
     model = DLRM()
     ids: list[int] = []
@@ -29,9 +41,8 @@ if __name__ == "__main__":
             ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
             ids.append(batch.batch_id)
             if len(ids) % 10 == 0:
-                print(f"rank {get_rank()} trained step {len(ids)}", flush=True)
+                say(f"rank {get_rank()} trained step {len(ids)}")
         ctx.flush()
-        print(f"rank {get_rank()} trained batch ids {','.join(map(str, sorted(ids)))}",
-              flush=True)
+        Path(args.out, f"ids-rank{get_rank()}.txt").write_text(",".join(map(str, sorted(ids))))
         if get_rank() == 0:
-            print(f"test_auc: {evaluate(model, 20_000):.5f}", flush=True)
+            say(f"test_auc: {evaluate(model, 20_000):.5f}")

@@ -1,13 +1,36 @@
 """NN worker of the FSDP tests: the Criteo-shaped DLRM on batches made in each rank (its
 own part of the synthetic data, with ids that no other rank uses, so that every rank's
-embedding rows depend only on its own updates and a 2-rank run is deterministic)."""
+embedding rows depend only on its own updates and a 2-rank run is deterministic).
+
+One torchrun launch runs every phase the tests check, in turn, on one process group and
+one parameter server (``--phase`` runs one alone, as the 1-rank DDP step does):
+
+1. ``ddp``: DDP from the ordinary (CPU) build; checkpoint ``init`` before training,
+   ``STEPS`` steps, checkpoint ``ddp``.
+2. ``fsdp``: FSDP with ``max_unsharded_bytes`` = two of the largest unit, the tower built
+   by ``build_on_meta``: its gathered initial weights are compared with ``init``'s; then
+   ``init`` is loaded (the servers' rows back to where DDP started), ``STEPS`` steps,
+   checkpoint ``fsdp``.
+3. ``ddp1``: rank 0 runs this script as a 1-rank job in a new process (no process group;
+   rank 1 waits at a barrier): load ``fsdp``, checkpoint ``b`` (the whole-model format).
+4. ``fsdp-load``: FSDP from the ordinary build: load ``b``, checkpoint ``c``.
+5. ``uneven-ddp`` / ``uneven-fsdp``: from ``init``, rank 0 gets ``UNEVEN[0]`` batches and
+   rank 1 ``UNEVEN[1]``: the rank out of batches joins the other's steps (``Join``);
+   with DDP (the reference) then FSDP, the latter with a periodic checkpoint every
+   ``PERIOD`` steps; checkpoints ``uneven-ddp`` and ``uneven-fsdp``.
+
+Each phase writes ``<out>/<phase>-rank<r>.json`` (losses, the limiter's figures)."""
 
 import argparse
+import dataclasses
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "criteo_synthetic"
 sys.path.insert(0, str(EXAMPLE))
@@ -15,9 +38,11 @@ sys.path.insert(0, str(EXAMPLE))
 from data_generator import SLOT_NAMES, make_batches  # noqa: E402
 from model import DLRM  # noqa: E402
 
+from persia_py import checkpoint_format as fmt  # noqa: E402
+from persia_py.config import load_global_config  # noqa: E402
 from persia_py.ctx import TrainCtx  # noqa: E402
 from persia_py.data import DataLoader, IterableDataset  # noqa: E402
-from persia_py.distributed import DDPOption, FSDPOption  # noqa: E402
+from persia_py.distributed import DDPOption, FSDPOption, build_on_meta  # noqa: E402
 from persia_py.embedding.data import (  # noqa: E402
     IDTypeFeatureWithSingleID,
     Label,
@@ -26,8 +51,13 @@ from persia_py.embedding.data import (  # noqa: E402
 )
 from persia_py.embedding.optim import Adagrad  # noqa: E402
 from persia_py.env import PersiaEnv  # noqa: E402
+from persia_py.process_group import init_process_group  # noqa: E402
 
 BATCH = 64
+STEPS = 30
+UNEVEN = (3, 6)
+PERIOD = 2
+PHASES = ("ddp", "fsdp", "ddp1", "fsdp-load", "uneven-ddp", "uneven-fsdp")
 
 
 class RankBatches(IterableDataset):
@@ -43,51 +73,114 @@ class RankBatches(IterableDataset):
                 non_id_type_features=[NonIDTypeFeature(dense)], labels=[Label(labels)])
 
 
+def _train(ctx: TrainCtx, env: PersiaEnv, steps: int) -> list[float]:
+    losses = []
+    for batch in DataLoader(RankBatches(steps, env.rank, env.world_size), embedding_staleness=1):
+        output, labels = ctx.forward(batch)
+        loss = torch.nn.functional.binary_cross_entropy(output, labels[0])
+        ctx.backward(loss)
+        losses.append(loss.item())
+    ctx.flush()
+    return losses
+
+
+def _ctx(model: torch.nn.Module, option, **kwargs) -> TrainCtx:
+    return TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.05),
+                    dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=0.05),
+                    distributed_option=option, **kwargs)
+
+
+def _bounded(model: torch.nn.Module, world: int) -> FSDPOption:
+    sizes, _ = FSDPOption().sizes(model, world)
+    return FSDPOption(max_unsharded_bytes=2 * max(sizes))
+
+
+def _stats(ctx: TrainCtx, losses: list[float], **extra) -> dict:
+    meter = getattr(ctx.dense, "meter", None)
+    return {"steps": len(losses), "losses": losses,
+            "trained": ctx.train_state.state_dict()["steps"],
+            "peak": None if meter is None else meter.peak,
+            "bound": None if meter is None else meter.bound, **extra}
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _ddp1(root: Path, out: Path) -> None:
+    """Rank 0: this script as a 1-rank job in a new process, without torchrun's settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC_", "MASTER_", "GROUP_", "ROLE_", "LOCAL_WORLD"))}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    subprocess.run([sys.executable, __file__, "--phase", "ddp1", "--root", str(root),
+                    "--out", str(out)], env=env, check=True, timeout=300)
+
+
+def run(phase: str, env: PersiaEnv, root: Path, out: Path) -> None:
+    stats = None
+    if phase == "ddp":
+        torch.manual_seed(0)
+        with _ctx(DLRM(), DDPOption()) as ctx:
+            ctx.dump_checkpoint(str(root / "init"))
+            stats = _stats(ctx, _train(ctx, env, STEPS))
+            ctx.dump_checkpoint(str(root / "ddp"))
+    elif phase == "fsdp":
+        torch.manual_seed(0)
+        model = build_on_meta(DLRM)
+        with _ctx(model, _bounded(model, env.world_size)) as ctx:
+            built = _gathered(ctx.model)
+            init = fmt.load_tensors(fmt.resolve(root / "init"), "dense-model")
+            differ = sorted(k for k in init if not torch.equal(init[k], built[k]))
+            ctx.load_checkpoint(str(root / "init"))
+            stats = _stats(ctx, _train(ctx, env, STEPS), meta_build_differs=differ,
+                           meta_build_keys=sorted(built))
+            ctx.dump_checkpoint(str(root / "fsdp"))
+    elif phase == "ddp1" and env.world_size == 1:
+        with _ctx(DLRM(), DDPOption()) as ctx:
+            ctx.load_checkpoint(str(root / "fsdp"))
+            ctx.dump_checkpoint(str(root / "b"))
+    elif phase == "ddp1":
+        if env.rank == 0:
+            _ddp1(root, out)
+        dist.barrier()
+    elif phase == "fsdp-load":
+        with _ctx(DLRM(), FSDPOption()) as ctx:
+            ctx.load_checkpoint(str(root / "b"))
+            ctx.dump_checkpoint(str(root / "c"))
+    elif phase in ("uneven-ddp", "uneven-fsdp"):
+        config = load_global_config(env.global_config)
+        option = DDPOption()
+        if phase == "uneven-fsdp":
+            option = FSDPOption()
+            config = dataclasses.replace(config, checkpoint_config=dataclasses.replace(
+                config.checkpoint_config, dir=str(root / "periodic"), every_steps=PERIOD))
+        with _ctx(DLRM(), option, global_config=config) as ctx:
+            ctx.load_checkpoint(str(root / "init"))
+            stats = _stats(ctx, _train(ctx, env, UNEVEN[env.rank]))
+            ctx.dump_checkpoint(str(root / phase))
+    else:
+        raise ValueError(phase)
+    if stats is not None:
+        (out / f"{phase}-rank{env.rank}.json").write_text(json.dumps(stats))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dist", choices=["ddp", "fsdp"], required=True)
-    parser.add_argument("--bound-units", type=int, default=0,
-                        help="max_unsharded_bytes = this many of the largest unit's bytes")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--root", required=True, help="the job's checkpoint root")
     parser.add_argument("--out", required=True, help="folder for losses and stats")
-    parser.add_argument("--load", default=None)
-    parser.add_argument("--dump", default=None)
+    parser.add_argument("--phase", choices=PHASES, default=None, help="only this phase")
     args = parser.parse_args()
     env = PersiaEnv.from_environ()
-    torch.manual_seed(0)
-    model = DLRM()
-    if args.dist == "fsdp":
-        bound = None
-        if args.bound_units:
-            sizes, _ = FSDPOption().sizes(model, env.world_size)
-            bound = args.bound_units * max(sizes)
-        option = FSDPOption(max_unsharded_bytes=bound)
-    else:
-        option = DDPOption()
-    losses = []
-    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.05),
-                  dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=0.05),
-                  distributed_option=option) as ctx:
-        if args.load:
-            ctx.load_checkpoint(args.load)
-        if args.steps:
-            for batch in DataLoader(RankBatches(args.steps, env.rank, env.world_size),
-                                    embedding_staleness=1):
-                output, labels = ctx.forward(batch)
-                loss = torch.nn.functional.binary_cross_entropy(output, labels[0])
-                ctx.backward(loss)
-                losses.append(loss.item())
-            ctx.flush()
-        if args.dump:
-            ctx.dump_checkpoint(args.dump)
-        meter = getattr(ctx.dense, "meter", None)
-        stats = {"steps": len(losses), "losses": losses,
-                 "peak": None if meter is None else meter.peak,
-                 "bound": None if meter is None else meter.bound,
-                 "plan_forward": None if meter is None else meter.plan_forward,
-                 "plan_backward": None if meter is None else meter.plan_backward}
-        (Path(args.out) / f"rank{env.rank}.json").write_text(json.dumps(stats))
-    print("done", len(losses), flush=True)
+    root, out = Path(args.root), Path(args.out)
+    if env.world_size > 1:  # one group for every phase (TrainCtx leaves it as it is)
+        init_process_group("gloo", load_global_config(env.global_config).common_config)
+    for phase in [args.phase] if args.phase else PHASES:
+        run(phase, env, root, out)
+        print(f"phase {phase} done", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
