@@ -1,4 +1,4 @@
-"""The docs stay true: CLI reference current, every config key in the README, the Grafana
+"""The docs stay true: CLI reference current, every config key in docs/configuration.md, the Grafana
 dashboard only charts metrics that exist."""
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def test_readme_documents_every_config_key() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_configuration_reference_documents_every_config_key() -> None:
+    reference = (ROOT / "docs" / "configuration.md").read_text()
     keys = _keys(GlobalConfig) + _keys(EmbeddingTablesConfig)
-    missing = [k for k in keys if f"`{k}`" not in readme]
-    assert not missing, f"README.md configuration reference lacks {missing}"
+    missing = [k for k in keys if f"`{k}`" not in reference]
+    assert not missing, f"docs/configuration.md lacks {missing}"
 
 
 def test_cli_reference_is_current() -> None:
@@ -62,16 +62,38 @@ _MEASURED = re.compile(
     r"|\bAUC\b[^.]*\b0\.\d{2,}")                          # an accuracy
 
 
-def test_every_measured_figure_in_the_readme_links_to_the_benchmarks_page() -> None:
-    """The README is the manual; figures live in docs/benchmarks.md with their command,
-    date and machine, and a paragraph that quotes one links there."""
-    text = re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(), flags=re.S)
-    text = re.sub(r"`[^`]*`", "", text)  # example output and settings, not measurements
-    unlinked = [p for p in re.split(r"\n\s*\n|\n(?=- )", text)
-                if _MEASURED.search(p) and "docs/benchmarks.md" not in p]
-    assert not unlinked, "figures without a link to docs/benchmarks.md:\n" + "\n--\n".join(unlinked)
+def _manual_pages() -> list:
+    """The README and every docs page but the benchmarks page itself."""
+    return [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md")
+                                         if p.name not in ("benchmarks.md", "cli.md"))
+
+
+def test_every_measured_figure_in_the_manual_links_to_the_benchmarks_page() -> None:
+    """The README and docs pages are the manual; figures live in docs/benchmarks.md with
+    their command, date and machine, and a paragraph that quotes one links there."""
     page = (ROOT / "docs" / "benchmarks.md").read_text()
-    for anchor in set(re.findall(r"docs/benchmarks\.md#([\w-]+)", (ROOT / "README.md").read_text())):
-        headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
-                    for h in re.findall(r"^#+ (.+)$", page, flags=re.M)}
-        assert anchor in headings, f"README links docs/benchmarks.md#{anchor}, which has no such heading"
+    headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", page, flags=re.M)}
+    for path in _manual_pages():
+        raw = path.read_text()
+        text = re.sub(r"```.*?```", "", raw, flags=re.S)
+        text = re.sub(r"`[^`]*`", "", text)  # example output and settings, not measurements
+        unlinked = [p for p in re.split(r"\n\s*\n|\n(?=- )", text)
+                    if _MEASURED.search(p) and "benchmarks.md" not in p]
+        assert not unlinked, (f"{path.name}: figures without a link to docs/benchmarks.md:\n"
+                              + "\n--\n".join(unlinked))
+        for anchor in set(re.findall(r"benchmarks\.md#([\w-]+)", raw)):
+            assert anchor in headings, f"{path.name} links benchmarks.md#{anchor}, which has no such heading"
+
+
+def test_links_between_pages_resolve() -> None:
+    """Every relative link of the manual names a file that exists and, with an anchor, a
+    heading of that file."""
+    for path in _manual_pages():
+        for target, anchor in re.findall(r"\]\((?!https?:)([^)#\s]*)(?:#([\w-]+))?\)", path.read_text()):
+            dest = (path.parent / target).resolve() if target else path
+            assert dest.exists(), f"{path.name} links {target}, which does not exist"
+            if anchor and dest.suffix == ".md":
+                headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
+                            for h in re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)}
+                assert anchor in headings, f"{path.name} links {target}#{anchor}: no such heading"

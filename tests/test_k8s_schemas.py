@@ -144,8 +144,8 @@ def test_gpus_are_limits_of_the_nn_worker_pods_only() -> None:
 
 # -- docs: the Kubernetes release, the image ------------------------------------------------
 
-def _readme_section(title: str) -> str:
-    readme = (ROOT / "README.md").read_text()
+def _readme_section(title: str, page: str = "docs/deployment.md") -> str:
+    readme = (ROOT / page).read_text()
     return readme.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
@@ -195,7 +195,7 @@ def test_the_dockerfile_installs_persia_py_as_the_quick_start_does() -> None:
     runs = [c[1:] for c in _commands(dockerfile) if c and c[0] == "RUN"]
     (image,) = [_pip_install(c) for c in runs if c[:2] == ["pip", "install"]]
     # The quick start's scripts both install through scripts/setup_env.sh.
-    quick_start = _readme_section("Quick start")
+    quick_start = _readme_section("Quick start", "README.md")
     for script in re.findall(r"^bash (scripts/\S+\.sh)", quick_start, re.M):
         assert "bash scripts/setup_env.sh" in (ROOT / script).read_text(), script
     setup_env = (ROOT / "scripts" / "setup_env.sh").read_text().splitlines()

@@ -1,4 +1,4 @@
-"""A job across three emulated hosts, run with the README's own commands ("Running on
+"""A job across three emulated hosts, run with the docs' own commands ("Running on
 several machines"): it trains the Criteo-shaped example to the test AUC of the same job on
 one machine (``persia-launcher local``), over mutual TLS with a job token, and clients on
 another host without a certificate or without the token are refused."""
@@ -23,7 +23,7 @@ SECTION = "## Running on several machines"
 
 
 def readme_section() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "deployment.md").read_text()
     start = text.index(SECTION)
     end = text.find("\n## ", start + len(SECTION))
     return text[start:end if end != -1 else len(text)]
@@ -49,7 +49,7 @@ def readme_blocks() -> tuple[str, dict[str, list[str]]]:
 def substitute(text: str, values: dict[str, str]) -> str:
     """``$NAME`` replaced by ``values[NAME]``; an unknown name fails the test."""
     def value(match: re.Match) -> str:
-        assert match.group(1) in values, f"README uses ${match.group(1)}, unknown to the test"
+        assert match.group(1) in values, f"docs/deployment.md uses ${match.group(1)}, unknown to the test"
         return values[match.group(1)]
     return re.sub(r"\$(\w+)", value, text)
 
