@@ -1,8 +1,14 @@
-# The image `persia-launcher k8s` manifests run: persia_py and its CPU dependencies.
+# The image `persia-launcher k8s` manifests run: persia_py and its dependencies.
 #   docker build -t REGISTRY/persia-py:TAG .
-# For GPUs, start FROM an image with CUDA and the torch you want, and drop the
-# constraints file (it pins the CPU build of torch).
+# The default installs the CPU build of torch. For NN workers on GPUs, build with torch's
+# wheel index of a CUDA release your driver supports (pytorch.org lists them for the
+# torch version requirements/cpu-constraints.txt pins; the wheels bring their own CUDA
+# libraries, so the base image stays the same), e.g.
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#       -t REGISTRY/persia-py:TAG-cuda .
+# See docs/running.md#gpus.
 FROM python:3.11-slim
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/persia_py
@@ -13,7 +19,7 @@ COPY persia_py ./persia_py
 COPY servers ./servers
 COPY workers ./workers
 COPY proto ./proto
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu \
+RUN pip install --extra-index-url ${TORCH_INDEX_URL} \
         -c requirements/cpu-constraints.txt . \
     && useradd --create-home --uid 1000 persia
 

@@ -54,10 +54,20 @@ def parameter_server_process(workdir: Path, slot: str, dim: int,
     embedding_config.write_text(f"slots_config:\n  {slot}:\n    dim: {dim}\n")
     global_config = workdir / "global_config.yml"
     global_config.write_text(f"embedding_parameter_server_config:\n  capacity: {capacity}\n")
-    stderr_path = workdir / "ps.stderr"
-    command = [sys.executable, "-m", "persia_py.launcher.cli", "embedding-parameter-server",
-               "--port", "0", "--embedding-config", str(embedding_config),
-               "--global-config", str(global_config)]
+    with role_process(workdir, "embedding-parameter-server", [
+            "--embedding-config", str(embedding_config),
+            "--global-config", str(global_config)]) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def role_process(workdir: Path, role: str, args: list[str],
+                 name: str = "ps") -> Iterator[tuple[str, int]]:
+    """A server role of ``persia-launcher`` (``embedding-parameter-server``,
+    ``embedding-worker``) on a free port with ``args``; yields ``(address, pid)`` and
+    stops it on exit. Its stderr goes to ``workdir/<name>.stderr``."""
+    stderr_path = workdir / f"{name}.stderr"
+    command = [sys.executable, "-m", "persia_py.launcher.cli", role, "--port", "0", *args]
     lines: queue.Queue[str | None] = queue.Queue()
     # The server requires a job token (secure by default); the benchmark's clients, in
     # this process, read the same one from the environment.
@@ -70,7 +80,7 @@ def parameter_server_process(workdir: Path, slot: str, dim: int,
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                 env=allocator.with_tunables(dict(os.environ)))
         reader = threading.Thread(target=_forward_lines, args=(proc.stdout, lines),
-                                  name="ps-stdout")
+                                  name=f"{name}-stdout")
         reader.start()
         try:
             yield f"127.0.0.1:{_wait_for_port(lines, stderr_path)}", proc.pid

@@ -39,10 +39,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.distributed.algorithms.join import JoinHook
 
 from persia_py import checkpoint_format as fmt
 from persia_py import dense_checkpoint
+from persia_py.collectives import WorldJoinable
 from persia_py.config import CheckpointConfig, CommonConfig
 from persia_py.data_position import DataPositions
 from persia_py.proto import checkpoint_pb2 as pb
@@ -182,7 +183,7 @@ class _PeriodicJoinHook(JoinHook):
             self._checkpointer.vote(training=False)
 
 
-class Checkpointer(Joinable):
+class Checkpointer(WorldJoinable):
     """Checkpoints of one training rank: the servers' tables plus the rank's ``states``.
 
     Args:
@@ -269,14 +270,6 @@ class Checkpointer(Joinable):
 
     def join_hook(self, **kwargs) -> JoinHook:
         return _PeriodicJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    @property
-    def join_process_group(self):
-        return dist.group.WORLD
 
     def dump(self, root: str | os.PathLike, *, extra_files: Mapping[str, bytes] | None = None
              ) -> Path | None:

@@ -1,7 +1,9 @@
-"""The one range check behind every numeric setting: configs, optimizers, table policies.
+"""The checks behind the user's arguments: one range check for every numeric setting
+(configs, optimizers, table policies) and one type check for the public API's arguments.
 
-Messages read ``<field>: <value> is out of range; expected <low> <= <field> <= <high>``,
-so a config loader can put the key path in front of them unchanged.
+Range messages read ``<field>: <value> is out of range; expected <low> <= <field> <= <high>``,
+so a config loader can put the key path in front of them unchanged. Type messages read
+``<argument>: expected <what to pass>, got <what was passed>`` (``TypeError``).
 """
 
 from __future__ import annotations
@@ -11,15 +13,20 @@ import math
 import numpy as np
 
 
+class WrongType(TypeError, ValueError):
+    """A value of the wrong type: a ``TypeError`` to the user, and still a ``ValueError``
+    to the config loaders and servers that turn any bad value into their own error."""
+
+
 def check_number(name: str, value: object, *, low: float = -math.inf, high: float = math.inf,
                  low_open: bool = False, high_open: bool = False,
                  integer: bool = False) -> float | int:
     """``value`` as a float (an int with ``integer``) if it is a finite number in the
-    interval, else ``ValueError`` naming ``name``, the value and the interval. Bools are
-    not numbers here."""
+    interval, else ``ValueError`` naming ``name``, the value and the interval
+    (:class:`WrongType` when it is no number at all). Bools are not numbers here."""
     kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ValueError(f"{name}: expected {'an int' if integer else 'a number'}, "
+        raise WrongType(f"{name}: expected {'an int' if integer else 'a number'}, "
                          f"got {value!r}")
     number = int(value) if integer else float(value)
     inside = (math.isfinite(number)
@@ -36,3 +43,33 @@ def _interval(name: str, low: float, high: float, low_open: bool, high_open: boo
     right = "" if high == math.inf else f" {'<' if high_open else '<='} {high}"
     text = f"{left}{name}{right}"
     return text if left or right else f"a finite {name}"
+
+
+def check_type(where: str, value: object, types: type | tuple[type, ...], expected: str,
+               *, optional: bool = False) -> None:
+    """``TypeError`` reading ``<where>: expected <expected>, got <what value is>`` unless
+    ``value`` is an instance of ``types`` (or None with ``optional``).
+
+    ``where`` names the argument as the user wrote it (``TrainCtx(model=...)``) and
+    ``expected`` says what to pass, so the message alone tells the fix. Bools are not
+    ints here (``True`` passed as a count is a mistake, not a 1).
+    """
+    if value is None and optional:
+        return
+    wanted = types if isinstance(types, tuple) else (types,)
+    bool_as_number = isinstance(value, bool) and bool not in wanted
+    if bool_as_number or not isinstance(value, wanted):
+        raise TypeError(f"{where}: expected {expected}, got {describe(value)}")
+
+
+def describe(value: object) -> str:
+    """What ``value`` is, for an error message: its type, with the value when short and
+    the dtype of an array."""
+    kind = type(value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    if isinstance(value, np.ndarray):
+        return f"numpy.ndarray of {value.dtype}"
+    text = repr(value)
+    if isinstance(value, (str, int, float, bool)) and len(text) <= 40:
+        return f"{name} {text}"
+    return name

@@ -133,7 +133,17 @@ class CheckpointConfig:
     """Export after this many applied updates (requests) of a replica (0: not by count)."""
     incremental_every_sec: float = 0.0
     """Export once this many seconds have passed since a replica's last export (0: not
-    by time)."""
+    by time). A serving replica following the exports warns when its newest applied one
+    is older than twice this."""
+    dense_export_dir: str | None = None
+    """Folder rank 0 of a training job writes versions of the dense model to, for
+    serving processes that follow them (``serve --follow-dense``)."""
+    dense_export_every_steps: int = 0
+    """Export the dense model after every this many training steps (0: not by steps)."""
+    dense_export_every_sec: float = 0.0
+    """Export the dense model once this many seconds have passed since the last version
+    (0: not by time). A serving process following them warns when its model is older
+    than twice this."""
 
     def __post_init__(self) -> None:
         _check_range(self, "every_steps", 0, 2**40)
@@ -145,6 +155,12 @@ class CheckpointConfig:
                 not self.incremental_dir):
             raise ConfigError("incremental_dir: required when incremental_every_updates or "
                               "incremental_every_sec > 0")
+        _check_range(self, "dense_export_every_steps", 0, 2**40)
+        _check_range(self, "dense_export_every_sec", 0.0, 86400.0 * 365)
+        if (self.dense_export_every_steps or self.dense_export_every_sec) and (
+                not self.dense_export_dir):
+            raise ConfigError("dense_export_dir: required when dense_export_every_steps or "
+                              "dense_export_every_sec > 0")
 
 
 @dataclass(kw_only=True, frozen=True)

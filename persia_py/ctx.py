@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextvars
-import io
 import itertools
 import logging
 import time
@@ -24,7 +23,10 @@ import torch.distributed as dist
 
 from persia_py.checkpoint import Checkpointer
 from persia_py.checkpoint_format import check_name
+from persia_py.checks import check_type
 from persia_py.config import GlobalConfig, load_global_config
+from persia_py.dense_export import DenseExporter, dense_exporter_for
+from persia_py.device import device_of_this_process
 from persia_py.distributed import (
     DDPOption,
     DenseParallel,
@@ -36,6 +38,8 @@ from persia_py.embedding import EmbeddingConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.embedding.optim import Optimizer
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
+from persia_py.graceful_stop import StopOnSignal
+from persia_py.grad_control import GradControl, clip_grads_, scale_grads_, sum_over_ranks_
 from persia_py.process_group import (
     PeerFailure,
     init_process_group,
@@ -43,7 +47,9 @@ from persia_py.process_group import (
     report_failure,
 )
 from persia_py.progress import StepReporter
+from persia_py.progressive import ProgressiveValidation
 from persia_py.stateful import Stateful, TrainState
+from persia_py.torchscript_export import torchscript, torchscript_sharded
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.data_loader import DataCtx
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
@@ -67,12 +73,13 @@ _current: contextvars.ContextVar[EmbeddingCtx | None] = contextvars.ContextVar(
 )
 
 
-def current_ctx() -> EmbeddingCtx:
-    """The innermost active context; RuntimeError outside one."""
+def current_ctx(what: str = "this call") -> EmbeddingCtx:
+    """The innermost active context; RuntimeError naming ``what`` outside one."""
     ctx = _current.get()
     if ctx is None:
-        raise RuntimeError("no persia_py context is active; use `with TrainCtx(...)`, "
-                           "`with eval_ctx(...)` or `with InferCtx(...)`")
+        raise RuntimeError(f"{what} needs an active persia_py context; call it inside "
+                           "`with TrainCtx(...) as ctx:`, `with eval_ctx(model) as ctx:` or "
+                           "`with InferCtx(...) as ctx:`")
     return ctx
 
 
@@ -95,16 +102,23 @@ class EmbeddingCtx:
 
     _training = False
     """Whether this context trains (stores the ids of training batches, sends gradients)."""
+    _usage = "eval_ctx(model)"
+    """How the user opens this context, for messages."""
 
     def __init__(self, *, model: torch.nn.Module | None = None,
                  embedding_worker_addresses: list[str] | None = None,
                  global_config: GlobalConfig | None = None, device_id: int | None = None,
                  env: PersiaEnv | None = None) -> None:
+        name = type(self).__name__
+        check_type(f"{name}(model=...)", model, torch.nn.Module,
+                   "a torch.nn.Module (the dense tower)", optional=True)
+        check_type(f"{name}(device_id=...)", device_id, int,
+                   "an int (a CUDA device index) or None", optional=True)
         self.env = env or PersiaEnv.from_environ()
         self.global_config = global_config or load_global_config(self.env.global_config)
         self.common = self.global_config.common_config
         self.model = model
-        self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
+        self.device = device_of_this_process(device_id, self.env.local_rank)
         self._addresses = list(embedding_worker_addresses or self.env.embedding_worker_addrs)
         self.workers: list[EmbeddingWorkerClient] = []
         self._owns_workers = True
@@ -133,12 +147,22 @@ class EmbeddingCtx:
             for w in self.workers:
                 w.close()
 
+    def _require_active(self, what: str) -> None:
+        """RuntimeError unless this context is open (entered, not yet exited): outside
+        it there are no connections to the embedding workers."""
+        if self._token is None:
+            raise RuntimeError(f"{what} is used outside its context; use it inside "
+                               f"`with {self._usage} as ctx:`")
+
     # -- batches -----------------------------------------------------------------------
 
     def prepare(self, batch: PersiaBatch) -> TrainingBatch:
         """Look up the embeddings of one evaluation batch made in this process (e.g. a
         serving request); no rows are inserted. A dataset of batches goes through
         :class:`persia_py.data.DataLoader`, which looks ahead."""
+        check_type("ctx.prepare(batch)", batch, PersiaBatch,
+                   "a persia_py.embedding.data.PersiaBatch")
+        self._require_active("ctx.prepare")
         return look_up(batch, self.workers, training=False,
                        next_worker=next(self._round_robin) % len(self.workers))
 
@@ -158,7 +182,10 @@ class EmbeddingCtx:
     def stream_from_loaders(self, *, buffer_size: int, reproducible: bool,
                             embedding_staleness: int) -> Iterator[TrainingBatch]:
         """The data loaders' stream (``DataLoader(StreamingDataset)``); TrainCtx only."""
-        raise RuntimeError("a StreamingDataset is read for training; use it inside TrainCtx")
+        raise RuntimeError("a StreamingDataset is the training stream; iterate "
+                           "DataLoader(StreamingDataset(...)) inside `with TrainCtx(...) as "
+                           "ctx:`, and evaluate on an IterableDataset of batches built with "
+                           "requires_grad=False")
 
     def _embedding_tensors(self, batch: TrainingBatch, requires_grad: bool):
         rows = [torch.from_numpy(s.rows).to(self.device).requires_grad_(requires_grad)
@@ -171,15 +198,19 @@ class EmbeddingCtx:
         dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def forward(self, batch: TrainingBatch):
-        """Run the model on ``batch``; returns ``(output, labels)`` (as PERSIA)."""
+    def forward(self, batch: TrainingBatch, *, model: torch.nn.Module | None = None):
+        """Run the model on ``batch``; returns ``(output, labels)`` (as PERSIA). ``model``:
+        run this one instead of the context's (a serving process that swaps in new
+        dense versions passes the one it read for this request)."""
         _check_batch(batch)
-        if self.model is None:
+        self._require_active("ctx.forward")
+        model = self.model if model is None else model
+        if model is None:
             raise RuntimeError("this context has no model")
         with torch.no_grad(), self._autocast():
             _, embeddings = self._embedding_tensors(batch, requires_grad=False)
             dense = [t.to(self.device) for t in batch.non_id_type_features]
-            output = self.model(dense, embeddings)
+            output = model(dense, embeddings)
         return output, [t.to(self.device) for t in batch.labels]
 
 
@@ -195,6 +226,8 @@ class InferCtx(EmbeddingCtx):
             is the same, by this package's name; give at most one.
         model, global_config, device_id, env: as :class:`TrainCtx`.
     """
+
+    _usage = "InferCtx(...)"
 
     def __init__(self, embedding_worker_address_list: list[str] | None = None, *,
                  model: torch.nn.Module | None = None,
@@ -233,7 +266,9 @@ class InferCtx(EmbeddingCtx):
 @contextmanager
 def eval_ctx(model: torch.nn.Module) -> Iterator[EmbeddingCtx]:
     """Evaluate ``model`` inside the current context, sharing its connections."""
-    outer = current_ctx()
+    check_type("eval_ctx(model=...)", model, torch.nn.Module,
+               "a torch.nn.Module (the dense tower)")
+    outer = current_ctx("eval_ctx(model)")
     ctx = EmbeddingCtx(model=model, global_config=outer.global_config, env=outer.env)
     ctx.device = outer.device
     ctx.mixed_precision = outer.mixed_precision
@@ -246,6 +281,7 @@ def eval_ctx(model: torch.nn.Module) -> Iterator[EmbeddingCtx]:
     finally:
         model.train(was_training)
         _current.reset(ctx._token)
+        ctx._token = None  # the context is closed: using it now is an error
 
 
 class TrainCtx(EmbeddingCtx):
@@ -258,35 +294,67 @@ class TrainCtx(EmbeddingCtx):
         embedding_optimizer: :mod:`persia_py.embedding.optim` optimizer, run on the servers.
         dense_optimizer: a ``torch.optim`` optimizer over ``model``'s parameters.
         embedding_config: initialization bounds, weight bound and seed of new rows.
-        device_id: CUDA device, or None for CPU.
+        device_id: CUDA device; None: ``cuda:LOCAL_RANK`` where CUDA is available, else
+            the CPU (see :func:`persia_py.device.pick_device`).
         mixed_precision: run the model under autocast: float16 with a gradient scaler on
             CUDA, bfloat16 on CPU. Embedding rows stay float32 on the servers.
         distributed_option: how the ranks share the dense tower:
             :class:`~persia_py.distributed.DDPOption` (default; a replica per rank) or
             :class:`~persia_py.distributed.FSDPOption` (sharded, with a bound on the
             unsharded bytes alive at once).
+        stop_on_signal: online training: SIGTERM ends the data loaders' endless stream
+            after a step every rank agrees on; the embedding updates are flushed and a
+            final checkpoint is written to ``checkpoint_config.dir`` before the loop ends
+            (see :mod:`persia_py.graceful_stop`).
+        progressive_validation: a :class:`~persia_py.progressive.ProgressiveValidation`:
+            each training batch's outputs (scored before its update) give a running AUC,
+            log loss and NE (and GAUC) in the training log.
+        grad_clip_norm: clip the dense gradients to this total L2 norm before each dense
+            step (None: no clipping); embedding gradients are not clipped.
+        grad_accumulation_steps: batches per dense optimizer step, on the mean of their
+            dense gradients (1: every batch, as PERSIA); DDP allreduces once per step.
+            Embedding gradients still go to the servers with every batch. Not with
+            ``FSDPOption`` on several ranks. See :mod:`persia_py.grad_control`.
     """
 
     _training = True
+    _usage = "TrainCtx(...)"
 
     def __init__(self, *, model: torch.nn.Module, embedding_optimizer: Optimizer,
                  dense_optimizer: torch.optim.Optimizer,
                  embedding_config: EmbeddingConfig | None = None,
                  device_id: int | None = None, mixed_precision: bool = False,
                  global_config: GlobalConfig | None = None, env: PersiaEnv | None = None,
-                 distributed_option: DDPOption | FSDPOption | None = None) -> None:
+                 distributed_option: DDPOption | FSDPOption | None = None,
+                 stop_on_signal: bool = False, grad_clip_norm: float | None = None,
+                 grad_accumulation_steps: int = 1,
+                 progressive_validation: ProgressiveValidation | None = None) -> None:
+        # Every argument's type first, before any file or environment is read.
+        check_type("TrainCtx(model=...)", model, torch.nn.Module,
+                   "a torch.nn.Module (the dense tower)")
+        check_type("TrainCtx(embedding_optimizer=...)", embedding_optimizer, Optimizer,
+                   "an optimizer from persia_py.embedding.optim (SGD, Adagrad or Adam)")
+        check_type("TrainCtx(dense_optimizer=...)", dense_optimizer, torch.optim.Optimizer,
+                   "a torch.optim optimizer over model.parameters()")
+        check_type("TrainCtx(embedding_config=...)", embedding_config, EmbeddingConfig,
+                   "a persia_py.embedding.EmbeddingConfig or None", optional=True)
+        check_type("TrainCtx(mixed_precision=...)", mixed_precision, bool, "a bool")
+        check_type("TrainCtx(stop_on_signal=...)", stop_on_signal, bool, "a bool")
+        check_type("TrainCtx(progressive_validation=...)", progressive_validation,
+                   ProgressiveValidation, "a persia_py.progressive.ProgressiveValidation or None",
+                   optional=True)
+        check_type("TrainCtx(distributed_option=...)", distributed_option,
+                   (DDPOption, FSDPOption), "a persia_py.distributed.DDPOption or FSDPOption",
+                   optional=True)
+        self.grad_control = GradControl(grad_clip_norm=grad_clip_norm,
+                                        grad_accumulation_steps=grad_accumulation_steps)
+        """Clipping and accumulation of the dense gradients (see persia_py.grad_control)."""
         super().__init__(model=model, global_config=global_config, device_id=device_id, env=env)
-        if not isinstance(embedding_optimizer, Optimizer):
-            raise TypeError("embedding_optimizer must come from persia_py.embedding.optim")
         self.distributed_option = distributed_option or DDPOption()
-        if not isinstance(self.distributed_option, (DDPOption, FSDPOption)):
-            raise TypeError("distributed_option must be a persia_py.distributed.DDPOption "
-                            "or FSDPOption")
         # A bound below one unit's need is refused here, before any process starts.
         self.distributed_option.check(model, self.env.world_size)
         self.dense: DenseParallel = DenseParallel(model, model)
         """The dense tower as the ranks share it (DDP, FSDP, or whole with one rank)."""
-        self._last_inputs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.mixed_precision = mixed_precision
         self._scaler = (torch.amp.GradScaler("cuda")
                         if mixed_precision and self.device.type == "cuda" else None)
@@ -304,14 +372,27 @@ class TrainCtx(EmbeddingCtx):
         self._staleness_sum = 0
         self._staleness_max = 0
         self._num_steps = 0  # in this context, for the staleness figures
+        self.num_dense_steps_skipped = 0
+        """Dense optimizer steps skipped for non-finite gradients (without a gradient
+        scaler; with one, the scaler skips and lowers its scale)."""
         self.train_state = TrainState()
         """Batches this rank has trained, counting those before a resumed checkpoint."""
         self.checkpointer: Checkpointer | None = None
+        self.dense_exporter: DenseExporter | None = None
+        """Rank 0's writer of dense versions for serving (``checkpoint_config.dense_export_*``)."""
         self.reporter: StepReporter | None = None
         """Progress line, training log and metrics of this rank (see persia_py.progress)."""
+        self.stop: StopOnSignal | None = StopOnSignal(self.device) if stop_on_signal else None
+        """With ``stop_on_signal``: the stop request and the ranks' agreement on it."""
+        self._steps_checked = 0
+        self.progressive = progressive_validation
+        if self.progressive is not None:
+            self.progressive.bind(self.device)
 
     def __enter__(self) -> TrainCtx:
         super().__enter__()
+        if self.stop is not None:
+            self.stop.install()
         self.reporter = StepReporter.from_environ(self.env)
         if not is_deferred(self.model):  # a build_on_meta model is materialized by wrap
             self.model.to(self.device)
@@ -327,6 +408,15 @@ class TrainCtx(EmbeddingCtx):
                 self.model, self.dense_optimizer, self.device, shadow_step=self._shadow_step,
                 registry=self.reporter.metrics.registry)
             self.ddp_model = self.dense.module
+            if self._scaler is not None and self.dense.sharded:
+                # Each rank holds other gradient shards: the ranks must agree on skipping.
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self._scaler = ShardedGradScaler("cuda")
+            if self.dense.sharded and self.grad_control.grad_accumulation_steps > 1:
+                raise ValueError(
+                    "TrainCtx(grad_accumulation_steps=...) > 1 is not supported with "
+                    "FSDPOption on several ranks; use DDPOption or a larger batch")
         cfg = self.embedding_config
         request = configure_request(
             self.embedding_optimizer.to_dict(), init_lower=cfg.emb_initialization[0],
@@ -339,7 +429,11 @@ class TrainCtx(EmbeddingCtx):
             self.state_dict(), flush=self.flush, ps_addrs=self.env.ps_addrs, common=self.common,
             config=self.global_config.checkpoint_config, device=self.device,
             sharded_dense=self.dense.sharded)
+        self.grad_control.check_checkpoint_period(self.checkpointer.every_steps)
         self.checkpointer.resume_if_asked()
+        self.dense_exporter = dense_exporter_for(self.global_config.checkpoint_config,
+                                                 rank=self.env.rank,
+                                                 sharded=self.dense.sharded)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -359,7 +453,13 @@ class TrainCtx(EmbeddingCtx):
                 self._sender.close()
             if self.checkpointer is not None:
                 self.checkpointer.close()
+            if self.dense_exporter is not None:
+                if exc_type is None:  # serving gets the final model too
+                    self.dense_exporter.export(self.model)
+                self.dense_exporter.close()
         finally:
+            if self.stop is not None:
+                self.stop.restore()
             if self.reporter is not None:
                 self.reporter.close()
             if self._owns_process_group and dist.is_initialized() and not self._peer_failed:
@@ -375,6 +475,7 @@ class TrainCtx(EmbeddingCtx):
 
     def flush(self) -> None:
         """Wait until the servers have acknowledged every embedding update sent so far."""
+        self._require_active("ctx.flush")
         self._sender.flush(self.common.rpc_timeout_sec)
 
     def state_dict(self) -> dict[str, Stateful]:
@@ -405,34 +506,45 @@ class TrainCtx(EmbeddingCtx):
         With ``with_jit_model`` (as PERSIA) the folder also holds the dense model compiled
         by ``torch.jit.script`` as ``jit_dense_filename`` (load it with ``torch.jit.load``);
         a model TorchScript cannot compile is a ``ValueError`` before anything is written.
+        Under ``FSDPOption`` the shards are gathered onto rank 0 and a plain copy of the
+        whole tower is compiled there, on the CPU (every rank calls this, as always).
         Dumps always block (``blocking=False`` is refused): a checkpoint is a cut that
         every rank waits for.
         """
         if not blocking:
             raise ValueError("blocking=False is not supported: every rank waits for the "
                              "checkpoint's consistent cut; call dump_checkpoint(dst_dir)")
+        self._require_active("ctx.dump_checkpoint")
         extra_files = {}
         if with_jit_model:
             check_name(jit_dense_filename, "jit_dense_filename")
             if not jit_dense_filename.endswith(".pt"):
                 raise ValueError(f"jit_dense_filename: {jit_dense_filename!r} must end with "
                                  "'.pt'")
-            extra_files[jit_dense_filename] = _torchscript(self.model)
+            if not self.dense.sharded:
+                extra_files[jit_dense_filename] = torchscript(self.model)
+            elif (scripted := torchscript_sharded(self.model)) is not None:  # rank 0
+                extra_files[jit_dense_filename] = scripted
         return self.checkpointer.dump(dst_dir, extra_files=extra_files)
 
     def load_checkpoint(self, src_dir: str) -> None:
         """Load a checkpoint written by :meth:`dump_checkpoint` (a root or one folder)."""
+        self._require_active("ctx.load_checkpoint")
         self.checkpointer.load(src_dir)
 
     def log(self, **values: float) -> None:
         """Record numbers of this step (e.g. ``ctx.log(test_auc=auc)``) in the training log."""
+        self._require_active("ctx.log")
         self.reporter.log(**values)
 
     def prepare(self, batch: PersiaBatch) -> TrainingBatch:
         """Look up one evaluation batch (see :meth:`EmbeddingCtx.prepare`)."""
+        check_type("ctx.prepare(batch)", batch, PersiaBatch,
+                   "a persia_py.embedding.data.PersiaBatch")
         if batch.requires_grad:
             raise ValueError(
-                "a training batch made in this process goes through "
+                "ctx.prepare looks up one evaluation batch (requires_grad=False); a training "
+                "batch made in this process goes through "
                 "persia_py.data.DataLoader(IterableDataset), which bounds its embedding "
                 "staleness and bytes as for the data loaders' batches")
         return super().prepare(batch)
@@ -446,6 +558,7 @@ class TrainCtx(EmbeddingCtx):
             yield from super().stream_local(batches, buffer_size=buffer_size,
                                             reproducible=reproducible,
                                             embedding_staleness=embedding_staleness)
+        self._finish_accumulation()
 
     def _joined(self):
         """``torch.distributed.algorithms.Join`` over the dense tower (a rank out of
@@ -454,7 +567,12 @@ class TrainCtx(EmbeddingCtx):
         rank); nothing with one rank."""
         if self.dense.joinable is None:
             return nullcontext()
-        return torch.distributed.algorithms.Join([self.dense.joinable, self.checkpointer])
+        joinables = [self.dense.joinable, self.checkpointer]  # in the order of their collectives
+        if self.progressive is not None:
+            joinables.append(self.progressive)
+        if self.stop is not None:
+            joinables.append(self.stop)
+        return torch.distributed.algorithms.Join(joinables)
 
     def stream_from_loaders(self, *, buffer_size: int, reproducible: bool,
                             embedding_staleness: int) -> Iterator[TrainingBatch]:
@@ -472,34 +590,70 @@ class TrainCtx(EmbeddingCtx):
         try:
             # Ranks may receive different numbers of batches: Join lets the ranks that run
             # out shadow the others' collectives, so every batch is trained.
+            # Asked to stop while no batch comes (an idle stream), a rank leaves the loop
+            # as at the stream's end: Join then completes the others' step in progress.
+            interrupted = None if self.stop is None else (lambda: self.stop.requested)
             with self._joined():
-                yield from stream
+                for batch in stream.batches(interrupted):
+                    yield batch
+                    if self._stop_agreed():
+                        break
+            self._finish_accumulation()
             self.flush()
             if dist.is_initialized():
                 # After this, every rank's embedding updates are on the servers.
                 with self._naming_peers("the end-of-stream barrier"):
                     dist.barrier()
+            # Every rank is here: one more agreement covers ranks that left the loop on
+            # their own request without one (every rank idle, say).
+            if self.stop is not None and self._agree_to_stop():
+                self._final_checkpoint()
         finally:
             stream.close()
+
+    def _stop_agreed(self) -> bool:
+        """After a training step, with ``stop_on_signal``: whether every rank stops now."""
+        if self.stop is None or self._num_steps == self._steps_checked:
+            return False  # no training step since the last check: nothing to agree after
+        self._steps_checked = self._num_steps
+        return self._agree_to_stop()
+
+    def _agree_to_stop(self) -> bool:
+        with self._naming_peers("the agreement to stop"):
+            return self.stop.agreed()
+
+    def _final_checkpoint(self) -> None:
+        directory = self.checkpointer.periodic_dir
+        if not directory:
+            logger.warning("stopped on a signal after %d steps; no checkpoint_config.dir, so "
+                           "no final checkpoint", self.checkpointer.steps)
+            return
+        folder = self.checkpointer.dump(directory)
+        if folder is not None:
+            logger.info("stopped on a signal after %d steps; final checkpoint %s",
+                        self.checkpointer.steps, folder)
 
     def forward(self, batch: TrainingBatch):
         """Forward ``batch``; training batches keep what ``backward`` needs."""
         _check_batch(batch)
+        self._require_active("ctx.forward")
         if not batch.requires_grad:
             if batch.batch_id is not None:  # a loader's evaluation batch is done once seen
                 self.train_state.new_batch_ids.append(batch.batch_id)
             return super().forward(batch)
         self._sender.raise_if_failed()
         if self._pending is not None:
-            raise RuntimeError("forward called twice without backward in between")
+            raise RuntimeError("ctx.forward called twice without ctx.backward in between; "
+                               "call ctx.backward(loss) after each training forward")
         self.reporter.forward_started()
         rows, embeddings = self._embedding_tensors(batch, requires_grad=True)
         dense = [t.to(self.device) for t in batch.non_id_type_features]
-        if self.dense.sharded:  # what a rank out of batches replays, with zero gradients
-            self._last_inputs = (dense, [e.detach() for e in embeddings])
         # DDP's forward may sync buffers with the other ranks: a collective too.
+        # Inside an accumulation window, DDP must know at forward that this backward
+        # does not allreduce (no_sync).
+        self.dense.set_gradient_sync(self.grad_control.steps_at(self.train_state.steps + 1))
         with self._autocast(), self._naming_peers("the dense model's forward"):
-            self.dense.before_forward()
+            self.dense.before_forward(dense, embeddings)
             output = self.ddp_model(dense, embeddings)
         self._pending = (batch, rows)
         self.staleness = batch.staleness
@@ -508,12 +662,24 @@ class TrainCtx(EmbeddingCtx):
         self._num_steps += 1
         self.train_state.trained(batch.batch_id)
         self.reporter.forward_done()
-        return output, [t.to(self.device) for t in batch.labels]
+        labels = [t.to(self.device) for t in batch.labels]
+        if self.progressive is not None:  # scored before this batch's update: unseen data
+            self.progressive.observe(batch, output, labels)
+        return output, labels
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward, dense optimizer step, and embedding gradients sent to the servers."""
+        """Backward, dense optimizer step, and embedding gradients sent to the servers.
+        With ``grad_accumulation_steps=k`` the dense step is taken after every k-th
+        batch; with ``grad_clip_norm`` the dense gradients are clipped first. A dense step
+        whose gradients are not all finite is skipped on every rank (counted in
+        ``num_dense_steps_skipped``); the embedding worker skips non-finite embedding
+        gradients per slot."""
+        check_type("ctx.backward(loss)", loss, torch.Tensor, "the loss, a torch.Tensor")
+        self._require_active("ctx.backward")
         if self._pending is None:
-            raise RuntimeError("backward called without a training forward before it")
+            raise RuntimeError("ctx.backward called without a training ctx.forward before it; "
+                               "call output, labels = ctx.forward(batch) first, once per "
+                               "backward")
         batch, rows = self._pending
         self._pending = None
         started = time.perf_counter()
@@ -534,6 +700,10 @@ class TrainCtx(EmbeddingCtx):
             grads.append((s.slot, g if unscale is None else g * unscale))
         self._sender.submit(batch, grads)
         self.checkpointer.after_step()
+        if self.progressive is not None and (report := self.progressive.after_step()):
+            self.reporter.log(**report)
+        if self.dense_exporter is not None:  # rank 0 pushes the dense model to serving
+            self.dense_exporter.after_step(self.model)
         self.reporter.backward_done(started=started, batch_size=batch.batch_size,
                                     loss=float(loss.detach()), staleness=batch.staleness)
         return loss
@@ -548,45 +718,68 @@ class TrainCtx(EmbeddingCtx):
             raise
 
     def _backward_and_step(self, loss: torch.Tensor) -> float | None:
-        """Backward and the dense optimizer step; returns the factor that unscales the
-        embedding rows' gradients under AMP (None without a gradient scaler)."""
+        """Backward, and the dense optimizer step when this batch ends an accumulation
+        window; returns the factor that unscales the embedding rows' gradients under AMP
+        (None without a gradient scaler)."""
         if self._scaler is None:
             loss.backward()
-            self.dense_optimizer.step()
             unscale = None
         else:
             self._scaler.scale(loss).backward()
             unscale = 1.0 / self._scaler.get_scale()
-            self._scaler.step(self.dense_optimizer)
-            self._scaler.update()
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        self.dense.after_step()
+        if self.grad_control.steps_at(self.train_state.steps):
+            self._dense_step(self.grad_control.grad_accumulation_steps)
         return unscale
 
-    def _shadow_step(self) -> None:
-        """A step of a rank out of batches while the others train on (FSDP): its last
-        batch again, with a zero loss, so that it takes part in every all-gather and
-        reduce-scatter (contributing zero gradients) and steps its optimizer shard."""
-        if self._last_inputs is None:
-            raise RuntimeError("FSDP: this rank got no batch at all while others train; "
-                               "every rank needs at least one")
-        dense, embeddings = self._last_inputs
+    def _dense_step(self, num_batches: int) -> None:
+        """The dense optimizer step on the mean gradient of the last ``num_batches``
+        batches, clipped to ``grad_clip_norm``."""
+        optimizer, clip = self.dense_optimizer, self.grad_control.grad_clip_norm
+        if self._scaler is None:
+            scale_grads_(optimizer, 1.0 / num_batches)
+            # A step whose dense gradients are not all finite is skipped on every rank
+            # (the scaler's own check does that under CUDA AMP); the embedding worker
+            # skips a slot's non-finite embedding gradients.
+            if self.dense.grads_finite(optimizer):
+                if clip is not None:
+                    clip_grads_(optimizer, clip)
+                optimizer.step()
+            else:
+                self.num_dense_steps_skipped += 1
+                logger.warning("rank %d: non-finite dense gradients, optimizer step skipped "
+                               "(%d so far)", self.env.rank, self.num_dense_steps_skipped)
+        else:
+            if clip is not None or num_batches > 1:
+                self._scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
+                scale_grads_(optimizer, 1.0 / num_batches)
+                if clip is not None:
+                    clip_grads_(optimizer, clip)
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        self.dense.after_step()
+
+    def _finish_accumulation(self) -> None:
+        """At the end of a stream inside an accumulation window: sum the window's dense
+        gradients over the ranks (their last backwards skipped the allreduce) and take
+        the step, so that no trained batch's dense gradient is dropped. Every rank calls
+        it, after the stream's Join."""
+        k = self.grad_control.grad_accumulation_steps
+        if k == 1:
+            return
+        left = self.train_state.steps % k
+        if self.dense.joinable is not None:
+            with self._naming_peers("the last accumulation window's allreduce"):
+                left = sum_over_ranks_(self.dense_optimizer, left, self.device)
+        if left:
+            self._dense_step(left)
+
+    def _shadow_step(self, dense: list[torch.Tensor], embeddings: list[torch.Tensor]) -> None:
+        """A step of a rank out of batches while the others train on (FSDP): a batch's
+        inputs again (its last, or another rank's if it had none), with a zero loss, so
+        that it takes part in every all-gather and reduce-scatter (contributing zero
+        gradients) and steps its optimizer shard."""
         with self._autocast(), self._naming_peers("the dense model's shadow step"):
             output = self.ddp_model(dense, embeddings)
             outputs = output if isinstance(output, (list, tuple)) else [output]
             self._backward_and_step(sum(o.float().sum() for o in outputs) * 0.0)
-
-
-def _torchscript(model: torch.nn.Module) -> bytes:
-    """``model`` compiled by ``torch.jit.script``, serialized; ValueError if it cannot be."""
-    try:
-        scripted = torch.jit.script(model)
-    except Exception as exc:  # noqa: BLE001 - TorchScript raises many kinds; all mean "cannot"
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(
-            f"with_jit_model=True: torch.jit.script cannot compile the dense model "
-            f"{type(model).__name__} ({reason}); make its forward scriptable (type hints, "
-            f"no Python-only constructs) or dump without with_jit_model") from exc
-    buffer = io.BytesIO()
-    torch.jit.save(scripted, buffer)
-    return buffer.getvalue()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from persia_py.checks import check_type
 from persia_py.ctx import current_ctx
 from persia_py.embedding.data import PersiaBatch
 from persia_py.workers.nn_worker import TrainingBatch
@@ -26,6 +27,8 @@ class IterableDataset:
     """
 
     def __init__(self, buffer_size: int = 10) -> None:
+        check_type(f"{type(self).__name__}(buffer_size=...)", buffer_size, int,
+                   "an int >= 1 (batches read ahead)")
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
         self.buffer_size = buffer_size
@@ -35,10 +38,12 @@ class IterableDataset:
 
 
 class StreamingDataset(IterableDataset):
-    """The stream of batches the data loaders send to this job."""
+    """The stream of batches the data loaders send to this job, for training: iterate
+    ``DataLoader(StreamingDataset(...))`` inside ``with TrainCtx(...)``."""
 
     def __iter__(self) -> Iterator[PersiaBatch]:
-        raise TypeError("a StreamingDataset is read through DataLoader, not iterated directly")
+        raise TypeError("a StreamingDataset is not iterated directly; iterate "
+                        "DataLoader(StreamingDataset(...)) inside `with TrainCtx(...) as ctx:`")
 
 
 class DataLoader:
@@ -54,10 +59,13 @@ class DataLoader:
 
     def __init__(self, dataset: IterableDataset, *, reproducible: bool = False,
                  embedding_staleness: int | None = None) -> None:
-        if not isinstance(dataset, IterableDataset):
-            raise TypeError(f"dataset must be a persia_py.data.IterableDataset, got "
-                            f"{type(dataset).__name__}")
-        self.ctx = current_ctx()
+        check_type("DataLoader(dataset=...)", dataset, IterableDataset,
+                   "a persia_py.data.StreamingDataset, or a subclass of "
+                   "persia_py.data.IterableDataset that yields PersiaBatch")
+        check_type("DataLoader(reproducible=...)", reproducible, bool, "a bool")
+        check_type("DataLoader(embedding_staleness=...)", embedding_staleness, int,
+                   "an int >= 1 or None", optional=True)
+        self.ctx = current_ctx("DataLoader(...)")
         self.dataset = dataset
         self.reproducible = reproducible
         self.embedding_staleness = 1 if embedding_staleness is None else embedding_staleness
@@ -65,6 +73,7 @@ class DataLoader:
             raise ValueError(f"embedding_staleness must be >= 1, got {embedding_staleness}")
 
     def __iter__(self) -> Iterator[TrainingBatch]:
+        self.ctx._require_active("a DataLoader")
         options = dict(buffer_size=self.dataset.buffer_size, reproducible=self.reproducible,
                        embedding_staleness=self.embedding_staleness)
         if isinstance(self.dataset, StreamingDataset):

@@ -11,6 +11,10 @@ done (a warning in the log, and ``num_bad_rows`` on the reader).
         CsvColumn(name="tags", kind="ids")), header=True, skip_bad_rows=True))
     for batch in reader.batches(batch_size=1024):
         ...  # batch.values["age"]: float32 [n]; batch.id_lists["tags"]: (ids, lengths)
+
+In a data-loader process the reader reads only that loader's share of the file (see
+:mod:`persia_py.reader_share`): with ``n`` loaders every line is read by exactly one of
+them, with no code of the user's. Pass ``share=ReaderShare.whole()`` to read all of it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Literal
 
 import numpy as np
 
+from persia_py.ids import hash_values
+from persia_py.reader_share import ReaderShare
 from persia_py.routing import RESERVED_ID
 
 logger = logging.getLogger(__name__)
@@ -42,14 +48,28 @@ class BadRecordError(ValueError):
 class CsvColumn:
     name: str
     """Key of the column in a batch's ``values`` or ``id_lists``."""
-    kind: Literal["float", "int", "ids", "skip"]
+    kind: Literal["float", "int", "ids", "category", "skip"]
     """``float``: one finite float32; ``int``: one int64; ``ids``: a (possibly empty) list
-    of uint64 ids separated by ``id_separator``; ``skip``: read and ignored."""
+    of uint64 ids separated by ``id_separator``; ``category``: one string (e.g. Criteo's
+    hex values; empty is a value too) made an id by :func:`persia_py.ids.hash_values`;
+    ``skip``: read and ignored."""
+    default: float | None = None
+    """``float`` and ``int`` columns: the value of an empty field (Criteo's missing
+    counts); None: an empty field is a malformed record."""
+    salt: str | None = None
+    """``category`` columns: the hash's salt (None: the column's name). Give columns that
+    share a table (``feature_groups``) the same salt."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("float", "int", "ids", "skip"):
+        if self.kind not in ("float", "int", "ids", "category", "skip"):
             raise ValueError(f"column {self.name!r}: kind {self.kind!r} is not one of "
-                             f"'float', 'int', 'ids', 'skip'")
+                             f"'float', 'int', 'ids', 'category', 'skip'")
+        if self.default is not None and self.kind not in ("float", "int"):
+            raise ValueError(f"column {self.name!r}: default is for 'float' and 'int' "
+                             f"columns, not {self.kind!r}")
+        if self.salt is not None and self.kind != "category":
+            raise ValueError(f"column {self.name!r}: salt is for 'category' columns, not "
+                             f"{self.kind!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +103,8 @@ class CsvBatch:
     values: dict[str, np.ndarray]
     """``float`` columns as float32 ``[n]``, ``int`` columns as int64 ``[n]``."""
     id_lists: dict[str, tuple[np.ndarray, np.ndarray]]
-    """``ids`` columns as (uint64 ids of all records, int32 per-record lengths ``[n]``)."""
+    """``ids`` and ``category`` columns as (uint64 ids of all records, int32 per-record
+    lengths ``[n]``; a ``category`` record has one id)."""
     rows: np.ndarray = field(repr=False)
     """Row (line number) of each record, int64 ``[n]``."""
 
@@ -93,11 +114,17 @@ class CsvBatch:
 
 
 class CsvReader:
-    """Reads one CSV file in batches; ``num_rows``/``num_bad_rows`` count what was read."""
+    """Reads one CSV file in batches; ``num_rows``/``num_bad_rows`` count what was read.
 
-    def __init__(self, path: str | os.PathLike, config: CsvReaderConfig) -> None:
+    ``share``: the part of the file to read (None: :meth:`ReaderShare.of_this_process`,
+    this data loader's share, or the whole file outside a data-loader process). Rows
+    keep the file's line numbers whatever the share."""
+
+    def __init__(self, path: str | os.PathLike, config: CsvReaderConfig, *,
+                 share: ReaderShare | None = None) -> None:
         self.path = os.fspath(path)
         self.config = config
+        self.share = ReaderShare.of_this_process() if share is None else share
         self.num_rows = 0
         self.num_bad_rows = 0
         self.first_bad: BadRecordError | None = None
@@ -125,17 +152,23 @@ class CsvReader:
 
     def _records(self) -> Iterator[tuple[int, list]]:
         cfg = self.config
-        with open(self.path, newline="", encoding="utf-8", errors="replace") as f:
-            reader = csv.reader(f, delimiter=cfg.delimiter, strict=True)
-            first = True
+        start, end = self.share.byte_range(self.path)
+        with open(self.path, "rb") as f:
+            lines_before = _count_newlines(f, start)
+            f.seek(start)
+            reader = csv.reader(_lines(f, end - start), delimiter=cfg.delimiter, strict=True)
+            first = start == 0
             while True:
+                line_before = reader.line_num
                 try:
                     fields = next(reader)
                 except StopIteration:
                     return
                 except csv.Error as exc:
-                    self._bad(reader.line_num, f"not valid CSV: {exc}")
+                    self._bad(lines_before + reader.line_num, f"not valid CSV: {exc}"
+                              + ("" if self.share.is_whole else f"; {self._unshareable()}"))
                     continue
+                row = lines_before + reader.line_num
                 if first and cfg.header:
                     first = False
                     continue
@@ -143,12 +176,24 @@ class CsvReader:
                 if not fields:
                     continue  # blank line
                 self.num_rows += 1
+                if reader.line_num - line_before > 1 and not self.share.is_whole:
+                    # Shares are cut between lines: the next loader began inside this record.
+                    raise BadRecordError(self.path, row, f"a record of "
+                                         f"{reader.line_num - line_before} lines; "
+                                         + self._unshareable())
                 try:
                     record = self._parse(fields)
                 except ValueError as exc:
-                    self._bad(reader.line_num, str(exc))
+                    # A share that starts inside a multi-line record sees its tail first.
+                    cut = start > 0 and line_before == 0
+                    self._bad(row, str(exc) + (f"; or {self._unshareable()}" if cut else ""))
                     continue
-                yield reader.line_num, record
+                yield row, record
+
+    def _unshareable(self) -> str:
+        return (f"a record spanning lines cannot be shared between data loaders (share "
+                f"{self.share.index} of {self.share.count}): read the file whole with "
+                f"share=ReaderShare.whole(), or write one record per line")
 
     def _bad(self, row: int, reason: str) -> None:
         error = BadRecordError(self.path, row, reason)
@@ -167,6 +212,12 @@ class CsvReader:
             if column.kind == "skip":
                 continue
             text = text.strip()
+            if column.kind == "category":
+                parsed.append(text)
+                continue
+            if not text and column.default is not None:
+                parsed.append(column.default)
+                continue
             try:
                 if column.kind == "float":
                     value = float(text)
@@ -191,7 +242,12 @@ class CsvReader:
         values, id_lists = {}, {}
         for i, column in enumerate(columns):
             cells = [record[i] for _, record in records]
-            if column.kind == "ids":
+            if column.kind == "category":
+                id_lists[column.name] = (
+                    hash_values(np.array(cells, dtype=np.str_).reshape(-1),
+                                salt=column.name if column.salt is None else column.salt),
+                    np.ones(len(cells), dtype=np.int32))
+            elif column.kind == "ids":
                 lengths = np.array([len(c) for c in cells], dtype=np.int32)
                 ids = np.fromiter((v for c in cells for v in c), dtype=np.uint64,
                                   count=int(lengths.sum()))
@@ -201,3 +257,154 @@ class CsvReader:
                     cells, dtype=np.float32 if column.kind == "float" else np.int64)
         rows = np.array([row for row, _ in records], dtype=np.int64)
         return CsvBatch(values=values, id_lists=id_lists, rows=rows)
+
+
+def _count_newlines(f, num_bytes: int) -> int:
+    """Newlines in the first ``num_bytes`` of ``f``: the lines before a share, so that its
+    rows keep the file's line numbers (a scan at memory speed, nothing parsed)."""
+    f.seek(0)
+    count, left = 0, num_bytes
+    while left > 0:
+        chunk = f.read(min(left, 1 << 22))
+        if not chunk:
+            break
+        count += chunk.count(b"\n")
+        left -= len(chunk)
+    return count
+
+
+def _lines(f, num_bytes: int) -> Iterator[str]:
+    """The lines in the next ``num_bytes`` of binary ``f`` (they end on a line end), as
+    text; bytes that are not UTF-8 are replaced (the field then fails to parse)."""
+    left = num_bytes
+    while left > 0:
+        line = f.readline(left)
+        if not line:
+            return
+        left -= len(line)
+        yield line.decode("utf-8", errors="replace")
+
+
+# -- vectorized parsing of complete lines (the streaming readers' CSV path) ----------------
+
+def parse_csv_lines(data: bytes, config: CsvReaderConfig, path: str, first_line: int) -> CsvBatch:
+    """Every record of ``data`` (complete lines, each ending in a newline) as one batch,
+    parsed with array operations over the whole buffer, no loop per row or field.
+
+    ``first_line`` is the 1-based line number of ``data``'s first line (for errors and
+    ``rows``). Blank lines are skipped. Fields are not quoted: a line with a quote
+    character, with the wrong number of fields, or with a value that does not parse is
+    a :class:`BadRecordError` naming ``path`` and the line (``skip_bad_rows`` is not
+    honoured here: a stream cannot skip a row and still replay exactly)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    if buf.size and buf[-1] != ord("\n"):
+        raise ValueError(f"{path}: parse_csv_lines takes complete lines (the data must end "
+                         "with a newline)")
+    ends = np.flatnonzero(buf == ord("\n"))
+    starts = np.r_[0, ends[:-1] + 1].astype(np.int64)
+    ends = ends - ((ends > starts) & (buf[np.maximum(ends - 1, 0)] == ord("\r")))  # CRLF
+    lines = first_line + np.arange(ends.size, dtype=np.int64)
+    keep = ends > starts
+    starts, ends, lines = starts[keep], ends[keep], lines[keep]
+    quotes = np.flatnonzero(buf == ord('"'))
+    if quotes.size:
+        row = int(first_line + np.searchsorted(np.flatnonzero(buf == ord("\n")), quotes[0]))
+        raise BadRecordError(path, row, "quoted fields are not supported by the streaming "
+                                        "reader")
+    num_fields = len(config.columns)
+    delims = np.flatnonzero(buf == ord(config.delimiter))
+    delim_line = np.searchsorted(ends, delims)  # index (among kept lines) of each delimiter
+    counts = np.bincount(delim_line, minlength=ends.size)[:ends.size] + 1
+    bad = np.flatnonzero(counts != num_fields)
+    if bad.size:
+        raise BadRecordError(path, int(lines[bad[0]]),
+                             f"{int(counts[bad[0]])} fields, expected {num_fields}")
+    inner = delims.reshape(ends.size, num_fields - 1)
+    field_starts = np.concatenate([starts[:, None], inner + 1], axis=1)
+    field_ends = np.concatenate([inner, ends[:, None]], axis=1)
+    values, id_lists = {}, {}
+    for k, column in enumerate(config.columns):  # a loop over columns, not rows
+        s, e = field_starts[:, k], field_ends[:, k]
+        if column.kind == "skip":
+            continue
+        if column.kind == "ids":
+            id_lists[column.name] = _parse_id_lists(buf, s, e, config, column, path, lines)
+            continue
+        dtype = np.float64 if column.kind == "float" else np.int64
+        parsed = _parse_fields(buf, s, e, dtype, column, path, lines)
+        if column.kind == "float":
+            finite = np.isfinite(parsed)
+            if not finite.all():
+                i = int(np.argmin(finite))
+                raise BadRecordError(path, int(lines[i]), f"column {column.name!r}: "
+                                     f"{float(parsed[i])} is not a valid float (not finite)")
+            parsed = parsed.astype(np.float32)
+        values[column.name] = parsed
+    return CsvBatch(values=values, id_lists=id_lists, rows=lines)
+
+
+def _fixed_width(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The byte strings ``buf[starts[i]:ends[i]]`` as one fixed-width bytes array."""
+    width = int((ends - starts).max(initial=0))
+    if width == 0:
+        return np.zeros(starts.size, dtype="S1")
+    index = starts[:, None] + np.arange(width)
+    inside = index < ends[:, None]
+    cells = np.where(inside, buf[np.minimum(index, buf.size - 1)], 0).astype(np.uint8)
+    return np.ascontiguousarray(cells).view(f"S{width}").reshape(-1)
+
+
+def _parse_fields(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, dtype, column,
+                  path: str, lines: np.ndarray) -> np.ndarray:
+    """One numeric column; on a bad value, the error names its line."""
+    texts = _fixed_width(buf, starts, ends)
+    try:
+        return texts.astype(dtype)
+    except (ValueError, OverflowError):
+        pass
+    for i, text in enumerate(texts.tolist()):  # only after a failure: find the bad row
+        try:
+            np.array([text]).astype(dtype)
+        except (ValueError, OverflowError) as exc:
+            kind = "float" if dtype == np.float64 else column.kind
+            raise BadRecordError(path, int(lines[i]), f"column {column.name!r}: "
+                                 f"{text.decode(errors='replace')[:40]!r} is not a valid "
+                                 f"{kind} ({exc})") from None
+    raise AssertionError("a column failed to parse but no value of it fails")
+
+
+def _parse_id_lists(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                    config: CsvReaderConfig, column, path: str,
+                    lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One ``ids`` column: (uint64 ids, int32 per-record lengths); empty tokens skipped."""
+    if len(config.id_separator) != 1:
+        raise ValueError(f"column {column.name!r}: the streaming reader needs a one-character "
+                         f"id_separator, got {config.id_separator!r}")
+    seps = np.flatnonzero(buf == ord(config.id_separator))
+    field = np.searchsorted(ends, seps)  # the record whose field may hold each separator
+    field = np.minimum(field, max(ends.size - 1, 0))
+    inside = (ends.size > 0) & (seps >= starts[field]) & (seps < ends[field])
+    seps = seps[inside]
+    token_starts = np.sort(np.concatenate([starts, seps + 1]))
+    token_ends = np.sort(np.concatenate([seps, ends]))
+    nonempty = token_ends > token_starts
+    token_starts, token_ends = token_starts[nonempty], token_ends[nonempty]
+    record = np.searchsorted(ends, token_starts)
+    lengths = np.bincount(record, minlength=ends.size).astype(np.int32)
+    texts = _fixed_width(buf, token_starts, token_ends)
+    try:
+        ids = texts.astype(np.uint64) if texts.size else np.zeros(0, np.uint64)
+    except (ValueError, OverflowError):
+        ids = None
+    if ids is None or (ids >= RESERVED_ID).any():
+        bad = (np.arange(texts.size) if ids is None else np.flatnonzero(ids >= RESERVED_ID))
+        for i in bad.tolist():  # only after a failure: find the bad id's row
+            try:
+                ok = int(texts[i]) in range(int(RESERVED_ID))
+            except ValueError:
+                ok = False
+            if not ok:
+                raise BadRecordError(path, int(lines[record[i]]), f"column {column.name!r}: "
+                                     f"{texts[i].decode(errors='replace')[:40]!r} is not a "
+                                     f"valid id (ids must be in [0, {int(RESERVED_ID)}))")
+    return ids, lengths

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms import Join, Joinable, JoinHook
 
+from persia_py.dense_parallel import DenseParallel, FSDPParallel
 from persia_py.fsdp_limiter import UnshardedBytesMeter, floor_bytes, unit_bytes
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class DDPOption:
         """Nothing to check before the ranks meet."""
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-             *, shadow_step: Callable[[], None], registry=None) -> DenseParallel:
+             *, shadow_step: Callable[[list, list], None], registry=None) -> DenseParallel:
         """``model`` in DDP when the process group has more than one rank (a model from
         :func:`build_on_meta` is materialized whole first: DDP keeps a full replica)."""
         materialize(model, optimizer, device)
@@ -167,7 +167,7 @@ class FSDPOption:
                 + "; raise the bound or split the largest unit with wrap_policy")
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-             *, shadow_step: Callable[[], None], registry=None) -> DenseParallel:
+             *, shadow_step: Callable[[list, list], None], registry=None) -> DenseParallel:
         """Shard ``model`` in place (its parameters become DTensor shards; ``optimizer``
         is pointed at them) when the process group has more than one rank."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -353,75 +353,3 @@ def _materialize(model: nn.Module, device: torch.device, units: list[nn.Module],
             for unit in sorted(ends.get(i, ()), key=lambda u: -index[id(u)]):  # inner first
                 done(unit)
 
-
-class DenseParallel:
-    """The dense tower as the ranks share it: ``module`` is what forward calls;
-    ``joinable`` (None with one rank) lets ranks with fewer batches shadow the others'
-    collectives inside ``torch.distributed.algorithms.Join``."""
-
-    sharded = False
-
-    def __init__(self, model: nn.Module, module: nn.Module,
-                 joinable: Joinable | None = None) -> None:
-        self.model = model
-        self.module = module
-        self.joinable = joinable
-
-    def before_forward(self) -> None:
-        """Called before each training forward."""
-
-    def after_step(self) -> None:
-        """Called after each optimizer step."""
-
-    def summary(self) -> str | None:
-        """A line for the end-of-run log, or None."""
-        return None
-
-
-class FSDPParallel(DenseParallel, Joinable):
-    """FSDP2-sharded tower with its unsharded-bytes meter.
-
-    FSDP has no Join support of its own: as a Joinable, a rank that is out of batches
-    runs ``shadow_step`` (a step that contributes zero gradients, while its shard of the
-    optimizer step still runs) for every step the others still train, as DDP's Join
-    shadows the allreduce with zeros."""
-
-    sharded = True
-
-    def __init__(self, model: nn.Module, meter: UnshardedBytesMeter,
-                 shadow_step: Callable[[], None]) -> None:
-        DenseParallel.__init__(self, model, model, joinable=self)
-        Joinable.__init__(self)
-        self.meter = meter
-        self._shadow_step = shadow_step
-
-    def before_forward(self) -> None:
-        Join.notify_join_context(self)  # the per-step "who is still training" allreduce
-
-    def after_step(self) -> None:
-        self.meter.after_step()
-
-    def summary(self) -> str:
-        bound = self.meter.bound
-        return (f"FSDP peak unsharded bytes {self.meter.peak}"
-                + (f" of max_unsharded_bytes {bound}" if bound is not None else " (no bound)"))
-
-    def join_hook(self, **kwargs) -> JoinHook:
-        return _ShadowStep(self._shadow_step)
-
-    @property
-    def join_device(self) -> torch.device:
-        return torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(
-            "cuda", torch.cuda.current_device())
-
-    @property
-    def join_process_group(self):
-        return dist.group.WORLD
-
-
-class _ShadowStep(JoinHook):
-    def __init__(self, step: Callable[[], None]) -> None:
-        self._step = step
-
-    def main_hook(self) -> None:
-        self._step()

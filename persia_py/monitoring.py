@@ -226,6 +226,36 @@ class DataLoaderMetrics:
                                       registry=self.registry, buckets=_LATENCY_BUCKETS)
 
 
+_FRESHNESS = {
+    "increment": ("persia_serving_increment_age_seconds",
+                  "Seconds since the newest incremental export this serving replica applied "
+                  "was written (NaN: none applied yet)",
+                  "persia_serving_increments_applied", "Incremental exports applied"),
+    "dense_model": ("persia_serving_dense_model_age_seconds",
+                    "Seconds since the dense model this serving process answers with was "
+                    "written (a dense export, or the checkpoint it started from)",
+                    "persia_serving_dense_models_loaded",
+                    "Dense model versions swapped in after the first"),
+}
+
+
+def register_freshness(registry: CollectorRegistry, kind: str,
+                       age_sec: Callable[[], float | None],
+                       num_applied: Callable[[], int]) -> None:
+    """Expose how fresh a serving replica's copy of ``kind`` (``increment`` or
+    ``dense_model``) is: its age in seconds and how many versions it applied, both read
+    from the follower when scraped."""
+    age_name, age_help, count_name, count_help = _FRESHNESS[kind]
+
+    def collect() -> Iterator:
+        age = age_sec()
+        yield GaugeMetricFamily(age_name, age_help,
+                                value=float("nan") if age is None else age)
+        yield CounterMetricFamily(count_name, count_help, value=num_applied())
+
+    registry.register(_StateCollector(collect))
+
+
 class LauncherMetrics:
     """What ``persia-launcher local`` did to keep a job up: processes it restarted."""
 

@@ -55,8 +55,12 @@ def plot_training_log(log_path: str | os.PathLike, output: str | os.PathLike) ->
         loss = np.array([r["loss"] for r in steps], dtype=float)
         ax_loss.plot(x, loss, alpha=0.3, linewidth=0.8, label="loss")
         ax_loss.plot(x, _smooth(loss, max(1, len(loss) // 50)), label="loss (moving mean)")
-        ax_loss.legend()
         ax_rate.plot(x, [r.get("samples_per_sec", np.nan) for r in steps])
+    pv = [(r["step"], r["pv_logloss"]) for r in records if "pv_logloss" in r]
+    if pv:  # progressive validation (persia_py.progressive): log loss before training
+        ax_loss.plot(*zip(*pv), marker="o", label="pv_logloss")
+    if steps or pv:
+        ax_loss.legend()
     ax_loss.set_ylabel("loss")
     ax_loss.set_title(f"training log {os.path.basename(os.fspath(log_path))}")
     for key in auc_keys:

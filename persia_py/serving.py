@@ -33,6 +33,7 @@ from persia_py import codec
 from persia_py.config import CommonConfig, load_global_config
 from persia_py.ctx import InferCtx
 from persia_py.dense_checkpoint import read_full_model
+from persia_py.dense_export import DenseFollower, DenseModelSlot
 from persia_py.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from persia_py.proto import serving_pb2 as pb
 from persia_py.proto import serving_pb2_grpc
@@ -68,14 +69,20 @@ def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
     return factory
 
 
-def load_dense_model(factory: Callable[[], torch.nn.Module],
-                     checkpoint: str | os.PathLike) -> torch.nn.Module:
-    """``factory()`` with the dense weights of ``checkpoint`` (a root or a folder), in eval mode."""
-    folder = fmt.resolve(checkpoint)
+def build_model(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``factory()``, checked to be a torch module."""
     model = factory()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"the model factory returned a {type(model).__name__}, not a "
                         "torch.nn.Module")
+    return model
+
+
+def load_dense_model(factory: Callable[[], torch.nn.Module],
+                     checkpoint: str | os.PathLike) -> torch.nn.Module:
+    """``factory()`` with the dense weights of ``checkpoint`` (a root or a folder), in eval mode."""
+    folder = fmt.resolve(checkpoint)
+    model = build_model(factory)
     # Whole or sharded (FSDP: every rank's shards, gathered here in one process).
     model.load_state_dict(read_full_model(folder))
     return model.eval()
@@ -96,24 +103,29 @@ def batch_from_request(request: pb.PredictRequest) -> PersiaBatch:
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
-    """Predict: decode, look up through ``ctx`` (never inserting), run the model, encode."""
+    """Predict: decode, look up through ``ctx`` (never inserting), run the model, encode.
+    ``models``: where the dense model is read, once per request (a follower swaps new
+    versions in); default: the context's model."""
 
-    def __init__(self, ctx: InferCtx) -> None:
+    def __init__(self, ctx: InferCtx, models: DenseModelSlot | None = None) -> None:
         self.ctx = ctx
+        self.models = models or DenseModelSlot(ctx.model)
 
     @grpc_method
     def Predict(self, request, context):
         batch = batch_from_request(request)
-        output, _ = self.ctx.forward(self.ctx.prepare(batch))
+        model, _ = self.models.current()  # this request's model, whatever is swapped in later
+        output, _ = self.ctx.forward(self.ctx.prepare(batch), model=model)
         outputs = output if isinstance(output, (tuple, list)) else [output]
         return pb.PredictResponse(outputs=[
             codec.encode(o.detach().float().cpu().numpy()) for o in outputs])
 
 
-def create_serving_server(ctx: InferCtx, address: str) -> tuple[grpc.Server, int]:
+def create_serving_server(ctx: InferCtx, address: str, models: DenseModelSlot | None = None
+                          ) -> tuple[grpc.Server, int]:
     """A started Serving gRPC server on ``address``; returns (server, port)."""
     server, port = create_server(address, ctx.common)
-    serving_pb2_grpc.add_ServingServicer_to_server(ServingServicer(ctx), server)
+    serving_pb2_grpc.add_ServingServicer_to_server(ServingServicer(ctx, models), server)
     server.start()
     return server, port
 
@@ -170,6 +182,33 @@ def _wait_for_roles(cluster, addresses: list[str], common: CommonConfig,
     return True
 
 
+def _follow_dense(args: argparse.Namespace, slot: DenseModelSlot,
+                  factory: Callable[[], torch.nn.Module], device: torch.device,
+                  global_config) -> tuple[DenseFollower | None, object]:
+    """The started follower of ``--follow-dense`` (None without it) and the metrics
+    endpoint of ``--metrics-port`` (None without it): the dense model's age and loads."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from persia_py.monitoring import register_freshness, serve_metrics
+
+    registry = CollectorRegistry()
+    failures = Counter("persia_serving_dense_load_failures",
+                       "Failed attempts to load a dense model version (each is retried)",
+                       registry=registry)
+    follower = None
+    if args.follow_dense:
+        every_sec = global_config.checkpoint_config.dense_export_every_sec
+        follower = DenseFollower(slot, args.follow_dense,
+                                 lambda: build_model(factory).to(device),
+                                 warn_after_sec=2 * every_sec or None,
+                                 on_failure=failures.inc).start()
+    register_freshness(registry, "dense_model", lambda: max(0.0, time.time() - slot.created_unix),
+                       lambda: 0 if follower is None else follower.num_loaded)
+    metrics_server = (None if args.metrics_port is None
+                      else serve_metrics(registry, args.metrics_port, args.bind, "serve"))
+    return follower, metrics_server
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from persia_py.env import ENV_EMBEDDING_CONFIG, ENV_GLOBAL_CONFIG, ENV_PS_ADDRS
     from persia_py.launcher.local import LocalCluster, Role, free_ports
@@ -183,7 +222,8 @@ def run_serve(args: argparse.Namespace) -> int:
         folder = fmt.resolve(args.checkpoint)
     except fmt.CheckpointError as exc:
         raise SystemExit(f"--checkpoint: {exc}") from None
-    model = load_dense_model(load_factory(args.model), folder)
+    factory = load_factory(args.model)
+    model = load_dense_model(factory, folder)
     print(f"serve: dense model {args.model} loaded from {folder}", flush=True)
 
     host = args.bind
@@ -198,6 +238,8 @@ def run_serve(args: argparse.Namespace) -> int:
     follow = (["--follow-increments", os.path.abspath(args.follow_increments)]
               if args.follow_increments else [])
     insecure = ["--insecure"] if args.insecure else []  # the servers have no token either
+    if args.metrics_port is not None:  # each replica prints its endpoint (freshness, load)
+        insecure.extend(["--metrics-port", "0"])
     roles = [Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
                               "--bind", host, "--replica-index", str(i),
                               "--replica-size", str(args.num_ps), "--inference", *insecure,
@@ -220,12 +262,19 @@ def run_serve(args: argparse.Namespace) -> int:
         with InferCtx(model=model, embedding_worker_addresses=[ew_addr],
                       global_config=global_config, device_id=args.device_id) as ctx:
             model.to(ctx.device)
-            server, port = create_serving_server(ctx, f"{host}:{args.port}")
+            slot = DenseModelSlot(model, created_unix=(folder / fmt.MANIFEST).stat().st_mtime)
+            follower, metrics_server = _follow_dense(args, slot, factory, ctx.device,
+                                                     global_config)
+            server, port = create_serving_server(ctx, f"{host}:{args.port}", slot)
             print(f"serve: parameter servers {','.join(ps_addrs)}", flush=True)
             print(f"serve ready on port {port}", flush=True)
             try:
                 return cluster.supervise(stop)
             finally:
                 server.stop(grace=2.0).wait(10.0)
+                if metrics_server is not None:
+                    metrics_server.close()
+                if follower is not None:
+                    follower.close()
     finally:
         cluster.stop()

@@ -27,12 +27,16 @@ with increments it cannot apply (``kind="apply"``), and keeps serving meanwhile.
 A serving replica (inference mode) loads a base checkpoint, then a follower thread polls
 DIR and applies, in order per source replica, every increment after the one the base
 recorded: each row overwrites (or adds) the stored one, re-sharded like a checkpoint's.
-Rows removed on the training side (eviction, expiry) are not removed on the serving side.
+Rows removed on the training side (eviction, expiry) since the last export travel in
+the increment as removed ids (``ps-<r>-removed<k>.npy``, listed in the manifest) and the
+follower removes them too. The manifest also records when it was written
+(``created_unix``): the follower's freshness (:meth:`IncrementFollower.age_sec`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import threading
@@ -44,6 +48,8 @@ from pathlib import Path
 import numpy as np
 
 from persia_py import checkpoint_format as fmt
+from persia_py.background import BackgroundWorker, Follower, LagWarning, Outage
+from persia_py.routing import RESERVED_ID, replica_of
 from persia_py.servers.checkpoint import read_replica, read_rows, write_replica
 from persia_py.servers.parameter_server import ParameterServer, ReplicaState, Rows
 
@@ -55,8 +61,6 @@ _COUNT_POLL_SEC = 0.1
 """How often the exporter checks the update count (when exporting by count)."""
 FOLLOW_POLL_SEC = 0.5
 """How often a follower looks for new increments."""
-RETRY_MIN_SEC, RETRY_MAX_SEC = 0.2, 30.0
-"""Backoff between attempts after a failed export or apply (doubling)."""
 
 
 def _increments(directory: Path) -> list[tuple[int, int, Path]]:
@@ -73,21 +77,35 @@ def _increments(directory: Path) -> list[tuple[int, int, Path]]:
     return sorted(found)
 
 
+def _removed_file(replica_index: int, k: int) -> str:
+    return f"ps-{replica_index}-removed{k}.npy"
+
+
 def write_increment(directory: str | Path, replica_index: int, replica_size: int, seq: int,
-                    tables: dict[str, Rows]) -> Path:
-    """Write ``tables``' rows as increment ``seq`` of replica ``replica_index`` into
-    ``directory``; returns its folder. Crash-safe: written into a fresh folder, manifest
-    last, then renamed."""
+                    tables: dict[str, Rows], removed: dict[str, np.ndarray] | None = None,
+                    *, num_updates: int = 0) -> Path:
+    """Write ``tables``' rows and the ids in ``removed`` (by table: rows the training
+    side evicted or expired) as increment ``seq`` of replica ``replica_index`` into
+    ``directory``; returns its folder. ``num_updates``: update requests the replica had
+    applied before its rows were read (a stream position). Crash-safe: written into a
+    fresh folder, manifest last, then renamed."""
     r = replica_index
     state = ReplicaState(settings=None, tables=tables, increment_seq=seq)
+    removed = {name: ids for name, ids in (removed or {}).items() if ids.shape[0]}
     final = f"inc-{r:04d}-{seq:012d}-{uuid.uuid4().hex[:8]}"
     with fmt.opened_dir(None, directory) as dir_fd:
         name, fd = fmt.new_dir_at(dir_fd, mode=0o750)
         try:
             _, num_rows, _ = write_replica(fd, state, r, replica_size)
+            removed_files = {}
+            for k, (table, ids) in enumerate(sorted(removed.items())):
+                file = _removed_file(r, k)
+                fmt.save_array_at(fd, file, np.ascontiguousarray(ids, dtype=np.uint64))
+                removed_files[table] = {"file": file, "num_ids": int(ids.shape[0])}
             fmt.save_json_at(fd, fmt.MANIFEST, {
                 "format": INCREMENT_FORMAT, "version": fmt.VERSION, "replica_index": r,
-                "seq": seq, "num_rows": num_rows, "created_unix": time.time()})
+                "seq": seq, "num_rows": num_rows, "created_unix": time.time(),
+                "num_updates": int(num_updates), "removed": removed_files})
             os.fsync(fd)
             os.rename(name, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             os.fsync(dir_fd)
@@ -98,16 +116,58 @@ def write_increment(directory: str | Path, replica_index: int, replica_size: int
     return Path(directory) / final
 
 
-def apply_increment(ps: ParameterServer, folder: str | Path, replica: int) -> int:
-    """Store the rows of increment ``folder`` (of source ``replica``) that route to ``ps``;
-    every file is read and checked before any row is stored."""
+def _read_removed(fd: int, manifest: dict, where: str, tables: set[str],
+                  keep: tuple[int, int]) -> dict[str, np.ndarray]:
+    """The ids an increment says were removed, by table, checked (known tables, plain
+    file names, 1-D uint64 arrays of the length stated, no reserved id), keeping those
+    that route to replica ``keep[0]`` of ``keep[1]``. Older increments have none."""
+    entries = manifest.get("removed", {})
+    if not isinstance(entries, dict):
+        raise fmt.CheckpointError(f"{where}: 'removed' must map table names to files")
+    out = {}
+    for table, entry in entries.items():
+        if table not in tables:
+            raise fmt.CheckpointError(f"{where}: removed ids of table {table!r}, which is "
+                                      f"not on this server ({sorted(tables)})")
+        at = f"{where}: removed ids of table {table!r}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("num_ids"), int):
+            raise fmt.CheckpointError(f"{at}: expected {{'file': name, 'num_ids': n}}")
+        file = fmt.check_name(entry.get("file"), f"{at}: file")
+        ids = fmt.load_array_at(fd, file, mmap=True)  # nothing read before the checks
+        if ids.dtype != np.uint64 or ids.shape != (entry["num_ids"],):
+            raise fmt.CheckpointError(f"{at}: {file} holds {ids.dtype} {ids.shape}, the "
+                                      f"manifest says uint64 ({entry['num_ids']},)")
+        ids = np.array(ids)
+        if bool((ids == RESERVED_ID).any()):
+            raise fmt.CheckpointError(f"{at}: {file} holds the reserved id 2**64-1")
+        if keep[1] > 1:
+            ids = ids[replica_of(ids, keep[1]) == keep[0]]
+        out[table] = ids
+    return out
+
+
+def apply_increment(ps: ParameterServer, folder: str | Path, replica: int) -> tuple[int, dict]:
+    """Store the rows of increment ``folder`` (of source ``replica``) that route to ``ps``
+    and remove the rows it says the training side removed; every file is read and
+    checked before any row is stored. Returns (rows stored, the increment's manifest)."""
+    where = f"{folder}"
     with fmt.opened_dir(None, folder) as fd:
-        fmt.check_manifest(fmt.load_json_at(fd, fmt.MANIFEST), f"{folder}", INCREMENT_FORMAT)
+        manifest = fmt.check_manifest(fmt.load_json_at(fd, fmt.MANIFEST), where,
+                                      INCREMENT_FORMAT)
         entry = read_replica(fd, replica)
-        rows = {name: read_rows(fd, table, f"{folder}: table {name!r}",
-                                keep=(ps.replica_index, ps.replica_size))
+        keep = (ps.replica_index, ps.replica_size)
+        rows = {name: read_rows(fd, table, f"{folder}: table {name!r}", keep=keep)
                 for name, table in entry["tables"].items()}
-    return ps.apply_rows(rows)
+        removed = _read_removed(fd, manifest, where, set(ps.embedding_config.tables), keep)
+    created = manifest.get("created_unix")
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(
+            created):
+        raise fmt.CheckpointError(f"{where}: 'created_unix' must be a finite number")
+    # Rows and removed ids are disjoint (taken together under each shard's lock); removing
+    # first makes room, as eviction did on the training side. A retry after a failure
+    # removes and stores the same again.
+    ps.remove_rows(removed)
+    return ps.apply_rows(rows), manifest
 
 
 def _merge(new: dict[str, Rows], old: dict[str, Rows]) -> dict[str, Rows]:
@@ -126,79 +186,28 @@ def _merge(new: dict[str, Rows], old: dict[str, Rows]) -> dict[str, Rows]:
     return out
 
 
-class _Outage:
-    """Failures of one background job, logged once per outage (a WARNING with the first
-    error, an INFO when it works again) and counted (``on_failure``)."""
-
-    def __init__(self, what: str, on_failure: Callable[[], None] | None) -> None:
-        self.what, self.on_failure = what, on_failure
-        self.num_failures = 0
-        self._since: float | None = None
-        self.delay = RETRY_MIN_SEC
-
-    def attempt(self, work: Callable[[], object]) -> None:
-        """Run ``work``; an error is logged (once per outage) and counted, never raised:
-        the caller tries again after ``delay``."""
-        try:
-            work()
-        except Exception as exc:  # noqa: BLE001 - retried; training or serving goes on
-            self.failed(exc)
-        else:
-            self.recovered()
-
-    def failed(self, exc: BaseException) -> None:
-        self.num_failures += 1
-        if self.on_failure is not None:
-            self.on_failure()
-        if self._since is None:
-            self._since = time.monotonic()
-            logger.warning("%s failed (%s: %s); retrying with backoff, nothing is lost",
-                           self.what, type(exc).__name__, exc)
-        else:
-            self.delay = min(self.delay * 2, RETRY_MAX_SEC)
-
-    def recovered(self) -> None:
-        if self._since is not None:
-            logger.info("%s works again after %.1f s", self.what, time.monotonic() - self._since)
-            self._since, self.delay = None, RETRY_MIN_SEC
-
-    @property
-    def failing(self) -> bool:
-        return self._since is not None
+def _merge_changes(new: tuple[dict[str, Rows], dict[str, np.ndarray]],
+                   old: tuple[dict[str, Rows], dict[str, np.ndarray]]
+                   ) -> tuple[dict[str, Rows], dict[str, np.ndarray]]:
+    """Pending changes ``old`` followed by ``new`` as one: an id stored again since it was
+    removed is a row, an id removed since its row was taken is a removal."""
+    new_rows, new_removed = new
+    old_rows, old_removed = old
+    rows = _merge(new_rows, old_rows)
+    removed = {}
+    for name in set(new_removed) | set(old_removed):
+        empty = np.zeros(0, np.uint64)
+        again = new_rows[name]["ids"] if name in new_rows else empty
+        earlier = old_removed.get(name, empty)
+        removed[name] = np.union1d(earlier[~np.isin(earlier, again)],
+                                   new_removed.get(name, empty))
+        if name in rows and removed[name].shape[0]:
+            kept = ~np.isin(rows[name]["ids"], removed[name])
+            rows[name] = {k: (v if k == "clock" else v[kept]) for k, v in rows[name].items()}
+    return rows, removed
 
 
-class _Worker:
-    """A thread owned by its creator: started by ``start``, stopped and joined by ``close``,
-    which re-raises the error that stopped it, if any."""
-
-    def __init__(self, name: str) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.error: BaseException | None = None
-
-    def start(self):
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as exc:  # surfaced by close()
-            logger.exception("%s stopped", self._thread.name)
-            self.error = exc
-
-    def _loop(self) -> None:
-        raise NotImplementedError
-
-    def close(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        if self.error is not None:
-            raise RuntimeError(f"{self._thread.name} failed: {self.error}") from self.error
-
-
-class IncrementalExporter(_Worker):
+class IncrementalExporter(BackgroundWorker):
     """Writes increments of ``ps`` into ``directory`` by update count and/or time.
 
     ``root``: the server's checkpoint root; ``directory`` must lie in it (ROOT/NAME or
@@ -220,9 +229,10 @@ class IncrementalExporter(_Worker):
         mine = [seq for r, seq, _ in _increments(self.directory) if r == ps.replica_index]
         ps.increment_seq = max(mine, default=0)
         self._lock = threading.Lock()
-        self._pending: dict[str, Rows] = {}
-        """Rows taken from the change log and not yet written in an increment."""
-        self.outage = _Outage(f"incremental export of replica {ps.replica_index} to "
+        self._pending: tuple[dict[str, Rows], dict[str, np.ndarray]] = ({}, {})
+        """Rows and removed ids taken from the change logs and not yet written in an
+        increment."""
+        self.outage = Outage(f"incremental export of replica {ps.replica_index} to "
                               f"{self.directory}", on_failure)
         ps.track_changes()
 
@@ -230,14 +240,18 @@ class IncrementalExporter(_Worker):
         """Write an increment now (None: no row changed since the last one). On failure
         the rows stay pending for the next attempt and the error is raised."""
         with self._lock:
-            self._pending = rows = _merge(self.ps.changed_rows(), self._pending)
-            if not any(t["ids"].shape[0] for t in rows.values()):
-                self._pending = {}
+            num_updates = self.ps.num_updates  # before the rows: they hold these updates
+            self._pending = _merge_changes(self.ps.changed_rows(), self._pending)
+            rows, removed = self._pending
+            if not (any(t["ids"].shape[0] for t in rows.values())
+                    or any(ids.shape[0] for ids in removed.values())):
+                self._pending = ({}, {})
                 return None
             seq = self.ps.increment_seq + 1
             final = write_increment(self.directory, self.ps.replica_index,
-                                    self.ps.replica_size, seq, rows)
-            self._pending = {}
+                                    self.ps.replica_size, seq, rows, removed,
+                                    num_updates=num_updates)
+            self._pending = ({}, {})
             self.ps.increment_seq = seq
             logger.info("replica %d exported increment %d to %s", self.ps.replica_index,
                         seq, final)
@@ -258,24 +272,41 @@ class IncrementalExporter(_Worker):
                 self.outage.attempt(self.export_now)
 
 
-class IncrementFollower(_Worker):
+class IncrementFollower(Follower):
     """Applies the increments in ``directory`` to a serving replica as they appear.
 
     ``after``: per source replica, the last sequence number already in the rows (the base
     checkpoint's ``increment_seq``; see :func:`base_increment_seqs`). An increment that
     cannot be applied is retried with backoff (logged once, counted by ``on_failure``);
-    the replica serves meanwhile.
+    the replica serves meanwhile. ``warn_after_sec``: log a WARNING when the newest
+    applied increment gets older than this (None: never).
     """
 
     def __init__(self, ps: ParameterServer, directory: str | Path, *,
                  after: dict[int, int] | None = None, poll_sec: float = FOLLOW_POLL_SEC,
-                 on_failure: Callable[[], None] | None = None) -> None:
-        super().__init__(f"increment-follower-{ps.replica_index}")
-        self.ps, self.directory, self.poll_sec = ps, Path(directory), poll_sec
+                 on_failure: Callable[[], None] | None = None,
+                 warn_after_sec: float | None = None) -> None:
+        super().__init__(
+            f"increment-follower-{ps.replica_index}", poll_sec,
+            Outage(f"applying increments from {directory} to serving replica "
+                   f"{ps.replica_index}", on_failure),
+            LagWarning(f"serving replica {ps.replica_index}: its newest applied increment",
+                       warn_after_sec))
+        self.ps, self.directory = ps, Path(directory)
         self.applied: dict[int, int] = dict(after or {})
+        self.created_unix: dict[int, float] = {}
+        """Per source replica, when its newest applied increment was written."""
+        self.num_applied = 0
         self._changed = threading.Condition()
-        self.outage = _Outage(f"applying increments from {self.directory} to serving replica "
-                              f"{ps.replica_index}", on_failure)
+
+    def age_sec(self) -> float | None:
+        """Seconds since the newest applied increment was written (of the source replica
+        that is furthest behind); None until one is applied."""
+        with self._changed:
+            if not self.created_unix:
+                return None
+            oldest = min(self.created_unix.values())
+        return max(0.0, time.time() - oldest)
 
     def apply_new(self) -> int:
         """Apply every increment not yet applied, in order; returns how many. Raises on
@@ -284,12 +315,15 @@ class IncrementFollower(_Worker):
         for replica, seq, folder in _increments(self.directory):
             if seq != self.applied.get(replica, 0) + 1:
                 continue  # applied already (or its predecessor is not there yet)
-            num_rows = apply_increment(self.ps, folder, replica)
+            num_rows, manifest = apply_increment(self.ps, folder, replica)
             with self._changed:
                 self.applied[replica] = seq
+                self.created_unix[replica] = float(manifest["created_unix"])
+                self.num_applied += 1
                 self._changed.notify_all()
-            logger.info("replica %d applied increment %d of replica %d (%d rows)",
-                        self.ps.replica_index, seq, replica, num_rows)
+            logger.info("replica %d applied increment %d of replica %d (%d rows, %d removed "
+                        "ids)", self.ps.replica_index, seq, replica, num_rows,
+                        sum(e["num_ids"] for e in manifest.get("removed", {}).values()))
             count += 1
         return count
 
@@ -298,11 +332,7 @@ class IncrementFollower(_Worker):
         with self._changed:
             return self._changed.wait_for(lambda: self.applied.get(replica, 0) >= seq, timeout)
 
-    def _loop(self) -> None:
-        while True:
-            self.outage.attempt(self.apply_new)
-            if self._stop.wait(self.outage.delay if self.outage.failing else self.poll_sec):
-                return
+    poll_once = apply_new
 
 
 def base_increment_seqs(checkpoint: str | Path) -> dict[int, int]:
@@ -314,6 +344,11 @@ def base_increment_seqs(checkpoint: str | Path) -> dict[int, int]:
                 for r in range(int(manifest["num_ps_replicas"]))}
 
 
+def increment_folders(directory: str | Path) -> list[tuple[int, int, Path]]:
+    """Every increment in ``directory`` as (source replica, seq, folder), in order."""
+    return _increments(Path(directory))
+
+
 def newest_increments(directory: str | Path) -> dict[int, int]:
     """Per source replica, the largest sequence number in ``directory``."""
     out: dict[int, int] = {}
@@ -323,4 +358,4 @@ def newest_increments(directory: str | Path) -> dict[int, int]:
 
 
 __all__ = ["IncrementalExporter", "IncrementFollower", "apply_increment",
-           "base_increment_seqs", "newest_increments", "write_increment"]
+           "base_increment_seqs", "increment_folders", "newest_increments", "write_increment"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -37,9 +38,12 @@ import numpy as np
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.routing import RESERVED_ID, replica_of
 from persia_py.rpc import FailedPrecondition
-from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict
+from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict, state_width
+from persia_py.servers.sizing import TableSize, capacity_warning, memory_limit, row_bytes
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.table_policy import check_init_bounds, check_weight_bound
+
+logger = logging.getLogger(__name__)
 
 SEEN_PER_WORKER = 65536
 """How many recent sequence numbers per worker are remembered for exactly-once updates."""
@@ -148,6 +152,7 @@ class ParameterServer:
         """Tables remember changed rows (for incremental exports; see ``track_changes``)."""
         self.increment_seq = 0
         """Sequence number of the last incremental export (recorded in checkpoints)."""
+        self.warn_if_too_big(None)
 
     # -- configuration -------------------------------------------------------------
 
@@ -202,7 +207,33 @@ class ParameterServer:
             )
             if self.tracks_changes:
                 tables[name].track_changes()
+        self.warn_if_too_big(settings.optimizer)
         return tables
+
+    def table_sizes(self, optimizer: dict | None) -> list[TableSize]:
+        """Each table's capacity on this replica and bytes of a full row, with the
+        optimizer ``optimizer`` (a slot's own wins; None: none, as before configure)."""
+        ps_cfg = self.global_config.embedding_parameter_server_config
+        sizes = []
+        for name, slots in self.embedding_config.tables.items():
+            slot = self.embedding_config.slots_config[slots[0]]
+            chosen = slot.optimizer or optimizer
+            width = 0 if chosen is None else state_width(optimizer_from_dict(chosen), slot.dim)
+            sizes.append(TableSize(name, slot.capacity or ps_cfg.capacity,
+                                   row_bytes(slot.dim, width)))
+        return sizes
+
+    def warn_if_too_big(self, optimizer: dict | None) -> str | None:
+        """Log (and return) a warning when the tables, full, outgrow the memory this
+        process can get (see persia_py.servers.sizing): at start, counting weights and
+        index only, and when configure brings the optimizer, counting its state."""
+        what = ("weights, optimizer state and index" if optimizer is not None else
+                "weights and index only: the optimizer's state is added when training "
+                "configures the tables")
+        message = capacity_warning(self.table_sizes(optimizer), memory_limit(), what=what)
+        if message is not None:
+            logger.warning("parameter server %d: %s", self.replica_index, message)
+        return message
 
     def track_changes(self) -> None:
         """Every table, now and after any (re)configuration, remembers the rows that
@@ -384,25 +415,45 @@ class ParameterServer:
             table.close()
         return num_rows
 
-    def changed_rows(self) -> dict[str, Rows]:
+    def changed_rows(self) -> tuple[dict[str, Rows], dict[str, np.ndarray]]:
         """Every table's rows inserted or updated since the last call (see
-        :meth:`track_changes`); each table's log of them is emptied."""
+        :meth:`track_changes`), and the ids it removed since (evicted or expired, not
+        stored again); each table's logs of them are emptied."""
         with self._lock:
             tables = dict(self._tables)
-        return {name: table.export_changed_rows() for name, table in sorted(tables.items())}
+        rows, removed = {}, {}
+        for name, table in sorted(tables.items()):
+            rows[name], removed[name] = table.export_changed_rows()
+        return rows, removed
+
+    def remove_rows(self, ids: dict[str, np.ndarray]) -> int:
+        """Delete the stored rows of ``ids`` by table name (the ids an incremental export
+        says the training side evicted or expired); returns how many rows went. Every
+        table name and id array is checked before any row is removed."""
+        tables = self._live_tables(ids)
+        for name, table_ids in ids.items():
+            try:
+                tables[name]._check_ids(table_ids)
+            except ValueError as exc:
+                raise ValueError(f"table {name!r}: removed ids: {exc}") from None
+        return sum(tables[name].remove_ids(table_ids) for name, table_ids in ids.items())
 
     def apply_rows(self, rows: dict[str, Rows]) -> int:
         """Store ``rows`` by table name into the live tables, overwriting rows of the same
         ids (an incremental export's); returns how many. Each table's rows are checked
         before any of them is stored."""
+        return self._import(self._live_tables(rows), rows)
+
+    def _live_tables(self, names: dict) -> dict[str, EmbeddingTable]:
+        """The live tables, once configured, if every key of ``names`` is one of them."""
         with self._lock:
             if self._settings is None:
                 raise FailedPrecondition("not configured: load a checkpoint first")
             tables = dict(self._tables)
-        missing = sorted(set(rows) - set(tables))
+        missing = sorted(set(names) - set(tables))
         if missing:
             raise ValueError(f"tables {missing} are not on this server ({sorted(tables)})")
-        return self._import(tables, rows)
+        return tables
 
     @staticmethod
     def _import(tables: dict[str, EmbeddingTable], rows: dict[str, Rows]) -> int:

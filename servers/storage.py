@@ -93,6 +93,9 @@ class _Shard:
         self.changed: list[np.ndarray] | None = None
         """Ids inserted or updated since the last ``take_changes`` (None: not tracked)."""
         self.num_changed = 0
+        self.removed: list[np.ndarray] = []
+        """Ids evicted or expired since the last ``take_changes`` (kept while tracking)."""
+        self.num_removed = 0
         if table.min_occurrences > 1:
             width = 1 << max(share - 1, 1).bit_length()
             width = min(max(width, _SKETCH_MIN_WIDTH), _SKETCH_MAX_WIDTH)
@@ -207,6 +210,7 @@ class _Shard:
         """Delete rows ``victims`` (distinct), compacting; returns old -> new row (-1: gone)."""
         size = self.size
         count = victims.shape[0]
+        gone = self.ids[victims].copy() if self.changed is not None else None
         keep = np.ones(size, dtype=np.bool_)
         keep[victims] = False
         n_keep = size - count
@@ -221,6 +225,8 @@ class _Shard:
         remap[movers] = holes
         self.size = n_keep
         self.index.rebuild(self.ids[:n_keep], np.arange(n_keep, dtype=np.int64))
+        if gone is not None:  # deletions travel in increments too
+            self._log_removed(gone)
         return remap
 
     def _reserve(self, rows: int) -> None:
@@ -246,17 +252,40 @@ class _Shard:
             merged = np.unique(np.concatenate(self.changed))
             self.changed, self.num_changed = [merged], merged.shape[0]
 
+    def _log_removed(self, ids: np.ndarray) -> None:
+        self.removed.append(ids.copy())
+        self.num_removed += ids.shape[0]
+        if self.num_removed > 4 * max(self.share // _EVICT_FRACTION, _INITIAL_ROWS):
+            # Bound the log: repeats go, and so do ids stored again since.
+            merged = np.unique(np.concatenate(self.removed))
+            merged = merged[self.index.find(merged) < 0]
+            self.removed, self.num_removed = [merged], merged.shape[0]
+
     def take_changes(self) -> tuple[np.ndarray, ...]:
         """Copies of the rows changed since the last call (ids, weights, state, last
-        access) of those still stored; the log starts again empty."""
+        access) of those still stored, and the ids removed since (evicted or expired) and
+        not stored again: disjoint from the rows' ids. The logs start again empty."""
         with self.lock:
             ids = (np.unique(np.concatenate(self.changed)) if self.changed
                    else np.zeros(0, np.uint64))
+            removed = (np.unique(np.concatenate(self.removed)) if self.removed
+                       else np.zeros(0, np.uint64))
             self.changed, self.num_changed = [], 0
+            self.removed, self.num_removed = [], 0
             rows = self.index.find(ids)
             rows = rows[rows >= 0]
+            removed = removed[self.index.find(removed) < 0]
             return (self.ids[rows], self.weights[rows], self.state[rows],
-                    self.last_access[rows])
+                    self.last_access[rows], removed)
+
+    def remove_ids(self, ids: np.ndarray) -> int:
+        """Delete the rows of ``ids`` (distinct) that are stored; returns how many."""
+        with self.lock:
+            rows = self.index.find(ids)
+            rows = rows[rows >= 0]
+            if rows.shape[0]:
+                self._remove(rows)
+            return int(rows.shape[0])
 
     def update(self, ids: np.ndarray, grads: np.ndarray, tick: int) -> int:
         with self.lock:
@@ -550,15 +579,31 @@ class EmbeddingTable:
                 if shard.changed is None:
                     shard.changed = []
 
-    def export_changed_rows(self) -> dict[str, np.ndarray | int]:
+    def export_changed_rows(self) -> tuple[dict[str, np.ndarray | int], np.ndarray]:
         """Like :meth:`export_rows`, but only the rows inserted or updated since the last
-        call (still stored ones); each shard's log is taken and emptied under its lock."""
+        call (still stored ones), and the ids removed since (evicted or expired, not
+        stored again; uint64, distinct from the rows' ids); each shard's logs are taken
+        and emptied under its lock."""
         parts = [shard.take_changes() for shard in self._shards]
-        ids, weights, state, stamps = (np.concatenate(p) for p in zip(*parts))
+        ids, weights, state, stamps, removed = (np.concatenate(p) for p in zip(*parts))
         with self._clock_lock:
             clock = self._clock
-        return {"ids": ids, "weights": weights, "state": state, "last_access": stamps,
-                "clock": clock}
+        return ({"ids": ids, "weights": weights, "state": state, "last_access": stamps,
+                 "clock": clock}, removed)
+
+    def remove_ids(self, ids: np.ndarray) -> int:
+        """Delete the stored rows of ``ids`` (e.g. ids an increment says the training side
+        evicted or expired); absent ids are skipped. Returns how many rows went."""
+        ids = np.unique(self._check_ids(ids))
+        if ids.shape[0] == 0:
+            return 0
+        counts: list[int] = []
+
+        def work(shard: _Shard, positions: np.ndarray | None) -> None:
+            counts.append(shard.remove_ids(ids if positions is None else ids[positions]))
+
+        self._per_shard(ids, work)
+        return sum(counts)
 
     def import_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
                     last_access: np.ndarray | None = None, clock: int = 0) -> None:

@@ -26,14 +26,15 @@ EXAMPLE = ROOT / "examples" / "criteo_synthetic"
 class RoleProcess:
     """A child process whose output lines are collected by a reader thread."""
 
-    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, command: list[str], env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
         self.marker = uuid.uuid4().hex
         full_env = dict(os.environ if env is None else env)
         full_env["PERSIA_TEST_MARKER"] = self.marker
         full_env["PYTHONUNBUFFERED"] = "1"
         self.process = subprocess.Popen(
             command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd or ROOT,
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -70,6 +71,17 @@ class RoleProcess:
 
     def output(self) -> str:
         return "".join(self.lines[-200:])
+
+    def finish(self, timeout: float) -> str:
+        """Wait up to ``timeout`` s for the process to exit, stop whatever is left, and
+        return all its output; fails (showing the output's end) unless it exited 0."""
+        try:
+            code = self.wait(timeout=timeout)
+        finally:
+            self.stop()
+        out = "".join(self.lines)
+        assert code == 0, out[-20000:]
+        return out
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -223,3 +235,27 @@ def emulated_hosts(request: pytest.FixtureRequest):
         return network
 
     return make
+
+
+def run_ranks(target, *args, world_size: int = 2, timeout: float = 240) -> None:
+    """Run ``target(rank, port, *args)`` in ``world_size`` spawned processes (``port``: a
+    free one for their process group); fails on a non-zero exit or a rank still running
+    after ``timeout`` s, and leaves no process behind."""
+    import multiprocessing
+
+    from persia_py.launcher.local import free_ports
+
+    [port] = free_ports(1, "127.0.0.1")
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=target, args=(r, port, *args)) for r in range(world_size)]
+    for p in ranks:
+        p.start()
+    try:
+        for p in ranks:
+            p.join(timeout=timeout)
+            assert p.exitcode == 0, f"rank exit code {p.exitcode}"
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=30)

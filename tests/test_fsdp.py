@@ -1,8 +1,9 @@
 """FSDP on the NN workers (``FSDPOption``): same training as DDP, the rate limiter's bound
 holds, a tower built on the meta device starts from the weights of the ordinary build,
-dense checkpoints move between FSDP and DDP and between numbers of ranks, and ranks with
-different numbers of batches train every batch once and skip (not stall on) periodic
-checkpoints after one ran out.
+dense checkpoints move between FSDP and DDP and between numbers of ranks, ranks with
+different numbers of batches (or none) train every batch once and skip (not stall on)
+periodic checkpoints after one ran out, mixed precision trains as under DDP, a NaN loss
+skips the dense step on every rank, and ``with_jit_model`` scripts the gathered tower.
 
 The multi-rank checks read one real job: a parameter server and an embedding worker on
 free ports, and the NN-worker script ``tests/fsdp_job/train.py`` under ``torchrun
@@ -32,6 +33,9 @@ JOB = ROOT / "tests" / "fsdp_job" / "train.py"
 STEPS = 30
 UNEVEN = (3, 6)  # batches of rank 0 and rank 1 in the uneven phases
 PERIOD = 2  # periodic checkpoint every this many steps there
+EMPTY = (0, 3)  # batches of rank 0 and rank 1 in the empty phases
+AMP_STEPS = 10
+NAN_STEPS, NAN_AT = 5, 3  # rank 0's loss is NaN at step NAN_AT (from 1)
 
 
 # -- without processes ----------------------------------------------------------------------
@@ -281,3 +285,71 @@ def test_uneven_batches_train_each_once_and_skip_periodic_checkpoints(job) -> No
     manifest = fmt.load_json(periodic[0] / fmt.MANIFEST)
     assert manifest["rank_steps"] == [PERIOD, PERIOD]
     assert fmt.resolve(root / "periodic") == periodic[0]
+
+
+@pytest.mark.processes
+def test_a_rank_with_no_batch_joins_and_trains_as_with_ddp(job) -> None:
+    """Rank 0 gets no batch at all: under FSDP it takes rank 1's inputs at the first step
+    and shadows its 3 steps (instead of waiting out the collective timeout); the result
+    is that of DDP's Join (same rows on the servers, same dense tower)."""
+    stats, root = job
+    for phase in ("empty-ddp", "empty-fsdp"):
+        for rank in range(2):
+            assert stats[phase][rank]["steps"] == stats[phase][rank]["trained"] == EMPTY[rank]
+    _same_training(fmt.resolve(root / "empty-ddp"), fmt.resolve(root / "empty-fsdp"))
+
+
+@pytest.mark.processes
+def test_mixed_precision_trains_under_fsdp_as_under_ddp(job) -> None:
+    """``mixed_precision=True`` (bfloat16 autocast on the CPU): FSDP's losses follow DDP's
+    under the same autocast, and differ from the float32 run's (autocast was on)."""
+    stats, _ = job
+    for rank in range(2):
+        ddp = np.array(stats["amp-ddp"][rank]["losses"])
+        fsdp = np.array(stats["amp-fsdp"][rank]["losses"])
+        fp32 = np.array(stats["ddp"][rank]["losses"][:AMP_STEPS])
+        assert len(ddp) == len(fsdp) == AMP_STEPS
+        assert np.isfinite(fsdp).all()
+        assert np.max(np.abs(ddp - fsdp) / np.abs(ddp)) <= 1e-4, (ddp, fsdp)
+        assert not np.allclose(ddp, fp32, rtol=1e-6, atol=0), (ddp, fp32)
+
+
+@pytest.mark.processes
+def test_a_nan_loss_skips_the_dense_step_on_every_rank(job) -> None:
+    """Rank 0's loss is NaN at one step: on both ranks the dense step is skipped (the
+    gathered weights are unchanged across it, one skip counted), training goes on with
+    finite losses, and the job ends as the DDP job with the same NaN does (rank 0's
+    embedding gradients of that step are skipped by the embedding worker, rank 1's are
+    applied). Under FSDP the ranks agree on skipping even when the NaN lies in rank 0's
+    shard only."""
+    stats, root = job
+    for phase in ("nan-ddp", "nan-fsdp"):
+        for rank in range(2):
+            s = stats[phase][rank]
+            assert s["steps"] == NAN_STEPS and s["skipped"] == 1, s
+            assert s["keys"] and s["unchanged"] == s["keys"]
+            losses = np.array(s["losses"])
+            assert np.isnan(losses[NAN_AT - 1]) == (rank == 0)
+            assert np.isfinite(np.delete(losses, NAN_AT - 1)).all()
+    assert [s["partial_nan_finite"] for s in stats["nan-fsdp"]] == [False, False]
+    _same_training(fmt.resolve(root / "nan-ddp"), fmt.resolve(root / "nan-fsdp"))
+
+
+@pytest.mark.processes
+def test_with_jit_model_under_fsdp_scripts_the_gathered_tower(job) -> None:
+    """The FSDP checkpoint holds the whole tower as TorchScript, computing what the
+    gathered weights compute; an unscriptable tower is refused on every rank with
+    TorchScript's reason, before anything is written."""
+    stats, root = job
+    folder = fmt.resolve(root / "fsdp")
+    scripted = torch.jit.load(str(folder / "jit_dense.pt"))
+    whole = load_dense_model(_dlrm, folder)
+    dense, embeddings = [torch.randn(5, 13)], [torch.randn(5, 16) for _ in range(26)]
+    assert torch.allclose(scripted(dense, embeddings), whole(dense, embeddings), atol=1e-6)
+    weights = scripted.state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in whole.state_dict().items())
+    for rank in range(2):
+        refused = stats["fsdp-load"][rank]["jit_refused"]
+        assert refused and "torch.jit.script cannot compile the dense model" in refused
+    assert not (root / "not-scriptable").exists() or not any(
+        p.name.startswith("ckpt-") for p in (root / "not-scriptable").iterdir())

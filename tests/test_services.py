@@ -243,8 +243,19 @@ def test_data_loader_rejects_bad_requests_and_keeps_serving(cluster) -> None:
         assert stub.NextBatch(request, timeout=10) == response
         batch = response.batch
         assert batch.batch_size == 2 and batch.labels[0].name == "label_anonymous"
+        # The loader keeps the batch (for a resend to a restarted embedding worker) until
+        # its consumer says it is done with it; only then may the loader exit.
+        resent = stub.ResendBatch(data_loader_pb2.ResendBatchRequest(batch_id=batch.batch_id),
+                                  timeout=10)
+        assert (resent.embedding_worker, resent.ref) == (0, batch.ref)  # still pending there
+        _expect_error(lambda: stub.ResendBatch(data_loader_pb2.ResendBatchRequest(batch_id=99),
+                                               timeout=10),
+                      grpc.StatusCode.NOT_FOUND, "batch 99 is not kept by this data loader")
         while not response.end_of_stream:
             response = stub.NextBatch(data_loader_pb2.NextBatchRequest(rank=0), timeout=10)
+        assert loader.process.poll() is None  # the stream ended; the batch is still kept
+        response = stub.NextBatch(data_loader_pb2.NextBatchRequest(
+            rank=0, done=[batch.batch_id]), timeout=10)
         channel.close()
         assert loader.wait(timeout=60) == 0, loader.output()
         # The batch's ids wait on the embedding worker under the ref the loader sent.

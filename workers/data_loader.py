@@ -8,24 +8,26 @@ waits until every NN-worker rank has been told the stream ended.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from persia_py import codec
+from persia_py.checks import check_type
 from persia_py.config import GlobalConfig, load_global_config
-from persia_py.data_position import batch_id
+from persia_py.data_position import Position, batch_id
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
 from persia_py.monitoring import DataLoaderMetrics, MetricsServer, metrics_port_from_env, serve_metrics
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
-from persia_py.rpc import create_server, grpc_method
+from persia_py.rpc import NotFound, create_server, grpc_method
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 
 logger = logging.getLogger(__name__)
@@ -97,13 +99,65 @@ class BatchQueue:
         return self._all_ended.wait(timeout)
 
 
+class KeptBatches:
+    """The ID features of the training batches this loader put on embedding workers, kept
+    until the NN worker that trained a batch says it is done (``NextBatchRequest.done``):
+    when an embedding worker dies with batches still waiting there, or with their
+    updates not yet sent, the NN worker asks for the batch again (``ResendBatch``) and
+    the loader puts it on the worker's restarted successor under the same identity.
+    At most the batches queued here and those in flight on the NN workers are kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._kept: dict[int, tuple[int, PersiaBatch]] = {}
+        self.num_resent = 0
+
+    def keep(self, batch_id_: int, worker_index: int, batch: PersiaBatch) -> None:
+        with self._lock:
+            self._kept[batch_id_] = (worker_index, batch)
+
+    def done(self, batch_ids) -> None:
+        with self._lock:
+            for b in batch_ids:  # a handful per request: those acknowledged since the last
+                self._kept.pop(b, None)
+            self._lock.notify_all()
+
+    def wait_empty(self, timeout: float) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._kept, timeout)
+
+    def get(self, batch_id_: int) -> tuple[int, PersiaBatch]:
+        with self._lock:
+            found = self._kept.get(batch_id_)
+            if found is not None:
+                self.num_resent += 1
+        if found is None:
+            raise NotFound(f"batch {batch_id_} is not kept by this data loader (done, not "
+                           "made by it, or made before it restarted)")
+        return found
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
 class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
-    def __init__(self, batches: BatchQueue) -> None:
+    def __init__(self, batches: BatchQueue, kept: KeptBatches | None = None,
+                 resend: Callable[[int], tuple[int, int]] | None = None) -> None:
         self.batches = batches
+        self.kept = kept if kept is not None else KeptBatches()
+        self.resend = resend
 
     @grpc_method
     def NextBatch(self, request, context):
+        self.kept.done(request.done)
         return self.batches.next(request.rank, _POLL_SEC, request.consumer, request.request_seq)
+
+    @grpc_method
+    def ResendBatch(self, request, context):
+        if self.resend is None:
+            raise NotFound("this data loader does not resend batches")
+        worker_index, ref = self.resend(request.batch_id)
+        return pb.ResendBatchResponse(embedding_worker=worker_index, ref=ref)
 
     @grpc_method
     def Health(self, request, context):
@@ -126,11 +180,16 @@ class DataCtx:
         self.common = self.global_config.common_config
         self.port = port if port is not None else self.env.data_loader_port
         self.batches = BatchQueue(buffer_size, self.env.nn_world_size)
-        self._seq = itertools.count()  # every batch the script makes, skipped ones too
+        self.next_seq = 0
+        """Sequence number of the next batch the script makes (skipped ones count too)."""
         self._workers: list[EmbeddingWorkerClient] = []
         self._server: grpc.Server | None = None
         self.num_sent = 0
         self.num_skipped = 0
+        # The identity of this process's batches at the parameter servers: a random
+        # stream per process start, never one an earlier run's updates used.
+        self.stream = f"loader{self.env.data_loader_replica_index}-{secrets.token_hex(8)}"
+        self.kept = KeptBatches()
         # Resumed from a checkpoint: the batches of this loader trained before it.
         self._done = self.env.data_positions.of(self.env.data_loader_replica_index)
         self.metrics = DataLoaderMetrics()
@@ -142,8 +201,8 @@ class DataCtx:
         for w in self._workers:
             w.wait_ready()
         server, self.port = create_server(f"{self.env.bind_host}:{self.port}", self.common)
-        data_loader_pb2_grpc.add_DataLoaderServicer_to_server(DataLoaderServicer(self.batches),
-                                                              server)
+        data_loader_pb2_grpc.add_DataLoaderServicer_to_server(
+            DataLoaderServicer(self.batches, self.kept, self._resend), server)
         server.start()
         self._server = server
         print(f"data-loader {self.env.data_loader_replica_index} on port {self.port} ready",
@@ -155,19 +214,43 @@ class DataCtx:
                 f"data-loader {self.env.data_loader_replica_index}")
         return self
 
+    @property
+    def resumed_position(self) -> Position:
+        """This loader's batches trained before the checkpoint the job resumed from."""
+        return self._done
+
+    def start_at(self, seq: int) -> None:
+        """Number the next batch ``seq``: a source that can seek (a stream, see
+        :mod:`persia_py.stream_source`) starts at the first batch not trained instead of
+        making the trained ones again. Only before any batch, and never past one that
+        is not trained."""
+        if self.next_seq != 0:
+            raise RuntimeError(f"start_at({seq}) after {self.next_seq} batches were made")
+        if not 0 <= seq <= self._done.next:
+            raise ValueError(f"start_at({seq}): batches from {self._done.next} on are not all "
+                             "trained; a loader may skip only trained batches")
+        self.next_seq = seq
+
     def send_data(self, batch: PersiaBatch) -> None:
         """Send one batch; waits (never drops) while the embedding or NN workers are full."""
+        check_type("DataCtx.send_data(batch)", batch, PersiaBatch,
+                   "a persia_py.embedding.data.PersiaBatch")
         if self._server is None:
-            raise RuntimeError("DataCtx.send_data called outside `with DataCtx() as ctx:`")
-        seq = next(self._seq)
+            raise RuntimeError("DataCtx.send_data is used outside its context; use it inside "
+                               "`with DataCtx() as ctx:`")
+        seq = self.next_seq
+        self.next_seq += 1
         if self._done.done(seq):  # trained before the checkpoint this job resumed
             self.num_skipped += 1
             return
         started = time.perf_counter()
         worker_index = seq % len(self._workers)
-        ref = self._put_ids(self._workers[worker_index], batch)
+        id_ = batch_id(self.env.data_loader_replica_index, seq)
+        ref = self._put_ids(self._workers[worker_index], batch, id_)
+        if batch.requires_grad:
+            self.kept.keep(id_, worker_index, batch)
         message = pb.Batch(
-            batch_id=batch_id(self.env.data_loader_replica_index, seq),
+            batch_id=id_,
             batch_size=batch.batch_size,
             embedding_worker=worker_index,
             ref=ref,
@@ -184,16 +267,28 @@ class DataCtx:
         self.metrics.batches.inc()
         self.metrics.samples.inc(batch.batch_size)
 
-    def _put_ids(self, worker: EmbeddingWorkerClient, batch: PersiaBatch) -> int:
+    def _put_ids(self, worker: EmbeddingWorkerClient, batch: PersiaBatch, id_: int) -> int:
         def attempt(timeout: float) -> int:
             try:
                 return worker.put_batch(batch.id_features(), batch.batch_size,
-                                        batch.requires_grad, timeout=timeout)
+                                        batch.requires_grad, timeout=timeout,
+                                        identity=(self.stream, id_))
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # Full, or down (restarting): a put with an identity is safe to repeat.
+                if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise queue.Full from None
                 raise
         return self._wait(f"room on embedding worker {worker.address}", attempt)
+
+    def _resend(self, id_: int) -> tuple[int, int]:
+        """Put a kept batch on its embedding worker again (which restarted): (worker
+        index, ref)."""
+        worker_index, batch = self.kept.get(id_)
+        logger.warning("batch %d: putting its ID features on embedding worker %d again (it "
+                       "restarted)", id_, worker_index)
+        return worker_index, self._put_ids(self._workers[worker_index], batch, id_)
 
     def _wait(self, what: str, attempt):
         """Retry ``attempt(timeout)`` while it raises queue.Full, logging every minute."""
@@ -215,9 +310,16 @@ class DataCtx:
                 while not self.batches.wait_all_ended(60.0):
                     logger.info("waiting %.0fs for %d NN-worker ranks to drain the stream",
                                 time.monotonic() - started, self.batches.num_consumers)
+                # Batches still in training may need a resend (their embedding worker
+                # restarting): kept until the NN workers say they finished.
+                if not self.kept.wait_empty(self.common.rpc_timeout_sec):
+                    logger.warning("%d batches not acknowledged by the NN workers within %.0f s "
+                                   "after the stream ended; no longer kept for a resend",
+                                   len(self.kept), self.common.rpc_timeout_sec)
                 logger.info("data loader %d sent %d batches (%d skipped: trained before the "
-                            "checkpoint resumed)", self.env.data_loader_replica_index,
-                            self.num_sent, self.num_skipped)
+                            "checkpoint resumed; %d re-sent to restarted embedding workers)",
+                            self.env.data_loader_replica_index, self.num_sent,
+                            self.num_skipped, self.kept.num_resent)
         finally:
             if self._server is not None:
                 self._server.stop(grace=1.0).wait(5.0)

@@ -8,6 +8,13 @@ answered as the distinct rows plus an index per id occurrence. The batch and its
 here until the NN worker's gradients for those rows come back (``update_gradients``); they
 are then sent to the same replicas by the same plan. All of it is vectorized over the batch.
 
+A batch from a data loader carries its identity (the loader's stream and the batch id):
+its update goes to the parameter servers as that pair, not as this process's, so when
+this worker dies and the loader puts the batch on its restarted successor, the update
+routed there again is applied once by every replica (``rerouted``: replicas that applied
+it before acknowledge it only). Refs start at a random offset per process, so a ref
+handed out by a worker that died is unknown to its successor, never another batch's.
+
 Validation rewrites a slot's ids into the ids its table stores: a hash-stacked slot's raw
 id becomes ``hash_stack_rounds`` bucket ids (summed back into one vector on the NN
 worker), then the feature group's prefix replaces the top bits. The slots of a feature
@@ -19,6 +26,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import re
 import secrets
 import threading
 import time
@@ -44,6 +52,9 @@ logger = logging.getLogger(__name__)
 _DONE_REFS_KEPT = 4096
 """Refs of recently finished updates remembered, so that a retried UpdateGradients is
 acknowledged without being applied again."""
+
+_STREAM = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+"""A data loader's stream name (part of the parameter servers' worker id of its updates)."""
 
 _PUT_WAIT_SEC = 1.0
 """How long put_batch waits for room before answering RESOURCE_EXHAUSTED (the data loader
@@ -102,6 +113,7 @@ class _PendingBatch:
     looked_up: bool = False  # claimed by a lookup; its gradients may come back
     sequences: list[int] | None = None  # of its update, per replica; kept for retries
     sent: list[bool] | None = None  # per replica: its update was sent (a resend is a retry)
+    identity: tuple[str, int] | None = None  # (data loader stream, batch id)
     update_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -128,7 +140,11 @@ class EmbeddingWorker:
                                  "embedding_worker_config.max_buffer_bytes")
         self._buffer: dict[int, _PendingBatch] = {}
         self._buffer_changed = threading.Condition()
-        self._next_ref = itertools.count(1)
+        self._next_ref = itertools.count((secrets.randbits(46) << 16) + 1)
+        self._refs_by_identity: dict[tuple[str, int], int] = {}
+        """(stream, batch id) -> ref of the pending batches put with an identity."""
+        self.num_deduplicated = 0
+        """Updates the parameter servers had applied already (a batch trained twice)."""
         self._sequence = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(ps_clients)),
                                         thread_name_prefix="ps-call")
@@ -226,9 +242,20 @@ class EmbeddingWorker:
 
     # -- forward buffer --------------------------------------------------------------
 
-    def put_batch(self, features: list[SlotIds], batch_size: int, requires_grad: bool) -> int:
+    def put_batch(self, features: list[SlotIds], batch_size: int, requires_grad: bool, *,
+                  identity: tuple[str, int] | None = None) -> int:
         """Store a batch's ID features, deduplicated per slot and routed at once (off the
-        lookup's path); returns its ref. Overloaded when the buffer is full."""
+        lookup's path); returns its ref. Overloaded when the buffer is full.
+
+        ``identity``: the data loader's (stream, batch id), which its update is sent as;
+        putting a batch that is still pending again returns its ref (a retried put)."""
+        if identity is not None:
+            if not _STREAM.fullmatch(identity[0]):
+                raise ValueError(f"stream {identity[0][:80]!r}: expected 1 to 64 characters "
+                                 "out of letters, digits and _.:-")
+            with self._buffer_changed:
+                if identity in self._refs_by_identity:
+                    return self._refs_by_identity[identity]
         features = self.validate_features(features, batch_size)
         # The distinct ids (at most one per id) and the int64 inverse, with the lengths,
         # and the routing plan.
@@ -244,9 +271,15 @@ class EmbeddingWorker:
             ):
                 self.budget.release(nbytes)
                 raise Overloaded(f"forward buffer full ({self._capacity} batches); retry later")
+            if identity in self._refs_by_identity:  # a retry raced its first attempt
+                self.budget.release(nbytes)
+                return self._refs_by_identity[identity]
             ref = next(self._next_ref)
             # Holds its place; nobody knows the ref before this returns.
-            self._buffer[ref] = batch = _PendingBatch([], requires_grad, nbytes)
+            self._buffer[ref] = batch = _PendingBatch([], requires_grad, nbytes,
+                                                      identity=identity)
+            if identity is not None:
+                self._refs_by_identity[identity] = ref
         try:
             batch.slots = [_DedupedSlot.of(f) for f in features]
             batch.plan = self._plan(batch.slots)
@@ -258,6 +291,8 @@ class EmbeddingWorker:
     def _release(self, ref: int) -> None:
         with self._buffer_changed:
             batch = self._buffer.pop(ref, None)
+            if batch is not None and batch.identity is not None:
+                self._refs_by_identity.pop(batch.identity, None)
             self._buffer_changed.notify_all()
         if batch is not None:
             self.budget.release(batch.nbytes)
@@ -349,13 +384,16 @@ class EmbeddingWorker:
 
     # -- backward --------------------------------------------------------------------
 
-    def update_gradients(self, ref: int, grads: dict[str, np.ndarray]) -> int:
+    def update_gradients(self, ref: int, grads: dict[str, np.ndarray], *,
+                         rerouted: bool = False) -> int:
         """Route one batch's per-row gradients to the parameter servers; frees the batch.
 
         A slot whose gradients contain NaN or Inf is skipped (counted and logged); the
         other slots are applied. Safe to retry: the batch stays until every replica has
         acknowledged, a retry reuses the first attempt's sequence numbers (so a replica
         applies it once), and a repeat of a finished ref returns its answer unapplied.
+        ``rerouted``: the batch (put with an identity) was looked up on a worker that
+        died; its update may have reached some replicas, which acknowledge it only.
         """
         with self._buffer_changed:
             batch = self._buffer.get(ref)
@@ -367,7 +405,7 @@ class EmbeddingWorker:
             with self._buffer_changed:
                 if ref in self._done:
                     return self._done[ref]
-            num_updated = self._update_gradients(ref, batch, grads)
+            num_updated = self._update_gradients(ref, batch, grads, rerouted)
             with self._buffer_changed:
                 self._done[ref] = num_updated
                 if len(self._done) > _DONE_REFS_KEPT:
@@ -376,8 +414,11 @@ class EmbeddingWorker:
         return num_updated
 
     def _update_gradients(self, ref: int, batch: _PendingBatch,
-                          grads: dict[str, np.ndarray]) -> int:
-        if not (batch.looked_up and batch.requires_grad):
+                          grads: dict[str, np.ndarray], rerouted: bool) -> int:
+        if rerouted and batch.identity is None:
+            raise ValueError(f"batch {ref}: only a batch put with its data loader's identity "
+                             "can be rerouted")
+        if not ((batch.looked_up or rerouted) and batch.requires_grad):
             raise ValueError(f"batch {ref} has not been looked up for training")
         unique_ids = {s.slot: s.unique for s in batch.slots}
         unknown = set(grads) - set(unique_ids)
@@ -402,8 +443,9 @@ class EmbeddingWorker:
             finite[slot] = g
         per_replica = batch.plan.update_requests(finite)
         if batch.sequences is None:
-            batch.sequences = [next(self._sequence) for _ in per_replica]
-            batch.sent = [False for _ in per_replica]
+            batch.sequences = [next(self._sequence) if batch.identity is None
+                               else batch.identity[1] for _ in per_replica]
+            batch.sent = [rerouted for _ in per_replica]
         counts = list(self._pool.map(
             lambda r: self._update_replica(r, batch, per_replica[r]) if per_replica[r] else 0,
             range(len(per_replica)),
@@ -416,10 +458,19 @@ class EmbeddingWorker:
         ``(worker id, sequence)`` so that the replica applies it once."""
         sequence, resend = batch.sequences[r], batch.sent[r]
         batch.sent[r] = True
+        worker_id = self.worker_id if batch.identity is None else f"data-{batch.identity[0]}"
         try:
             return self._on_replica(r, lambda c: c.update(
-                slots, worker_id=self.worker_id, sequence=sequence, resend=resend))
+                slots, worker_id=worker_id, sequence=sequence, resend=resend))
         except UpdateNotApplied:
+            if batch.identity is not None:
+                # The pair names one batch of one stream: it was applied before, by this
+                # batch's first training. Applying it again would train it twice.
+                self.num_deduplicated += 1
+                logger.warning("batch %d of stream %s: parameter server %d had applied its "
+                               "update already; not applied again", sequence,
+                               batch.identity[0], r)
+                return 0
             # The replica had the pair from another sender: a later attempt takes a new
             # sequence, so that it is applied (or refused again), never acknowledged unapplied.
             batch.sequences[r], batch.sent[r] = next(self._sequence), False

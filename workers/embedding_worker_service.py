@@ -74,8 +74,9 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
     @grpc_method
     def PutBatch(self, request, context):
+        identity = (request.stream, request.batch_id) if request.stream else None
         ref = self.worker.put_batch(_features(request.features, self.worker), request.batch_size,
-                                    request.requires_grad)
+                                    request.requires_grad, identity=identity)
         return pb.PutBatchResponse(ref=ref)
 
     @grpc_method
@@ -97,7 +98,8 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
             # only routes them (the parameter servers widen to float32 before the step).
             grads[s.slot] = codec.decode(s.grads, name=f"slots[{i}].grads",
                                          dtypes=("float16", "float32"), ndim=2, copy=False)
-        return pb.UpdateGradientsResponse(num_updated=self.worker.update_gradients(request.ref, grads))
+        return pb.UpdateGradientsResponse(num_updated=self.worker.update_gradients(
+            request.ref, grads, rerouted=request.rerouted))
 
     @grpc_method
     def Health(self, request, context):
@@ -139,12 +141,16 @@ class EmbeddingWorkerClient(ServiceClient):
         return pb.WireOptions(fp16=self.common.embedding_fp16, lz4=self.common.lz4_compression)
 
     def put_batch(self, features: list[tuple[str, np.ndarray, np.ndarray]], batch_size: int,
-                  requires_grad: bool, *, timeout: float | None = None) -> int:
-        pieces = [pb.PutBatchRequest(batch_size=batch_size,
-                                     requires_grad=requires_grad).SerializeToString()]
+                  requires_grad: bool, *, timeout: float | None = None,
+                  identity: tuple[str, int] | None = None) -> int:
+        stream, batch_id = identity or ("", 0)
+        pieces = [pb.PutBatchRequest(batch_size=batch_size, requires_grad=requires_grad,
+                                     stream=stream, batch_id=batch_id).SerializeToString()]
         for f in features:
             pieces += codec.id_feature_field(1, *f)  # PutBatchRequest.features
-        return self._call(self._put_batch, codec.join(pieces), idempotent=False,
+        # With an identity a repeat returns the pending batch's ref: safe to retry (also
+        # across a restart of the worker, which then stores it anew).
+        return self._call(self._put_batch, codec.join(pieces), idempotent=identity is not None,
                           timeout=timeout).ref
 
     def lookup(self, ref: int) -> list[SlotRows]:
@@ -160,8 +166,9 @@ class EmbeddingWorkerClient(ServiceClient):
             pieces += codec.id_feature_field(1, *f)  # LookupDirectRequest.features
         return _decode_rows(self._call(self._lookup_direct, codec.join(pieces), idempotent=True))
 
-    def update_gradients(self, ref: int, grads: list[tuple[str, np.ndarray]]) -> int:
-        pieces = [pb.UpdateGradientsRequest(ref=ref).SerializeToString()]
+    def update_gradients(self, ref: int, grads: list[tuple[str, np.ndarray]], *,
+                         rerouted: bool = False) -> int:
+        pieces = [pb.UpdateGradientsRequest(ref=ref, rerouted=rerouted).SerializeToString()]
         for s, g in grads:
             pieces += codec.message_field(2, [  # UpdateGradientsRequest.slots
                 pb.SlotRowGradients(slot=s).SerializeToString(),

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,8 @@ class TrainingBatch:
     batch's embeddings were looked up."""
     release: Callable[[], None] = field(default=lambda: None)
     """Called once the batch's gradients are acknowledged (or at once without grads)."""
+    loader: LoaderLink | None = None
+    """The data loader that made it (which keeps its ID features until told it is done)."""
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +157,68 @@ ONLY_EVALUATES = ("this context only evaluates; build the batch with requires_gr
                   "or train inside TrainCtx")
 
 
-def look_up(item: PersiaBatch | pb.Batch, workers: Sequence[EmbeddingWorkerClient], *,
+class LoaderLink:
+    """An NN worker's side of one data loader: the batch ids it finished training, told to
+    the loader with its next NextBatch (the loader then forgets their ID features), and
+    a way to have a batch put on its embedding worker again when that worker restarted
+    and lost it (see data_loader.KeptBatches)."""
+
+    def __init__(self, stub, address: str, common: CommonConfig, outages: OutageLog) -> None:
+        self.stub, self.address = stub, address
+        self._common, self._outages = common, outages
+        self._done: list[int] = []
+        self._in_training = 0  # batches handed to this worker and not finished
+        self._changed = threading.Condition()
+
+    def handed(self) -> None:
+        with self._changed:
+            self._in_training += 1
+
+    def finished(self, batch_id: int) -> None:
+        """The batch's training is over (its update acknowledged, or none was due)."""
+        with self._changed:
+            self._done.append(batch_id)
+            self._in_training -= 1
+            self._changed.notify_all()
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Whether every batch handed over is finished (waits up to ``timeout``)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._in_training <= 0, timeout)
+
+    def take_done(self) -> list[int]:
+        with self._changed:
+            done, self._done = self._done, []
+        return done
+
+    def resend(self, batch_id: int, num_workers: int) -> tuple[int, int]:
+        """(embedding worker index, new ref) of ``batch_id`` put again by its loader."""
+        logger.warning("batch %d is gone from its embedding worker (restarted); asking data "
+                       "loader %s to put it there again", batch_id, self.address)
+        # Safe to retry: a repeated put of a pending batch answers the same ref.
+        answer = call(self.stub.ResendBatch, pb.ResendBatchRequest(batch_id=batch_id),
+                      timeout=self._common.rpc_timeout_sec, idempotent=True,
+                      what=f"data loader {self.address}", outages=self._outages)
+        if not 0 <= answer.embedding_worker < num_workers:
+            raise ValueError(f"data loader {self.address} put batch {batch_id} on embedding "
+                             f"worker {answer.embedding_worker}, only {num_workers} known")
+        return answer.embedding_worker, answer.ref
+
+
+@dataclass
+class LoaderBatch:
+    """A batch as a data loader answered it, and that loader."""
+
+    batch: pb.Batch
+    loader: LoaderLink
+
+
+def _gone(exc: BaseException) -> bool:
+    """Whether an embedding worker answered that it does not hold the ref (it restarted)."""
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
+
+
+def look_up(item: PersiaBatch | LoaderBatch, workers: Sequence[EmbeddingWorkerClient], *,
             next_worker: int, training: bool, staleness: int = 0) -> TrainingBatch:
     """The one place a :class:`TrainingBatch` is made: its embeddings looked up.
 
@@ -162,7 +226,12 @@ def look_up(item: PersiaBatch | pb.Batch, workers: Sequence[EmbeddingWorkerClien
     it names) or a :class:`PersiaBatch` made in this process: a training one has its ids
     stored on ``workers[next_worker]`` first, as a data loader would; an evaluation one
     is looked up directly, inserting no rows. ``training=False`` refuses training batches.
+    A loader's batch whose embedding worker restarted (and lost its ids) is put there
+    again by the loader and looked up under its new ref.
     """
+    loader = None
+    if isinstance(item, LoaderBatch):
+        item, loader = item.batch, item.loader
     if item.requires_grad and not training:
         raise ValueError(ONLY_EVALUATES)
     if isinstance(item, PersiaBatch):
@@ -179,14 +248,20 @@ def look_up(item: PersiaBatch | pb.Batch, workers: Sequence[EmbeddingWorkerClien
         if not 0 <= index < len(workers):
             raise ValueError(f"batch {item.batch_id} names embedding worker {index}, only "
                              f"{len(workers)} known")
-        slots = workers[index].lookup(ref)
+        try:
+            slots = workers[index].lookup(ref)
+        except grpc.RpcError as exc:
+            if loader is None or not _gone(exc):
+                raise
+            index, ref = loader.resend(item.batch_id, len(workers))
+            slots = workers[index].lookup(ref)
         dense = tensors_from_named(item.non_id_features)
         labels = tensors_from_named(item.labels)
         meta, batch_id = item.meta, item.batch_id
     return TrainingBatch(non_id_type_features=dense, labels=labels, slots=slots,
                          requires_grad=item.requires_grad, batch_size=item.batch_size,
                          meta=meta, ref=ref, embedding_worker=index, staleness=staleness,
-                         batch_id=batch_id)
+                         batch_id=batch_id, loader=loader)
 
 
 class GradientSender:
@@ -209,7 +284,15 @@ class GradientSender:
 
     def _send(self, batch: TrainingBatch, grads: list[tuple[str, np.ndarray]]) -> None:
         try:
-            self._workers[batch.embedding_worker].update_gradients(batch.ref, grads)
+            try:
+                self._workers[batch.embedding_worker].update_gradients(batch.ref, grads)
+            except grpc.RpcError as exc:
+                if batch.loader is None or not _gone(exc):
+                    raise
+                # Its worker restarted after the lookup: routed again from the loader's
+                # copy; replicas that applied it before acknowledge it only.
+                index, ref = batch.loader.resend(batch.batch_id, len(self._workers))
+                self._workers[index].update_gradients(ref, grads, rerouted=True)
         finally:
             batch.release()
 
@@ -260,10 +343,10 @@ class DataLoaderSource:
         self._channels = [create_channel(a, common) for a in data_loader_addrs]
         for channel, address in zip(self._channels, data_loader_addrs):
             wait_for_ready(channel, address, common.startup_timeout_sec)
-        loaders = [(data_loader_pb2_grpc.DataLoaderStub(c), a)
+        self._outages = OutageLog()
+        loaders = [LoaderLink(data_loader_pb2_grpc.DataLoaderStub(c), a, common, self._outages)
                    for c, a in zip(self._channels, data_loader_addrs)]
         self._groups = [loaders] if reproducible else [[loader] for loader in loaders]
-        self._outages = OutageLog()
 
     def producers(self) -> list[Producer]:
         return [functools.partial(self._fetch, group) for group in self._groups]
@@ -276,16 +359,39 @@ class DataLoaderSource:
         request_seq = itertools.count()
         while active and not stop.is_set():
             for loader in list(active):
-                stub, address = loader
                 request = pb.NextBatchRequest(rank=self.rank, consumer=consumer,
-                                              request_seq=next(request_seq))
-                response = call(stub.NextBatch, request, timeout=self.common.rpc_timeout_sec,
-                                idempotent=True, what=f"data loader {address}",
-                                outages=self._outages)
+                                              request_seq=next(request_seq),
+                                              done=loader.take_done())
+                response = call(loader.stub.NextBatch, request,
+                                timeout=self.common.rpc_timeout_sec, idempotent=True,
+                                what=f"data loader {loader.address}", outages=self._outages)
                 if response.end_of_stream:
                     active.remove(loader)
-                elif response.has_batch and not put(response.batch):
+                elif response.has_batch:
+                    loader.handed()
+                    if not put(LoaderBatch(response.batch, loader)):
+                        return
+        for loader in loaders:
+            self._settle(loader, consumer, request_seq, stop)
+
+    def _settle(self, loader: LoaderLink, consumer: bytes, request_seq, stop: threading.Event) -> None:
+        """After the end of ``loader``'s stream: tell it which batches finished until none it
+        handed over is in training (it keeps them for a resend until then). Best effort: a
+        loader that stopped waiting forgets them anyway."""
+        while not stop.is_set():
+            settled = loader.wait_settled(0.5)
+            done = loader.take_done()
+            if done:
+                request = pb.NextBatchRequest(rank=self.rank, consumer=consumer,
+                                              request_seq=next(request_seq), done=done)
+                try:
+                    loader.stub.NextBatch(request, timeout=5.0)
+                except grpc.RpcError as exc:
+                    logger.info("data loader %s: finished batches not told (%s)",
+                                loader.address, exc.code().name)
                     return
+            if settled:
+                return
 
     def close(self) -> None:
         for c in self._channels:
@@ -430,12 +536,15 @@ class BatchStream:
             self._outstanding -= 1
         self.staleness.release()
 
-    def _to_training_batch(self, item: PersiaBatch | pb.Batch,
+    def _to_training_batch(self, item: PersiaBatch | LoaderBatch,
                            staleness: int) -> TrainingBatch | None:
         batch = look_up(item, self.workers, training=self.training, staleness=staleness,
                         next_worker=next(self._round_robin) % len(self.workers))
+        loader, id_ = batch.loader, batch.batch_id
         if not batch.requires_grad:
             self._release_slot()
+            if loader is not None:
+                loader.finished(id_)
             return batch
         # Room for the batch and its future gradients, held until the update is acknowledged.
         num_bytes = batch.nbytes
@@ -445,13 +554,25 @@ class BatchStream:
         def release() -> None:
             self.budget.release(num_bytes)
             self._release_slot()
+            if loader is not None:
+                loader.finished(id_)
 
         batch.release = release
         return batch
 
     def __iter__(self) -> Iterator[TrainingBatch]:
+        return self.batches()
+
+    def batches(self, interrupted: Callable[[], bool] | None = None) -> Iterator[TrainingBatch]:
+        """The batches, in order; with ``interrupted``, ends early once it is true while
+        no batch is ready (an online job asked to stop while its stream is idle)."""
         while True:
-            item = self._ready.get(timeout=None)
+            try:
+                item = self._ready.get(timeout=None if interrupted is None else 0.2)
+            except queue.Empty:
+                if interrupted():
+                    return
+                continue
             if item is _END:
                 return
             if isinstance(item, BaseException):

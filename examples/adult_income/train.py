@@ -37,8 +37,8 @@ def test_auc(model: torch.nn.Module, csv: str) -> float:
     with eval_ctx(model=model) as ctx:
         for batch in DataLoader(TestDataset(csv)):
             output, batch_labels = ctx.forward(batch)
-            preds.append(output.numpy().reshape(-1))
-            labels.append(batch_labels[0].numpy().reshape(-1))
+            preds.append(output.float().cpu().numpy().reshape(-1))  # .cpu(): outputs may be on a GPU
+            labels.append(batch_labels[0].cpu().numpy().reshape(-1))
     return roc_auc(np.concatenate(labels), np.concatenate(preds))
 
 

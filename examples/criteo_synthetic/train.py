@@ -39,8 +39,8 @@ def evaluate(model: torch.nn.Module, num_samples: int) -> float:
     with eval_ctx(model=model) as ctx:
         for batch in DataLoader(TestDataset(num_samples, 1024)):
             output, batch_labels = ctx.forward(batch)
-            preds.append(output.numpy().reshape(-1))
-            labels.append(batch_labels[0].numpy().reshape(-1))
+            preds.append(output.float().cpu().numpy().reshape(-1))  # .cpu(): outputs may be on a GPU
+            labels.append(batch_labels[0].cpu().numpy().reshape(-1))
     return roc_auc(np.concatenate(labels), np.concatenate(preds))
 
 

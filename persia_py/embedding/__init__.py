@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from persia_py.checks import check_number
+from persia_py.checks import WrongType, check_number
 from persia_py.table_policy import check_init_bounds, check_weight_bound
 
 
@@ -31,7 +31,9 @@ class EmbeddingConfig:
 
     def __post_init__(self) -> None:
         bounds = self.emb_initialization
-        if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+        if not isinstance(bounds, (tuple, list)):
+            raise WrongType(f"emb_initialization: expected (lower, upper), got {bounds!r}")
+        if len(bounds) != 2:
             raise ValueError(f"emb_initialization: expected (lower, upper), got {bounds!r}")
         object.__setattr__(self, "emb_initialization", check_init_bounds(*bounds))
         if self.admit_probability != 1.0:

@@ -148,10 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1", help="address every server binds")
     p.add_argument("--num-ps", type=int, default=1, help="parameter-server replicas")
     p.add_argument("--device-id", type=int, default=None,
-                   help="CUDA device of the dense model (default: CPU)")
+                   help="CUDA device of the dense model (default: cuda:LOCAL_RANK where "
+                        "CUDA is available, else the CPU)")
     p.add_argument("--follow-increments", default=None, metavar="DIR",
                    help="the parameter servers apply the training job's incremental exports "
                         "in DIR (checkpoint_config.incremental_dir) as they appear")
+    p.add_argument("--follow-dense", default=None, metavar="DIR",
+                   help="swap in each new dense model version the training job writes to DIR "
+                        "(checkpoint_config.dense_export_dir), atomically")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics (dense model freshness) on this port (0: any "
+                        "free port); the parameter servers then serve theirs (increment "
+                        "freshness) on free ports, each printed at start-up")
     add_insecure_flag(p, "the Serving service and its servers")
 
     p = sub.add_parser("k8s", help="render Kubernetes manifests for a job")

@@ -4,10 +4,15 @@ Every role runs as its own process (its own session, so it can be stopped with a
 children). Each output line is prefixed with the role and replica. When any role fails,
 everything stops; when training ends, the data loaders are waited for and the servers
 stopped. The launcher exits with the training's exit code and leaves no process behind,
-on Ctrl-C too. A parameter server that dies while training runs (a non-zero exit or a
-signal) is the exception: it is started again on the same port with the same replica
-index, from the last checkpoint when there is one, up to ``max_restarts`` times; the
-embedding workers wait and retry meanwhile, so training goes on.
+on Ctrl-C too. SIGTERM stops the NN workers first and waits for them (an online job's
+ranks, ``TrainCtx(stop_on_signal=True)``, finish their step and write a final
+checkpoint, then exit 0), then the other roles; a second SIGTERM stops all at once.
+A process that dies while training runs (a non-zero exit or a signal) does not stop the
+job: a parameter server is started again on the same port with the same replica index,
+from the last checkpoint when there is one, and an embedding worker on the same port
+(the data loaders put the batches it lost there again), up to ``max_restarts`` times
+each, while the others wait and retry, so training goes on; a data loader or NN rank
+makes the training restart from its last checkpoint (persia_py/launcher/recovery.py).
 
 Both config files are validated before any process starts. Every role gets the job
 token by environment: the user's (``auth_token_file`` or ``$PERSIA_AUTH_TOKEN``), else a
@@ -20,6 +25,7 @@ metrics on a free port (its ``... metrics on http://...`` line says which) unles
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import signal
@@ -48,6 +54,13 @@ from persia_py.progress import ENV_TRAIN_LOG
 from persia_py.security import ENV_AUTH_TOKEN
 
 _STOP_GRACE_SEC = 10.0
+GRACEFUL_STOP_SEC = 300.0
+"""How long SIGTERM waits for the NN workers to stop on their own (a final checkpoint
+of large tables takes a while); a second SIGTERM stops everything at once."""
+
+
+class GracefulStop(Exception):
+    """The launcher got SIGTERM: stop the training cleanly, then the other roles."""
 MAX_PS_RESTARTS = 3
 MAX_TRAINING_RESTARTS = 3
 """Restarts of the training (persia_py.launcher.recovery) each other role may cause."""
@@ -145,9 +158,12 @@ class LocalCluster:
         command = role.restart()
         source = command[command.index("--load-checkpoint") + 1] if (
             "--load-checkpoint" in command) else None
+        if role.kind == "embedding-worker":
+            detail = "its batches are put there again by their data loaders"
+        else:
+            detail = f"from checkpoint {source}" if source else "empty: no checkpoint yet"
         self.log(f"{role.name} died ({how}); restarting it on the same port (restart "
-                  f"{role.num_restarts} of {self.max_restarts}, "
-                  + (f"from checkpoint {source})" if source else "empty: no checkpoint yet)"))
+                 f"{role.num_restarts} of {self.max_restarts}, {detail})")
         self.spawn(role, command)
         return True
 
@@ -160,31 +176,62 @@ class LocalCluster:
             print(f"[launcher] {message}", flush=True)
 
     def run(self) -> int:
-        """Wait for training to end or any role to fail; stop everything; return the code."""
+        """Wait for training to end or any role to fail; stop everything; return the code.
+        On :class:`GracefulStop` the NN workers stop first (:meth:`stop_training`)."""
         try:
-            while True:
-                self._exited.wait(timeout=1.0)
-                self._exited.clear()
-                nn = [r for r in self.roles if r.kind == "nn-worker"]
-                for role in self.roles:
-                    code = role.process.poll()
-                    if code is None:
-                        continue
-                    if code != 0:
-                        if self._try_restart(role, code):
-                            continue
-                        self.log(f"{role.name} exited with code {code}; stopping the job")
-                        return code
-                    if role.kind in ("server", "embedding-worker"):
-                        self.log(f"{role.name} exited before training ended; stopping the job")
-                        return 1
-                if all(r.process.poll() == 0 for r in nn):
-                    return self._finish()
+            try:
+                return self._watch()
+            except GracefulStop:
+                return self.stop_training()
         except KeyboardInterrupt:
             self.log("interrupted; stopping every process")
             return 130
         finally:
             self.stop()
+
+    def _watch(self) -> int:
+        while True:
+            self._exited.wait(timeout=1.0)
+            self._exited.clear()
+            nn = [r for r in self.roles if r.kind == "nn-worker"]
+            for role in self.roles:
+                code = role.process.poll()
+                if code is None:
+                    continue
+                if code != 0:
+                    if self._try_restart(role, code):
+                        continue
+                    self.log(f"{role.name} exited with code {code}; stopping the job")
+                    return code
+                if role.kind in ("server", "embedding-worker"):
+                    self.log(f"{role.name} exited before training ended; stopping the job")
+                    return 1
+            if all(r.process.poll() == 0 for r in nn):
+                return self._finish()
+
+    def stop_training(self) -> int:
+        """SIGTERM the NN workers alone and wait for them: with
+        ``TrainCtx(stop_on_signal=True)`` they finish their step, write a final checkpoint
+        and exit 0. The other roles are stopped after them (the servers hold the rows
+        that checkpoint reads). Returns the NN workers' exit code."""
+        self.log("SIGTERM: stopping the NN workers after their current step (a final "
+                 "checkpoint follows); then every other role")
+        nn = [r for r in self.roles if r.kind == "nn-worker" and r.process is not None]
+        for role in nn:
+            if role.process.poll() is None:
+                os.kill(role.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + GRACEFUL_STOP_SEC
+        codes = []
+        for role in nn:
+            try:
+                codes.append(role.process.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.log(f"{role.name} did not stop within {GRACEFUL_STOP_SEC:.0f}s; stopping "
+                         "it")
+                return 1
+        code = next((c for c in codes if c != 0), 0)
+        self.log("training stopped" + ("" if code == 0 else f" with code {code}"))
+        return code
 
     def supervise(self, stop: threading.Event) -> int:
         """Keep long-running roles (servers) up until ``stop`` is set.
@@ -355,6 +402,10 @@ def run_local(args: argparse.Namespace) -> int:
 
     for role in roles[:num_ps]:
         role.restart = ps_restart(role.command)
+    for role in roles[num_ps:num_ps + num_ew]:
+        # Restarted alone: the data loaders keep the ID features of every batch not yet
+        # trained and put those it lost on its successor (see workers/data_loader.py).
+        role.restart = functools.partial(list, role.command)
     cluster = LocalCluster(roles, env)
     recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],
                                 root=root, train_log=train_log,
@@ -365,12 +416,19 @@ def run_local(args: argparse.Namespace) -> int:
         cluster.metrics = LauncherMetrics()
         metrics_server = serve_metrics(cluster.metrics.registry, 0, host, "[launcher] launcher")
 
+    signalled = []
+
     def on_signal(signum, _frame):
-        raise KeyboardInterrupt
+        signalled.append(signum)
+        # The first SIGTERM stops the training cleanly, a second one everything at once.
+        raise GracefulStop if len(signalled) == 1 else KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
         cluster.start()
+    except GracefulStop:
+        cluster.stop()
+        return 143
     except BaseException:
         cluster.stop()
         raise

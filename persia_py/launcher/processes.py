@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 import time
 
-from persia_py.env import ENV_RANK_FAILED_FILE
+from persia_py.env import ENV_DATA_LOADER_REPLICA_INDEX, ENV_RANK_FAILED_FILE
 
 
 def _children() -> dict[int, list[int]]:
@@ -45,7 +45,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -> int:
-    """Run torchrun in the foreground (SIGTERM/SIGINT passed on) and return its code.
+    """Run torchrun in the foreground and return its code. SIGINT is passed on to
+    torchrun, SIGTERM to its ranks (to torchrun before they start).
 
     A rank that fails writes why into ``$PERSIA_RANK_FAILED_FILE``
     (``persia_py.process_group.report_failure``). torchrun then records the failure in
@@ -60,7 +61,15 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     child = subprocess.Popen(command, env={**env, ENV_RANK_FAILED_FILE: failed_file})
 
     def forward(signum, _frame):
-        child.send_signal(signum)
+        # SIGTERM goes to the ranks themselves while they run: one that stops cleanly on
+        # it (TrainCtx(stop_on_signal=True)) exits 0, and torchrun with it. torchrun,
+        # signalled itself, would kill them 30 s later and fail whatever they did.
+        ranks = children(child.pid) if signum == signal.SIGTERM else []
+        for pid in ranks or [child.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
@@ -91,3 +100,46 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     finally:
         if os.path.exists(failed_file):
             os.unlink(failed_file)
+
+
+ROLE_KINDS = ("parameter server", "embedding worker", "data loader", "NN worker")
+
+
+def _argv_env(pid: int) -> tuple[list[str], dict[str, str]]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().decode(errors="replace").split("\0")
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.partition("=")[::2] for item in
+                   f.read().decode(errors="replace").split("\0") if "=" in item)
+    return argv, env
+
+
+def role_pid(root: int, kind: str, index: int, *, loader_script: str,
+             train_script: str) -> int:
+    """The process below ``root`` (a ``persia-launcher local``) that *is* replica ``index``
+    of role ``kind`` (one of :data:`ROLE_KINDS`): for data loaders and NN ranks the user's
+    script (``loader_script``/``train_script``, matched by path suffix), not the wrapper
+    or torchrun that started it. What a chaos test or the recovery benchmark kills."""
+    if kind not in ROLE_KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {ROLE_KINDS}")
+    found = []
+    for pid in descendants(root):
+        try:
+            argv, env = _argv_env(pid)
+        except OSError:  # exited meanwhile
+            continue
+        wrapper = "persia_py.launcher.cli" in argv or "torch.distributed.run" in argv
+        flag = "embedding-parameter-server" if kind == "parameter server" else "embedding-worker"
+        if kind in ("parameter server", "embedding worker"):
+            hit = flag in argv and argv[argv.index("--replica-index") + 1] == str(index)
+        elif kind == "data loader":
+            hit = not wrapper and any(a.endswith(loader_script) for a in argv) and \
+                env.get(ENV_DATA_LOADER_REPLICA_INDEX) == str(index)
+        else:
+            hit = not wrapper and any(a.endswith(train_script) for a in argv) and \
+                env.get("RANK") == str(index)
+        if hit:
+            found.append(pid)
+    if len(found) != 1:
+        raise LookupError(f"{kind} {index}: {len(found)} processes below {root} ({found})")
+    return found[0]

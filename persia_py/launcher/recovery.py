@@ -1,10 +1,11 @@
-"""Self-healing of a ``persia-launcher local`` job: when an embedding worker, a data
-loader or the NN workers die, the job's training restarts from its last checkpoint.
+"""Self-healing of a ``persia-launcher local`` job: when a data loader or the NN workers
+die, the job's training restarts from its last checkpoint. (A parameter server or an
+embedding worker is restarted alone: see ``Role.restart`` in persia_py/launcher/local.py.)
 
-What a dead role held is not in any other process (an embedding worker's looked-up
-batches and unsent updates, a data loader's queue, the NN ranks' dense state), so the
-training side rolls back to one consistent cut: the embedding workers, data loaders and
-NN workers are stopped and started again; the NN workers load the newest checkpoint of
+What a dead loader or rank held is not in any other process (a data loader's queue and
+the batches it keeps for a resend, the NN ranks' dense state), so the training side rolls
+back to one consistent cut: the embedding workers, data loaders and NN workers are stopped
+and started again; the NN workers load the newest checkpoint of
 ``checkpoint_config.dir`` by themselves (``TrainCtx``; the parameter servers' rows and
 exactly-once windows included, all or nothing) and every data loader skips exactly the
 batches of its own the checkpoint holds as trained (``$PERSIA_DATA_POSITIONS``). Without

@@ -112,10 +112,17 @@ def run_parameter_server(args: argparse.Namespace) -> int:
     if args.follow_increments:
         if not inference:
             raise SystemExit("--follow-increments needs --inference (a serving replica)")
+        from persia_py.monitoring import register_freshness
+
         after = base_increment_seqs(args.load_checkpoint) if args.load_checkpoint else {}
-        background.append(IncrementFollower(
-            ps, args.follow_increments, after=after,
-            on_failure=metrics.increment_failures.labels("apply").inc).start())
+        # Behind once the newest applied increment is older than 2 export intervals.
+        every_sec = ckpt_cfg.incremental_every_sec
+        follower = IncrementFollower(
+            ps, args.follow_increments, after=after, warn_after_sec=2 * every_sec or None,
+            on_failure=metrics.increment_failures.labels("apply").inc)
+        register_freshness(metrics.registry, "increment", follower.age_sec,
+                           lambda: follower.num_applied)
+        background.append(follower.start())
     elif not inference and (ckpt_cfg.incremental_every_updates or ckpt_cfg.incremental_every_sec):
         background.append(IncrementalExporter(
             ps, ckpt_cfg.incremental_dir, every_updates=ckpt_cfg.incremental_every_updates,
@@ -130,6 +137,10 @@ def run_parameter_server(args: argparse.Namespace) -> int:
         try:
             for thread in background:
                 thread.close()
+                if isinstance(thread, IncrementalExporter):
+                    # Stopping (an online job's SIGTERM too): the rows changed since the
+                    # last export reach serving as well.
+                    thread.export_now()
         finally:
             ps.close()
 

@@ -8,14 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NextBatchRequest(_message.Message):
-    __slots__ = ("rank", "consumer", "request_seq")
+    __slots__ = ("rank", "consumer", "request_seq", "done")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     consumer: bytes
     request_seq: int
-    def __init__(self, rank: _Optional[int] = ..., consumer: _Optional[bytes] = ..., request_seq: _Optional[int] = ...) -> None: ...
+    done: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., consumer: _Optional[bytes] = ..., request_seq: _Optional[int] = ..., done: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ResendBatchRequest(_message.Message):
+    __slots__ = ("batch_id",)
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    def __init__(self, batch_id: _Optional[int] = ...) -> None: ...
+
+class ResendBatchResponse(_message.Message):
+    __slots__ = ("embedding_worker", "ref")
+    EMBEDDING_WORKER_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    embedding_worker: int
+    ref: int
+    def __init__(self, embedding_worker: _Optional[int] = ..., ref: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "batch_size", "embedding_worker", "ref", "non_id_features", "labels", "meta", "requires_grad")

@@ -42,6 +42,11 @@ class DataLoaderStub:
                 request_serializer=persia__py_dot_proto_dot_data__loader__pb2.NextBatchRequest.SerializeToString,
                 response_deserializer=persia__py_dot_proto_dot_data__loader__pb2.NextBatchResponse.FromString,
                 _registered_method=True)
+        self.ResendBatch = channel.unary_unary(
+                '/persia_py.DataLoader/ResendBatch',
+                request_serializer=persia__py_dot_proto_dot_data__loader__pb2.ResendBatchRequest.SerializeToString,
+                response_deserializer=persia__py_dot_proto_dot_data__loader__pb2.ResendBatchResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/persia_py.DataLoader/Health',
                 request_serializer=persia__py_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
@@ -60,6 +65,14 @@ class DataLoaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResendBatch(self, request, context):
+        """Stores a batch's ID features on its embedding worker again (that worker restarted
+        and lost them); the loader keeps them until the batch is acknowledged in `done`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -73,6 +86,11 @@ def add_DataLoaderServicer_to_server(servicer, server):
                     servicer.NextBatch,
                     request_deserializer=persia__py_dot_proto_dot_data__loader__pb2.NextBatchRequest.FromString,
                     response_serializer=persia__py_dot_proto_dot_data__loader__pb2.NextBatchResponse.SerializeToString,
+            ),
+            'ResendBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResendBatch,
+                    request_deserializer=persia__py_dot_proto_dot_data__loader__pb2.ResendBatchRequest.FromString,
+                    response_serializer=persia__py_dot_proto_dot_data__loader__pb2.ResendBatchResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -109,6 +127,33 @@ class DataLoader:
             '/persia_py.DataLoader/NextBatch',
             persia__py_dot_proto_dot_data__loader__pb2.NextBatchRequest.SerializeToString,
             persia__py_dot_proto_dot_data__loader__pb2.NextBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResendBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia_py.DataLoader/ResendBatch',
+            persia__py_dot_proto_dot_data__loader__pb2.ResendBatchRequest.SerializeToString,
+            persia__py_dot_proto_dot_data__loader__pb2.ResendBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

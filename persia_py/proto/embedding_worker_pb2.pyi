@@ -8,14 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PutBatchRequest(_message.Message):
-    __slots__ = ("features", "batch_size", "requires_grad")
+    __slots__ = ("features", "batch_size", "requires_grad", "stream", "batch_id")
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     features: _containers.RepeatedCompositeFieldContainer[_common_pb2.IdFeature]
     batch_size: int
     requires_grad: bool
-    def __init__(self, features: _Optional[_Iterable[_Union[_common_pb2.IdFeature, _Mapping]]] = ..., batch_size: _Optional[int] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
+    stream: str
+    batch_id: int
+    def __init__(self, features: _Optional[_Iterable[_Union[_common_pb2.IdFeature, _Mapping]]] = ..., batch_size: _Optional[int] = ..., requires_grad: _Optional[bool] = ..., stream: _Optional[str] = ..., batch_id: _Optional[int] = ...) -> None: ...
 
 class PutBatchResponse(_message.Message):
     __slots__ = ("ref",)
@@ -84,12 +88,14 @@ class SlotRowGradients(_message.Message):
     def __init__(self, slot: _Optional[str] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class UpdateGradientsRequest(_message.Message):
-    __slots__ = ("ref", "slots")
+    __slots__ = ("ref", "slots", "rerouted")
     REF_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REROUTED_FIELD_NUMBER: _ClassVar[int]
     ref: int
     slots: _containers.RepeatedCompositeFieldContainer[SlotRowGradients]
-    def __init__(self, ref: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRowGradients, _Mapping]]] = ...) -> None: ...
+    rerouted: bool
+    def __init__(self, ref: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRowGradients, _Mapping]]] = ..., rerouted: _Optional[bool] = ...) -> None: ...
 
 class UpdateGradientsResponse(_message.Message):
     __slots__ = ("num_updated",)

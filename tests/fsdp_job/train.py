@@ -18,6 +18,17 @@ one parameter server (``--phase`` runs one alone, as the 1-rank DDP step does):
    rank 1 ``UNEVEN[1]``: the rank out of batches joins the other's steps (``Join``);
    with DDP (the reference) then FSDP, the latter with a periodic checkpoint every
    ``PERIOD`` steps; checkpoints ``uneven-ddp`` and ``uneven-fsdp``.
+6. ``empty-ddp`` / ``empty-fsdp``: the same with ``EMPTY``: rank 0 gets no batch at all.
+7. ``amp-ddp`` / ``amp-fsdp``: from ``init``, ``AMP_STEPS`` steps under
+   ``mixed_precision=True`` (bfloat16 autocast on the CPU).
+8. ``nan-ddp`` / ``nan-fsdp``: from ``init``, ``NAN_STEPS`` steps; at step ``NAN_AT`` rank
+   0's loss is NaN: the gathered dense weights around that step, the skipped-step
+   count, and whether the ranks agree that gradients are not finite when only rank 0's
+   shard of one gradient is NaN; checkpoints ``nan-ddp`` and ``nan-fsdp``.
+
+The FSDP phase's tower is :class:`ScriptableDLRM` (the example's, written so that
+TorchScript compiles it) and checkpoint ``fsdp`` carries ``jit_dense.pt``; ``fsdp-load``
+asks for it with the example's DLRM, which TorchScript cannot compile.
 
 Each phase writes ``<out>/<phase>-rank<r>.json`` (losses, the limiter's figures)."""
 
@@ -57,7 +68,23 @@ BATCH = 64
 STEPS = 30
 UNEVEN = (3, 6)
 PERIOD = 2
-PHASES = ("ddp", "fsdp", "ddp1", "fsdp-load", "uneven-ddp", "uneven-fsdp")
+EMPTY = (0, 3)
+AMP_STEPS = 10
+NAN_STEPS, NAN_AT = 5, 3
+PHASES = ("ddp", "fsdp", "ddp1", "fsdp-load", "uneven-ddp", "uneven-fsdp", "empty-ddp",
+          "empty-fsdp", "amp-ddp", "amp-fsdp", "nan-ddp", "nan-fsdp")
+
+
+class ScriptableDLRM(DLRM):
+    """The example's tower with a forward TorchScript compiles (no starred list)."""
+
+    def forward(self, non_id_tensors: list[torch.Tensor],
+                embedding_tensors: list[torch.Tensor]) -> torch.Tensor:
+        dense = self.bottom(non_id_tensors[0])
+        vectors = torch.stack([dense] + embedding_tensors, dim=1)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))
+        pairs = dots[:, self.pair_rows, self.pair_cols]
+        return torch.sigmoid(self.top(torch.cat([dense, pairs], dim=1)))
 
 
 class RankBatches(IterableDataset):
@@ -77,11 +104,45 @@ def _train(ctx: TrainCtx, env: PersiaEnv, steps: int) -> list[float]:
     losses = []
     for batch in DataLoader(RankBatches(steps, env.rank, env.world_size), embedding_staleness=1):
         output, labels = ctx.forward(batch)
-        loss = torch.nn.functional.binary_cross_entropy(output, labels[0])
+        loss = torch.nn.functional.binary_cross_entropy(output.float(), labels[0])
         ctx.backward(loss)
         losses.append(loss.item())
     ctx.flush()
     return losses
+
+
+def _nan_phase(ctx: TrainCtx, env: PersiaEnv) -> dict:
+    """Rank 0's loss is NaN at step NAN_AT: the gathered weights just before and after
+    that step; then whether the ranks agree that the gradients are not finite when one
+    value of rank 0's shard of one gradient is NaN."""
+    losses, around = [], {}
+    for step, batch in enumerate(
+            DataLoader(RankBatches(NAN_STEPS, env.rank, env.world_size), embedding_staleness=1),
+            1):
+        if step == NAN_AT:
+            around["before"] = _gathered(ctx.model)
+        output, labels = ctx.forward(batch)
+        loss = torch.nn.functional.binary_cross_entropy(output.float(), labels[0])
+        if step == NAN_AT and env.rank == 0:
+            loss = loss * float("nan")
+        ctx.backward(loss)
+        if step == NAN_AT:
+            around["after"] = _gathered(ctx.model)
+        losses.append(loss.item())
+    ctx.flush()
+    before, after = around["before"], around["after"]
+    unchanged = sorted(k for k in before if torch.equal(before[k], after[k]))
+    params = [p for g in ctx.dense_optimizer.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    if env.rank == 0:
+        grad = params[0].grad
+        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
+    partial_nan_finite = ctx.dense.grads_finite(ctx.dense_optimizer)
+    ctx.dense_optimizer.zero_grad(set_to_none=True)
+    return {"steps": len(losses), "losses": losses, "unchanged": unchanged,
+            "keys": sorted(before), "skipped": ctx.num_dense_steps_skipped,
+            "partial_nan_finite": partial_nan_finite}
 
 
 def _ctx(model: torch.nn.Module, option, **kwargs) -> TrainCtx:
@@ -128,7 +189,7 @@ def run(phase: str, env: PersiaEnv, root: Path, out: Path) -> None:
             ctx.dump_checkpoint(str(root / "ddp"))
     elif phase == "fsdp":
         torch.manual_seed(0)
-        model = build_on_meta(DLRM)
+        model = build_on_meta(ScriptableDLRM)
         with _ctx(model, _bounded(model, env.world_size)) as ctx:
             built = _gathered(ctx.model)
             init = fmt.load_tensors(fmt.resolve(root / "init"), "dense-model")
@@ -136,7 +197,7 @@ def run(phase: str, env: PersiaEnv, root: Path, out: Path) -> None:
             ctx.load_checkpoint(str(root / "init"))
             stats = _stats(ctx, _train(ctx, env, STEPS), meta_build_differs=differ,
                            meta_build_keys=sorted(built))
-            ctx.dump_checkpoint(str(root / "fsdp"))
+            ctx.dump_checkpoint(str(root / "fsdp"), with_jit_model=True)
     elif phase == "ddp1" and env.world_size == 1:
         with _ctx(DLRM(), DDPOption()) as ctx:
             ctx.load_checkpoint(str(root / "fsdp"))
@@ -148,18 +209,36 @@ def run(phase: str, env: PersiaEnv, root: Path, out: Path) -> None:
     elif phase == "fsdp-load":
         with _ctx(DLRM(), FSDPOption()) as ctx:
             ctx.load_checkpoint(str(root / "b"))
+            try:
+                ctx.dump_checkpoint(str(root / "not-scriptable"), with_jit_model=True)
+                refused = None
+            except ValueError as exc:
+                refused = str(exc)
             ctx.dump_checkpoint(str(root / "c"))
-    elif phase in ("uneven-ddp", "uneven-fsdp"):
+        stats = {"jit_refused": refused, "steps": 0}
+    elif phase.startswith(("uneven-", "empty-")):
         config = load_global_config(env.global_config)
         option = DDPOption()
         if phase == "uneven-fsdp":
             option = FSDPOption()
             config = dataclasses.replace(config, checkpoint_config=dataclasses.replace(
                 config.checkpoint_config, dir=str(root / "periodic"), every_steps=PERIOD))
+        elif phase == "empty-fsdp":
+            option = FSDPOption()
+        counts = UNEVEN if phase.startswith("uneven-") else EMPTY
         with _ctx(DLRM(), option, global_config=config) as ctx:
             ctx.load_checkpoint(str(root / "init"))
-            stats = _stats(ctx, _train(ctx, env, UNEVEN[env.rank]))
+            stats = _stats(ctx, _train(ctx, env, counts[env.rank]))
             ctx.dump_checkpoint(str(root / phase))
+    elif phase in ("amp-ddp", "amp-fsdp", "nan-ddp", "nan-fsdp"):
+        option = FSDPOption() if phase.endswith("fsdp") else DDPOption()
+        with _ctx(DLRM(), option, mixed_precision=phase.startswith("amp")) as ctx:
+            ctx.load_checkpoint(str(root / "init"))
+            if phase.startswith("amp"):
+                stats = _stats(ctx, _train(ctx, env, AMP_STEPS))
+            else:
+                stats = _nan_phase(ctx, env)
+                ctx.dump_checkpoint(str(root / phase))
     else:
         raise ValueError(phase)
     if stats is not None:

@@ -52,7 +52,7 @@ if __name__ == "__main__":
             output, labels = ctx.forward(batch)
             ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
         with eval_ctx(model=model) as evaluation:
-            predictions = [evaluation.forward(b)[0].numpy() for b in
+            predictions = [evaluation.forward(b)[0].cpu().numpy() for b in
                            DataLoader(TestBatches(args.test_samples, args.test_batch_size))]
         np.save(args.predictions, np.concatenate(predictions), allow_pickle=False)
         ctx.dump_checkpoint(args.checkpoint)

@@ -1,0 +1,210 @@
+"""How fast a ``persia-launcher local`` job heals: seconds from a kill until training
+steps resume, per role kind, and the throughput of a job that loses one process of each
+kind beside the same job without faults, measured in the same run.
+
+    python -m benchmarks.recovery --json recovery.json            # ~5-minute jobs
+    python -m benchmarks.recovery --train-samples 150000          # a quicker look
+
+The job is the synthetic Criteo example (2 parameter servers, 2 embedding workers, 2 data
+loaders, 2 NN ranks, a checkpoint every ``--every-steps`` steps). The clean job runs
+first; the faulty one SIGKILLs a parameter server, an embedding worker, a data loader and
+an NN rank (in that order) at 15, 35, 55 and 75 % of the clean job's wall time, each once
+the training has resumed from the previous kill.
+
+What is measured, from the training log rank 0 appends one line per step to (each line
+timestamped when it appears):
+
+* ``<role>_recovery_s``: for a role whose death restarts the training from its checkpoint
+  (data loader, NN worker), seconds from the kill until the first step of the restarted
+  training; for a parameter server or an embedding worker (restarted alone while the
+  training waits for it), seconds from the kill until the step that ends the longest
+  pause in steps within a minute after it.
+* ``chaos_throughput_ratio``: samples/s of the faulty job over samples/s of the clean
+  one, both over the whole job (launch to exit; the same samples are trained by both,
+  each exactly once after the last restore). Work trained after the last checkpoint and
+  lost with a process is what the ratio pays for, with the restarts themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from persia_py.launcher.processes import role_pid
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "criteo_synthetic"
+KILLS = (("parameter server", "ps_recovery_s", 0.15),
+         ("embedding worker", "embedding_worker_recovery_s", 0.35),
+         ("data loader", "data_loader_recovery_s", 0.55),
+         ("NN worker", "nn_worker_recovery_s", 0.75))
+RESTARTED_ALONE = ("parameter server", "embedding worker")
+_PS_WINDOW_S = 60.0  # after a server's kill, where the training's pause is looked for
+
+
+class StepLog:
+    """Follows a training log as it grows: (arrival time, record) of each line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[tuple[float, dict]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        offset, partial = 0, b""
+        while not self._stop.wait(0.02):
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            offset += len(data)
+            now = time.monotonic()
+            *lines, partial = (partial + data).split(b"\n")
+            self.records += [(now, json.loads(line)) for line in lines if line.strip()]
+
+    def steps_after(self, t: float) -> list[tuple[float, int]]:
+        return [(at, r["step"]) for at, r in list(self.records) if at > t and "loss" in r]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Job:
+    """One ``persia-launcher local`` run of the example, its output printed through."""
+
+    def __init__(self, folder: Path, args: argparse.Namespace) -> None:
+        folder.mkdir(parents=True)
+        config = folder / "global_config.yml"
+        config.write_text((EXAMPLE / "global_config.yml").read_text() + (
+            f"\ncheckpoint_config:\n  root: {folder}\n  dir: {folder / 'ckpt'}\n"
+            f"  every_steps: {args.every_steps}\n"))
+        command = [sys.executable, "-m", "persia_py.launcher.cli", "local",
+                   "--nn-worker", str(EXAMPLE / "train.py"),
+                   "--data-loader", str(EXAMPLE / "data_loader.py"),
+                   "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+                   "--global-config", str(config), "--num-ps", "2",
+                   "--num-embedding-workers", "2", "--num-data-loaders", "2",
+                   "--nproc-per-node", "2", "--run-dir", str(folder / "run"), "--no-metrics",
+                   "--data-loader-args", f"--train-samples {args.train_samples}",
+                   "--nn-worker-args", "--test-samples 5000"]
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.log = StepLog(folder / "run" / "train_log.jsonl")
+
+    def _read(self) -> None:
+        for raw in self.process.stdout:
+            line = raw.decode(errors="replace")
+            self.lines.append((time.monotonic(), line))
+            if line.startswith("[launcher]") or "test_auc" in line or "Error" in line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    def kill(self, kind: str) -> float:
+        pid = role_pid(self.process.pid, kind, 1 if kind == "NN worker" else 0,
+                       loader_script="criteo_synthetic/data_loader.py",
+                       train_script="criteo_synthetic/train.py")
+        os.kill(pid, signal.SIGKILL)
+        return time.monotonic()
+
+    def wait_until(self, t: float) -> None:
+        while time.monotonic() < t:
+            if self.process.poll() is not None:
+                raise SystemExit(f"the job ended early:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def finish(self, timeout_s: float) -> float:
+        """Waits for the job to exit 0; its wall seconds."""
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            raise SystemExit(f"the job did not end within {timeout_s:.0f} s:\n{self.tail()}") from None
+        wall = time.monotonic() - self.started
+        self._reader.join(timeout=10)
+        self.log.close()
+        if code != 0:
+            raise SystemExit(f"the job exited {code}:\n{self.tail()}")
+        return wall
+
+    def tail(self) -> str:
+        return "".join(line for _, line in self.lines[-60:])
+
+
+def recovery_seconds(job: Job, kind: str, killed_at: float, timeout_s: float) -> float:
+    """Seconds from the kill until steps resume (see the module docstring)."""
+    deadline = killed_at + timeout_s
+    while time.monotonic() < deadline:
+        steps = job.log.steps_after(killed_at)
+        if kind not in RESTARTED_ALONE:
+            # The restarted training's rank 0 counts its steps from 1 again.
+            restarted = [at for at, step in steps if step == 1]
+            if restarted:
+                return restarted[0] - killed_at
+        elif steps and (steps[-1][0] - killed_at >= _PS_WINDOW_S
+                        or job.process.poll() is not None):
+            times = [killed_at] + [at for at, _ in steps if at - killed_at <= _PS_WINDOW_S]
+            gaps = [(b - a, b) for a, b in zip(times, times[1:])]
+            return max(gaps)[1] - killed_at
+        if job.process.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise SystemExit(f"no training steps after the {kind} was killed:\n{job.tail()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train-samples", type=int, default=900_000,
+                        help="samples of each job (the default runs ~5 min on 2 cores)")
+    parser.add_argument("--every-steps", type=int, default=20, help="checkpoint period")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="persia-recovery-") as tmp:
+        clean = Job(Path(tmp) / "clean", args)
+        clean_wall = clean.finish(timeout_s=3600)
+        print(f"clean job: {clean_wall:.1f} s", flush=True)
+
+        faulty = Job(Path(tmp) / "faulty", args)
+        figures: dict[str, float] = {}
+        for kind, key, fraction in KILLS:
+            faulty.wait_until(faulty.started + fraction * clean_wall)
+            killed_at = faulty.kill(kind)
+            figures[key] = round(recovery_seconds(faulty, kind, killed_at, timeout_s=600), 2)
+            print(f"{kind} killed: steps resumed after {figures[key]:.2f} s", flush=True)
+        faulty_wall = faulty.finish(timeout_s=3600)
+
+    figures.update({
+        "clean_wall_s": round(clean_wall, 1), "chaos_wall_s": round(faulty_wall, 1),
+        "train_samples": args.train_samples,
+        "clean_samples_per_s": round(args.train_samples / clean_wall, 1),
+        "chaos_samples_per_s": round(args.train_samples / faulty_wall, 1),
+        "chaos_throughput_ratio": round(clean_wall / faulty_wall, 3),
+        "median_recovery_s": round(statistics.median(figures[k] for _, k, _ in KILLS), 2),
+    })
+    print(json.dumps(figures, indent=2))
+    print(f"chaos_throughput_ratio: {figures['chaos_throughput_ratio']:.3f} "
+          f"(faulty {faulty_wall:.1f} s vs clean {clean_wall:.1f} s; target >= 0.8)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""How much memory a parameter server's tables can take, against what it can get.
+
+A table's arrays are reserved for its whole ``capacity`` as address space (see
+:mod:`persia_py.servers.memory`), so a capacity larger than memory is not refused at
+start: it is found out when the rows fill and the process is killed. This module says so
+before: :func:`capacity_warning` compares the bytes the configured capacities take when
+full with the memory this process can get, and the parameter server logs it at start and
+again when the optimizer is known (the tables are built).
+
+Bytes of one row (:func:`row_bytes`), from the arrays of ``servers/storage.py`` and
+``servers/hash_index.py``: the weights and the optimizer's state (float32 each:
+``dim + state_width`` values), the id and the last-access stamp (8 bytes each), and the
+hash index, kept at most half full, of 16-byte slots: 32 bytes a row, up to 64 just after
+it doubles. docs/sizing.md has the table by dim and optimizer and the measured figure it
+is checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+FLOAT_BYTES = 4
+ID_AND_STAMP_BYTES = 16
+"""``ids`` (uint64) and ``last_access`` (int64) per row."""
+INDEX_BYTES_PER_ROW = 32
+"""Hash-index slots (8-byte key, 8-byte row) at the load bound of one half."""
+_UNLIMITED = 1 << 60
+"""A cgroup v1 limit at or above this means no limit (the kernel writes ~2**63)."""
+
+
+def row_bytes(dim: int, state_width: int) -> int:
+    """Resident bytes of one full row of width ``dim`` with ``state_width`` optimizer
+    state columns (SGD 0, Adagrad ``dim`` or 1, Adam ``2 * dim + 1``)."""
+    return FLOAT_BYTES * (dim + state_width) + ID_AND_STAMP_BYTES + INDEX_BYTES_PER_ROW
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The memory this process can get, and where that figure comes from."""
+
+    bytes: int
+    source: str
+
+
+def memory_limit(root: str = "/") -> MemoryLimit | None:
+    """The least of this process's cgroup memory limit (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) and the machine's ``MemAvailable``; None where neither
+    can be read (not Linux). ``root`` prefixes the paths (for tests)."""
+    base = Path(root)
+    found = []
+    cgroup = _cgroup_limit(base)
+    if cgroup is not None:
+        found.append(cgroup)
+    available = _mem_available(base)
+    if available is not None:
+        found.append(available)
+    return min(found, key=lambda m: m.bytes) if found else None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_limit(base: Path) -> MemoryLimit | None:
+    lines = (_read(base / "proc/self/cgroup") or "").splitlines()
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        rel = path.lstrip("/")
+        if hierarchy == "0" and controllers == "":  # cgroup v2
+            candidates = [base / "sys/fs/cgroup" / rel / "memory.max",
+                          base / "sys/fs/cgroup/memory.max"]
+            name = "memory.max"
+        elif "memory" in controllers.split(","):  # cgroup v1
+            candidates = [base / "sys/fs/cgroup/memory" / rel / "memory.limit_in_bytes",
+                          base / "sys/fs/cgroup/memory/memory.limit_in_bytes"]
+            name = "memory.limit_in_bytes"
+        else:
+            continue
+        for candidate in candidates:
+            text = _read(candidate)
+            if text is None or text == "max":
+                continue
+            if text.isdigit() and int(text) < _UNLIMITED:
+                return MemoryLimit(int(text), f"the cgroup limit ({name})")
+    return None
+
+
+def _mem_available(base: Path) -> MemoryLimit | None:
+    for line in (_read(base / "proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            fields = line.split()
+            if len(fields) >= 2 and fields[1].isdigit():
+                return MemoryLimit(int(fields[1]) * 1024, "MemAvailable in /proc/meminfo")
+    return None
+
+
+@dataclass(frozen=True)
+class TableSize:
+    """One table of this replica: its name, rows at most, and bytes of a row."""
+
+    name: str
+    capacity: int
+    row_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return self.capacity * self.row_bytes
+
+
+def capacity_warning(tables: list[TableSize], limit: MemoryLimit | None, *,
+                     what: str) -> str | None:
+    """A message when the tables, full, take more than ``limit``; None when they fit
+    (or nothing is known of the memory). ``what`` says which optimizer state is
+    counted."""
+    if limit is None or not tables:
+        return None
+    total = sum(t.bytes for t in tables)
+    if total <= limit.bytes:
+        return None
+    largest = sorted(tables, key=lambda t: -t.bytes)[:3]
+    detail = ", ".join(f"{t.name}: {t.capacity:,} rows x {t.row_bytes} B = {_gib(t.bytes)}"
+                       for t in largest)
+    fit = max(1, limit.bytes * max(t.capacity for t in tables) // total)
+    return (f"the configured capacity of this parameter server's {len(tables)} table(s), "
+            f"full, takes {_gib(total)} ({what}), more than the {_gib(limit.bytes)} it can "
+            f"get ({limit.source}); largest: {detail}. The process will be killed when the "
+            f"rows fill; lower embedding_parameter_server_config.capacity (or "
+            f"slots_config.<slot>.capacity; about {fit:,} rows for the largest table, "
+            f"scaled alike for the others), or add parameter servers (see docs/sizing.md)")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.1f} GiB"
+

@@ -1,0 +1,58 @@
+"""NN worker of tests/test_online_training.py: trains the stream until SIGTERM
+(``TrainCtx(stop_on_signal=True)``), with progressive validation every 4 steps (GAUC
+grouped by sample id modulo 7). After each step a rank appends the sample ids it
+trained to ``OUT/ids-rank<r>.txt`` and prints its running sample count, each in one
+write: the launcher's roles run unbuffered, and two ranks' lines must not interleave."""
+
+import argparse
+import logging
+import os
+import sys
+
+import numpy as np
+import torch
+
+from persia_py.ctx import TrainCtx
+from persia_py.data import DataLoader, StreamingDataset
+from persia_py.embedding.optim import Adagrad
+from persia_py.env import get_rank
+from persia_py.progressive import ProgressiveValidation
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(1 + 8 + 8, 1)
+
+    def forward(self, dense, embeddings):
+        return torch.sigmoid(self.linear(torch.cat([dense[0], *embeddings], dim=1)))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = Model()
+    rank = get_rank()
+    os.makedirs(args.out, exist_ok=True)
+    ids_file = os.open(os.path.join(args.out, f"ids-rank{rank}.txt"),
+                       os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    num_samples = 0
+    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.05),
+                  dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=0.05),
+                  stop_on_signal=True, progressive_validation=ProgressiveValidation(
+                      every_steps=4, group_by=lambda b: np.frombuffer(b.meta, np.int64) % 7),
+                  ) as ctx:
+        for batch in DataLoader(StreamingDataset(buffer_size=4), embedding_staleness=2):
+            output, labels = ctx.forward(batch)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            sids = np.frombuffer(batch.meta, dtype=np.int64)
+            os.write(ids_file, (" ".join(map(str, sids.tolist())) + "\n").encode())
+            num_samples += sids.size
+            sys.stdout.write(f"rank {rank} trained {num_samples} samples\n")
+            sys.stdout.flush()
+    os.close(ids_file)
+    sys.stdout.write(f"rank {rank} stopped cleanly after {num_samples} samples\n")
+    sys.stdout.flush()

@@ -1,0 +1,386 @@
+"""Online training: an endless stream in, stopped by SIGTERM, resumed exactly.
+
+* A ``persia-launcher local`` job (2 NN ranks) follows a folder of CSV files while more
+  arrive; SIGTERM stops it cleanly (exit 0, final checkpoint); started again (one rank)
+  it goes on from the exact stream position, and SIGTERM stops it again while it waits
+  for data: over both runs every sample id is trained exactly once (the ranks write the
+  ids they trained to files). The parameter server writes a
+  last increment as it stops; progressive validation reports land in both runs' logs.
+* The stream readers: a folder followed in name order, lines appended to a file (a
+  partial last line waits for its newline), Parquet, reading a range again, the
+  position log (torn last line, compaction), bad input named by file and row.
+* Metrics: log loss, NE, GAUC and histogram AUC against references; across two gloo
+  ranks (and progressive validation's reports) equal to one process's values.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, RoleProcess, launcher_command, run_ranks
+
+from persia_py.data_readers import BadRecordError, CsvColumn, CsvReaderConfig
+from persia_py.plot import read_training_log
+from persia_py.stream_reader import CsvFormat, ParquetFormat, StreamPosition, StreamReader
+from persia_py.stream_source import PositionLog
+
+JOB = ROOT / "tests" / "online_job"
+ROWS_PER_FILE = 96
+
+COLUMNS = (CsvColumn(name="sid", kind="int"), CsvColumn(name="label", kind="float"),
+           CsvColumn(name="x", kind="float"), CsvColumn(name="user", kind="ids"),
+           CsvColumn(name="item", kind="ids"))
+
+
+def _csv_rows(first: int, count: int) -> str:
+    rng = np.random.default_rng(first)
+    sid = np.arange(first, first + count)
+    user, item = rng.integers(0, 50, count), rng.integers(0, 80, count)
+    label = (rng.random(count) < 0.3 + 0.4 * (user % 2)).astype(int)
+    x = rng.normal(size=count).round(4)
+    return "".join(f"{s},{y},{v},{u},{i}\n" for s, y, v, u, i in zip(sid, label, x, user, item))
+
+
+def _add_file(folder: Path, index: int) -> int:
+    """Write stream file ``index`` whole (as a producer would: a hidden name, renamed into
+    place); returns its number of rows."""
+    tmp = folder / f".{index:03d}.part"
+    tmp.write_text("sid,label,x,user,item\n" + _csv_rows(index * ROWS_PER_FILE, ROWS_PER_FILE))
+    os.rename(tmp, folder / f"{index:03d}.csv")
+    return ROWS_PER_FILE
+
+
+def _start(work: Path, run: str, num_ranks: int) -> RoleProcess:
+    return RoleProcess(launcher_command(
+        "local", "--nn-worker", str(JOB / "train.py"), "--data-loader", str(JOB / "data_loader.py"),
+        "--embedding-config", str(JOB / "embedding_config.yml"),
+        "--global-config", str(work / "global_config.yml"), "--nproc-per-node", str(num_ranks),
+        "--run-dir", str(work / run), "--no-metrics",
+        "--data-loader-args", f"--stream {work / 'stream'} --positions {work / 'positions'}",
+        "--nn-worker-args", f"--out {work / run}"))
+
+
+def _wait_trained(job: RoleProcess, total: int, timeout: float = 120) -> None:
+    """Until the ranks' running counts add up to ``total`` samples."""
+    counts: dict[str, int] = {}
+    while sum(counts.values()) < total:
+        match = job.wait_for_line(r"rank (\d+) trained (\d+) samples", timeout=timeout)
+        counts[match.group(1)] = int(match.group(2))
+
+
+def _stop(job: RoleProcess) -> str:
+    os.kill(job.process.pid, signal.SIGTERM)
+    return job.finish(timeout=120)
+
+
+def _trained_ids(run_dir: Path) -> np.ndarray:
+    text = " ".join(p.read_text() for p in sorted(run_dir.glob("ids-rank*.txt")))
+    return np.array(text.split(), dtype=np.int64)
+
+
+@pytest.mark.processes
+def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -> None:
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    (tmp_path / "global_config.yml").write_text(
+        (ROOT / "examples" / "criteo_synthetic" / "global_config.yml").read_text()
+        + textwrap.dedent(f"""
+            checkpoint_config:
+              root: {tmp_path}
+              dir: {tmp_path / "ckpt"}
+              every_steps: 4
+              incremental_dir: {tmp_path / "increments"}
+              incremental_every_sec: 3600
+        """))
+    total = sum(_add_file(stream, i) for i in range(3))
+    job = _start(tmp_path, "run1", num_ranks=2)
+    try:
+        _wait_trained(job, 64)
+        total += sum(_add_file(stream, i) for i in range(3, 11))  # files arrive as it trains
+        _wait_trained(job, 160)
+    except BaseException:
+        job.stop()
+        raise
+    out = _stop(job)
+    assert re.search(r"SIGTERM: stopping after the current step", out), out[-5000:]
+    assert re.search(r"final checkpoint .*ckpt-", out), out[-5000:]
+    assert len(re.findall(r"rank \d stopped cleanly", out)) == 2, out[-5000:]
+    # The hourly export never came due: the one there is the parameter server's last, as it
+    # stopped, so serving gets the final rows too.
+    assert [p.name[:9] for p in (tmp_path / "increments").glob("inc-*")] == ["inc-0000-"]
+    first = _trained_ids(tmp_path / "run1")
+    assert 160 <= first.size < total  # stopped mid-stream, with files left to read
+
+    total += sum(_add_file(stream, i) for i in range(11, 13))  # arrived while it was stopped
+    # Started again (with one rank: a checkpoint resumes on any number), it goes on from
+    # there; with every sample trained it waits for data, and SIGTERM stops it there too.
+    job = _start(tmp_path, "run2", num_ranks=1)
+    try:
+        job.wait_for_line(r"resuming from .*ckpt-", timeout=60)
+        _wait_trained(job, 32)
+        total += _add_file(stream, 13)
+        _wait_trained(job, total - first.size)
+    except BaseException:
+        job.stop()
+        raise
+    out = _stop(job)
+    assert re.search(r"final checkpoint .*ckpt-", out), out[-5000:]
+    # Progressive validation: both runs logged AUC, log loss, NE and GAUC of all ranks'
+    # pre-update scores (every 4 steps of each rank: 4 batches of 32 samples per rank).
+    for run, num_ranks in (("run1", 2), ("run2", 1)):
+        reports = [r for r in read_training_log(tmp_path / run / "train_log.jsonl")
+                   if "pv_auc" in r]
+        assert reports and reports[0]["pv_samples"] == 128 * num_ranks, reports
+        assert all(0 < r["pv_logloss"] and 0 <= r["pv_auc"] <= 1 and 0 <= r["pv_gauc"] <= 1
+                   for r in reports), reports
+    every = np.sort(np.concatenate([first, _trained_ids(tmp_path / "run2")]))
+    assert every.size == total, f"{every.size} samples trained, {total} in the stream"
+    np.testing.assert_array_equal(every, np.arange(total))  # none skipped, none twice
+
+
+# -- readers ------------------------------------------------------------------------------
+
+def _reader(path: Path, **kwargs) -> StreamReader:
+    config = CsvReaderConfig(columns=COLUMNS, header=kwargs.pop("header", False))
+    return StreamReader(path, CsvFormat(config), poll_interval_sec=0.01,
+                        max_wait_sec=kwargs.pop("max_wait_sec", 0.05),
+                        idle_timeout_sec=kwargs.pop("idle_timeout_sec", 0.3), **kwargs)
+
+
+def _sids(batches) -> list[int]:
+    return [int(s) for b in batches for s in b.records.values["sid"]]
+
+
+def test_folder_is_read_in_name_order_with_exact_positions(tmp_path: Path) -> None:
+    for index in (1, 0, 2):
+        _add_file(tmp_path, index)
+    (tmp_path / ".hidden.csv").write_text("not,a,record\n")
+    reader = _reader(tmp_path, header=True, pattern="*.csv")
+    batches = list(reader.batches(40))
+    assert _sids(batches) == list(range(3 * ROWS_PER_FILE))
+    assert [b.num_records for b in batches] == [40, 40, 16] * 3  # a batch never spans files
+    assert batches[0].start == StreamPosition("000.csv", 0, 0)
+    for before, batch in zip(batches, batches[1:]):  # contiguous: each starts where one ended
+        same_file = batch.start.file == before.end.file
+        assert batch.start == (before.end if same_file else StreamPosition(batch.start.file))
+    third = batches[4]
+    assert third.start.file == "001.csv" and third.records.rows[0] == third.start.row + 1
+    again = reader.read(third.start, third.end)  # a range read again is the same records
+    np.testing.assert_array_equal(again.records.values["sid"], third.records.values["sid"])
+    np.testing.assert_array_equal(again.records.id_lists["user"][0],
+                                  third.records.id_lists["user"][0])
+    resumed = list(_reader(tmp_path, header=True, pattern="*.csv").batches(40, start=third.end))
+    assert _sids(resumed) == list(range(third.records.values["sid"][-1] + 1, 3 * ROWS_PER_FILE))
+
+
+def test_appended_lines_are_read_only_once_complete(tmp_path: Path) -> None:
+    path = tmp_path / "events.csv"
+    path.write_text("0,1,0.5,3,4\n1,0,0.25,5,6\n2,1,0.1")  # the last line is not complete
+    reader = _reader(path, idle_timeout_sec=5.0)
+    batches = reader.batches(3)
+    first = next(batches)  # a short batch after max_wait_sec, without the partial line
+    assert first.records.values["sid"].tolist() == [0, 1]
+    assert first.end.offset == len("0,1,0.5,3,4\n1,0,0.25,5,6\n")
+    with open(path, "a") as f:
+        f.write("25,7,8\n3,0,1.5,9,10\n4,1,2.5,11,12\n")  # completes line 3, and two more
+    second = next(batches)
+    assert second.records.values["sid"].tolist() == [2, 3, 4]
+    np.testing.assert_allclose(second.records.values["x"], [0.125, 1.5, 2.5])  # "0.1"+"25"
+    assert second.records.rows.tolist() == [3, 4, 5]
+    reader.stop.set()
+    assert list(batches) == []
+
+
+def test_files_out_of_name_order_and_bad_rows_are_errors(tmp_path: Path) -> None:
+    _add_file(tmp_path, 1)
+    reader = _reader(tmp_path, header=True, idle_timeout_sec=5.0)
+    batches = reader.batches(ROWS_PER_FILE)
+    assert next(batches).start.file == "001.csv"
+    _add_file(tmp_path, 0)  # named before the file being read: would be skipped silently
+    with pytest.raises(RuntimeError, match="'000.csv' appeared after '001.csv'"):
+        next(batches)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.csv").write_text("0,1,0.5,3,4\n1,0,oops,5,6\n")
+    with pytest.raises(BadRecordError, match=r"a\.csv: row 2: column 'x': 'oops'"):
+        list(_reader(bad).batches(10))
+    (bad / "a.csv").write_text("0,1,0.5,3\n")
+    with pytest.raises(BadRecordError, match=r"a\.csv: row 1: 4 fields, expected 5"):
+        list(_reader(bad).batches(10))
+
+
+def test_parquet_folder(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")  # in the test extra; the skip only names a bare install
+    import pyarrow.parquet as pq
+
+    for index in range(2):
+        first = index * 10
+        table = pa.table({
+            "sid": pa.array(np.arange(first, first + 10), pa.int64()),
+            "label": pa.array(np.arange(10) % 2, pa.float32()),
+            "tags": pa.array([list(range(i % 3)) for i in range(10)], pa.list_(pa.int64())),
+            "user": pa.array(np.arange(10) + 100, pa.int64()),
+            "extra": pa.array(["z"] * 10),
+        })
+        pq.write_table(table, tmp_path / f"part-{index}.parquet")
+    columns = (CsvColumn(name="sid", kind="int"), CsvColumn(name="label", kind="float"),
+               CsvColumn(name="tags", kind="ids"), CsvColumn(name="user", kind="ids"))
+    reader = StreamReader(tmp_path, ParquetFormat(columns), pattern="*.parquet",
+                          poll_interval_sec=0.01, idle_timeout_sec=0.3)
+    batches = list(reader.batches(4))
+    assert [b.num_records for b in batches] == [4, 4, 2, 4, 4, 2]
+    assert _sids(batches) == list(range(20))
+    ids, lengths = batches[1].records.id_lists["tags"]
+    assert lengths.tolist() == [1, 2, 0, 1] and ids.tolist() == [0, 0, 1, 0]
+    assert batches[1].records.id_lists["user"][0].tolist() == [104, 105, 106, 107]
+    assert batches[4].start == StreamPosition("part-1.parquet", 0, 4)
+    again = reader.read(batches[4].start, batches[4].end)
+    assert again.records.values["sid"].tolist() == [14, 15, 16, 17]
+    resumed = StreamReader(tmp_path, ParquetFormat(columns), pattern="*.parquet",
+                           poll_interval_sec=0.01, idle_timeout_sec=0.3)
+    assert _sids(resumed.batches(4, start=batches[4].start)) == list(range(14, 20))
+    with pytest.raises(ValueError, match="cannot read the Parquet columns"):
+        StreamReader(tmp_path, ParquetFormat((CsvColumn(name="nope", kind="int"),)),
+                     idle_timeout_sec=0.3).batches(4).__next__()
+
+
+def test_position_log_drops_a_torn_line_and_compacts(tmp_path: Path) -> None:
+    path = tmp_path / "loader-0.positions"
+    log = PositionLog(path)
+    for seq in range(5):
+        log.append(seq, StreamPosition("a.csv", 10 * seq, seq), StreamPosition("a.csv", 10 * seq + 10,
+                                                                                 seq + 1))
+    log.close()
+    with open(path, "ab") as f:
+        f.write(b'{"seq": 5, "start": ["a.c')  # the process died mid-write
+    reopened = PositionLog(path, keep_from=2)
+    assert sorted(reopened.records) == [2, 3, 4]
+    assert reopened.records[3] == (StreamPosition("a.csv", 30, 3), StreamPosition("a.csv", 40, 4))
+    reopened.append(5, StreamPosition("a.csv", 50, 5), StreamPosition("a.csv", 60, 6))
+    reopened.close()
+    assert sorted(PositionLog(path).records) == [2, 3, 4, 5]
+    assert path.read_bytes().count(b"\n") == 4
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+def _samples(n: int = 6000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    groups = rng.integers(0, 40, n)
+    labels = (rng.random(n) < 0.2 + 0.5 * (groups % 3 == 0)).astype(np.int64)
+    scores = np.clip(rng.random(n) * 0.6 + 0.3 * labels, 0, 1).round(3)  # ties too
+    return labels, scores, groups
+
+
+def _reference_gauc(labels, scores, groups) -> float:
+    """Per-group AUC by the exact rank formula, one group at a time (the reference)."""
+    from persia_py.metrics import roc_auc
+
+    aucs, weights = [], []
+    for g in np.unique(groups):
+        mask = groups == g
+        if 0 < labels[mask].sum() < mask.sum():
+            aucs.append(roc_auc(labels[mask], scores[mask]))
+            weights.append(mask.sum())
+    return float(np.average(aucs, weights=weights))
+
+
+def test_single_process_metrics_match_references() -> None:
+    from persia_py.metrics import BinaryStats, gauc, log_loss, normalized_entropy, roc_auc
+
+    labels, scores, groups = _samples()
+    p = np.clip(scores, 1e-7, 1 - 1e-7)
+    expected_loss = -np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+    ctr = labels.mean()
+    assert log_loss(labels, scores) == pytest.approx(expected_loss, rel=1e-12)
+    assert normalized_entropy(labels, scores) == pytest.approx(
+        expected_loss / -(ctr * np.log(ctr) + (1 - ctr) * np.log(1 - ctr)), rel=1e-12)
+    assert gauc(labels, scores, groups) == pytest.approx(_reference_gauc(labels, scores, groups),
+                                                         abs=1e-12)
+    stats = BinaryStats(num_bins=1000)  # scores on a 0.001 grid: every bin one score
+    stats.update(labels[:100], scores[:100])
+    stats.update(labels[100:], scores[100:])
+    assert stats.auc() == pytest.approx(roc_auc(labels, scores), abs=1e-12)
+    assert stats.log_loss() == pytest.approx(expected_loss, rel=1e-12)
+    with pytest.raises(ValueError, match="probabilities"):
+        stats.update([1], [1.5])
+    with pytest.raises(ValueError, match="0 or 1"):
+        log_loss([2], [0.5])
+
+
+def _metrics_rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: metrics of its half of the samples, reduced across both."""
+    import torch.distributed as dist
+
+    from persia_py.metrics import BinaryStats, distributed_gauc
+    from persia_py.progressive import ProgressiveValidation
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    labels, scores, groups = _samples()
+    half = slice(0, 2500) if rank == 0 else slice(2500, None)  # unequal shares
+    stats = BinaryStats(num_bins=1000)
+    stats.update(labels[half], scores[half])
+    total = stats.all_reduced()
+    pv = ProgressiveValidation(every_steps=2, group_by=lambda batch: batch)
+    torch = __import__("torch")
+    reports = []
+    for chunk in np.array_split(np.arange(6000)[half], 4):  # 4 steps per rank, 2 reports
+        pv.observe(groups[chunk], torch.tensor(scores[chunk]), [torch.tensor(labels[chunk])])
+        reports.append(pv.after_step())
+    np.save(os.path.join(out, f"rank{rank}.npy"), np.array(
+        [total.auc(), total.log_loss(), total.normalized_entropy(),
+         distributed_gauc(labels[half], scores[half], groups[half]),
+         reports[1]["pv_auc"], reports[1]["pv_gauc"], reports[3]["pv_logloss"],
+         reports[1]["pv_samples"] + reports[3]["pv_samples"], reports[0] is None]))
+    dist.destroy_process_group()
+
+
+@pytest.mark.processes
+def test_distributed_metrics_equal_single_process(tmp_path: Path) -> None:
+    from persia_py.metrics import gauc, log_loss, normalized_entropy, roc_auc
+
+    run_ranks(_metrics_rank, str(tmp_path), timeout=120)
+    labels, scores, groups = _samples()
+    results = [np.load(tmp_path / f"rank{r}.npy") for r in range(2)]
+    np.testing.assert_array_equal(results[0], results[1])  # every rank gets the same values
+    auc, loss, ne, g_auc, pv_auc, pv_gauc, pv_loss, pv_samples, first_is_none = results[0]
+    assert auc == pytest.approx(roc_auc(labels, scores), abs=1e-12)
+    assert loss == pytest.approx(log_loss(labels, scores), rel=1e-12)
+    assert ne == pytest.approx(normalized_entropy(labels, scores), rel=1e-12)
+    assert g_auc == pytest.approx(gauc(labels, scores, groups), abs=1e-12)
+    # Progressive validation reports the samples of its window (2 steps of each rank).
+    first = np.r_[np.array_split(np.arange(2500), 4)[0], np.array_split(np.arange(2500), 4)[1],
+                  np.array_split(np.arange(2500, 6000), 4)[0],
+                  np.array_split(np.arange(2500, 6000), 4)[1]]
+    last = np.setdiff1d(np.arange(6000), first)
+    assert pv_auc == pytest.approx(roc_auc(labels[first], scores[first]), abs=1e-12)
+    assert pv_gauc == pytest.approx(gauc(labels[first], scores[first], groups[first]), abs=1e-12)
+    # (the model's outputs are float32: scores rounded to float32)
+    assert pv_loss == pytest.approx(log_loss(labels[last], scores[last]), rel=1e-6)
+    assert pv_samples == 6000 and first_is_none
+
+
+def test_sigterm_is_noted_not_fatal_and_the_handler_restored() -> None:
+    import signal as signal_module
+
+    import torch
+
+    from persia_py.graceful_stop import StopOnSignal
+
+    before = signal_module.getsignal(signal_module.SIGTERM)
+    stop = StopOnSignal(torch.device("cpu"))
+    stop.install()
+    try:
+        assert not stop.agreed() and not stop.stopped
+        os.kill(os.getpid(), signal_module.SIGTERM)  # handled in this (the main) thread
+        assert stop.requested and stop.agreed() and stop.stopped
+    finally:
+        stop.restore()
+    assert signal_module.getsignal(signal_module.SIGTERM) == before

@@ -1,0 +1,115 @@
+"""A parameter server whose configured capacity, full, outgrows the memory it can get
+warns at start with the figures (and again, with the optimizer's state, when training
+configures it); the memory is the least of the cgroup limit and MemAvailable."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import start_server
+
+from persia_py.config import embedding_config_from_dict, global_config_from_dict
+from persia_py.servers.optimizers import optimizer_from_dict, state_width
+from persia_py.servers.parameter_server import ParameterServer
+from persia_py.servers.sizing import (
+    MemoryLimit,
+    TableSize,
+    capacity_warning,
+    memory_limit,
+    row_bytes,
+)
+
+EMBEDDING = {"slots_config": {"user": {"dim": 32}, "item": {"dim": 8}}}
+ADAM = {"type": "adam", "lr": 0.01}
+
+
+def test_row_bytes_by_dim_and_optimizer() -> None:
+    adagrad = optimizer_from_dict({"type": "adagrad", "lr": 0.01})
+    # dim 32: weights 128 B, id + stamp 16 B, index 32 B; Adagrad adds 128 B.
+    assert row_bytes(32, 0) == 176
+    assert row_bytes(32, state_width(adagrad, 32)) == 304
+    assert row_bytes(32, state_width(optimizer_from_dict(ADAM), 32)) == 4 * (32 + 65) + 48
+
+
+def _write(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_memory_limit_is_the_least_of_cgroup_and_mem_available(tmp_path) -> None:
+    _write(tmp_path / "proc/meminfo", "MemTotal: 99999 kB\nMemAvailable:   2048 kB\n")
+    assert memory_limit(str(tmp_path)) == MemoryLimit(2048 * 1024,
+                                                      "MemAvailable in /proc/meminfo")
+    # cgroup v2, the process's own group.
+    _write(tmp_path / "proc/self/cgroup", "0::/jobs/ps\n")
+    _write(tmp_path / "sys/fs/cgroup/jobs/ps/memory.max", "1048576\n")
+    assert memory_limit(str(tmp_path)) == MemoryLimit(1 << 20, "the cgroup limit (memory.max)")
+    _write(tmp_path / "sys/fs/cgroup/jobs/ps/memory.max", "max\n")
+    assert memory_limit(str(tmp_path)).source == "MemAvailable in /proc/meminfo"
+    # cgroup v1; the kernel's "no limit" is a number near 2**63.
+    _write(tmp_path / "proc/self/cgroup", "4:memory:/pod\n1:cpu:/\n")
+    _write(tmp_path / "sys/fs/cgroup/memory/pod/memory.limit_in_bytes", "524288\n")
+    assert memory_limit(str(tmp_path)) == MemoryLimit(
+        524288, "the cgroup limit (memory.limit_in_bytes)")
+    _write(tmp_path / "sys/fs/cgroup/memory/pod/memory.limit_in_bytes", "9223372036854771712")
+    assert memory_limit(str(tmp_path)).bytes == 2048 * 1024
+    assert memory_limit(str(tmp_path / "nothing")) is None
+
+
+def test_warning_names_the_figures_and_what_to_change() -> None:
+    tables = [TableSize("user", 10_000_000, 304), TableSize("item", 1_000_000, 80)]
+    limit = MemoryLimit(2 << 30, "the cgroup limit (memory.max)")
+    message = capacity_warning(tables, limit, what="weights, optimizer state and index")
+    assert message.startswith("the configured capacity of this parameter server's 2 "
+                              "table(s), full, takes 2.9 GiB (weights, optimizer state and "
+                              "index), more than the 2.0 GiB it can get (the cgroup limit "
+                              "(memory.max)); largest: user: 10,000,000 rows x 304 B = 2.8 GiB")
+    assert "lower embedding_parameter_server_config.capacity" in message
+    assert capacity_warning(tables, MemoryLimit(3 << 30, "x"), what="") is None
+    assert capacity_warning(tables, None, what="") is None
+
+
+def _server(capacity: int) -> ParameterServer:
+    config = global_config_from_dict(
+        {"embedding_parameter_server_config": {"capacity": capacity}})
+    return ParameterServer(config, embedding_config_from_dict(EMBEDDING))
+
+
+def test_parameter_server_warns_at_start_and_at_configure(caplog) -> None:
+    available = memory_limit()
+    if available is None:
+        pytest.fail("no memory figure on this machine: /proc/meminfo is unreadable")
+    # Rows of 176 + 80 bytes (weights and index): a capacity just above what fits.
+    too_many = available.bytes // (176 + 80) + 1
+    with caplog.at_level(logging.WARNING, logger="persia_py.servers.parameter_server"):
+        server = _server(too_many)
+    start = [r.getMessage() for r in caplog.records]
+    assert len(start) == 1 and "weights and index only" in start[0], start
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="persia_py.servers.parameter_server"):
+        server.configure(optimizer=ADAM)
+    assert any("weights, optimizer state and index" in r.getMessage() for r in caplog.records)
+    # A capacity that fits with the optimizer's state says nothing.
+    fits = available.bytes // (row_bytes(32, 65) + row_bytes(8, 17)) // 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="persia_py.servers.parameter_server"):
+        _server(fits).configure(optimizer=ADAM)
+    assert caplog.records == []
+
+
+@pytest.mark.processes
+def test_a_parameter_server_process_prints_the_warning_at_start(tmp_path) -> None:
+    (tmp_path / "embedding_config.yml").write_text(
+        "slots_config:\n  user:\n    dim: 32\n")
+    (tmp_path / "global_config.yml").write_text(
+        "embedding_parameter_server_config:\n  capacity: 1000000000000\n")
+    ps, _ = start_server("embedding-parameter-server",
+                         "--embedding-config", str(tmp_path / "embedding_config.yml"),
+                         "--global-config", str(tmp_path / "global_config.yml"))
+    try:
+        output = ps.output()
+        assert "1,000,000,000,000 rows x 176 B = 163,912.8 GiB" in output, output
+        assert "it can get (" in output and "lower embedding_parameter_server_config" in output
+    finally:
+        ps.stop()
