@@ -67,11 +67,13 @@ FAILING_TRAIN = textwrap.dedent("""
 def test_a_failing_role_stops_the_job_with_its_exit_code(tmp_path) -> None:
     script = tmp_path / "failing_train.py"
     script.write_text(FAILING_TRAIN)
-    job = RoleProcess(_local("--num-ps", "1", nn_worker=str(script)))
+    job = RoleProcess(_local("--num-ps", "1", "--max-restarts", "1", nn_worker=str(script)))
     try:
         code = job.wait(timeout=300)
         assert code != 0
-        assert "about to fail" in job.output()
+        assert job.output().count("about to fail") == 2  # the first run and one restart
+        assert "nn-worker died (code 1) after 1 restarts, the limit; stopping the job" in \
+            job.output()
         assert processes_with_marker(job.marker) == [], job.output()
     finally:
         job.stop()

@@ -150,6 +150,8 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
     @grpc_method
     def NextBatch(self, request, context):
         self.kept.done(request.done)
+        if request.only_done:
+            return pb.NextBatchResponse()
         return self.batches.next(request.rank, _POLL_SEC, request.consumer, request.request_seq)
 
     @grpc_method

@@ -167,24 +167,38 @@ class LoaderLink:
         self.stub, self.address = stub, address
         self._common, self._outages = common, outages
         self._done: list[int] = []
-        self._in_training = 0  # batches handed to this worker and not finished
+        self._in_training: set[int] = set()  # batches handed to this worker, not finished
         self._changed = threading.Condition()
 
-    def handed(self) -> None:
+    def handed(self, batch_id: int) -> None:
         with self._changed:
-            self._in_training += 1
+            self._in_training.add(batch_id)
 
     def finished(self, batch_id: int) -> None:
         """The batch's training is over (its update acknowledged, or none was due)."""
         with self._changed:
             self._done.append(batch_id)
-            self._in_training -= 1
+            self._in_training.discard(batch_id)
             self._changed.notify_all()
 
     def wait_settled(self, timeout: float) -> bool:
         """Whether every batch handed over is finished (waits up to ``timeout``)."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._in_training <= 0, timeout)
+            return self._changed.wait_for(lambda: not self._in_training, timeout)
+
+    def abandon(self) -> None:
+        """Tell the loader it may forget every batch handed over, finished or not (the
+        stream is closing: nothing will ask for them again). Best effort."""
+        with self._changed:
+            done = self._done + sorted(self._in_training)
+            self._done, self._in_training = [], set()
+        if not done:
+            return
+        try:
+            self.stub.NextBatch(pb.NextBatchRequest(done=done, only_done=True), timeout=5.0)
+        except grpc.RpcError as exc:
+            logger.info("data loader %s: finished batches not told (%s)", self.address,
+                        exc.code().name)
 
     def take_done(self) -> list[int]:
         with self._changed:
@@ -368,7 +382,7 @@ class DataLoaderSource:
                 if response.end_of_stream:
                     active.remove(loader)
                 elif response.has_batch:
-                    loader.handed()
+                    loader.handed(response.batch.batch_id)
                     if not put(LoaderBatch(response.batch, loader)):
                         return
         for loader in loaders:
@@ -394,6 +408,9 @@ class DataLoaderSource:
                 return
 
     def close(self) -> None:
+        for group in self._groups:
+            for loader in group:
+                loader.abandon()
         for c in self._channels:
             c.close()
 

@@ -14,6 +14,13 @@ _NEEDS_TOKEN = ("embedding-parameter-server", "embedding-worker", "nn-worker", "
 """Subcommands that refuse to start without a job token unless ``--insecure``."""
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _add_server_flags(p: argparse.ArgumentParser, who: str = "this server",
                       bind_default: str | None = "127.0.0.1") -> None:
     """Port, bind address, replica index and count, metrics, configs and --insecure.
@@ -133,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a job from its last checkpoint in DIR (a checkpoint root or "
                         "folder): the NN workers load it, the data loaders skip the batches "
                         "it had trained")
+    p.add_argument("--max-restarts", type=_non_negative, default=3, metavar="N",
+                   help="restarts of each role after it died (a server or embedding worker "
+                        "alone; the training, for a data loader or NN worker) before the job "
+                        "stops; 0: the first death stops it")
 
     p = sub.add_parser("serve", help="answer predictions over gRPC from a checkpoint")
     p.add_argument("--checkpoint", required=True, metavar="DIR",

@@ -62,7 +62,6 @@ of large tables takes a while); a second SIGTERM stops everything at once."""
 class GracefulStop(Exception):
     """The launcher got SIGTERM: stop the training cleanly, then the other roles."""
 MAX_PS_RESTARTS = 3
-MAX_TRAINING_RESTARTS = 3
 """Restarts of the training (persia_py.launcher.recovery) each other role may cause."""
 
 
@@ -406,10 +405,10 @@ def run_local(args: argparse.Namespace) -> int:
         # Restarted alone: the data loaders keep the ID features of every batch not yet
         # trained and put those it lost on its successor (see workers/data_loader.py).
         role.restart = functools.partial(list, role.command)
-    cluster = LocalCluster(roles, env)
+    cluster = LocalCluster(roles, env, max_restarts=args.max_restarts)
     recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],
                                 root=root, train_log=train_log,
-                                max_restarts=MAX_TRAINING_RESTARTS, log=cluster.log)
+                                max_restarts=args.max_restarts, log=cluster.log)
     cluster.restart_training = recovery
     metrics_server = None
     if not args.no_metrics:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from persia_py.proto import common_pb2 as persia__py_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!persia_py/proto/data_loader.proto\x12\tpersia_py\x1a\x1cpersia_py/proto/common.proto\"U\n\x10NextBatchRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\x0c\x12\x13\n\x0brequest_seq\x18\x03 \x01(\x04\x12\x0c\n\x04\x64one\x18\x04 \x03(\x04\"&\n\x12ResendBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\"<\n\x13ResendBatchResponse\x12\x18\n\x10\x65mbedding_worker\x18\x01 \x01(\x05\x12\x0b\n\x03ref\x18\x02 \x01(\x04\"\xd2\x01\n\x05\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x18\n\x10\x65mbedding_worker\x18\x03 \x01(\x05\x12\x0b\n\x03ref\x18\x04 \x01(\x04\x12/\n\x0fnon_id_features\x18\x05 \x03(\x0b\x32\x16.persia_py.NamedTensor\x12&\n\x06labels\x18\x06 \x03(\x0b\x32\x16.persia_py.NamedTensor\x12\x0c\n\x04meta\x18\x07 \x01(\x0c\x12\x15\n\rrequires_grad\x18\x08 \x01(\x08\"^\n\x11NextBatchResponse\x12\x1f\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x10.persia_py.Batch\x12\x11\n\thas_batch\x18\x02 \x01(\x08\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\x32\xe1\x01\n\nDataLoader\x12\x46\n\tNextBatch\x12\x1b.persia_py.NextBatchRequest\x1a\x1c.persia_py.NextBatchResponse\x12L\n\x0bResendBatch\x12\x1d.persia_py.ResendBatchRequest\x1a\x1e.persia_py.ResendBatchResponse\x12=\n\x06Health\x12\x18.persia_py.HealthRequest\x1a\x19.persia_py.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!persia_py/proto/data_loader.proto\x12\tpersia_py\x1a\x1cpersia_py/proto/common.proto\"h\n\x10NextBatchRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\x0c\x12\x13\n\x0brequest_seq\x18\x03 \x01(\x04\x12\x0c\n\x04\x64one\x18\x04 \x03(\x04\x12\x11\n\tonly_done\x18\x05 \x01(\x08\"&\n\x12ResendBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\"<\n\x13ResendBatchResponse\x12\x18\n\x10\x65mbedding_worker\x18\x01 \x01(\x05\x12\x0b\n\x03ref\x18\x02 \x01(\x04\"\xd2\x01\n\x05\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x18\n\x10\x65mbedding_worker\x18\x03 \x01(\x05\x12\x0b\n\x03ref\x18\x04 \x01(\x04\x12/\n\x0fnon_id_features\x18\x05 \x03(\x0b\x32\x16.persia_py.NamedTensor\x12&\n\x06labels\x18\x06 \x03(\x0b\x32\x16.persia_py.NamedTensor\x12\x0c\n\x04meta\x18\x07 \x01(\x0c\x12\x15\n\rrequires_grad\x18\x08 \x01(\x08\"^\n\x11NextBatchResponse\x12\x1f\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x10.persia_py.Batch\x12\x11\n\thas_batch\x18\x02 \x01(\x08\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\x32\xe1\x01\n\nDataLoader\x12\x46\n\tNextBatch\x12\x1b.persia_py.NextBatchRequest\x1a\x1c.persia_py.NextBatchResponse\x12L\n\x0bResendBatch\x12\x1d.persia_py.ResendBatchRequest\x1a\x1e.persia_py.ResendBatchResponse\x12=\n\x06Health\x12\x18.persia_py.HealthRequest\x1a\x19.persia_py.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'persia_py.proto.data_loader
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NEXTBATCHREQUEST']._serialized_start=78
-  _globals['_NEXTBATCHREQUEST']._serialized_end=163
-  _globals['_RESENDBATCHREQUEST']._serialized_start=165
-  _globals['_RESENDBATCHREQUEST']._serialized_end=203
-  _globals['_RESENDBATCHRESPONSE']._serialized_start=205
-  _globals['_RESENDBATCHRESPONSE']._serialized_end=265
-  _globals['_BATCH']._serialized_start=268
-  _globals['_BATCH']._serialized_end=478
-  _globals['_NEXTBATCHRESPONSE']._serialized_start=480
-  _globals['_NEXTBATCHRESPONSE']._serialized_end=574
-  _globals['_DATALOADER']._serialized_start=577
-  _globals['_DATALOADER']._serialized_end=802
+  _globals['_NEXTBATCHREQUEST']._serialized_end=182
+  _globals['_RESENDBATCHREQUEST']._serialized_start=184
+  _globals['_RESENDBATCHREQUEST']._serialized_end=222
+  _globals['_RESENDBATCHRESPONSE']._serialized_start=224
+  _globals['_RESENDBATCHRESPONSE']._serialized_end=284
+  _globals['_BATCH']._serialized_start=287
+  _globals['_BATCH']._serialized_end=497
+  _globals['_NEXTBATCHRESPONSE']._serialized_start=499
+  _globals['_NEXTBATCHRESPONSE']._serialized_end=593
+  _globals['_DATALOADER']._serialized_start=596
+  _globals['_DATALOADER']._serialized_end=821
 # @@protoc_insertion_point(module_scope)

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NextBatchRequest(_message.Message):
-    __slots__ = ("rank", "consumer", "request_seq", "done")
+    __slots__ = ("rank", "consumer", "request_seq", "done", "only_done")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SEQ_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    ONLY_DONE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     consumer: bytes
     request_seq: int
     done: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rank: _Optional[int] = ..., consumer: _Optional[bytes] = ..., request_seq: _Optional[int] = ..., done: _Optional[_Iterable[int]] = ...) -> None: ...
+    only_done: bool
+    def __init__(self, rank: _Optional[int] = ..., consumer: _Optional[bytes] = ..., request_seq: _Optional[int] = ..., done: _Optional[_Iterable[int]] = ..., only_done: _Optional[bool] = ...) -> None: ...
 
 class ResendBatchRequest(_message.Message):
     __slots__ = ("batch_id",)
