@@ -129,6 +129,11 @@ def test_every_role_killed_at_random_the_job_heals_and_trains_each_batch_once(
     assert re.search(r"embedding-worker-\d died \(signal SIGKILL\); restarting it on the "
                      r"same port \(restart 1 of 3, its batches are put there again", out)
     assert re.search(r"restarts of the training: .*\(2 in all\)", out), out[-5000:]
+    # The launcher's last line counts the batches: the loaders' last runs, re-sent ones.
+    counted_line = re.search(r"\[launcher\] batches: (\d+) sent by the data loaders' last runs "
+                             r"\((\d+) skipped: trained before the checkpoint they resumed\), "
+                             r"(\d+) re-sent to restarted embedding workers", out)
+    assert counted_line, out[-5000:]
     last = out.rindex("restarting the training")
     done = restored
 
@@ -137,6 +142,8 @@ def test_every_role_killed_at_random_the_job_heals_and_trains_each_batch_once(
     made = {int(i): int(sent) + int(skipped) for i, sent, skipped in re.findall(
         r"data loader (\d) sent (\d+) batches \((\d+) skipped", out[last:])}
     assert set(made) == {0, 1}, out[-20000:]
+    assert int(counted_line[1]) + int(counted_line[2]) == sum(made.values())
+    assert int(counted_line[3]) == out.count("putting its ID features on embedding worker")
     everything = {batch_id(loader, seq) for loader, n in made.items() for seq in range(n)}
     before = {b for b in everything if done.of(b >> 40).done(b & ((1 << 40) - 1))}
     after = []
@@ -279,7 +286,9 @@ def test_reproducible_job_losing_a_worker_a_loader_and_its_rank_ends_bit_identic
     except BaseException:
         job.stop()
         raise
-    _completes(job)
+    out = _completes(job)
+    assert re.search(r"\[launcher\] batches: .* [1-9]\d* re-sent to restarted embedding workers",
+                     out), out[-3000:]
     _same_final_state(uninterrupted, "healed")
 
 

@@ -43,6 +43,7 @@ from persia_py.env import ENV_GLOBAL_CONFIG, job_env
 from persia_py.launcher import job_token
 from persia_py.launcher.processes import descendants
 from persia_py.launcher.recovery import (
+    BatchCounts,
     TrainingRecovery,
     checkpoint_root,
     latest_checkpoint,
@@ -103,6 +104,8 @@ class LocalCluster:
         self._exited = threading.Event()
         self.metrics: LauncherMetrics | None = None
         """Restarts counted as ``persia_restarts_total{role}`` (when serving metrics)."""
+        self.on_line: Callable[[str], None] | None = None
+        """Called with every output line of every role (the job's batch counts)."""
         self.restart_training: Callable[[Role, str], bool] | None = None
         """Called with a role without ``restart`` that died and how; True: it restarted
         the job's training (see persia_py.launcher.recovery); None: the job stops."""
@@ -110,9 +113,12 @@ class LocalCluster:
     def _pump(self, role: Role) -> None:
         assert role.process is not None and role.process.stdout is not None
         for line in role.process.stdout:
+            text = line.decode(errors="replace")
             with self._print_lock:
-                sys.stdout.write(f"[{role.name}] {line.decode(errors='replace')}")
+                sys.stdout.write(f"[{role.name}] {text}")
                 sys.stdout.flush()
+            if self.on_line is not None:
+                self.on_line(text)
         role.process.wait()
         self._exited.set()
 
@@ -410,6 +416,8 @@ def run_local(args: argparse.Namespace) -> int:
                                 root=root, train_log=train_log,
                                 max_restarts=args.max_restarts, log=cluster.log)
     cluster.restart_training = recovery
+    counts = BatchCounts()
+    cluster.on_line = counts.see
     metrics_server = None
     if not args.no_metrics:
         cluster.metrics = LauncherMetrics()
@@ -434,8 +442,8 @@ def run_local(args: argparse.Namespace) -> int:
     try:
         return cluster.run()
     finally:
-        summary = recovery.summary()
-        if summary:
-            cluster.log(summary)
+        for summary in (recovery.summary(), counts.summary()):
+            if summary:
+                cluster.log(summary)
         if metrics_server is not None:
             metrics_server.close()

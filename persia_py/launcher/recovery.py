@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import threading
 import time
 from collections.abc import Callable
 
@@ -122,3 +124,42 @@ class TrainingRecovery:
             counts[name] = counts.get(name, 0) + 1
         return ("restarts of the training: " + ", ".join(f"{n} {c}" for n, c in counts.items())
                 + f" ({len(self.restarts)} in all)")
+
+
+class BatchCounts:
+    """What the job's batches went through, from its roles' output lines: each loader's
+    last run (batches sent, and skipped as trained before the checkpoint it resumed),
+    batches re-sent to restarted embedding workers, and updates the parameter servers
+    had applied already (not applied again). ``persia-launcher local`` ends with it."""
+
+    _SENT = re.compile(r"data loader (\d+) sent (\d+) batches \((\d+) skipped")
+    _RESENT = "putting its ID features on embedding worker"
+    _DEDUPLICATED = "had applied its update already"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sent: dict[int, tuple[int, int]] = {}
+        self.resent = 0
+        self.deduplicated = 0
+
+    def see(self, line: str) -> None:
+        if self._RESENT in line:
+            with self._lock:
+                self.resent += 1
+        elif self._DEDUPLICATED in line:
+            with self._lock:
+                self.deduplicated += 1
+        elif (found := self._SENT.search(line)) is not None:
+            with self._lock:  # a restarted loader's last run replaces its earlier one
+                self.sent[int(found[1])] = (int(found[2]), int(found[3]))
+
+    def summary(self) -> str | None:
+        with self._lock:
+            if not self.sent:
+                return None
+            sent = sum(s for s, _ in self.sent.values())
+            skipped = sum(k for _, k in self.sent.values())
+            return (f"batches: {sent} sent by the data loaders' last runs ({skipped} skipped: "
+                    f"trained before the checkpoint they resumed), {self.resent} re-sent to "
+                    f"restarted embedding workers, {self.deduplicated} updates the parameter "
+                    "servers had applied already")
