@@ -103,7 +103,7 @@ def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -
     try:
         _wait_trained(job, 64)
         total += sum(_add_file(stream, i) for i in range(3, 11))  # files arrive as it trains
-        _wait_trained(job, 160)
+        _wait_trained(job, 384)  # both ranks past their first report (4 steps of 32)
     except BaseException:
         job.stop()
         raise
