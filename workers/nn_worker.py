@@ -181,24 +181,39 @@ class LoaderLink:
             self._in_training.discard(batch_id)
             self._changed.notify_all()
 
-    def wait_settled(self, timeout: float) -> bool:
+    def _wait_settled(self, timeout: float) -> bool:
         """Whether every batch handed over is finished (waits up to ``timeout``)."""
         with self._changed:
             return self._changed.wait_for(lambda: not self._in_training, timeout)
 
+    def settle(self, stop: threading.Event) -> None:
+        """After the end of this loader's stream: tell it which batches finished, until
+        none it handed over is in training (it keeps them for a resend until then)."""
+        while not stop.is_set():
+            settled = self._wait_settled(0.5)
+            if not self._tell(self.take_done()) or settled:
+                return
+
     def abandon(self) -> None:
         """Tell the loader it may forget every batch handed over, finished or not (the
-        stream is closing: nothing will ask for them again). Best effort."""
+        stream is closing: nothing will ask for them again)."""
         with self._changed:
             done = self._done + sorted(self._in_training)
             self._done, self._in_training = [], set()
+        self._tell(done)
+
+    def _tell(self, done: list[int]) -> bool:
+        """Send ``done`` alone (a request that takes no batch). Best effort: a loader that
+        stopped waiting forgets them anyway. False if the loader did not answer."""
         if not done:
-            return
+            return True
         try:
             self.stub.NextBatch(pb.NextBatchRequest(done=done, only_done=True), timeout=5.0)
         except grpc.RpcError as exc:
             logger.info("data loader %s: finished batches not told (%s)", self.address,
                         exc.code().name)
+            return False
+        return True
 
     def take_done(self) -> list[int]:
         with self._changed:
@@ -386,26 +401,7 @@ class DataLoaderSource:
                     if not put(LoaderBatch(response.batch, loader)):
                         return
         for loader in loaders:
-            self._settle(loader, consumer, request_seq, stop)
-
-    def _settle(self, loader: LoaderLink, consumer: bytes, request_seq, stop: threading.Event) -> None:
-        """After the end of ``loader``'s stream: tell it which batches finished until none it
-        handed over is in training (it keeps them for a resend until then). Best effort: a
-        loader that stopped waiting forgets them anyway."""
-        while not stop.is_set():
-            settled = loader.wait_settled(0.5)
-            done = loader.take_done()
-            if done:
-                request = pb.NextBatchRequest(rank=self.rank, consumer=consumer,
-                                              request_seq=next(request_seq), done=done)
-                try:
-                    loader.stub.NextBatch(request, timeout=5.0)
-                except grpc.RpcError as exc:
-                    logger.info("data loader %s: finished batches not told (%s)",
-                                loader.address, exc.code().name)
-                    return
-            if settled:
-                return
+            loader.settle(stop)
 
     def close(self) -> None:
         for group in self._groups:
