@@ -14,11 +14,11 @@ the training has resumed from the previous kill.
 What is measured, from the training log rank 0 appends one line per step to (each line
 timestamped when it appears):
 
-* ``<role>_recovery_s``: for a role whose death restarts the training from its checkpoint
-  (data loader, NN worker), seconds from the kill until the first step of the restarted
-  training; for a parameter server or an embedding worker (restarted alone while the
-  training waits for it), seconds from the kill until the step that ends the longest
-  pause in steps within a minute after it.
+* ``<role>_recovery_s``: for an NN rank, whose death restarts the training from its
+  checkpoint, seconds from the kill until the first step of the restarted training; for
+  a parameter server, an embedding worker or a data loader (restarted alone while the
+  training goes on or waits for it), seconds from the kill until the step that ends the
+  longest pause in steps within a minute after it.
 * ``chaos_throughput_ratio``: samples/s of the faulty job over samples/s of the clean
   one, both over the whole job (launch to exit; the same samples are trained by both,
   each exactly once after the last restore). Work trained after the last checkpoint and
@@ -47,7 +47,7 @@ KILLS = (("parameter server", "ps_recovery_s", 0.15),
          ("embedding worker", "embedding_worker_recovery_s", 0.35),
          ("data loader", "data_loader_recovery_s", 0.55),
          ("NN worker", "nn_worker_recovery_s", 0.75))
-RESTARTED_ALONE = ("parameter server", "embedding worker")
+RESTARTED_ALONE = ("parameter server", "embedding worker", "data loader")
 _PS_WINDOW_S = 60.0  # after a server's kill, where the training's pause is looked for
 
 

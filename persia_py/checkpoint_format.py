@@ -311,7 +311,10 @@ def commit(tmp: str | os.PathLike, manifest: dict, *, step: int) -> Path:
     """
     tmp = Path(tmp)
     root = tmp.parent
-    save_json(tmp / MANIFEST, {"format": FORMAT, "version": VERSION, "step": step, **manifest})
+    # written_as: the parameter servers' update logs know a checkpoint by the folder
+    # they dumped into (servers/update_log.py).
+    save_json(tmp / MANIFEST, {"format": FORMAT, "version": VERSION, "step": step,
+                               "written_as": tmp.name, **manifest})
     fsync_dir(tmp)
     final = root / f"ckpt-{step:012d}-{uuid.uuid4().hex[:8]}"
     os.rename(tmp, final)

@@ -21,6 +21,11 @@ ENV_DATA_LOADER_ADDRS = "PERSIA_DATA_LOADER_ADDRS"
 ENV_DATA_LOADER_REPLICA_INDEX = "PERSIA_DATA_LOADER_REPLICA_INDEX"
 ENV_DATA_LOADER_PORT = "PERSIA_DATA_LOADER_PORT"
 ENV_DATA_LOADER_REPLICA_SIZE = "PERSIA_DATA_LOADER_REPLICA_SIZE"
+ENV_DATA_LOADER_HANDOVER_LOG = "PERSIA_DATA_LOADER_HANDOVER_LOG"
+"""Where a data loader logs what it hands over (``persia-launcher data-loader
+--handover-log``; see workers/handover_log.py)."""
+ENV_DATA_LOADER_REPLAY = "PERSIA_DATA_LOADER_REPLAY_HANDOVERS"
+"""``1``: the loader was restarted alone; it goes on where its handover log ends."""
 ENV_NN_WORLD_SIZE = "PERSIA_NN_WORKER_WORLD_SIZE"
 ENV_BIND_HOST = "PERSIA_BIND_HOST"
 ENV_RANK_FAILED_FILE = "PERSIA_RANK_FAILED_FILE"
@@ -75,6 +80,8 @@ class PersiaEnv:
     data_loader_replica_index: int = 0
     data_loader_port: int = 0
     data_loader_replica_size: int = 1
+    data_loader_handover_log: str | None = None
+    data_loader_replay: bool = False
     nn_world_size: int = 1
     bind_host: str = "127.0.0.1"
     data_positions: DataPositions = field(default_factory=DataPositions)
@@ -96,6 +103,8 @@ class PersiaEnv:
             data_loader_replica_index=_int(env, ENV_DATA_LOADER_REPLICA_INDEX, 0),
             data_loader_port=_int(env, ENV_DATA_LOADER_PORT, 0),
             data_loader_replica_size=_int(env, ENV_DATA_LOADER_REPLICA_SIZE, 1),
+            data_loader_handover_log=env.get(ENV_DATA_LOADER_HANDOVER_LOG) or None,
+            data_loader_replay=env.get(ENV_DATA_LOADER_REPLAY) == "1",
             nn_world_size=_int(env, ENV_NN_WORLD_SIZE, 1),
             bind_host=env.get(ENV_BIND_HOST) or "127.0.0.1",
             data_positions=DataPositions.from_env(env.get(ENV_DATA_POSITIONS)),

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -115,23 +116,31 @@ def write_replica(dir_fd: int, state: ReplicaState, replica_index: int,
     return names, num_rows, num_bytes
 
 
-def dump_replica(ps: ParameterServer, directory: int | str | os.PathLike) -> tuple[int, int]:
+def dump_replica(ps: ParameterServer, directory: int | str | os.PathLike, *,
+                 path: str | os.PathLike | None = None) -> tuple[int, int]:
     """Write ``ps``'s state into the checkpoint folder ``directory`` (an open descriptor,
-    or a path); returns (rows, bytes). The files are written into a private folder inside
-    it, then renamed into it, ``ps-<r>.json`` last.
+    or a path; ``path`` names a descriptor's folder for the update log); returns (rows,
+    bytes). The files are written into a private folder inside it, then renamed into
+    it, ``ps-<r>.json`` last.
 
     Each internal shard is copied under its lock; the caller makes the cut consistent
     across tables and replicas by dumping only when no update is in flight
     (``TrainCtx.dump_checkpoint`` flushes and barriers first).
     """
     started = time.perf_counter()
-    state = ps.state_dict()
-    if state.settings is None:
+    if not isinstance(directory, int):
+        path = directory
+    if not ps.configured:
         raise FailedPrecondition("nothing to dump: no embedding optimizer configured yet")
     with _folder(directory) as fd:
         if _exists(fd, fmt.MANIFEST):
             raise FailedPrecondition(f"the checkpoint is complete (it has {fmt.MANIFEST}): "
                                      "Dump writes only into a checkpoint being written")
+        if ps.update_log is not None and path is not None:
+            # Cut the log before copying: an update caught in both is in the copied
+            # exactly-once window too, so a replay from this checkpoint skips it.
+            ps.update_log.begin("cut", Path(path).absolute())
+        state = ps.state_dict()
         with fmt.private_dir(fd) as private:
             names, num_rows, num_bytes = write_replica(private, state, ps.replica_index,
                                                        ps.replica_size)
@@ -263,20 +272,25 @@ def read_state(dir_fd: int, replica_index: int, replica_size: int) -> tuple[Repl
     return ReplicaState(settings=settings, tables=tables, seen=seen), num_bytes
 
 
-def load_replica(ps: ParameterServer, checkpoint: int | str | os.PathLike) -> tuple[int, int]:
+def load_replica(ps: ParameterServer, checkpoint: int | str | os.PathLike, *,
+                 path: str | os.PathLike | None = None) -> tuple[int, int]:
     """Replace ``ps``'s state by the rows of ``checkpoint`` that route to it: an open
-    descriptor of a complete checkpoint folder, or a path (a root: its ``LATEST``; or a
-    folder). The optimizer settings come from the checkpoint; a server already
-    configured with other settings refuses (FailedPrecondition). All or nothing.
-    Returns (rows loaded, bytes read)."""
+    descriptor of a complete checkpoint folder (``path`` names it for the update log),
+    or a path (a root: its ``LATEST``; or a folder). The optimizer settings come from
+    the checkpoint; a server already configured with other settings refuses
+    (FailedPrecondition). All or nothing. Returns (rows loaded, bytes read)."""
     started = time.perf_counter()
-    path = checkpoint if isinstance(checkpoint, int) else fmt.resolve(checkpoint)
-    with _folder(path) as fd:
+    if not isinstance(checkpoint, int):
+        checkpoint = path = fmt.resolve(checkpoint)
+    with _folder(checkpoint) as fd:
         state, num_bytes = read_state(fd, ps.replica_index, ps.replica_size)
     try:
         num_rows = ps.load_state_dict(state)
     except ValueError as exc:
         raise fmt.CheckpointError(f"checkpoint does not fit: {exc}") from None
+    if ps.update_log is not None and path is not None:
+        # What the log held before is another timeline now.
+        ps.update_log.begin("load", Path(path).absolute())
     logger.info("replica %d of %d loaded %d rows in %.2fs", ps.replica_index, ps.replica_size,
                 num_rows, time.perf_counter() - started)
     return num_rows, num_bytes
@@ -305,18 +319,24 @@ class CheckpointServicer(checkpoint_pb2_grpc.ParameterServerCheckpointServicer):
     def __init__(self, ps: ParameterServer, root: CheckpointRoot) -> None:
         self.ps, self.root = ps, root
 
+    def _path(self, names: list[tuple[str, str]]) -> Path:
+        """The folder ``names`` open (checked by ``root.open``), for the update log."""
+        return self.root.path.joinpath(*(name for name, _ in names))
+
     @grpc_method
     def Dump(self, request, context):
-        with _file_errors("Dump"), self.root.open(*_names(request)) as fd:
-            num_rows, num_bytes = dump_replica(self.ps, fd)
+        names = _names(request)
+        with _file_errors("Dump"), self.root.open(*names) as fd:
+            num_rows, num_bytes = dump_replica(self.ps, fd, path=self._path(names))
         return pb.DumpResponse(num_rows=num_rows, num_bytes=num_bytes,
                                replica_index=self.ps.replica_index,
                                replica_size=self.ps.replica_size)
 
     @grpc_method
     def Load(self, request, context):
-        with _file_errors("Load"), self.root.open(*_names(request)) as fd:
-            num_rows, num_bytes = load_replica(self.ps, fd)
+        names = _names(request)
+        with _file_errors("Load"), self.root.open(*names) as fd:
+            num_rows, num_bytes = load_replica(self.ps, fd, path=self._path(names))
         return pb.LoadResponse(num_rows=num_rows, num_bytes=num_bytes)
 
 

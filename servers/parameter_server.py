@@ -152,6 +152,9 @@ class ParameterServer:
         """Tables remember changed rows (for incremental exports; see ``track_changes``)."""
         self.increment_seq = 0
         """Sequence number of the last incremental export (recorded in checkpoints)."""
+        self.update_log = None
+        """A ``persia_py.servers.update_log.UpdateLog`` where applied updates and settings
+        are logged for a restart (None: not logged; see ``servers/replica_start.py``)."""
         self.warn_if_too_big(None)
 
     # -- configuration -------------------------------------------------------------
@@ -174,6 +177,8 @@ class ParameterServer:
                 return
             self._tables = self._build_tables(settings)
             self._settings = settings
+            if self.update_log is not None:
+                self.update_log.configure(dataclasses.asdict(settings))
 
     def _check_same_settings(self, settings: TableSettings, source: str = "the request") -> None:
         if self._settings is not None and settings != self._settings:
@@ -289,7 +294,10 @@ class ParameterServer:
         if answer_bytes > limit:
             raise ValueError(f"the answer would carry {answer_bytes} bytes of embeddings, over "
                              f"max_message_bytes {limit}; look up fewer ids per call")
-        return [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
+        answers = [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
+        if training and self.update_log is not None:  # the rows it inserted, for a restart
+            self.update_log.lookup(requests)
+        return answers
 
     def update(
         self,
@@ -329,6 +337,9 @@ class ParameterServer:
             if worker_id:  # not applied: a retry must not be taken for a duplicate
                 self._forget(worker_id, sequence)
             raise
+        if self.update_log is not None:  # before the caller hears of it: see update_log
+            self.update_log.update([(name, ids, grads) for (name, _, _), (ids, grads)
+                                    in zip(requests, checked)], worker_id, sequence)
         with self._seen_lock:
             self.num_updates += 1
         return num_updated, False

@@ -21,19 +21,21 @@ import grpc
 from persia_py import codec
 from persia_py.checks import check_type
 from persia_py.config import GlobalConfig, load_global_config
-from persia_py.data_position import Position, batch_id
+from persia_py.data_position import SEQ_BITS, Position, batch_id
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
 from persia_py.monitoring import DataLoaderMetrics, MetricsServer, metrics_port_from_env, serve_metrics
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
-from persia_py.rpc import NotFound, create_server, grpc_method
+from persia_py.rpc import NotFound, Overloaded, create_server, grpc_method
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
+from persia_py.workers.handover_log import Handover, HandoverLog, Handovers
 
 logger = logging.getLogger(__name__)
 
 _POLL_SEC = 0.5
 """How long NextBatch holds a request open waiting for a batch (long poll)."""
+_SEQ_MASK = (1 << SEQ_BITS) - 1
 
 
 class BatchQueue:
@@ -46,7 +48,7 @@ class BatchQueue:
 
     _MAX_CONSUMER_BYTES = 64
 
-    def __init__(self, maxsize: int, num_consumers: int) -> None:
+    def __init__(self, maxsize: int, num_consumers: int, log: HandoverLog | None = None) -> None:
         self._queue: queue.Queue[pb.Batch] = queue.Queue(maxsize=maxsize)
         self._finished = threading.Event()
         self._ended_ranks: set[int] = set()
@@ -54,9 +56,33 @@ class BatchQueue:
         self.num_consumers = num_consumers
         self._lock = threading.Lock()
         self._rank_locks = [threading.Lock() for _ in range(num_consumers)]
-        self._last: dict[int, tuple[bytes, int, pb.NextBatchResponse]] = {}
+        self._last: dict[int, tuple[bytes, int, pb.NextBatchResponse | None]] = {}
+        self._rebuilt: dict[int, Callable[[], pb.NextBatchResponse]] = {}
+        self._ready = threading.Event()
+        self._ready.set()
+        self.log = log
         self.num_repeated = 0
         """Answers given again to a retried request."""
+
+    def recover(self, handovers: Handovers) -> None:
+        """A restart after a crash (see workers/handover_log.py): the ranks told the end
+        already count as ended, and each rank's last request, retried, gets its batch
+        again once :meth:`rebuilt` made it. Batches wait until :meth:`ready`."""
+        self._ready.clear()
+        for rank in handovers.ended:
+            self._end(rank)
+        for rank, handover in handovers.last.items():
+            # A finished batch's request is never retried: its rank asked again since.
+            if 0 <= rank < self.num_consumers and handover.seq in handovers.in_training:
+                self._last[rank] = (handover.consumer, handover.request_seq, None)
+
+    def rebuilt(self, rank: int, answer: Callable[[], pb.NextBatchResponse]) -> None:
+        """How to answer ``rank``'s last request again (its batch, made again)."""
+        self._rebuilt[rank] = answer
+
+    def ready(self) -> None:
+        """Every batch handed over before the crash is made again: answer requests."""
+        self._ready.set()
 
     def put(self, batch: pb.Batch, timeout: float | None = None) -> None:
         self._queue.put(batch, timeout=timeout)
@@ -71,12 +97,20 @@ class BatchQueue:
         if len(consumer) > self._MAX_CONSUMER_BYTES:
             raise ValueError(f"consumer: {len(consumer)} bytes, at most "
                              f"{self._MAX_CONSUMER_BYTES}")
+        if not self._ready.wait(wait):
+            raise Overloaded("this data loader restarted and is making again the batches it "
+                             "had handed over; retry")
         with self._rank_locks[rank]:
             last = self._last.get(rank) if consumer else None  # no consumer: no retries
             if last is not None and last[:2] == (consumer, request_seq):
                 self.num_repeated += 1
-                return last[2]
+                if last[2] is None:  # handed over before a restart: made again
+                    self._last[rank] = (consumer, request_seq, self._rebuilt.pop(rank)())
+                return self._last[rank][2]
             answer = self._answer(rank, wait)
+            if self.log is not None and answer.has_batch:  # before it leaves
+                self.log.handed(Handover(answer.batch.batch_id & _SEQ_MASK, rank, consumer,
+                                         request_seq))
             self._last[rank] = (consumer, request_seq, answer)
             return answer
 
@@ -88,12 +122,17 @@ class BatchQueue:
             except queue.Empty:
                 pass
         if self._finished.is_set() and self._queue.empty():
-            with self._lock:
-                self._ended_ranks.add(rank)
-                if len(self._ended_ranks) == self.num_consumers:
-                    self._all_ended.set()
+            if self.log is not None and rank not in self._ended_ranks:
+                self.log.ended(rank)
+            self._end(rank)
             return pb.NextBatchResponse(end_of_stream=True)
         return pb.NextBatchResponse()
+
+    def _end(self, rank: int) -> None:
+        with self._lock:
+            self._ended_ranks.add(rank)
+            if len(self._ended_ranks) == self.num_consumers:
+                self._all_ended.set()
 
     def wait_all_ended(self, timeout: float) -> bool:
         return self._all_ended.wait(timeout)
@@ -109,12 +148,22 @@ class KeptBatches:
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
-        self._kept: dict[int, tuple[int, PersiaBatch]] = {}
+        self._kept: dict[int, tuple[int, PersiaBatch] | None] = {}
         self.num_resent = 0
 
-    def keep(self, batch_id_: int, worker_index: int, batch: PersiaBatch) -> None:
+    def expect(self, batch_ids) -> None:
+        """After a restart: these batches are in training; their ID features come back
+        when the script makes them again (a resend asked for meanwhile waits)."""
         with self._lock:
-            self._kept[batch_id_] = (worker_index, batch)
+            self._kept.update(dict.fromkeys(batch_ids))
+
+    def keep(self, batch_id_: int, worker_index: int, batch: PersiaBatch, *,
+             expected: bool = False) -> None:
+        """Keep a batch; ``expected``: one made again after a restart, kept only if no NN
+        worker said it finished meanwhile."""
+        with self._lock:
+            if not expected or batch_id_ in self._kept:
+                self._kept[batch_id_] = (worker_index, batch)
 
     def done(self, batch_ids) -> None:
         with self._lock:
@@ -128,9 +177,13 @@ class KeptBatches:
 
     def get(self, batch_id_: int) -> tuple[int, PersiaBatch]:
         with self._lock:
+            known = batch_id_ in self._kept
             found = self._kept.get(batch_id_)
             if found is not None:
                 self.num_resent += 1
+        if known and found is None:
+            raise Overloaded(f"batch {batch_id_} is being made again (this data loader "
+                             "restarted); retry")
         if found is None:
             raise NotFound(f"batch {batch_id_} is not kept by this data loader (done, not "
                            "made by it, or made before it restarted)")
@@ -150,6 +203,8 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
     @grpc_method
     def NextBatch(self, request, context):
         self.kept.done(request.done)
+        if self.batches.log is not None:
+            self.batches.log.done([b & _SEQ_MASK for b in request.done])
         if request.only_done:
             return pb.NextBatchResponse()
         return self.batches.next(request.rank, _POLL_SEC, request.consumer, request.request_seq)
@@ -181,19 +236,39 @@ class DataCtx:
         self.global_config = global_config or load_global_config(self.env.global_config)
         self.common = self.global_config.common_config
         self.port = port if port is not None else self.env.data_loader_port
-        self.batches = BatchQueue(buffer_size, self.env.nn_world_size)
+        index = self.env.data_loader_replica_index
+        self.log = (None if self.env.data_loader_handover_log is None else
+                    HandoverLog(self.env.data_loader_handover_log,
+                                replay=self.env.data_loader_replay))
+        self.batches = BatchQueue(buffer_size, self.env.nn_world_size, self.log)
         self.next_seq = 0
         """Sequence number of the next batch the script makes (skipped ones count too)."""
         self._workers: list[EmbeddingWorkerClient] = []
         self._server: grpc.Server | None = None
         self.num_sent = 0
         self.num_skipped = 0
-        # The identity of this process's batches at the parameter servers: a random
-        # stream per process start, never one an earlier run's updates used.
-        self.stream = f"loader{self.env.data_loader_replica_index}-{secrets.token_hex(8)}"
         self.kept = KeptBatches()
         # Resumed from a checkpoint: the batches of this loader trained before it.
-        self._done = self.env.data_positions.of(self.env.data_loader_replica_index)
+        self._done = self.env.data_positions.of(index)
+        recovered = Handovers() if self.log is None else self.log.recovered
+        # The identity of this loader's batches at the embedding workers and parameter
+        # servers: random per start of the training, never one an earlier run's updates
+        # used; kept by a loader restarted alone (see workers/handover_log.py).
+        self.stream = recovered.stream or f"loader{index}-{secrets.token_hex(8)}"
+        # Restarted alone: skip what the NN workers finished, make again what they hold.
+        self._done = self._done.advanced(recovered.finished)
+        self._in_training = recovered.in_training
+        self._last_handed = {h.seq: h.rank for h in recovered.last.values()}
+        if self.log is not None:
+            if recovered.stream is None:
+                self.log.stream(self.stream)
+            if self.env.data_loader_replay:
+                self.kept.expect(batch_id(index, seq) for seq in self._in_training)
+                self.batches.recover(recovered)
+                logger.warning("data loader %d restarted: %d batches finished and %d in "
+                               "training by the NN workers before; going on after them", index,
+                               len(recovered.finished), len(self._in_training))
+        self._check_ready()
         self.metrics = DataLoaderMetrics()
         self._metrics_server: MetricsServer | None = None
 
@@ -245,13 +320,46 @@ class DataCtx:
         if self._done.done(seq):  # trained before the checkpoint this job resumed
             self.num_skipped += 1
             return
-        started = time.perf_counter()
         worker_index = seq % len(self._workers)
         id_ = batch_id(self.env.data_loader_replica_index, seq)
+        if seq in self._in_training:  # handed over before this loader restarted
+            self._made_again(seq, id_, worker_index, batch)
+            return
+        started = time.perf_counter()
         ref = self._put_ids(self._workers[worker_index], batch, id_)
         if batch.requires_grad:
             self.kept.keep(id_, worker_index, batch)
-        message = pb.Batch(
+        self._wait("NN workers to take batches",
+                   lambda t: self.batches.put(self._message(batch, id_, worker_index, ref),
+                                              timeout=t))
+        self.num_sent += 1
+        self.metrics.send_seconds.observe(time.perf_counter() - started)
+        self.metrics.batches.inc()
+        self.metrics.samples.inc(batch.batch_size)
+
+    def _made_again(self, seq: int, id_: int, worker_index: int, batch: PersiaBatch) -> None:
+        """A batch the dead loader had handed over: kept for a resend, and the answer to
+        its rank's request should that be retried; not sent again."""
+        self.num_skipped += 1
+        del self._in_training[seq]
+        if batch.requires_grad:
+            self.kept.keep(id_, worker_index, batch, expected=True)
+        rank = self._last_handed.get(seq)
+        if rank is not None:
+            # The put is idempotent: if the batch still waits there, its ref comes back.
+            self.batches.rebuilt(rank, lambda: pb.NextBatchResponse(
+                batch=self._message(batch, id_, worker_index,
+                                    self._put_ids(self._workers[worker_index], batch, id_)),
+                has_batch=True))
+        self._check_ready()
+
+    def _check_ready(self) -> None:
+        if not self._in_training:
+            self.batches.ready()
+
+    @staticmethod
+    def _message(batch: PersiaBatch, id_: int, worker_index: int, ref: int) -> pb.Batch:
+        return pb.Batch(
             batch_id=id_,
             batch_size=batch.batch_size,
             embedding_worker=worker_index,
@@ -263,11 +371,6 @@ class DataCtx:
             meta=batch.meta or b"",
             requires_grad=batch.requires_grad,
         )
-        self._wait("NN workers to take batches", lambda t: self.batches.put(message, timeout=t))
-        self.num_sent += 1
-        self.metrics.send_seconds.observe(time.perf_counter() - started)
-        self.metrics.batches.inc()
-        self.metrics.samples.inc(batch.batch_size)
 
     def _put_ids(self, worker: EmbeddingWorkerClient, batch: PersiaBatch, id_: int) -> int:
         def attempt(timeout: float) -> int:
@@ -306,6 +409,13 @@ class DataCtx:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.batches.finish()
+        if self._in_training:
+            logger.warning("data loader %d: the script ended before making again %d batches "
+                           "handed over before the restart (is it deterministic?)",
+                           self.env.data_loader_replica_index, len(self._in_training))
+            self.kept.done(batch_id(self.env.data_loader_replica_index, s)
+                           for s in self._in_training)
+            self.batches.ready()
         try:
             if exc_type is None:
                 started = time.monotonic()
@@ -319,12 +429,15 @@ class DataCtx:
                                    "after the stream ended; no longer kept for a resend",
                                    len(self.kept), self.common.rpc_timeout_sec)
                 logger.info("data loader %d sent %d batches (%d skipped: trained before the "
-                            "checkpoint resumed; %d re-sent to restarted embedding workers)",
+                            "checkpoint resumed, or handed over before a restart; %d re-sent "
+                            "to restarted embedding workers)",
                             self.env.data_loader_replica_index, self.num_sent,
                             self.num_skipped, self.kept.num_resent)
         finally:
             if self._server is not None:
                 self._server.stop(grace=1.0).wait(5.0)
+            if self.log is not None:
+                self.log.close()
             if self._metrics_server is not None:
                 self._metrics_server.close()
             for w in self._workers:

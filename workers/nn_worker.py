@@ -191,7 +191,8 @@ class LoaderLink:
         none it handed over is in training (it keeps them for a resend until then)."""
         while not stop.is_set():
             settled = self._wait_settled(0.5)
-            if not self._tell(self.take_done()) or settled:
+            # Retried while the loader restarts: it keeps what it has not been told.
+            if not self._tell(self.take_done(), retry=True) or settled:
                 return
 
     def abandon(self) -> None:
@@ -202,13 +203,20 @@ class LoaderLink:
             self._done, self._in_training = [], set()
         self._tell(done)
 
-    def _tell(self, done: list[int]) -> bool:
-        """Send ``done`` alone (a request that takes no batch). Best effort: a loader that
+    def _tell(self, done: list[int], retry: bool = False) -> bool:
+        """Send ``done`` alone (a request that takes no batch; telling twice is harmless),
+        with ``retry`` until ``rpc_timeout_sec`` passed. Best effort: a loader that
         stopped waiting forgets them anyway. False if the loader did not answer."""
         if not done:
             return True
+        request = pb.NextBatchRequest(done=done, only_done=True)
         try:
-            self.stub.NextBatch(pb.NextBatchRequest(done=done, only_done=True), timeout=5.0)
+            if retry:
+                call(self.stub.NextBatch, request, timeout=self._common.rpc_timeout_sec,
+                     idempotent=True, what=f"data loader {self.address}",
+                     outages=self._outages)
+            else:
+                self.stub.NextBatch(request, timeout=5.0)
         except grpc.RpcError as exc:
             logger.info("data loader %s: finished batches not told (%s)", self.address,
                         exc.code().name)

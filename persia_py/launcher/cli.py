@@ -66,6 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-root", default=None, metavar="DIR",
                    help="the only folder whose checkpoints Dump and Load calls may name "
                         "(default: checkpoint_config.root, else the current directory)")
+    p.add_argument("--update-log", default=None, metavar="DIR",
+                   help="append every applied update to a log in DIR (a folder this server "
+                        "owns), cut at each checkpoint, so that a restart with "
+                        "--replay-update-log loses nothing; without --replay-update-log, "
+                        "what DIR holds is deleted at start")
+    p.add_argument("--update-log-max-bytes", type=int, default=8 << 30, metavar="N",
+                   help="most bytes the update log may hold (default 8 GiB); past that (no "
+                        "checkpoint cut it for that long) it is deleted and logging stops "
+                        "until the next checkpoint")
+    p.add_argument("--replay-update-log", action="store_true",
+                   help="a restart after a crash: load the checkpoint the --update-log starts "
+                        "from and apply its updates again (instead of --load-checkpoint, "
+                        "which is used only when the log is empty)")
     p.add_argument("--inference", action="store_true",
                    help="read-only serving replica: lookups never insert rows, updates are "
                         "refused (also when common_config.job_type is Infer)")
@@ -111,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="the data-loader script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     _add_server_flags(p, "the data loader", bind_default=None)
+    p.add_argument("--handover-log", default=None, metavar="FILE",
+                   help="log which batches are handed to which NN-worker request and which "
+                        "finished, so that a restart with --replay-handovers goes on where "
+                        "this run left off (without it, FILE is emptied at start)")
+    p.add_argument("--replay-handovers", action="store_true",
+                   help="a restart after a crash: skip the batches the --handover-log says "
+                        "were finished, rebuild those still in training (kept for a resend, "
+                        "and for a request retried after the crash), send the rest")
 
     p = sub.add_parser("local", help="run a whole job on this machine")
     p.add_argument("--nn-worker", required=True, help="training script")

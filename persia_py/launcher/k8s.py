@@ -209,6 +209,12 @@ def _secret_volumes(args: argparse.Namespace) -> list[tuple[dict, str]]:
     return found
 
 
+UPDATE_LOG_DIR = "/var/lib/persia/updates"
+"""Where a parameter-server pod keeps its update log (an emptyDir volume)."""
+HANDOVER_LOG_DIR = "/var/lib/persia/handovers"
+"""Where a data-loader pod keeps its handover log (an emptyDir volume)."""
+
+
 def _container(args: argparse.Namespace, role: str, command: list[str],
                ports: dict[str, int]) -> dict:
     flag = "ps" if role == "embedding-parameter-server" else role
@@ -262,10 +268,14 @@ def _headless_service(args: argparse.Namespace, role: str, ports: dict[str, int]
 
 
 def _stateful_set(args: argparse.Namespace, role: str, replicas: int, port: int,
-                  command: list[str]) -> list[dict]:
+                  command: list[str], scratch: dict[str, str] | None = None) -> list[dict]:
+    """A headless Service and a StatefulSet of ``role``; ``scratch`` names writable
+    emptyDir volumes (name -> mount path): they outlive a container's restart in its pod."""
     name = f"{args.job_name}-{_ROLES[role]}"
     ports = {"grpc": port, "metrics": args.metrics_port}
     container = _container(args, role, command, ports)
+    scratch = scratch or {}
+    container["volumeMounts"] += [{"name": v, "mountPath": path} for v, path in scratch.items()]
     stateful_set = {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(args, name, role),
         "spec": {
@@ -279,6 +289,8 @@ def _stateful_set(args: argparse.Namespace, role: str, replicas: int, port: int,
             },
         },
     }
+    stateful_set["spec"]["template"]["spec"]["volumes"] += [
+        {"name": v, "emptyDir": {}} for v in scratch]
     return [_headless_service(args, role, ports), stateful_set]
 
 
@@ -376,19 +388,26 @@ def render(args: argparse.Namespace) -> list[dict]:
     ]
     index = "$(POD_INDEX)"  # expanded by Kubernetes from the env var above
     metrics = ["--metrics-port", str(args.metrics_port)]
+    # The update log lives in the pod: a container that dies and is restarted in it
+    # replays it (servers/update_log.py); a new pod starts with an empty one.
     objects += _stateful_set(args, "embedding-parameter-server", args.num_ps, args.ps_port, _launcher(
         args, "embedding-parameter-server", "--port", str(args.ps_port), "--bind", "0.0.0.0",
-        "--replica-index", index, "--replica-size", str(args.num_ps), *metrics))
+        "--replica-index", index, "--replica-size", str(args.num_ps), *metrics,
+        "--update-log", UPDATE_LOG_DIR, "--replay-update-log"),
+        scratch={"ps-updates": UPDATE_LOG_DIR})
     objects += _stateful_set(
         args, "embedding-worker", args.num_embedding_workers, args.embedding_worker_port,
         _launcher(args, "embedding-worker", "--port", str(args.embedding_worker_port),
                   "--bind", "0.0.0.0", "--replica-index", index,
                   "--replica-size", str(args.num_embedding_workers), *metrics))
+    # Likewise a data loader's handover log (workers/handover_log.py).
     objects += _stateful_set(
         args, "data-loader", args.num_data_loaders, args.data_loader_port,
         _launcher(args, "data-loader", "--port", str(args.data_loader_port),
                   "--replica-index", index, "--replica-size", str(args.num_data_loaders),
-                  *metrics, args.data_loader, *shlex.split(args.data_loader_args)))
+                  *metrics, "--handover-log", f"{HANDOVER_LOG_DIR}/handovers.log",
+                  "--replay-handovers", args.data_loader, *shlex.split(args.data_loader_args)),
+        scratch={"handovers": HANDOVER_LOG_DIR})
     objects += _nn_worker_job(args)
     return objects
 

@@ -165,6 +165,11 @@ class LocalCluster:
             "--load-checkpoint" in command) else None
         if role.kind == "embedding-worker":
             detail = "its batches are put there again by their data loaders"
+        elif role.kind == "data-loader":
+            detail = "it goes on after the batches it had handed over"
+        elif "--replay-update-log" in command:
+            detail = ("its update log applied again to the checkpoint it starts from"
+                      + (f"; else from checkpoint {source}" if source else ""))
         else:
             detail = f"from checkpoint {source}" if source else "empty: no checkpoint yet"
         self.log(f"{role.name} died ({how}); restarting it on the same port (restart "
@@ -377,7 +382,7 @@ def run_local(args: argparse.Namespace) -> int:
     roles = [
         Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
                          "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
-                         *role_flags])
+                         "--update-log", os.path.join(run_dir, f"ps-{i}-updates"), *role_flags])
         for i, p in enumerate(ps_ports)
     ]
     roles += [
@@ -390,6 +395,8 @@ def run_local(args: argparse.Namespace) -> int:
     roles += [
         Role(f"data-loader-{i}", [*launcher, "data-loader", "--port", str(p),
                                   "--replica-index", str(i), "--replica-size", str(num_dl),
+                                  "--handover-log",
+                                  os.path.join(run_dir, f"data-loader-{i}-handovers.log"),
                                   *role_flags, args.data_loader, *shlex.split(args.data_loader_args)],
              kind="data-loader")
         for i, p in enumerate(dl_ports)
@@ -401,8 +408,11 @@ def run_local(args: argparse.Namespace) -> int:
                       kind="nn-worker"))
     def ps_restart(command: list[str]) -> Callable[[], list[str]]:
         def restart() -> list[str]:
+            # Its update log brings back what it applied since the checkpoint it starts
+            # from; the newest checkpoint serves when the log is empty.
             latest = latest_checkpoint(root)
-            return command if latest is None else [*command, "--load-checkpoint", latest]
+            command_now = [*command, "--replay-update-log"]
+            return command_now if latest is None else [*command_now, "--load-checkpoint", latest]
         return restart
 
     for role in roles[:num_ps]:
@@ -411,6 +421,12 @@ def run_local(args: argparse.Namespace) -> int:
         # Restarted alone: the data loaders keep the ID features of every batch not yet
         # trained and put those it lost on its successor (see workers/data_loader.py).
         role.restart = functools.partial(list, role.command)
+    for role in roles[num_ps + num_ew:num_ps + num_ew + num_dl]:
+        # Restarted alone: its handover log says where it left off
+        # (workers/handover_log.py); the flag goes before the script and its arguments.
+        at = role.command.index(args.data_loader)
+        role.restart = functools.partial(
+            list, [*role.command[:at], "--replay-handovers", *role.command[at:]])
     cluster = LocalCluster(roles, env, max_restarts=args.max_restarts)
     recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],
                                 root=root, train_log=train_log,

@@ -128,7 +128,8 @@ class TrainingRecovery:
 
 class BatchCounts:
     """What the job's batches went through, from its roles' output lines: each loader's
-    last run (batches sent, and skipped as trained before the checkpoint it resumed),
+    last run (batches sent, and skipped as trained before the checkpoint it resumed or
+    handed over by its predecessor),
     batches re-sent to restarted embedding workers, and updates the parameter servers
     had applied already (not applied again). ``persia-launcher local`` ends with it."""
 
@@ -160,6 +161,7 @@ class BatchCounts:
             sent = sum(s for s, _ in self.sent.values())
             skipped = sum(k for _, k in self.sent.values())
             return (f"batches: {sent} sent by the data loaders' last runs ({skipped} skipped: "
-                    f"trained before the checkpoint they resumed), {self.resent} re-sent to "
+                    "trained before the checkpoint they resumed, or handed over before they "
+                    f"restarted), {self.resent} re-sent to "
                     f"restarted embedding workers, {self.deduplicated} updates the parameter "
                     "servers had applied already")

@@ -19,7 +19,9 @@ from persia_py.config import (
 )
 from persia_py.env import (
     ENV_BIND_HOST,
+    ENV_DATA_LOADER_HANDOVER_LOG,
     ENV_DATA_LOADER_PORT,
+    ENV_DATA_LOADER_REPLAY,
     ENV_DATA_LOADER_REPLICA_INDEX,
     ENV_DATA_LOADER_REPLICA_SIZE,
     ENV_EMBEDDING_CONFIG,
@@ -93,7 +95,18 @@ def run_parameter_server(args: argparse.Namespace) -> int:
     ps = ParameterServer(global_config, embedding_config,
                          replica_index=args.replica_index, replica_size=args.replica_size,
                          inference=inference)
-    if args.load_checkpoint:
+    if args.replay_update_log and not args.update_log:
+        raise SystemExit("--replay-update-log needs --update-log DIR")
+    if args.update_log:
+        from persia_py.servers.replica_start import open_update_log
+
+        if inference:
+            raise SystemExit("--update-log: a serving (inference) replica applies no updates")
+        what = open_update_log(ps, args.update_log, replay=args.replay_update_log,
+                               checkpoint=args.load_checkpoint,
+                               max_bytes=args.update_log_max_bytes)
+        print(f"embedding-parameter-server {args.replica_index}: {what}", flush=True)
+    elif args.load_checkpoint:
         from persia_py.servers.checkpoint import load_replica
 
         num_rows, _ = load_replica(ps, args.load_checkpoint)
@@ -239,4 +252,9 @@ def run_data_loader(args: argparse.Namespace) -> int:
     env[ENV_DATA_LOADER_PORT] = str(args.port)
     if args.bind is not None:
         env[ENV_BIND_HOST] = args.bind
+    if args.replay_handovers and not args.handover_log:
+        raise SystemExit("--replay-handovers needs --handover-log FILE")
+    if args.handover_log:
+        env[ENV_DATA_LOADER_HANDOVER_LOG] = os.path.abspath(args.handover_log)
+        env[ENV_DATA_LOADER_REPLAY] = "1" if args.replay_handovers else "0"
     return _run_child([sys.executable, args.script, *args.script_args], env)

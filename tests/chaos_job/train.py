@@ -30,12 +30,13 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--lr", type=float, default=0.05, help="of both optimizers")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = DLRM()
     ids: list[int] = []
-    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.05),
-                  dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=0.05)) as ctx:
+    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=args.lr),
+                  dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=args.lr)) as ctx:
         for batch in DataLoader(StreamingDataset(buffer_size=8), embedding_staleness=4):
             output, labels = ctx.forward(batch)
             ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))

@@ -1,0 +1,62 @@
+"""A data loader's handover log (``persia_py.workers.handover_log``) and the queue's side of
+a loader restarted alone: what it says the dead loader handed over, finished or not, and
+how a request retried after the crash gets its batch again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from persia_py.proto import data_loader_pb2 as pb
+from persia_py.rpc import Overloaded
+from persia_py.workers.data_loader import BatchQueue
+from persia_py.workers.handover_log import Handover, HandoverLog, read_handovers
+
+
+def test_the_log_says_what_was_finished_in_training_and_last_per_rank(tmp_path: Path) -> None:
+    path = tmp_path / "handovers.log"
+    log = HandoverLog(path, replay=False)
+    log.stream("loader0-abc")
+    for seq, rank in ((0, 0), (1, 1), (2, 0), (3, 1), (4, 0)):
+        log.handed(Handover(seq, rank, bytes([rank]) * 16, 10 + seq))
+    log.done([0, 1, 3, 99])  # 99 was never handed by this log's loader: ignored
+    log.ended(1)
+    log.close()
+    with open(path, "ab") as f:
+        f.write(b'{"done":[2')  # the process died inside this write
+    state = read_handovers(path)
+    assert state.stream == "loader0-abc"
+    assert state.finished == [0, 1, 3]
+    assert sorted(state.in_training) == [2, 4]
+    assert state.last == {0: Handover(4, 0, bytes([0]) * 16, 14),
+                          1: Handover(3, 1, bytes([1]) * 16, 13)}
+    assert state.ended == {1}
+    # Replaying appends after a whole line; a new start begins an empty log.
+    again = HandoverLog(path, replay=True)
+    again.done([4])
+    again.close()
+    assert sorted(read_handovers(path).in_training) == [2]
+    HandoverLog(path, replay=False).close()
+    assert read_handovers(path).stream is None and path.read_bytes() == b""
+
+
+def test_a_restarted_queue_waits_for_its_batches_then_answers_a_retry_alike(tmp_path) -> None:
+    path = tmp_path / "handovers.log"
+    first = HandoverLog(path, replay=False)
+    first.handed(Handover(7, 0, b"c" * 16, 3))
+    first.close()
+    log = HandoverLog(path, replay=True)
+    queue = BatchQueue(4, 2, log)
+    queue.recover(log.recovered)
+    with pytest.raises(Overloaded, match="making again the batches"):
+        queue.next(0, 0.01, b"c" * 16, 3)
+    again = pb.NextBatchResponse(batch=pb.Batch(batch_id=7), has_batch=True)
+    queue.rebuilt(0, lambda: again)
+    queue.ready()
+    assert queue.next(0, 0.01, b"c" * 16, 3) == again  # the retry of the lost answer
+    assert queue.next(0, 0.01, b"c" * 16, 3) == again
+    queue.put(pb.Batch(batch_id=8))
+    assert queue.next(1, 0.01, b"d" * 16, 1).batch.batch_id == 8  # a new request: logged
+    log.close()
+    assert read_handovers(path).last[1] == Handover(8, 1, b"d" * 16, 1)

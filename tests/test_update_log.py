@@ -1,0 +1,224 @@
+"""A parameter-server replica's update log (``persia_py.servers.update_log``): a replica
+started again from its log holds exactly what the one that died held, exactly-once
+window included, whatever checkpoints were cut, completed, or loaded meanwhile."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from persia_py import checkpoint_format as fmt
+from persia_py.config import (
+    EmbeddingTablesConfig,
+    GlobalConfig,
+    ParameterServerConfig,
+    SlotConfig,
+)
+from persia_py.servers.checkpoint import dump_replica, load_replica
+from persia_py.servers.parameter_server import ParameterServer
+from persia_py.servers.replica_start import open_update_log
+from persia_py.servers.update_log import read_segments, replay_plan
+
+EMBEDDING = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4), "item": SlotConfig(dim=8)})
+ADAGRAD = {"type": "adagrad", "lr": 0.1}
+GLOBAL = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(capacity=100_000))
+
+
+def _ps() -> ParameterServer:
+    return ParameterServer(GLOBAL, EMBEDDING)
+
+
+class _Trainer:
+    """Lookups and updates as an embedding worker sends them, one sequence number each."""
+
+    def __init__(self, seed: int = 0, worker_id: str = "ew-1") -> None:
+        self.rng, self.sequence = np.random.default_rng(seed), 0
+        self.worker_id = worker_id
+        self.sent: list[list] = []
+
+    def steps(self, ps: ParameterServer, n: int) -> None:
+        for _ in range(n):
+            requests = []
+            for slot, dim in (("user", 4), ("item", 8)):
+                ids = np.unique(self.rng.integers(0, 3000, 300).astype(np.uint64))
+                ps.lookup([(slot, ids)], training=True)
+                requests.append((slot, ids, self.rng.normal(size=(ids.size, dim)).astype(np.float32)))
+            self.sequence += 1
+            self.sent.append(requests)
+            assert ps.update(requests, worker_id=self.worker_id, sequence=self.sequence)[1] is False
+
+
+def _same(a: ParameterServer, b: ParameterServer) -> None:
+    one, two = a.state_dict(), b.state_dict()
+    assert one.settings == two.settings
+    for name in ("user", "item"):
+        x, y = one.tables[name], two.tables[name]
+        ox, oy = np.argsort(x["ids"]), np.argsort(y["ids"])
+        for key in ("ids", "weights", "state"):
+            np.testing.assert_array_equal(x[key][ox], y[key][oy], err_msg=f"{name} {key}")
+    assert {w: sorted(s.tolist()) for w, s in one.seen.items()} == {
+        w: sorted(s.tolist()) for w, s in two.seen.items()}
+
+
+def _restart_holds_the_same(live: ParameterServer, log: Path, *, num_updates: int) -> None:
+    restarted = _ps()
+    assert open_update_log(restarted, log, replay=True, checkpoint=None).endswith(
+        f"and {num_updates} updates replayed from its update log")
+    _same(live, restarted)
+
+
+def _checkpoint(ps: ParameterServer, root: Path, step: int, *, complete: bool = True) -> Path:
+    tmp = fmt.new_tmp_dir(root)
+    dump_replica(ps, tmp)
+    if not complete:
+        return tmp
+    return fmt.commit(tmp, {"num_ps_replicas": 1, "rank_steps": [step]}, step=step)
+
+
+def test_a_restarted_replica_holds_every_update_its_predecessor_applied(tmp_path: Path) -> None:
+    log, root = tmp_path / "log", tmp_path / "ckpt"
+    live = _ps()
+    assert open_update_log(live, log, replay=True, checkpoint=None) == "a new update log"
+    live.configure(optimizer=ADAGRAD, seed=7)
+    trainer = _Trainer()
+    trainer.steps(live, 5)
+    _checkpoint(live, root, 5)
+    trainer.steps(live, 4)
+    _checkpoint(live, root, 9, complete=False)  # cut, never completed (the training died)
+    trainer.steps(live, 3)
+    # The process dies here: nothing is closed, the log holds what was written.
+    restarted = _ps()
+    what = open_update_log(restarted, log, replay=True, checkpoint=None)
+    assert what.endswith("and 7 updates replayed from its update log"), what
+    assert "checkpoint " + str(root) in what
+    _same(live, restarted)
+    # An update the dead replica applied, retried: acknowledged, not applied again.
+    ids = np.array([1, 2], dtype=np.uint64)
+    restarted.lookup([("user", ids)], training=True)
+    assert restarted.update([("user", ids, np.ones((2, 4), np.float32))], worker_id="ew-1",
+                            sequence=trainer.sequence) == (0, True)
+    # It goes on logging where it left off; a second restart has both parts.
+    trainer.steps(restarted, 2)
+    again = _ps()
+    open_update_log(again, log, replay=True, checkpoint=None)
+    _same(restarted, again)
+
+
+def test_without_any_checkpoint_the_log_configures_and_replays_from_empty(tmp_path) -> None:
+    live = _ps()
+    open_update_log(live, tmp_path, replay=False, checkpoint=None)
+    live.configure(optimizer=ADAGRAD, seed=3)
+    _Trainer(1).steps(live, 3)
+    restarted = _ps()
+    assert open_update_log(restarted, tmp_path, replay=True, checkpoint=None) == (
+        "0 rows from no checkpoint and 3 updates replayed from its update log")
+    assert restarted.configured
+    _same(live, restarted)
+
+
+def test_a_load_begins_a_new_timeline(tmp_path: Path) -> None:
+    log, root = tmp_path / "log", tmp_path / "ckpt"
+    live = _ps()
+    open_update_log(live, log, replay=False, checkpoint=None)
+    live.configure(optimizer=ADAGRAD, seed=7)
+    trainer = _Trainer()
+    trainer.steps(live, 3)
+    first = _checkpoint(live, root, 3)
+    trainer.steps(live, 3)  # a rollback forgets these
+    load_replica(live, first)
+    assert [s.kind for s in read_segments(log)] == ["load"]
+    _Trainer(5, "ew-after-the-rollback").steps(live, 2)
+    _restart_holds_the_same(live, log, num_updates=2)
+
+
+def test_a_record_cut_short_is_dropped_and_its_retry_makes_the_replica_whole(tmp_path) -> None:
+    live = _ps()
+    open_update_log(live, tmp_path, replay=False, checkpoint=None)
+    live.configure(optimizer=ADAGRAD, seed=7)
+    trainer = _Trainer()
+    trainer.steps(live, 2)
+    segment = read_segments(tmp_path)[-1].path
+    trainer.steps(live, 1)
+    torn = segment.stat().st_size - 10
+    os.truncate(segment, torn)  # died inside the write of the last update
+    restarted = _ps()
+    assert open_update_log(restarted, tmp_path, replay=True, checkpoint=None).endswith(
+        "and 2 updates replayed from its update log")
+    assert segment.stat().st_size < torn  # the torn record is gone
+    # That update was never acknowledged: the embedding worker sends it again.
+    requests = trainer.sent[-1]
+    for name, ids, _ in requests:
+        restarted.lookup([(name, ids)], training=True)
+    assert restarted.update(requests, worker_id="ew-1", sequence=trainer.sequence)[1] is False
+    _same(live, restarted)
+    replayed = _ps()
+    open_update_log(replayed, tmp_path, replay=True, checkpoint=None)
+    _same(live, replayed)
+
+
+def test_a_failed_append_deletes_the_log_and_the_next_cut_starts_one(tmp_path, caplog) -> None:
+    log, root = tmp_path / "log", tmp_path / "ckpt"
+    live = _ps()
+    open_update_log(live, log, replay=False, checkpoint=None)
+    live.configure(optimizer=ADAGRAD, seed=7)
+    trainer = _Trainer()
+    trainer.steps(live, 2)
+    _checkpoint(live, root, 2)
+    os.close(live.update_log._fd)  # the disk fails under it
+    trainer.steps(live, 1)
+    assert "the log is deleted and logging stops until the next checkpoint" in caplog.text
+    assert read_segments(log) == [] and replay_plan(log) == []
+    trainer.steps(live, 1)
+    _checkpoint(live, root, 4)  # logging resumes from this cut
+    trainer.steps(live, 2)
+    _restart_holds_the_same(live, log, num_updates=2)
+
+
+def test_a_log_no_checkpoint_cuts_stops_at_its_size_limit(tmp_path, caplog) -> None:
+    live = _ps()
+    open_update_log(live, tmp_path / "log", replay=False, checkpoint=None, max_bytes=200_000)
+    live.configure(optimizer=ADAGRAD, seed=7)
+    trainer = _Trainer()
+    trainer.steps(live, 10)
+    assert "would outgrow 200000 bytes (no checkpoint cut it" in caplog.text
+    assert read_segments(tmp_path / "log") == []
+    _checkpoint(live, tmp_path / "ckpt", 10)  # a cut starts it again, within the limit
+    trainer.steps(live, 1)
+    _restart_holds_the_same(live, tmp_path / "log", num_updates=1)
+
+
+def test_with_an_empty_log_a_restart_loads_the_checkpoint_it_is_given(tmp_path) -> None:
+    live = _ps_configured()
+    _Trainer().steps(live, 2)
+    checkpoint = _checkpoint(live, tmp_path / "ckpt", 2)
+    restarted = _ps()
+    what = open_update_log(restarted, tmp_path / "log", replay=True, checkpoint=tmp_path / "ckpt")
+    num_rows = sum(rows["ids"].size for rows in live.state_dict().tables.values())
+    assert what == f"{num_rows} rows from checkpoint {checkpoint}, a new update log"
+    assert [s.kind for s in read_segments(tmp_path / "log")] == ["load"]
+    _same(live, restarted)
+
+
+def _ps_configured() -> ParameterServer:
+    ps = _ps()
+    ps.configure(optimizer=ADAGRAD, seed=7)
+    return ps
+
+
+def test_a_new_start_deletes_what_the_log_held(tmp_path: Path) -> None:
+    live = _ps()
+    open_update_log(live, tmp_path, replay=False, checkpoint=None)
+    live.configure(optimizer=ADAGRAD, seed=7)
+    _Trainer().steps(live, 2)
+    fresh = _ps()
+    assert open_update_log(fresh, tmp_path, replay=False, checkpoint=None) == "a new update log"
+    assert not fresh.configured and [s.kind for s in read_segments(tmp_path)] == ["start"]
+
+
+def test_a_serving_replica_refuses_an_update_log(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keeps no update log"):
+        open_update_log(ParameterServer(GLOBAL, EMBEDDING, inference=True), tmp_path,
+                        replay=False, checkpoint=None)
