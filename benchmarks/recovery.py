@@ -28,6 +28,7 @@ timestamped when it appears):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -148,25 +149,31 @@ class Job:
         return "".join(line for _, line in self.lines[-60:])
 
 
-def recovery_seconds(job: Job, kind: str, killed_at: float, timeout_s: float) -> float:
-    """Seconds from the kill until steps resume (see the module docstring)."""
+def wait_for_restart(job: Job, killed_at: float, timeout_s: float) -> float:
+    """Seconds from an NN rank's kill until the first step of the restarted training (its
+    rank 0 counts steps from 1 again)."""
     deadline = killed_at + timeout_s
-    while time.monotonic() < deadline:
-        steps = job.log.steps_after(killed_at)
-        if kind not in RESTARTED_ALONE:
-            # The restarted training's rank 0 counts its steps from 1 again.
-            restarted = [at for at, step in steps if step == 1]
-            if restarted:
-                return restarted[0] - killed_at
-        elif steps and (steps[-1][0] - killed_at >= _PS_WINDOW_S
-                        or job.process.poll() is not None):
-            times = [killed_at] + [at for at, _ in steps if at - killed_at <= _PS_WINDOW_S]
-            gaps = [(b - a, b) for a, b in zip(times, times[1:])]
-            return max(gaps)[1] - killed_at
-        if job.process.poll() is not None:
-            break
+    while time.monotonic() < deadline and job.process.poll() is None:
+        restarted = [at for at, step in job.log.steps_after(killed_at) if step == 1]
+        if restarted:
+            return restarted[0] - killed_at
         time.sleep(0.1)
-    raise SystemExit(f"no training steps after the {kind} was killed:\n{job.tail()}")
+    raise SystemExit(f"the training did not restart after the NN rank was killed:\n{job.tail()}")
+
+
+def longest_pause(job: Job, killed_at: float, next_kill: float) -> float:
+    """For a role restarted alone: seconds from the kill until the step that ends the
+    longest pause in steps within a minute after it, and before the next kill (whose
+    pause is its own); read once the job is over."""
+    steps = job.log.steps_after(killed_at)
+    if not steps:
+        raise SystemExit(f"no training steps after a kill:\n{job.tail()}")
+    end = min(killed_at + _PS_WINDOW_S, next_kill)
+    times = [killed_at] + [at for at, _ in steps if at <= end]
+    if len(times) == 1:
+        times.append(steps[0][0])
+    gaps = [(b - a, b) for a, b in zip(times, times[1:])]
+    return max(gaps)[1] - killed_at
 
 
 def main() -> None:
@@ -175,21 +182,33 @@ def main() -> None:
                         help="samples of each job (the default runs ~5 min on 2 cores)")
     parser.add_argument("--every-steps", type=int, default=20, help="checkpoint period")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--work-dir", default=None,
+                        help="run the jobs in this (new) folder and keep it (default: a "
+                             "temporary folder, removed)")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="persia-recovery-") as tmp:
+    with (contextlib.nullcontext(args.work_dir) if args.work_dir else
+          tempfile.TemporaryDirectory(prefix="persia-recovery-")) as tmp:
         clean = Job(Path(tmp) / "clean", args)
         clean_wall = clean.finish(timeout_s=3600)
         print(f"clean job: {clean_wall:.1f} s", flush=True)
 
         faulty = Job(Path(tmp) / "faulty", args)
         figures: dict[str, float] = {}
+        kills = []
         for kind, key, fraction in KILLS:
             faulty.wait_until(faulty.started + fraction * clean_wall)
             killed_at = faulty.kill(kind)
-            figures[key] = round(recovery_seconds(faulty, kind, killed_at, timeout_s=600), 2)
-            print(f"{kind} killed: steps resumed after {figures[key]:.2f} s", flush=True)
+            kills.append((kind, key, killed_at))
+            if kind not in RESTARTED_ALONE:  # the next kill only once training is back
+                figures[key] = round(wait_for_restart(faulty, killed_at, timeout_s=600), 2)
         faulty_wall = faulty.finish(timeout_s=3600)
+        for i, (kind, key, killed_at) in enumerate(kills):
+            if kind in RESTARTED_ALONE:
+                next_kill = kills[i + 1][2] if i + 1 < len(kills) else float("inf")
+                figures[key] = round(longest_pause(faulty, killed_at, next_kill), 2)
+            print(f"{kind} killed: steps resumed after {figures[key]:.2f} s", flush=True)
+        figures = {key: figures[key] for _, key, _ in KILLS}
 
     figures.update({
         "clean_wall_s": round(clean_wall, 1), "chaos_wall_s": round(faulty_wall, 1),

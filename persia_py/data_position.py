@@ -57,6 +57,11 @@ class Position:
             nxt += 1
         return Position(nxt, frozenset(done))
 
+    def merged(self, other: Position) -> Position:
+        """The batches done in either position."""
+        base, extra = (self, other) if self.next >= other.next else (other, self)
+        return base.advanced(extra.also)  # extra's sequences below its next are below base's
+
     def to_json(self) -> dict:
         return {"next": self.next, "also": sorted(self.also)}
 

@@ -284,7 +284,8 @@ def test_reproducible_job_losing_a_worker_a_loader_and_its_rank_ends_bit_identic
                 (14, "data loader", [
                     r"data-loader-0 died .*restarting it on the same port .*it goes on after the "
                     r"batches it had handed over",
-                    r"data loader 0 restarted: \d+ batches finished and \d+ in training"])):
+                    r"data loader 0 restarted: batches below \d+ finished \(and \d+ more\), "
+                    r"\d+ in training"])):
             job.wait_for_line(rf"\[nn-worker\] at step {step}\b", timeout=300)
             pid, _ = _victim(job, kind, 0)
             os.kill(pid, signal.SIGKILL)

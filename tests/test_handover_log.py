@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from persia_py.data_position import Position
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.rpc import Overloaded
 from persia_py.workers.data_loader import BatchQueue
@@ -27,10 +28,10 @@ def test_the_log_says_what_was_finished_in_training_and_last_per_rank(tmp_path: 
         f.write(b'{"done":[2')  # the process died inside this write
     state = read_handovers(path)
     assert state.stream == "loader0-abc"
-    assert state.finished == [0, 1, 3]
+    assert state.finished == Position(2, frozenset({3}))
     assert sorted(state.in_training) == [2, 4]
-    assert state.last == {0: Handover(4, 0, bytes([0]) * 16, 14),
-                          1: Handover(3, 1, bytes([1]) * 16, 13)}
+    # Rank 1's last batch is finished: its request is never retried.
+    assert state.last == {0: Handover(4, 0, bytes([0]) * 16, 14)}
     assert state.ended == {1}
     # Replaying appends after a whole line; a new start begins an empty log.
     again = HandoverLog(path, replay=True)
@@ -60,3 +61,23 @@ def test_a_restarted_queue_waits_for_its_batches_then_answers_a_retry_alike(tmp_
     assert queue.next(1, 0.01, b"d" * 16, 1).batch.batch_id == 8  # a new request: logged
     log.close()
     assert read_handovers(path).last[1] == Handover(8, 1, b"d" * 16, 1)
+
+
+def test_the_log_is_compacted_to_what_it_says(tmp_path: Path) -> None:
+    path = tmp_path / "handovers.log"
+    log = HandoverLog(path, replay=False, trained=Position(5), compact_every=50)
+    log.stream("loader0-abc")
+    for seq in range(5, 305):
+        log.handed(Handover(seq, seq % 2, bytes([seq % 2]) * 16, seq))
+        if seq % 7:  # every 7th batch stays in training
+            log.done([seq])
+    log.ended(0)
+    log.close()
+    state = read_handovers(path)
+    assert len(path.read_bytes().splitlines()) < 100  # 300 handovers, 258 dones, 1 end
+    assert state.stream == "loader0-abc" and state.ended == {0}
+    in_training = [s for s in range(5, 305) if s % 7 == 0]
+    assert sorted(state.in_training) == in_training
+    assert state.finished.next == 7 and all(
+        state.finished.done(s) == (s % 7 != 0) for s in range(5, 305))
+    assert state.in_training[294] == Handover(294, 0, bytes([0]) * 16, 294)

@@ -237,9 +237,11 @@ class DataCtx:
         self.common = self.global_config.common_config
         self.port = port if port is not None else self.env.data_loader_port
         index = self.env.data_loader_replica_index
+        # Resumed from a checkpoint: the batches of this loader trained before it.
+        self._done = self.env.data_positions.of(index)
         self.log = (None if self.env.data_loader_handover_log is None else
                     HandoverLog(self.env.data_loader_handover_log,
-                                replay=self.env.data_loader_replay))
+                                replay=self.env.data_loader_replay, trained=self._done))
         self.batches = BatchQueue(buffer_size, self.env.nn_world_size, self.log)
         self.next_seq = 0
         """Sequence number of the next batch the script makes (skipped ones count too)."""
@@ -248,15 +250,13 @@ class DataCtx:
         self.num_sent = 0
         self.num_skipped = 0
         self.kept = KeptBatches()
-        # Resumed from a checkpoint: the batches of this loader trained before it.
-        self._done = self.env.data_positions.of(index)
-        recovered = Handovers() if self.log is None else self.log.recovered
+        recovered = Handovers(finished=self._done) if self.log is None else self.log.recovered
         # The identity of this loader's batches at the embedding workers and parameter
         # servers: random per start of the training, never one an earlier run's updates
         # used; kept by a loader restarted alone (see workers/handover_log.py).
         self.stream = recovered.stream or f"loader{index}-{secrets.token_hex(8)}"
         # Restarted alone: skip what the NN workers finished, make again what they hold.
-        self._done = self._done.advanced(recovered.finished)
+        self._done = recovered.finished
         self._in_training = recovered.in_training
         self._last_handed = {h.seq: h.rank for h in recovered.last.values()}
         if self.log is not None:
@@ -265,9 +265,10 @@ class DataCtx:
             if self.env.data_loader_replay:
                 self.kept.expect(batch_id(index, seq) for seq in self._in_training)
                 self.batches.recover(recovered)
-                logger.warning("data loader %d restarted: %d batches finished and %d in "
-                               "training by the NN workers before; going on after them", index,
-                               len(recovered.finished), len(self._in_training))
+                logger.warning("data loader %d restarted: batches below %d finished (and %d "
+                               "more), %d in training by the NN workers; going on after them",
+                               index, self._done.next, len(self._done.also),
+                               len(self._in_training))
         self._check_ready()
         self.metrics = DataLoaderMetrics()
         self._metrics_server: MetricsServer | None = None
@@ -293,7 +294,8 @@ class DataCtx:
 
     @property
     def resumed_position(self) -> Position:
-        """This loader's batches trained before the checkpoint the job resumed from."""
+        """This loader's batches trained before it started: before the checkpoint the job
+        resumed from, and, restarted alone, those its predecessor's NN workers finished."""
         return self._done
 
     def start_at(self, seq: int) -> None:

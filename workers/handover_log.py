@@ -19,6 +19,11 @@ rollback is the answer to that):
 
 A line cut short by the crash is ignored: its event had not been answered, so nothing
 depends on it (a ``done`` is sent again with the NN worker's retried request).
+
+**Compaction.** Every ``COMPACT_EVERY`` lines the log is rewritten as what it says (the
+stream, ``{"finished": position}``, the handovers still in training, the ranks ended),
+into a new file fsynced and renamed over it, so a loader that streams for weeks keeps a
+log the size of what is in flight.
 """
 
 from __future__ import annotations
@@ -30,7 +35,13 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from persia_py.checkpoint_format import fsync_dir
+from persia_py.data_position import Position
+
 logger = logging.getLogger(__name__)
+
+COMPACT_EVERY = 100_000
+"""Lines appended between two rewrites of the log as its state."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +59,8 @@ class Handovers:
     """What a handover log says the dead loader did."""
 
     stream: str | None = None
-    finished: list[int] = field(default_factory=list)
-    """Batches handed over and finished (sequence numbers)."""
+    finished: Position = field(default_factory=Position)
+    """Batches handed over and finished, with those trained before the log began."""
     in_training: dict[int, Handover] = field(default_factory=dict)
     """Batches handed over, not finished (by sequence number)."""
     last: dict[int, Handover] = field(default_factory=dict)
@@ -60,14 +71,25 @@ class Handovers:
 class HandoverLog:
     """The appending side (thread-safe); see the module docstring."""
 
-    def __init__(self, path: str | os.PathLike, *, replay: bool) -> None:
+    def __init__(self, path: str | os.PathLike, *, replay: bool,
+                 trained: Position | None = None, compact_every: int = COMPACT_EVERY) -> None:
+        """``trained``: the loader's batches trained before the checkpoint the job
+        resumed (they count as finished)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        trained = trained or Position()
         self.recovered = read_handovers(self.path) if replay else Handovers()
+        self.recovered.finished = self.recovered.finished.merged(trained)
+        # What the log says now (for compaction), starting from what it said.
+        self._state = Handovers(self.recovered.stream, self.recovered.finished,
+                                dict(self.recovered.in_training), dict(self.recovered.last),
+                                set(self.recovered.ended))
         # A new start (not a replay) begins a new log: what was there is another run's.
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if replay else os.O_TRUNC)
         self._fd = os.open(self.path, flags, 0o600)
         self._lock = threading.Lock()
+        self._compact_every = compact_every
+        self._lines = 0
         if replay and self.path.stat().st_size:
             self._terminate_torn_line()
 
@@ -79,33 +101,69 @@ class HandoverLog:
                 os.write(self._fd, b"\n")
 
     def stream(self, stream: str) -> None:
-        self._append({"stream": stream})
+        self._append({"stream": stream}, lambda st: setattr(st, "stream", stream))
 
     def handed(self, handover: Handover) -> None:
-        self._append({"handed": handover.seq, "rank": handover.rank,
-                      "consumer": handover.consumer.hex(), "request": handover.request_seq})
+        def note(state: Handovers) -> None:
+            state.in_training[handover.seq] = handover
+            state.last[handover.rank] = handover
+        self._append(_handed_record(handover), note)
 
     def done(self, seqs: list[int]) -> None:
+        def note(state: Handovers) -> None:
+            finished = [s for s in seqs if state.in_training.pop(s, None) is not None]
+            state.finished = state.finished.advanced(finished)
         if seqs:
-            self._append({"done": seqs})
+            self._append({"done": seqs}, note)
 
     def ended(self, rank: int) -> None:
-        self._append({"ended": rank})
+        self._append({"ended": rank}, lambda st: st.ended.add(rank))
 
-    def _append(self, record: dict) -> None:
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    def _append(self, record: dict, note) -> None:
+        line = _line(record)
         with self._lock:
             if self._fd is None:
                 return
             written = os.write(self._fd, line)
-        if written != len(line):  # a full disk: a restart would not know this event
-            raise OSError(f"{self.path}: short write ({written} of {len(line)} bytes)")
+            if written != len(line):  # a full disk: a restart would not know this event
+                raise OSError(f"{self.path}: short write ({written} of {len(line)} bytes)")
+            note(self._state)
+            self._lines += 1
+            if self._lines >= self._compact_every:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite the log as its state (see the module docstring); under the lock."""
+        state = self._state
+        records = [{"stream": state.stream}] if state.stream is not None else []
+        records.append({"finished": state.finished.to_json()})
+        records += [_handed_record(h) for _, h in sorted(state.in_training.items())]
+        records += [{"ended": r} for r in sorted(state.ended)]
+        tmp = self.path.with_name(f".{self.path.name}.compacting")
+        with open(tmp, "wb") as f:
+            f.write(b"".join(_line(r) for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self._lines = 0
 
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def _line(record: dict) -> bytes:
+    return (json.dumps(record, separators=(",", ":")) + "\n").encode()
+
+
+def _handed_record(h: Handover) -> dict:
+    return {"handed": h.seq, "rank": h.rank, "consumer": h.consumer.hex(),
+            "request": h.request_seq}
 
 
 def read_handovers(path: str | os.PathLike) -> Handovers:
@@ -127,6 +185,8 @@ def read_handovers(path: str | os.PathLike) -> Handovers:
             continue
         if "stream" in record:
             state.stream = record["stream"]
+        elif "finished" in record:  # a compacted log's start
+            state.finished = Position.from_json(record["finished"], f"{path} line {number}")
         elif "handed" in record:
             h = Handover(record["handed"], record["rank"], bytes.fromhex(record["consumer"]),
                          record["request"])
@@ -136,9 +196,9 @@ def read_handovers(path: str | os.PathLike) -> Handovers:
             done.extend(record["done"])
         elif "ended" in record:
             state.ended.add(record["ended"])
-    finished = set(done) & handed.keys()
-    state.finished = sorted(finished)
-    state.in_training = {s: h for s, h in handed.items() if s not in finished}
+    state.finished = state.finished.advanced(set(done) & handed.keys())
+    state.in_training = {s: h for s, h in handed.items() if not state.finished.done(s)}
+    state.last = {r: h for r, h in state.last.items() if h.seq in state.in_training}
     return state
 
 
