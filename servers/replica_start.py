@@ -14,7 +14,6 @@ from persia_py.servers.update_log import (
     UpdateLog,
     complete_checkpoint,
     replay_plan,
-    segment_files,
     updates,
 )
 
@@ -35,9 +34,7 @@ def open_update_log(ps: ParameterServer, folder: str | os.PathLike, *, replay: b
                          "updates")
     log = UpdateLog(folder, ps.replica_index, max_bytes=max_bytes)
     plan = replay_plan(folder) if replay else []
-    if not plan:
-        for segment in segment_files(log.folder):
-            segment.path.unlink()
+    if not plan:  # begin() deletes what the folder held once the new segment is in place
         if checkpoint is None:
             log.begin("start", None)
             what = "a new update log"

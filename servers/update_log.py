@@ -90,8 +90,6 @@ class UpdateLog:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._number = max((s.number for s in segment_files(self.folder)), default=-1)
-        self.num_records = 0
-        """Records appended by this process."""
 
     # -- segments ------------------------------------------------------------------
 
@@ -185,7 +183,6 @@ class UpdateLog:
                 self._give_up(f"appending failed: {exc}")
                 return
             self._bytes += len(record)
-            self.num_records += 1
 
     def _give_up(self, why: str) -> None:
         """A log with a hole must never be replayed: delete it (unlinking needs no space)."""

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from persia_py.data_position import Position
+from persia_py.data_position import Position, batch_id
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.rpc import Overloaded
-from persia_py.workers.data_loader import BatchQueue
+from persia_py.workers.data_loader import BatchQueue, DataLoaderServicer
 from persia_py.workers.handover_log import Handover, HandoverLog, read_handovers
 
 
@@ -81,3 +81,16 @@ def test_the_log_is_compacted_to_what_it_says(tmp_path: Path) -> None:
     assert state.finished.next == 7 and all(
         state.finished.done(s) == (s % 7 != 0) for s in range(5, 305))
     assert state.in_training[294] == Handover(294, 0, bytes([0]) * 16, 294)
+
+
+def test_only_this_loaders_batch_ids_are_logged_finished(tmp_path: Path) -> None:
+    path = tmp_path / "handovers.log"
+    log = HandoverLog(path, replay=False)
+    log.handed(Handover(3, 0, b"c" * 16, 1))
+    servicer = DataLoaderServicer(BatchQueue(4, 1, log), loader_index=1)
+    # Loader 0's batch 3 is not this loader's: ignored; then loader 1's own batch 3.
+    servicer.NextBatch(pb.NextBatchRequest(done=[batch_id(0, 3)], only_done=True), None)
+    assert sorted(read_handovers(path).in_training) == [3]
+    servicer.NextBatch(pb.NextBatchRequest(done=[batch_id(1, 3)], only_done=True), None)
+    log.close()
+    assert read_handovers(path).in_training == {}

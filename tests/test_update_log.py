@@ -63,6 +63,14 @@ def _same(a: ParameterServer, b: ParameterServer) -> None:
         w: sorted(s.tolist()) for w, s in two.seen.items()}
 
 
+def _logged(folder: Path) -> ParameterServer:
+    """A new replica logging into ``folder``, configured (Adagrad, seed 7)."""
+    ps = _ps()
+    open_update_log(ps, folder, replay=False, checkpoint=None)
+    ps.configure(optimizer=ADAGRAD, seed=7)
+    return ps
+
+
 def _restart_holds_the_same(live: ParameterServer, log: Path, *, num_updates: int) -> None:
     restarted = _ps()
     assert open_update_log(restarted, log, replay=True, checkpoint=None).endswith(
@@ -121,9 +129,7 @@ def test_without_any_checkpoint_the_log_configures_and_replays_from_empty(tmp_pa
 
 def test_a_load_begins_a_new_timeline(tmp_path: Path) -> None:
     log, root = tmp_path / "log", tmp_path / "ckpt"
-    live = _ps()
-    open_update_log(live, log, replay=False, checkpoint=None)
-    live.configure(optimizer=ADAGRAD, seed=7)
+    live = _logged(log)
     trainer = _Trainer()
     trainer.steps(live, 3)
     first = _checkpoint(live, root, 3)
@@ -135,9 +141,7 @@ def test_a_load_begins_a_new_timeline(tmp_path: Path) -> None:
 
 
 def test_a_record_cut_short_is_dropped_and_its_retry_makes_the_replica_whole(tmp_path) -> None:
-    live = _ps()
-    open_update_log(live, tmp_path, replay=False, checkpoint=None)
-    live.configure(optimizer=ADAGRAD, seed=7)
+    live = _logged(tmp_path)
     trainer = _Trainer()
     trainer.steps(live, 2)
     segment = read_segments(tmp_path)[-1].path
@@ -161,9 +165,7 @@ def test_a_record_cut_short_is_dropped_and_its_retry_makes_the_replica_whole(tmp
 
 def test_a_failed_append_deletes_the_log_and_the_next_cut_starts_one(tmp_path, caplog) -> None:
     log, root = tmp_path / "log", tmp_path / "ckpt"
-    live = _ps()
-    open_update_log(live, log, replay=False, checkpoint=None)
-    live.configure(optimizer=ADAGRAD, seed=7)
+    live = _logged(log)
     trainer = _Trainer()
     trainer.steps(live, 2)
     _checkpoint(live, root, 2)
@@ -209,9 +211,7 @@ def _ps_configured() -> ParameterServer:
 
 
 def test_a_new_start_deletes_what_the_log_held(tmp_path: Path) -> None:
-    live = _ps()
-    open_update_log(live, tmp_path, replay=False, checkpoint=None)
-    live.configure(optimizer=ADAGRAD, seed=7)
+    live = _logged(tmp_path)
     _Trainer().steps(live, 2)
     fresh = _ps()
     assert open_update_log(fresh, tmp_path, replay=False, checkpoint=None) == "a new update log"

@@ -195,16 +195,21 @@ class KeptBatches:
 
 class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
     def __init__(self, batches: BatchQueue, kept: KeptBatches | None = None,
-                 resend: Callable[[int], tuple[int, int]] | None = None) -> None:
+                 resend: Callable[[int], tuple[int, int]] | None = None, *,
+                 loader_index: int = 0) -> None:
         self.batches = batches
         self.kept = kept if kept is not None else KeptBatches()
         self.resend = resend
+        self.loader_index = loader_index
 
     @grpc_method
     def NextBatch(self, request, context):
-        self.kept.done(request.done)
+        # Only this loader's batch ids: another loader's, cut to a sequence number, could
+        # mark one of ours finished in the handover log.
+        done = [b for b in request.done if b >> SEQ_BITS == self.loader_index]
+        self.kept.done(done)
         if self.batches.log is not None:
-            self.batches.log.done([b & _SEQ_MASK for b in request.done])
+            self.batches.log.done([b & _SEQ_MASK for b in done])
         if request.only_done:
             return pb.NextBatchResponse()
         return self.batches.next(request.rank, _POLL_SEC, request.consumer, request.request_seq)
@@ -280,7 +285,8 @@ class DataCtx:
             w.wait_ready()
         server, self.port = create_server(f"{self.env.bind_host}:{self.port}", self.common)
         data_loader_pb2_grpc.add_DataLoaderServicer_to_server(
-            DataLoaderServicer(self.batches, self.kept, self._resend), server)
+            DataLoaderServicer(self.batches, self.kept, self._resend,
+                               loader_index=self.env.data_loader_replica_index), server)
         server.start()
         self._server = server
         print(f"data-loader {self.env.data_loader_replica_index} on port {self.port} ready",

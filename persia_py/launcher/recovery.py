@@ -129,9 +129,9 @@ class TrainingRecovery:
 class BatchCounts:
     """What the job's batches went through, from its roles' output lines: each loader's
     last run (batches sent, and skipped as trained before the checkpoint it resumed or
-    handed over by its predecessor),
-    batches re-sent to restarted embedding workers, and updates the parameter servers
-    had applied already (not applied again). ``persia-launcher local`` ends with it."""
+    handed over by its predecessor), batches re-sent to restarted embedding workers, and
+    updates the parameter servers had applied already (not applied again).
+    ``persia-launcher local`` ends with it."""
 
     _SENT = re.compile(r"data loader (\d+) sent (\d+) batches \((\d+) skipped")
     _RESENT = "putting its ID features on embedding worker"
@@ -162,6 +162,5 @@ class BatchCounts:
             skipped = sum(k for _, k in self.sent.values())
             return (f"batches: {sent} sent by the data loaders' last runs ({skipped} skipped: "
                     "trained before the checkpoint they resumed, or handed over before they "
-                    f"restarted), {self.resent} re-sent to "
-                    f"restarted embedding workers, {self.deduplicated} updates the parameter "
-                    "servers had applied already")
+                    f"restarted), {self.resent} re-sent to restarted embedding workers, "
+                    f"{self.deduplicated} updates the parameter servers had applied already")

@@ -100,11 +100,12 @@ def run_parameter_server(args: argparse.Namespace) -> int:
     if args.update_log:
         from persia_py.servers.replica_start import open_update_log
 
-        if inference:
-            raise SystemExit("--update-log: a serving (inference) replica applies no updates")
-        what = open_update_log(ps, args.update_log, replay=args.replay_update_log,
-                               checkpoint=args.load_checkpoint,
-                               max_bytes=args.update_log_max_bytes)
+        try:
+            what = open_update_log(ps, args.update_log, replay=args.replay_update_log,
+                                   checkpoint=args.load_checkpoint,
+                                   max_bytes=args.update_log_max_bytes)
+        except ValueError as exc:  # a serving replica, or a log no restart can start from
+            raise SystemExit(f"--update-log {args.update_log}: {exc}") from None
         print(f"embedding-parameter-server {args.replica_index}: {what}", flush=True)
     elif args.load_checkpoint:
         from persia_py.servers.checkpoint import load_replica
