@@ -166,8 +166,7 @@ def apply_increment(ps: ParameterServer, folder: str | Path, replica: int) -> tu
     # Rows and removed ids are disjoint (taken together under each shard's lock); removing
     # first makes room, as eviction did on the training side. A retry after a failure
     # removes and stores the same again.
-    ps.remove_rows(removed)
-    return ps.apply_rows(rows), manifest
+    return ps.apply_increment(removed, rows), manifest
 
 
 def _merge(new: dict[str, Rows], old: dict[str, Rows]) -> dict[str, Rows]:

@@ -41,6 +41,7 @@ from persia_py.rpc import FailedPrecondition
 from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict, state_width
 from persia_py.servers.sizing import TableSize, capacity_warning, memory_limit, row_bytes
 from persia_py.servers.storage import EmbeddingTable
+from persia_py.servers.swap_lock import SwapLock
 from persia_py.table_policy import check_init_bounds, check_weight_bound
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ class ParameterServer:
         self._seen: collections.OrderedDict[str, collections.OrderedDict[int, None]] = (
             collections.OrderedDict())
         self._seen_lock = threading.Lock()
+        self._increments = SwapLock()
+        """Lookups share it, :meth:`apply_increment` holds it alone."""
         self.num_updates = 0
         self.tracks_changes = False
         """Tables remember changed rows (for incremental exports; see ``track_changes``)."""
@@ -294,7 +297,8 @@ class ParameterServer:
         if answer_bytes > limit:
             raise ValueError(f"the answer would carry {answer_bytes} bytes of embeddings, over "
                              f"max_message_bytes {limit}; look up fewer ids per call")
-        answers = [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
+        with self._increments.shared():
+            answers = [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
         if training and self.update_log is not None:  # the rows it inserted, for a restart
             self.update_log.lookup(requests)
         return answers
@@ -448,6 +452,14 @@ class ParameterServer:
             except ValueError as exc:
                 raise ValueError(f"table {name!r}: removed ids: {exc}") from None
         return sum(tables[name].remove_ids(table_ids) for name, table_ids in ids.items())
+
+    def apply_increment(self, removed: dict[str, np.ndarray], rows: dict[str, Rows]) -> int:
+        """Remove ``removed`` (:meth:`remove_rows`), then store ``rows``
+        (:meth:`apply_rows`), with lookups held off meanwhile: a lookup sees an incremental
+        export wholly or not at all. Returns the rows stored."""
+        with self._increments.exclusive():
+            self.remove_rows(removed)
+            return self.apply_rows(rows)
 
     def apply_rows(self, rows: dict[str, Rows]) -> int:
         """Store ``rows`` by table name into the live tables, overwriting rows of the same

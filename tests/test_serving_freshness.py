@@ -109,6 +109,43 @@ def test_a_following_replica_forgets_what_training_expired_or_evicted(tmp_path: 
         assert rows.shape[0] and not rows.any()  # forgotten: reads as an unknown id
 
 
+def test_a_lookup_sees_an_increment_wholly_or_not_at_all() -> None:
+    """An increment removes ids and stores rows in two passes; a lookup meanwhile would
+    read removed ids as zeros. Here every increment removes all ids and stores them again
+    with one value: each answer must hold one value, never zeros beside it."""
+    embedding = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4)})
+    ps = ParameterServer(GlobalConfig(), embedding, inference=True)
+    ps.configure(optimizer={"type": "adagrad", "lr": 0.1}, seed=3)
+    ids = np.arange(1, 5001, dtype=np.uint64)
+
+    def rows(value: float) -> dict:
+        return {"user": {"ids": ids, "weights": np.full((ids.size, 4), value, np.float32),
+                         "state": np.zeros((ids.size, 4), np.float32),
+                         "last_access": np.zeros(ids.size, np.int64), "clock": 0}}
+
+    ps.apply_increment({}, rows(1.0))
+    done, seen, mixed = threading.Event(), set(), []
+
+    def read() -> None:
+        while not done.is_set():
+            (got,) = ps.lookup([("user", ids)], training=False)
+            values = np.unique(got)
+            seen.update(values.tolist())
+            if values.size != 1:
+                mixed.append(values)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    for version in range(2, 60):
+        ps.apply_increment({"user": ids}, rows(float(version)))
+    done.set()
+    for t in readers:
+        t.join(timeout=60)
+    assert not mixed, f"answers mixing versions or removed rows: {mixed[:3]}"
+    assert 0.0 not in seen and len(seen) > 1, seen  # the readers saw several versions
+
+
 def test_a_dense_version_is_checked_whole_before_it_is_swapped_in(tmp_path: Path) -> None:
     torch.manual_seed(0)
     good = Tower()
