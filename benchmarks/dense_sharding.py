@@ -60,7 +60,9 @@ def _rank(rank: int, port: int, mode: str, args: argparse.Namespace, results) ->
     else:
         sizes, _ = FSDPOption().sizes(model, 2)
         option = FSDPOption(max_unsharded_bytes=2 * max(sizes))
-    parallel = option.wrap(model, optimizer, torch.device("cpu"), shadow_step=lambda: None)
+    # No Join here (both ranks run every step): the shadow step is never called.
+    parallel = option.wrap(model, optimizer, torch.device("cpu"),
+                           shadow_step=lambda dense, embeddings: None)
     x = torch.randn(args.batch_size, args.width)
     elapsed = 0.0
     for step in range(args.steps + 1):

@@ -108,9 +108,16 @@ class NNWorkerConfig:
     max_buffer_bytes: int = 1 << 30
     """Bytes an NN worker holds for batches looked up but not yet trained and for
     embedding gradients not yet acknowledged; when full, lookups wait."""
+    fsdp_max_unsharded_bytes: int | None = None
+    """Under ``FSDPOption``: most bytes of gathered dense parameters alive at once on a
+    rank (the rate limiter), when the option sets no ``max_unsharded_bytes`` of its own
+    (the option wins: the training script knows its tower). Here so that the job's
+    config can size it per deployment without editing the script; None: no bound."""
 
     def __post_init__(self) -> None:
         _check_range(self, "max_buffer_bytes", 1, 2**50)
+        if self.fsdp_max_unsharded_bytes is not None:
+            _check_range(self, "fsdp_max_unsharded_bytes", 1, 2**50)
 
 
 @dataclass(kw_only=True, frozen=True)

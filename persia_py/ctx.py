@@ -83,6 +83,15 @@ def current_ctx(what: str = "this call") -> EmbeddingCtx:
     return ctx
 
 
+def check_addresses(where: str, addresses: object) -> None:
+    """TypeError unless ``addresses`` is None or a list (tuple) of ``host:port`` strings.
+    A single string is refused: iterated, it would be taken as one address per character."""
+    check_type(where, addresses, (list, tuple),
+               "a list of 'host:port' addresses, e.g. ['host:port'], or None", optional=True)
+    for i, address in enumerate(addresses or ()):
+        check_type(f"{where}[{i}]", address, str, "a 'host:port' address, a str")
+
+
 def _check_batch(batch: object) -> None:
     """``ctx.forward``'s argument must be a looked-up batch, not a raw one."""
     if isinstance(batch, TrainingBatch):
@@ -114,8 +123,17 @@ class EmbeddingCtx:
                    "a torch.nn.Module (the dense tower)", optional=True)
         check_type(f"{name}(device_id=...)", device_id, int,
                    "an int (a CUDA device index) or None", optional=True)
-        self.env = env or PersiaEnv.from_environ()
-        self.global_config = global_config or load_global_config(self.env.global_config)
+        check_addresses(f"{name}(embedding_worker_addresses=...)", embedding_worker_addresses)
+        check_type(f"{name}(global_config=...)", global_config, GlobalConfig,
+                   "a persia_py.config.GlobalConfig (e.g. load_global_config(path)) or None",
+                   optional=True)
+        check_type(f"{name}(env=...)", env, PersiaEnv,
+                   "a persia_py.env.PersiaEnv or None (read from the environment)",
+                   optional=True)
+        # `is None`, not `or`: a value given is used or refused, never silently replaced.
+        self.env = env if env is not None else PersiaEnv.from_environ()
+        self.global_config = (global_config if global_config is not None
+                              else load_global_config(self.env.global_config))
         self.common = self.global_config.common_config
         self.model = model
         self.device = device_of_this_process(device_id, self.env.local_rank)
@@ -237,6 +255,8 @@ class InferCtx(EmbeddingCtx):
         if embedding_worker_address_list is not None and embedding_worker_addresses is not None:
             raise ValueError("give embedding_worker_address_list or embedding_worker_addresses, "
                              "not both")
+        check_addresses("InferCtx(embedding_worker_address_list=...)",
+                        embedding_worker_address_list)
         super().__init__(model=model, global_config=global_config, device_id=device_id, env=env,
                          embedding_worker_addresses=(embedding_worker_address_list
                                                      or embedding_worker_addresses))
@@ -301,7 +321,8 @@ class TrainCtx(EmbeddingCtx):
         distributed_option: how the ranks share the dense tower:
             :class:`~persia_py.distributed.DDPOption` (default; a replica per rank) or
             :class:`~persia_py.distributed.FSDPOption` (sharded, with a bound on the
-            unsharded bytes alive at once).
+            unsharded bytes alive at once: its own, else the config's
+            ``nn_worker_config.fsdp_max_unsharded_bytes``).
         stop_on_signal: online training: SIGTERM ends the data loaders' endless stream
             after a step every rank agrees on; the embedding updates are flushed and a
             final checkpoint is written to ``checkpoint_config.dir`` before the loop ends
@@ -351,6 +372,9 @@ class TrainCtx(EmbeddingCtx):
         """Clipping and accumulation of the dense gradients (see persia_py.grad_control)."""
         super().__init__(model=model, global_config=global_config, device_id=device_id, env=env)
         self.distributed_option = distributed_option or DDPOption()
+        if isinstance(self.distributed_option, FSDPOption):
+            self.distributed_option = self.distributed_option.with_config_bound(
+                self.global_config.nn_worker_config.fsdp_max_unsharded_bytes)
         # A bound below one unit's need is refused here, before any process starts.
         self.distributed_option.check(model, self.env.world_size)
         self.dense: DenseParallel = DenseParallel(model, model)

@@ -20,7 +20,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -101,10 +101,14 @@ class FSDPOption:
     max_unsharded_bytes: int | None = None
     """The rate limiter: most bytes of gathered parameters alive at once on a rank
     (all-gather buffers in flight and gathered units not yet freed). Prefetching only
-    within it; a bound below one unit's need is refused (ValueError); None: FSDP's own
-    prefetching, unbounded (the peak is still measured)."""
+    within it; a bound below one unit's need is refused (ValueError); None: the job
+    config's ``nn_worker_config.fsdp_max_unsharded_bytes``, and if that is unset too,
+    FSDP's own prefetching, unbounded (the peak is still measured)."""
     backend: str | None = None
     """torch.distributed backend; None: ``nccl`` on CUDA, ``gloo`` on CPU."""
+
+    _bound_name = "FSDPOption.max_unsharded_bytes"
+    """Where the bound came from, for the messages (not a field)."""
 
     def __post_init__(self) -> None:
         if self.max_unsharded_bytes is not None and (
@@ -116,6 +120,16 @@ class FSDPOption:
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"FSDPOption.reshard_after_forward: expected a bool, got "
                              f"{self.reshard_after_forward!r}")
+
+    def with_config_bound(self, config_bound: int | None) -> FSDPOption:
+        """This option with ``config_bound`` (``nn_worker_config.fsdp_max_unsharded_bytes``)
+        as its bound when it sets none itself: the script's own bound wins. A copy, so
+        the caller's option is left as it was written."""
+        if self.max_unsharded_bytes is not None or config_bound is None:
+            return self
+        option = replace(self, max_unsharded_bytes=config_bound)
+        option._bound_name = "nn_worker_config.fsdp_max_unsharded_bytes"
+        return option
 
     def units(self, model: nn.Module) -> list[nn.Module]:
         """The submodules this option shards one by one (not the root)."""
@@ -158,7 +172,7 @@ class FSDPOption:
         if floor > self.max_unsharded_bytes:
             largest = max(sizes, default=0)
             raise ValueError(
-                f"FSDPOption.max_unsharded_bytes={self.max_unsharded_bytes} is below the "
+                f"{self._bound_name}={self.max_unsharded_bytes} is below the "
                 f"{floor} bytes training needs at least: the largest unit is {largest} "
                 f"bytes unsharded and is alive twice for a moment (its all-gather buffer "
                 f"and the parameters copied out of it), plus the root's own {root} bytes"

@@ -231,7 +231,8 @@ class _MeterCollector(Collector):
                                 value=self._meter.peak)
         if self._meter.bound is not None:
             yield GaugeMetricFamily("persia_nn_worker_fsdp_max_unsharded_bytes",
-                                    "FSDPOption.max_unsharded_bytes",
+                                    "Bound on FSDP unsharded parameter bytes alive "
+                                    "at once (max_unsharded_bytes)",
                                     value=self._meter.bound)
 
     def describe(self):

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from persia_py.checks import check_type
+
 
 @dataclass(frozen=True, kw_only=True)
 class GradControl:
@@ -38,13 +40,17 @@ class GradControl:
     """Batches per dense optimizer step (1: a step after every batch, as PERSIA)."""
 
     def __post_init__(self) -> None:
+        # A value of the wrong kind ("1", 2.5 steps) is a TypeError; a number out of
+        # range (0, -1, inf) a ValueError, as for every other argument of TrainCtx.
         clip = self.grad_clip_norm
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
-                                 or not math.isfinite(clip) or clip <= 0):
+        check_type("TrainCtx(grad_clip_norm=...)", clip, (int, float),
+                   "a finite number > 0 or None", optional=True)
+        if clip is not None and (not math.isfinite(clip) or clip <= 0):
             raise ValueError(f"TrainCtx(grad_clip_norm=...): expected a finite number > 0 or "
                              f"None, got {clip!r}")
         k = self.grad_accumulation_steps
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        check_type("TrainCtx(grad_accumulation_steps=...)", k, int, "an int >= 1")
+        if k < 1:
             raise ValueError(f"TrainCtx(grad_accumulation_steps=...): expected an int >= 1, "
                              f"got {k!r}")
 

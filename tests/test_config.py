@@ -109,3 +109,22 @@ def test_global_config_errors(tmp_path) -> None:
         load_global_config(path)
     with pytest.raises(ConfigError, match="config file not found"):
         load_global_config(tmp_path / "missing.yml")
+
+
+def test_fsdp_bound_in_the_config_is_a_positive_int_or_null(tmp_path) -> None:
+    """``nn_worker_config.fsdp_max_unsharded_bytes``: unset and null give no bound; a
+    positive int is read; anything else names the key."""
+    path = tmp_path / "global_config.yml"
+    assert load_global_config(None).nn_worker_config.fsdp_max_unsharded_bytes is None
+    for text, bound in [("{}", None), ("{fsdp_max_unsharded_bytes: null}", None),
+                        ("{fsdp_max_unsharded_bytes: 1048576}", 1 << 20)]:
+        path.write_text(f"nn_worker_config: {text}\n")
+        assert load_global_config(path).nn_worker_config.fsdp_max_unsharded_bytes == bound
+    for value, message in [("0", "0 is out of range"), ("-5", "-5 is out of range"),
+                           ("1500000.0", "expected int or NoneType, got 1500000.0"),
+                           ("true", "expected int or NoneType, got True"),
+                           ("lots", "expected int or NoneType, got 'lots'")]:
+        path.write_text(f"nn_worker_config: {{fsdp_max_unsharded_bytes: {value}}}\n")
+        with pytest.raises(ConfigError) as info:
+            load_global_config(path)
+        assert f"nn_worker_config.fsdp_max_unsharded_bytes: {message}" in str(info.value)

@@ -40,3 +40,40 @@ def test_impossible_choices_say_what_to_do() -> None:
 def test_this_process_gets_what_its_cuda_state_says() -> None:
     expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     assert device_of_this_process(None, local_rank=0) == expected
+
+
+def _train_ctx(**kwargs):
+    """A TrainCtx made, not entered: the device is chosen when it is made."""
+    from persia_py.config import GlobalConfig
+    from persia_py.ctx import TrainCtx
+    from persia_py.embedding.optim import SGD
+    from persia_py.env import PersiaEnv
+
+    model = torch.nn.Linear(2, 1)
+    return TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                    dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    global_config=GlobalConfig(), env=PersiaEnv(local_rank=3), **kwargs)
+
+
+@pytest.fixture
+def four_gpus(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """torch reports 4 CUDA devices; ``set_device`` calls are recorded, not made."""
+    made_current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    return made_current
+
+
+def test_train_ctx_takes_cuda_local_rank_and_makes_it_current(four_gpus) -> None:
+    # The whole path TrainCtx takes (environment -> pick_device -> set_device), not only
+    # the pure function: a context that passed the wrong rank would still pass the above.
+    ctx = _train_ctx()
+    assert ctx.device == torch.device("cuda", 3)
+    assert four_gpus == [torch.device("cuda", 3)]
+
+
+def test_train_ctx_explicit_device_id_wins_over_local_rank(four_gpus) -> None:
+    ctx = _train_ctx(device_id=1)
+    assert ctx.device == torch.device("cuda", 1)
+    assert four_gpus == [torch.device("cuda", 1)]

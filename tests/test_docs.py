@@ -97,3 +97,21 @@ def test_links_between_pages_resolve() -> None:
                 headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
                             for h in re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)}
                 assert anchor in headings, f"{path.name} links {target}#{anchor}: no such heading"
+
+
+NUMPY_OF_A_TENSOR = re.compile(r"(?<!\.cpu\(\))\.numpy\(\)")
+"""``.numpy()`` not straight after ``.cpu()``: on a GPU, ``ctx.forward``'s outputs and
+labels live in device memory and ``tensor.numpy()`` raises there (while passing on a CPU)."""
+
+
+def test_examples_and_doc_code_move_tensors_to_the_cpu_before_numpy() -> None:
+    """Code a user copies runs on a GPU too: every ``.numpy()`` in examples/ and in the
+    docs' code blocks follows ``.cpu()``."""
+    sources = [(p, p.read_text()) for p in sorted((ROOT / "examples").rglob("*.py"))]
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        blocks = re.findall(r"^```[^\n]*\n(.*?)^```", page.read_text(), flags=re.M | re.S)
+        sources.append((page, "\n".join(blocks)))
+    for path, text in sources:
+        for line in text.splitlines():
+            assert not NUMPY_OF_A_TENSOR.search(line), (
+                f"{path.relative_to(ROOT)}: {line.strip()!r}: call .cpu() before .numpy()")

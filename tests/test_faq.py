@@ -386,6 +386,22 @@ WRONG_TYPES = [  # (call, the start of its message)
     (lambda: train_ctx(distributed_option="ddp"), "TrainCtx(distributed_option=...): expected "
      "a persia_py.distributed.DDPOption or FSDPOption"),
     (lambda: train_ctx(device_id="cuda:0"), "TrainCtx(device_id=...): expected an int"),
+    (lambda: train_ctx(grad_clip_norm="1"), "TrainCtx(grad_clip_norm=...): expected a finite "
+     "number > 0 or None"),
+    (lambda: train_ctx(grad_accumulation_steps=2.5), "TrainCtx(grad_accumulation_steps=...): "
+     "expected an int >= 1"),
+    (lambda: train_ctx(env="x"), "TrainCtx(env=...): expected a persia_py.env.PersiaEnv"),
+    (lambda: train_ctx(global_config={}), "TrainCtx(global_config=...): expected a "
+     "persia_py.config.GlobalConfig"),
+    (lambda: InferCtx("127.0.0.1:9"), "InferCtx(embedding_worker_address_list=...): expected "
+     "a list of 'host:port' addresses"),
+    (lambda: InferCtx(embedding_worker_addresses=[9]), "InferCtx(embedding_worker_addresses="
+     "...)[0]: expected a 'host:port' address"),
+    (lambda: DataCtx(buffer_size="3"), "DataCtx(buffer_size=...): expected an int >= 1"),
+    (lambda: DataCtx(port="9"), "DataCtx(port=...): expected an int"),
+    (lambda: DataCtx(env={}), "DataCtx(env=...): expected a persia_py.env.PersiaEnv"),
+    (lambda: DataCtx(global_config={}), "DataCtx(global_config=...): expected a "
+     "persia_py.config.GlobalConfig"),
     (lambda: InferCtx(model="m"), "InferCtx(model=...): expected a torch.nn.Module"),
     (lambda: eval_ctx("m").__enter__(), "eval_ctx(model=...): expected a torch.nn.Module"),
     (lambda: StreamingDataset(buffer_size="8"), "StreamingDataset(buffer_size=...): expected "
@@ -417,6 +433,24 @@ WRONG_TYPES = [  # (call, the start of its message)
 def test_a_wrong_argument_type_is_a_type_error_naming_the_argument(call, start: str) -> None:
     exc = raised(call)
     assert isinstance(exc, TypeError), repr(exc)
+    assert str(exc).startswith(start), str(exc)
+
+
+OUT_OF_RANGE = [  # (call, the start of its message): the right type, a wrong value
+    (lambda: DataCtx(buffer_size=0), "DataCtx(buffer_size=...): expected an int >= 1, got 0"),
+    (lambda: DataCtx(port=-1), "DataCtx(port=...): expected 0 <= port <= 65535"),
+    (lambda: train_ctx(grad_clip_norm=0), "TrainCtx(grad_clip_norm=...): expected a finite "
+     "number > 0"),
+    (lambda: train_ctx(grad_accumulation_steps=0), "TrainCtx(grad_accumulation_steps=...): "
+     "expected an int >= 1"),
+]
+
+
+@pytest.mark.parametrize("call, start", OUT_OF_RANGE,
+                         ids=[s.split(":")[0] for _, s in OUT_OF_RANGE])
+def test_a_value_out_of_range_is_a_value_error_not_a_type_error(call, start: str) -> None:
+    exc = raised(call)
+    assert type(exc) is ValueError, repr(exc)
     assert str(exc).startswith(start), str(exc)
 
 

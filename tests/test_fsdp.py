@@ -3,7 +3,8 @@ holds, a tower built on the meta device starts from the weights of the ordinary 
 dense checkpoints move between FSDP and DDP and between numbers of ranks, ranks with
 different numbers of batches (or none) train every batch once and skip (not stall on)
 periodic checkpoints after one ran out, mixed precision trains as under DDP, a NaN loss
-skips the dense step on every rank, and ``with_jit_model`` scripts the gathered tower.
+skips the dense step on every rank, ``with_jit_model`` scripts the gathered tower, and
+embedding staleness with a small byte budget trains under a bound set in the config.
 
 The multi-rank checks read one real job: a parameter server and an embedding worker on
 free ports, and the NN-worker script ``tests/fsdp_job/train.py`` under ``torchrun
@@ -36,6 +37,7 @@ PERIOD = 2  # periodic checkpoint every this many steps there
 EMPTY = (0, 3)  # batches of rank 0 and rank 1 in the empty phases
 AMP_STEPS = 10
 NAN_STEPS, NAN_AT = 5, 3  # rank 0's loss is NaN at step NAN_AT (from 1)
+STALE_STEPS, STALE_BUDGET = 8, 256 << 10  # staleness 2, room for one batch (~170 KB)
 
 
 # -- without processes ----------------------------------------------------------------------
@@ -75,6 +77,38 @@ def test_a_bound_below_one_unit_is_refused_at_construction() -> None:
         DDPOption(bucket_size_mb=3)
     assert DDPOption(backend="gloo", find_unused_parameters=True).options == {
         "find_unused_parameters": True}
+
+
+def test_the_config_bound_applies_when_the_option_sets_none() -> None:
+    """``nn_worker_config.fsdp_max_unsharded_bytes`` bounds an ``FSDPOption()`` (checked
+    against the tower when ``TrainCtx`` is made, the message naming the key); the
+    option's own bound wins; the caller's option is not changed."""
+    from persia_py.config import global_config_from_dict
+    from persia_py.ctx import TrainCtx
+    from persia_py.embedding.optim import SGD
+    from persia_py.env import PersiaEnv
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))
+    need = 2 * unit_bytes(list(model[0].parameters()), 2)
+
+    def bound(option, config_bound):
+        config = global_config_from_dict(
+            {"nn_worker_config": {"fsdp_max_unsharded_bytes": config_bound}})
+        ctx = TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                       dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                       distributed_option=option, global_config=config,
+                       env=PersiaEnv(world_size=2))
+        return getattr(ctx.distributed_option, "max_unsharded_bytes", None)
+
+    option = FSDPOption()
+    assert bound(option, need) == need and option.max_unsharded_bytes is None
+    assert bound(option, None) is None
+    assert bound(FSDPOption(max_unsharded_bytes=need + 1), need) == need + 1
+    assert bound(FSDPOption(max_unsharded_bytes=need), need - 1) == need
+    with pytest.raises(ValueError, match=r"nn_worker_config\.fsdp_max_unsharded_bytes="
+                                         f"{need - 1} is below the {need} bytes"):
+        bound(FSDPOption(), need - 1)
+    assert bound(DDPOption(), need - 1) is None  # whole replicas: nothing to bound
 
 
 def test_wrap_policy_by_class_and_by_function() -> None:
@@ -218,8 +252,11 @@ def _same_training(a: Path, b: Path) -> None:
 
 @pytest.mark.processes
 def test_fsdp_trains_as_ddp_within_a_bound_of_two_units(job) -> None:
-    """(a) same losses and embedding rows as DDP; (b) with max_unsharded_bytes = two of
-    the largest unit, the measured peak never exceeds it and training completes."""
+    """(a) same losses (reproducible mode) and embedding rows as DDP; (b) with
+    max_unsharded_bytes = two of the largest unit, the limiter prefetches within it
+    (the Criteo tower's bottom unit is small enough for the top's all-gather to be
+    issued during its forward), the measured peak never exceeds it and training
+    completes."""
     stats, root = job
     ddp, fsdp = stats["ddp"], stats["fsdp"]
     for rank in range(2):
@@ -228,6 +265,7 @@ def test_fsdp_trains_as_ddp_within_a_bound_of_two_units(job) -> None:
         assert np.max(np.abs(a - b) / np.abs(a)) <= 1e-4, (a, b)
         bound = fsdp[rank]["bound"]
         assert bound is not None and 0 < fsdp[rank]["peak"] <= bound, fsdp[rank]
+        assert any(fsdp[rank]["plan_forward"]), fsdp[rank]["plan_forward"]
     # The rows on the servers and the dense towers (gathered from the shards) agree too.
     _same_training(fmt.resolve(root / "ddp"), fmt.resolve(root / "fsdp"))
 
@@ -353,3 +391,20 @@ def test_with_jit_model_under_fsdp_scripts_the_gathered_tower(job) -> None:
         assert refused and "torch.jit.script cannot compile the dense model" in refused
     assert not (root / "not-scriptable").exists() or not any(
         p.name.startswith("ckpt-") for p in (root / "not-scriptable").iterdir())
+
+
+@pytest.mark.processes
+def test_staleness_and_a_small_byte_budget_train_under_fsdp(job) -> None:
+    """``embedding_staleness=2`` with an NN-worker byte budget of one batch, under an
+    ``FSDPOption()`` bounded by ``nn_worker_config.fsdp_max_unsharded_bytes``: every
+    batch trained once, finite losses, the budget and the config's bound held, and
+    the limiter prefetching within that bound."""
+    stats, _ = job
+    sizes, _ = FSDPOption().sizes(_dlrm(), 2)
+    for rank in range(2):
+        s = stats["stale-fsdp"][rank]
+        assert s["steps"] == s["trained"] == STALE_STEPS, s
+        assert np.isfinite(s["losses"]).all(), s["losses"]
+        assert s["budget"] == STALE_BUDGET and 0 < s["budget_peak"] <= STALE_BUDGET, s
+        assert s["bound"] == 2 * max(sizes) and 0 < s["peak"] <= s["bound"], s
+        assert any(s["plan_forward"]), s["plan_forward"]

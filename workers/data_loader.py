@@ -231,14 +231,33 @@ class DataCtx:
 
     Args:
         port: port to serve NN workers on; by default ``PERSIA_DATA_LOADER_PORT`` (0: any).
-        buffer_size: batches held for NN workers before ``send_data`` waits.
+        buffer_size: batches held for NN workers before ``send_data`` waits (at least 1:
+            the queue is bounded, so a loader faster than training waits, not its memory).
+        env, global_config: this process's environment and global config (None: read
+            from its environment variables and ``PERSIA_GLOBAL_CONFIG``).
     """
 
     def __init__(self, *, port: int | None = None, buffer_size: int = 16,
                  env: PersiaEnv | None = None, global_config: GlobalConfig | None = None) -> None:
-        self.env = env or PersiaEnv.from_environ()
+        # Every argument first, before any file or environment is read.
+        check_type("DataCtx(port=...)", port, int, "an int (0: any free port) or None",
+                   optional=True)
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"DataCtx(port=...): expected 0 <= port <= 65535, got {port}")
+        check_type("DataCtx(buffer_size=...)", buffer_size, int,
+                   "an int >= 1 (batches held for the NN workers)")
+        if buffer_size < 1:  # queue.Queue(0) would be unbounded
+            raise ValueError(f"DataCtx(buffer_size=...): expected an int >= 1, got {buffer_size}")
+        check_type("DataCtx(env=...)", env, PersiaEnv,
+                   "a persia_py.env.PersiaEnv or None (read from the environment)",
+                   optional=True)
+        check_type("DataCtx(global_config=...)", global_config, GlobalConfig,
+                   "a persia_py.config.GlobalConfig (e.g. load_global_config(path)) or None",
+                   optional=True)
+        self.env = env if env is not None else PersiaEnv.from_environ()
         self.env.require("embedding_worker_addrs", ENV_EMBEDDING_WORKER_ADDRS)
-        self.global_config = global_config or load_global_config(self.env.global_config)
+        self.global_config = (global_config if global_config is not None
+                              else load_global_config(self.env.global_config))
         self.common = self.global_config.common_config
         self.port = port if port is not None else self.env.data_loader_port
         index = self.env.data_loader_replica_index

@@ -3,7 +3,7 @@
 Label, 13 integer columns (``I1``..``I13``, empty: 0) and 26 hex categorical columns
 (``C1``..``C26``), each hashed to a stable id by the reader (``kind="category"``, salted by
 the column's name). Shared by the data loader (training file, its share) and the NN
-worker (test file, whole).
+workers (test file, a share per rank).
 """
 
 from __future__ import annotations
@@ -46,11 +46,15 @@ def read_batches(path: str, batch_size: int, *, requires_grad: bool = True,
 
 
 class TsvDataset(IterableDataset):
-    """A file's batches made in this process (``DataLoader(TsvDataset(...))``)."""
+    """A file's batches made in this process (``DataLoader(TsvDataset(...))``): its
+    ``share`` (default: the whole file, outside a data loader)."""
 
-    def __init__(self, path: str, *, batch_size: int, requires_grad: bool) -> None:
+    def __init__(self, path: str, *, batch_size: int, requires_grad: bool,
+                 share: ReaderShare | None = None) -> None:
         super().__init__(buffer_size=4)
         self.path, self.batch_size, self.requires_grad = path, batch_size, requires_grad
+        self.share = share
 
     def __iter__(self) -> Iterator[PersiaBatch]:
-        return read_batches(self.path, self.batch_size, requires_grad=self.requires_grad)
+        return read_batches(self.path, self.batch_size, requires_grad=self.requires_grad,
+                            share=self.share)

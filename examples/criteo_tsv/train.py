@@ -1,5 +1,6 @@
-"""NN worker of the Criteo-TSV example: trains on the data loaders' stream, then rank 0
-evaluates on a test file and prints ``test_auc: <value> test_logloss: <value>``.
+"""NN worker of the Criteo-TSV example: trains on the data loaders' stream, then every
+rank evaluates its share of a test file, the ranks' sums are added up, and rank 0 prints
+``test_auc: <value> test_logloss: <value>`` of the whole file.
 
 ``--trained-rows DIR`` writes the ids (line numbers) of the rows this rank trained to
 ``DIR/rank-<rank>.npy``: the test checks every row was trained exactly once.
@@ -17,23 +18,27 @@ from model import ConcatMLP
 from persia_py.ctx import TrainCtx, eval_ctx
 from persia_py.data import DataLoader, StreamingDataset
 from persia_py.embedding.optim import Adagrad
-from persia_py.env import get_rank
+from persia_py.env import get_rank, get_world_size
 from persia_py.metrics import BinaryStats
+from persia_py.reader_share import ReaderShare
 
 logger = logging.getLogger("train")
 
 
-def evaluate(model: torch.nn.Module, path: str) -> BinaryStats:
-    """AUC, log loss and normalized entropy on the whole test file (an NN worker is not a
-    data loader: its reader reads all of it)."""
+def evaluate(model: torch.nn.Module, path: str, device: torch.device) -> BinaryStats:
+    """AUC, log loss and normalized entropy on the whole test file: each rank scores its
+    share of the lines (the reader's shares, here by rank), and the ranks' sums are added
+    up (one all_reduce; every rank calls it and gets the totals)."""
     stats = BinaryStats()
+    share = ReaderShare(get_rank(), get_world_size())
     with eval_ctx(model=model) as ctx:
-        for batch in DataLoader(TsvDataset(path, batch_size=1024, requires_grad=False)):
+        for batch in DataLoader(TsvDataset(path, batch_size=1024, requires_grad=False,
+                                           share=share)):
             logits, labels = ctx.forward(batch)
             # .cpu() first: on a GPU the outputs live in device memory.
             stats.update(labels[0].cpu().numpy().reshape(-1),
                          torch.sigmoid(logits.float()).cpu().numpy().reshape(-1))
-    return stats
+    return stats.all_reduced(device)  # NCCL's collectives run on the rank's GPU
 
 
 if __name__ == "__main__":
@@ -67,8 +72,8 @@ if __name__ == "__main__":
             os.makedirs(args.trained_rows, exist_ok=True)
             np.save(os.path.join(args.trained_rows, f"rank-{rank}.npy"),
                     np.concatenate(trained) if trained else np.zeros(0, np.int64))
+        stats = evaluate(model, args.test, ctx.device)
         if rank == 0:
-            stats = evaluate(model, args.test)
             ctx.log(test_auc=stats.auc(), test_logloss=stats.log_loss())
             print(f"test_auc: {stats.auc():.5f} test_logloss: {stats.log_loss():.5f}",
                   flush=True)

@@ -162,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder): the NN workers load it, the data loaders skip the batches "
                         "it had trained")
     p.add_argument("--max-restarts", type=_non_negative, default=3, metavar="N",
-                   help="restarts of each role after it died (a server or embedding worker "
-                        "alone; the training, for a data loader or NN worker) before the job "
-                        "stops; 0: the first death stops it")
+                   help="restarts of each role after it died (a parameter server, embedding "
+                        "worker or data loader alone; the training, from the last checkpoint, "
+                        "for an NN worker) before the job stops; 0: the first death stops it")
 
     p = sub.add_parser("serve", help="answer predictions over gRPC from a checkpoint")
     p.add_argument("--checkpoint", required=True, metavar="DIR",

@@ -1,18 +1,20 @@
 """``persia-launcher local``: a whole cluster on this machine, supervised.
 
 Every role runs as its own process (its own session, so it can be stopped with all its
-children). Each output line is prefixed with the role and replica. When any role fails,
-everything stops; when training ends, the data loaders are waited for and the servers
-stopped. The launcher exits with the training's exit code and leaves no process behind,
-on Ctrl-C too. SIGTERM stops the NN workers first and waits for them (an online job's
-ranks, ``TrainCtx(stop_on_signal=True)``, finish their step and write a final
-checkpoint, then exit 0), then the other roles; a second SIGTERM stops all at once.
+children). Each output line is prefixed with the role and replica. When training ends,
+the data loaders are waited for and the servers stopped. The launcher exits with the
+training's exit code and leaves no process behind, on Ctrl-C too. SIGTERM stops the NN
+workers first and waits for them (an online job's ranks, ``TrainCtx(stop_on_signal=True)``,
+finish their step and write a final checkpoint, then exit 0), then the other roles; a
+second SIGTERM stops all at once.
 A process that dies while training runs (a non-zero exit or a signal) does not stop the
-job: a parameter server is started again on the same port with the same replica index,
-from the last checkpoint when there is one, and an embedding worker on the same port
-(the data loaders put the batches it lost there again), up to ``max_restarts`` times
-each, while the others wait and retry, so training goes on; a data loader or NN rank
-makes the training restart from its last checkpoint (persia_py/launcher/recovery.py).
+job, up to ``max_restarts`` times per role, while the others wait and retry: a parameter
+server is started again alone, on the same port with the same replica index, from the
+checkpoint its update log starts from plus the log replayed; an embedding worker alone,
+on the same port (the data loaders put the batches it lost there again); a data loader
+alone, on the same port (its handover log says where it left off). Only an NN rank's
+death rolls the training back to its last checkpoint (persia_py/launcher/recovery.py).
+Past the limit, or when a server exits cleanly before training ended, everything stops.
 
 Both config files are validated before any process starts. Every role gets the job
 token by environment: the user's (``auth_token_file`` or ``$PERSIA_AUTH_TOKEN``), else a

@@ -1,18 +1,20 @@
-"""Self-healing of a ``persia-launcher local`` job: when a data loader or the NN workers
-die, the job's training restarts from its last checkpoint. (A parameter server or an
-embedding worker is restarted alone: see ``Role.restart`` in persia_py/launcher/local.py.)
+"""Self-healing of a ``persia-launcher local`` job: when an NN rank dies, the job's
+training restarts from its last checkpoint. (A parameter server (its update log
+replayed), an embedding worker (the data loaders put its batches there again) or a data
+loader (its handover log) is restarted alone: see ``Role.restart`` in
+persia_py/launcher/local.py; this class is called for a role without one.)
 
-What a dead loader or rank held is not in any other process (a data loader's queue and
-the batches it keeps for a resend, the NN ranks' dense state), so the training side rolls
-back to one consistent cut: the embedding workers, data loaders and NN workers are stopped
-and started again; the NN workers load the newest checkpoint of
-``checkpoint_config.dir`` by themselves (``TrainCtx``; the parameter servers' rows and
-exactly-once windows included, all or nothing) and every data loader skips exactly the
-batches of its own the checkpoint holds as trained (``$PERSIA_DATA_POSITIONS``). Without
-a checkpoint the parameter servers restart empty too, and training starts over. Every
-batch is thus trained exactly once between the last restore and the end; what was
-trained after the checkpoint is trained again. Each role restarts at most
-``max_restarts`` times; each restart is logged, and recorded in the training log.
+What a dead rank held is not in any other process (the dense model and its optimizer),
+so the training side rolls back to one consistent cut: the embedding workers, data
+loaders and NN workers are stopped and started again; the NN workers load the newest
+checkpoint of ``checkpoint_config.dir`` by themselves (``TrainCtx``; the parameter
+servers' rows and exactly-once windows included, all or nothing) and every data loader
+skips exactly the batches of its own the checkpoint holds as trained
+(``$PERSIA_DATA_POSITIONS``). Without a checkpoint the parameter servers restart empty
+too, and training starts over. Every batch is thus trained exactly once between the last
+restore and the end; what was trained after the checkpoint is trained again. Each role
+restarts at most ``max_restarts`` times; each restart is logged, and recorded in the
+training log.
 """
 
 from __future__ import annotations

@@ -25,6 +25,14 @@ one parameter server (``--phase`` runs one alone, as the 1-rank DDP step does):
    0's loss is NaN: the gathered dense weights around that step, the skipped-step
    count, and whether the ranks agree that gradients are not finite when only rank 0's
    shard of one gradient is NaN; checkpoints ``nan-ddp`` and ``nan-fsdp``.
+9. ``stale-fsdp``: ``FSDPOption()`` bounded by the config's
+   ``nn_worker_config.fsdp_max_unsharded_bytes`` (two of the largest unit), with
+   ``embedding_staleness=2`` and ``nn_worker_config.max_buffer_bytes`` of ``STALE_BUDGET``
+   (room for one batch, not two), ``STALE_STEPS`` steps on the rows as the phases before
+   left them.
+
+Every phase that compares losses reads its batches in ``reproducible`` mode (staleness
+1, one lookup at a time, in each rank's own order).
 
 The FSDP phase's tower is :class:`ScriptableDLRM` (the example's, written so that
 TorchScript compiles it) and checkpoint ``fsdp`` carries ``jit_dense.pt``; ``fsdp-load``
@@ -71,8 +79,9 @@ PERIOD = 2
 EMPTY = (0, 3)
 AMP_STEPS = 10
 NAN_STEPS, NAN_AT = 5, 3
+STALE_STEPS, STALE_BUDGET = 8, 256 << 10  # a batch holds about 170 KB with its gradients
 PHASES = ("ddp", "fsdp", "ddp1", "fsdp-load", "uneven-ddp", "uneven-fsdp", "empty-ddp",
-          "empty-fsdp", "amp-ddp", "amp-fsdp", "nan-ddp", "nan-fsdp")
+          "empty-fsdp", "amp-ddp", "amp-fsdp", "nan-ddp", "nan-fsdp", "stale-fsdp")
 
 
 class ScriptableDLRM(DLRM):
@@ -100,9 +109,12 @@ class RankBatches(IterableDataset):
                 non_id_type_features=[NonIDTypeFeature(dense)], labels=[Label(labels)])
 
 
-def _train(ctx: TrainCtx, env: PersiaEnv, steps: int) -> list[float]:
+def _train(ctx: TrainCtx, env: PersiaEnv, steps: int, staleness: int = 1) -> list[float]:
+    """``steps`` batches of this rank; at staleness 1 in reproducible mode (as each rank
+    makes its own batches, reproducible with several ranks too: see docs/fsdp.md)."""
     losses = []
-    for batch in DataLoader(RankBatches(steps, env.rank, env.world_size), embedding_staleness=1):
+    for batch in DataLoader(RankBatches(steps, env.rank, env.world_size),
+                            reproducible=staleness == 1, embedding_staleness=staleness):
         output, labels = ctx.forward(batch)
         loss = torch.nn.functional.binary_cross_entropy(output.float(), labels[0])
         ctx.backward(loss)
@@ -151,9 +163,9 @@ def _ctx(model: torch.nn.Module, option, **kwargs) -> TrainCtx:
                     distributed_option=option, **kwargs)
 
 
-def _bounded(model: torch.nn.Module, world: int) -> FSDPOption:
+def _two_units(model: torch.nn.Module, world: int) -> int:
     sizes, _ = FSDPOption().sizes(model, world)
-    return FSDPOption(max_unsharded_bytes=2 * max(sizes))
+    return 2 * max(sizes)
 
 
 def _stats(ctx: TrainCtx, losses: list[float], **extra) -> dict:
@@ -161,7 +173,9 @@ def _stats(ctx: TrainCtx, losses: list[float], **extra) -> dict:
     return {"steps": len(losses), "losses": losses,
             "trained": ctx.train_state.state_dict()["steps"],
             "peak": None if meter is None else meter.peak,
-            "bound": None if meter is None else meter.bound, **extra}
+            "bound": None if meter is None else meter.bound,
+            "plan_forward": None if meter is None else meter.plan_forward,
+            "budget_peak": ctx.budget.peak, "budget": ctx.budget.capacity, **extra}
 
 
 def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -190,7 +204,8 @@ def run(phase: str, env: PersiaEnv, root: Path, out: Path) -> None:
     elif phase == "fsdp":
         torch.manual_seed(0)
         model = build_on_meta(ScriptableDLRM)
-        with _ctx(model, _bounded(model, env.world_size)) as ctx:
+        option = FSDPOption(max_unsharded_bytes=_two_units(model, env.world_size))
+        with _ctx(model, option) as ctx:
             built = _gathered(ctx.model)
             init = fmt.load_tensors(fmt.resolve(root / "init"), "dense-model")
             differ = sorted(k for k in init if not torch.equal(init[k], built[k]))
@@ -239,6 +254,15 @@ def run(phase: str, env: PersiaEnv, root: Path, out: Path) -> None:
             else:
                 stats = _nan_phase(ctx, env)
                 ctx.dump_checkpoint(str(root / phase))
+    elif phase == "stale-fsdp":
+        torch.manual_seed(0)
+        model = DLRM()
+        config = load_global_config(env.global_config)
+        config = dataclasses.replace(config, nn_worker_config=dataclasses.replace(
+            config.nn_worker_config, max_buffer_bytes=STALE_BUDGET,
+            fsdp_max_unsharded_bytes=_two_units(model, env.world_size)))
+        with _ctx(model, FSDPOption(), global_config=config) as ctx:
+            stats = _stats(ctx, _train(ctx, env, STALE_STEPS, staleness=2))
     else:
         raise ValueError(phase)
     if stats is not None:
