@@ -231,11 +231,12 @@ class Checkpointer(WorldJoinable):
             self._client.wait_ready()
         return self._client
 
-    def resume_if_asked(self) -> None:
-        """Load ``$PERSIA_RESUME_DIR`` if set, else the newest complete checkpoint in the
-        periodic folder (``checkpoint_config.dir``) if there is one: a job restarted after
-        a failure goes on from its last checkpoint by itself."""
-        path = os.environ.get(ENV_RESUME_DIR)
+    def resume_if_asked(self, path: str | None = None) -> None:
+        """Load ``path`` if given (the checkpoint a training restarted by torchrun went
+        back to), else ``$PERSIA_RESUME_DIR`` if set, else the newest complete checkpoint
+        in the periodic folder (``checkpoint_config.dir``) if there is one: a job
+        restarted after a failure goes on from its last checkpoint by itself."""
+        path = path or os.environ.get(ENV_RESUME_DIR)
         if not path and self.periodic_dir:
             path = fmt.latest(self.periodic_dir)
         if path:

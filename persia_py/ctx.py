@@ -48,6 +48,7 @@ from persia_py.process_group import (
 )
 from persia_py.progress import StepReporter
 from persia_py.progressive import ProgressiveValidation
+from persia_py.rewind import restart_count, rewind_after_restart
 from persia_py.stateful import Stateful, TrainState
 from persia_py.torchscript_export import torchscript, torchscript_sharded
 from persia_py.workers.budget import ByteBudget
@@ -441,6 +442,19 @@ class TrainCtx(EmbeddingCtx):
                 raise ValueError(
                     "TrainCtx(grad_accumulation_steps=...) > 1 is not supported with "
                     "FSDPOption on several ranks; use DDPOption or a larger batch")
+        # Before the embedding workers are configured: a rewind restarts them.
+        back_to = rewind_after_restart(
+            periodic_dir=self.global_config.checkpoint_config.dir,
+            loaders=list(self.env.data_loader_addrs),
+            embedding_workers=list(self.env.embedding_worker_addrs), common=self.common,
+            rank=self.env.rank)
+        if back_to is not None:
+            count = restart_count()
+            self.reporter.metrics.restarts.labels(role="nn-worker").inc(count)
+            self.reporter.event(event="restart", role="nn-worker", reason="torchrun restart "
+                                f"{count}", checkpoint=back_to)
+            if dist.is_initialized():
+                dist.barrier()  # no rank pulls a batch before every loader is rewound
         cfg = self.embedding_config
         request = configure_request(
             self.embedding_optimizer.to_dict(), init_lower=cfg.emb_initialization[0],
@@ -454,7 +468,7 @@ class TrainCtx(EmbeddingCtx):
             config=self.global_config.checkpoint_config, device=self.device,
             sharded_dense=self.dense.sharded)
         self.grad_control.check_checkpoint_period(self.checkpointer.every_steps)
-        self.checkpointer.resume_if_asked()
+        self.checkpointer.resume_if_asked(back_to)
         self.dense_exporter = dense_exporter_for(self.global_config.checkpoint_config,
                                                  rank=self.env.rank,
                                                  sharded=self.dense.sharded)

@@ -210,6 +210,8 @@ class NNWorkerMetrics:
         self.loss = Gauge("persia_nn_worker_loss", "Loss of the last step", registry=r)
         self.staleness = Gauge("persia_nn_worker_staleness",
                                "Embedding staleness of the last step's batch", registry=r)
+        self.restarts = Counter("persia_restarts", "Times torchrun restarted the NN ranks "
+                                "(this rank's TORCHELASTIC_RESTART_COUNT)", ["role"], registry=r)
 
 
 class DataLoaderMetrics:

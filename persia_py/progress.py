@@ -163,6 +163,11 @@ class StepReporter:
             self._out.write("\n")
             self._last_draw = 0.0
 
+    def event(self, **record: object) -> None:
+        """One line in the training log (rank 0), e.g. ``event="restart"``."""
+        if self._file is not None:
+            self._write({**record, "time": time.time()})
+
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
 

@@ -7,7 +7,7 @@ import os
 
 import grpc
 
-from persia_py import codec, wire_rpc
+from persia_py import codec, rewind, wire_rpc
 from persia_py.monitoring import ParameterServerMetrics
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
@@ -87,7 +87,7 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
     @grpc_method
     def Health(self, request, context):
         return common_pb2.HealthResponse(role="embedding-parameter-server",
-                                         configured=self.ps.configured)
+                                         configured=self.ps.configured, instance=rewind.INSTANCE)
 
 
 def create_ps_server(ps: ParameterServer, address: str,

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -306,6 +307,29 @@ def test_reproducible_job_losing_a_worker_a_loader_and_its_rank_ends_bit_identic
     assert re.search(r"\[launcher\] batches: .* [1-9]\d* re-sent to restarted embedding workers",
                      out), out[-3000:]
     _same_final_state(uninterrupted, "healed")
+
+
+def test_ranks_restarted_by_torchrun_rewind_the_loaders_and_workers_bit_identical(
+        uninterrupted: Path) -> None:
+    """With ``--nn-restarts torchrun`` (as on Kubernetes) the launcher does not see the
+    rank die: torchrun starts it again, and the restarted training goes back to its
+    checkpoint by itself: it asks the data loader to rewind and the embedding worker to
+    restart (both exit and are started again; persia_py/rewind.py), loads the checkpoint
+    and trains exactly what the uninterrupted job trained after it."""
+    out = _completes(_reproducible_job(uninterrupted, "torchrun", "--nn-restarts", "torchrun",
+                                       die_at=17))
+    assert "restarting the training" not in out, out[-3000:]  # torchrun did it, not local
+    for line in (r"NN ranks restarted by torchrun \(restart 1\): going back to checkpoint "
+                 r"\S+/ckpt-0+15-",
+                 r"\[launcher\] data-loader-0 exited to be started again \(code 75\)",
+                 r"\[launcher\] embedding-worker-0 exited to be started again \(code 75\)",
+                 r"data loader 0 rewound to the training's checkpoint: batches below 15 "):
+        assert re.search(line, out), (line, out[-5000:])
+    events = [json.loads(line) for line in
+              (uninterrupted / "run-torchrun" / "train_log.jsonl").read_text().splitlines()]
+    restarts = [e for e in events if e.get("event") == "restart"]
+    assert [(e["role"], e["reason"]) for e in restarts] == [("nn-worker", "torchrun restart 1")]
+    _same_final_state(uninterrupted, "torchrun")
 
 
 def test_a_job_resumed_by_hand_from_a_checkpoint_ends_bit_identical(uninterrupted: Path) -> None:

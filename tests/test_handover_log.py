@@ -94,3 +94,39 @@ def test_only_this_loaders_batch_ids_are_logged_finished(tmp_path: Path) -> None
     servicer.NextBatch(pb.NextBatchRequest(done=[batch_id(1, 3)], only_done=True), None)
     log.close()
     assert read_handovers(path).in_training == {}
+
+
+class _Context:
+    """A servicer context that records what the call asked for."""
+
+    def __init__(self) -> None:
+        self.callbacks = []
+
+    def abort(self, code, details):
+        raise RuntimeError(f"{code.name}: {details}")
+
+    def add_callback(self, callback) -> None:
+        self.callbacks.append(callback)  # would exit the process: never called here
+
+
+def test_a_rewind_leaves_the_positions_beside_the_log_then_exits(tmp_path: Path) -> None:
+    from persia_py import rewind
+    from persia_py.data_position import DataPositions
+    from persia_py.proto import common_pb2
+
+    positions = DataPositions({0: Position(7, frozenset({9})), 1: Position(4)})
+    request = common_pb2.RestartRequest(reason="test", positions=positions.to_env())
+    without_log = DataLoaderServicer(BatchQueue(4, 1), loader_index=1)
+    with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: .*keeps no handover log"):
+        without_log.Rewind(request, _Context())
+
+    path = tmp_path / "handovers.log"
+    servicer = DataLoaderServicer(BatchQueue(4, 1, HandoverLog(path, replay=False)),
+                                  loader_index=1)
+    context = _Context()
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: .*not JSON"):
+        servicer.Rewind(common_pb2.RestartRequest(positions="{"), context)
+    assert rewind.read_rewind(path) is None and not context.callbacks  # nothing written
+    answer = servicer.Rewind(request, context)
+    assert answer.instance == rewind.INSTANCE and len(context.callbacks) == 1
+    assert rewind.read_rewind(path).to_json() == positions.to_json()

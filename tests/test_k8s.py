@@ -104,7 +104,7 @@ def test_objects_match_the_flags() -> None:
     flags = dict(zip(command[2:-3:2], command[3:-3:2]))
     assert flags == {"--nproc-per-node": "8", "--nnodes": "2", "--rdzv-backend": "c10d",
                      "--rdzv-endpoint": "ctr-nn-worker-0.ctr-nn-worker:29500",
-                     "--rdzv-id": "ctr", "--metrics-port": "9100"}
+                     "--rdzv-id": "ctr", "--metrics-port": "9100", "--max-restarts": "3"}
     assert command[-3:] == ["/app/examples/criteo_synthetic/train.py", "--test-samples", "5"]
     assert nn["resources"]["limits"] == {"nvidia.com/gpu": 8}
     assert {p["name"]: p["containerPort"] for p in nn["ports"]} == {"rendezvous": 29500,

@@ -18,16 +18,16 @@ from collections.abc import Callable
 
 import grpc
 
-from persia_py import codec
+from persia_py import codec, rewind
 from persia_py.checks import check_type
 from persia_py.config import GlobalConfig, load_global_config
-from persia_py.data_position import SEQ_BITS, Position, batch_id
+from persia_py.data_position import SEQ_BITS, DataPositions, Position, batch_id
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
 from persia_py.monitoring import DataLoaderMetrics, MetricsServer, metrics_port_from_env, serve_metrics
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
-from persia_py.rpc import NotFound, Overloaded, create_server, grpc_method
+from persia_py.rpc import FailedPrecondition, NotFound, Overloaded, create_server, grpc_method
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.handover_log import Handover, HandoverLog, Handovers
 
@@ -223,7 +223,24 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
 
     @grpc_method
     def Health(self, request, context):
-        return common_pb2.HealthResponse(role="data-loader", configured=True)
+        return common_pb2.HealthResponse(role="data-loader", configured=True,
+                                         instance=rewind.INSTANCE)
+
+    @grpc_method
+    def Rewind(self, request, context):
+        """Go back to a restarted training's checkpoint (see persia_py/rewind.py)."""
+        log = self.batches.log
+        if log is None:
+            raise FailedPrecondition(
+                f"data loader {self.loader_index} keeps no handover log (--handover-log), "
+                "where a rewind leaves its positions: it cannot be rewound")
+        positions = DataPositions.from_env(request.positions)  # ValueError: INVALID_ARGUMENT
+        rewind.write_rewind(log.path, positions)
+        logger.warning("data loader %d: asked to rewind (%s): batches below %d trained",
+                       self.loader_index, request.reason[:200],
+                       positions.of(self.loader_index).next)
+        rewind.exit_after_answer(context, f"data loader {self.loader_index}")
+        return common_pb2.RestartResponse(instance=rewind.INSTANCE)
 
 
 class DataCtx:
@@ -263,9 +280,18 @@ class DataCtx:
         index = self.env.data_loader_replica_index
         # Resumed from a checkpoint: the batches of this loader trained before it.
         self._done = self.env.data_positions.of(index)
-        self.log = (None if self.env.data_loader_handover_log is None else
-                    HandoverLog(self.env.data_loader_handover_log,
-                                replay=self.env.data_loader_replay, trained=self._done))
+        log_path = self.env.data_loader_handover_log
+        # Rewound by a restarted training (persia_py/rewind.py): its checkpoint's positions
+        # win, and the handover log starts again (it belongs to the stream before).
+        rewound = None if log_path is None else rewind.read_rewind(log_path)
+        if rewound is not None:
+            self._done = rewound.of(index)
+            logger.warning("data loader %d rewound to the training's checkpoint: batches "
+                           "below %d (and %d more) trained; a new stream", index,
+                           self._done.next, len(self._done.also))
+        replay = self.env.data_loader_replay and rewound is None
+        self.log = (None if log_path is None else
+                    HandoverLog(log_path, replay=replay, trained=self._done))
         self.batches = BatchQueue(buffer_size, self.env.nn_world_size, self.log)
         self.next_seq = 0
         """Sequence number of the next batch the script makes (skipped ones count too)."""
@@ -286,7 +312,9 @@ class DataCtx:
         if self.log is not None:
             if recovered.stream is None:
                 self.log.stream(self.stream)
-            if self.env.data_loader_replay:
+            if rewound is not None:  # the new log holds the new stream: done with it
+                os.unlink(rewind.rewind_file(log_path))
+            if replay:
                 self.kept.expect(batch_id(index, seq) for seq in self._in_training)
                 self.batches.recover(recovered)
                 logger.warning("data loader %d restarted: batches below %d finished (and %d "

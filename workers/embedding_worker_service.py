@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import numpy as np
 
-from persia_py import codec, wire_rpc
+from persia_py import codec, rewind, wire_rpc
 from persia_py.proto import common_pb2, embedding_worker_pb2_grpc
 from persia_py.proto import embedding_worker_pb2 as pb
 from persia_py.rpc import ServiceClient, create_server, grpc_method
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds, SlotRows
+
+logger = logging.getLogger(__name__)
 
 
 def _features(request_features, worker: EmbeddingWorker) -> list[SlotIds]:
@@ -103,7 +107,15 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
     @grpc_method
     def Health(self, request, context):
-        return common_pb2.HealthResponse(role="embedding-worker", configured=self.worker.configured)
+        return common_pb2.HealthResponse(role="embedding-worker", configured=self.worker.configured,
+                                         instance=rewind.INSTANCE)
+
+    @grpc_method
+    def Restart(self, request, context):
+        """Exit, to come back empty: a restarted training rewinds (persia_py/rewind.py)."""
+        logger.warning("embedding worker: asked to restart (%s)", request.reason[:200])
+        rewind.exit_after_answer(context, "embedding worker")
+        return common_pb2.RestartResponse(instance=rewind.INSTANCE)
 
 
 def create_embedding_worker_server(worker: EmbeddingWorker, address: str) -> tuple[grpc.Server, int]:

@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this machine's address as the other nodes reach it (default: its "
                         "hostname); with --rdzv-endpoint, the node whose ADDR is the "
                         "endpoint's host hosts the rendezvous")
+    p.add_argument("--max-restarts", type=_non_negative, default=0, metavar="N",
+                   help="torchrun restarts of the ranks after one died (default 0); a "
+                        "restarted training rewinds the data loaders and embedding workers "
+                        "to its last checkpoint, so they must run under a supervisor "
+                        "(persia-launcher local, Kubernetes)")
     p.add_argument("--train-log", default="train_log.jsonl",
                    help="JSON-lines training log rank 0 writes (default: train_log.jsonl; "
                         "$PERSIA_TRAIN_LOG takes precedence)")
@@ -165,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restarts of each role after it died (a parameter server, embedding "
                         "worker or data loader alone; the training, from the last checkpoint, "
                         "for an NN worker) before the job stops; 0: the first death stops it")
+    p.add_argument("--nn-restarts", choices=("launcher", "torchrun"), default="launcher",
+                   help="who restarts dead NN ranks: the launcher (it restarts the training "
+                        "roles from the last checkpoint) or torchrun (--max-restarts; the "
+                        "restarted ranks rewind the data loaders and embedding workers "
+                        "themselves, as on Kubernetes)")
 
     p = sub.add_parser("serve", help="answer predictions over gRPC from a checkpoint")
     p.add_argument("--checkpoint", required=True, metavar="DIR",

@@ -412,6 +412,10 @@ def render(args: argparse.Namespace) -> list[dict]:
     return objects
 
 
+NN_MAX_RESTARTS = 3
+"""torchrun restarts of the NN ranks before the Job fails."""
+
+
 def _nn_worker_job(args: argparse.Namespace) -> list[dict]:
     name = f"{args.job_name}-nn-worker"
     ports = {"rendezvous": args.rdzv_port, "metrics": args.metrics_port}
@@ -420,6 +424,10 @@ def _nn_worker_job(args: argparse.Namespace) -> list[dict]:
         "--nnodes", str(args.num_nn_worker_nodes),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{name}-0.{name}:{args.rdzv_port}",
         "--rdzv-id", args.job_name, "--metrics-port", str(args.metrics_port),
+        # A dead rank: torchrun restarts the ranks, which rewind the data loaders and
+        # embedding workers to their last checkpoint (persia_py/rewind.py); their
+        # StatefulSets start them again. A lost pod still fails the Job.
+        "--max-restarts", str(NN_MAX_RESTARTS),
         args.nn_worker, *shlex.split(args.nn_worker_args))
     container = _container(args, "nn-worker", command, ports)
     nodes = args.num_nn_worker_nodes

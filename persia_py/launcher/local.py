@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from persia_py import allocator
+from persia_py import allocator, rewind
 from persia_py.env import ENV_GLOBAL_CONFIG, job_env
 from persia_py.launcher import job_token
 from persia_py.launcher.processes import descendants
@@ -156,6 +156,13 @@ class LocalCluster:
             how = f"signal {-code}"
         if role.restart is None:
             return self.restart_training is not None and self.restart_training(role, how)
+        if code == rewind.EXIT_CODE and role.kind in ("embedding-worker", "data-loader"):
+            # Asked to by NN ranks that torchrun restarted (persia_py/rewind.py): not a
+            # failure, so not counted against max_restarts.
+            self.log(f"{role.name} exited to be started again ({how}): the training restarted "
+                     "by torchrun goes back to its checkpoint; restarting it on the same port")
+            self.spawn(role, role.restart())
+            return True
         if role.num_restarts >= self.max_restarts:
             self.log(f"{role.name} died ({how}) after {role.num_restarts} restarts, the "
                       "limit; stopping the job")
@@ -406,6 +413,8 @@ def run_local(args: argparse.Namespace) -> int:
     roles.append(Role("nn-worker", [*launcher, "nn-worker",
                                     "--nproc-per-node", str(args.nproc_per_node),
                                     "--master-addr", host, "--master-port", str(master_port),
+                                    *(["--max-restarts", str(args.max_restarts)]
+                                      if args.nn_restarts == "torchrun" else []),
                                     *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
                       kind="nn-worker"))
     def ps_restart(command: list[str]) -> Callable[[], list[str]]:

@@ -220,7 +220,8 @@ def run_nn_worker(args: argparse.Namespace) -> int:
     deadline = int(min(60, max(5, load_global_config(env.get(ENV_GLOBAL_CONFIG))
                                .common_config.rpc_timeout_sec)))
     command = [sys.executable, "-m", "torch.distributed.run",
-               f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
+               f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
+               f"--max-restarts={args.max_restarts}"]
     if args.local_addr:
         # What the other nodes dial (MASTER_ADDR when this node gets rank 0); the hostname
         # may resolve to loopback or to another interface.

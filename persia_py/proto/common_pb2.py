@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpersia_py/proto/common.proto\x12\tpersia_py\"A\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0b\n\x03lz4\x18\x04 \x01(\x08\">\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\"]\n\tIdFeature\x12\x0c\n\x04slot\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\x12\"\n\x07lengths\x18\x03 \x01(\x0b\x32\x11.persia_py.Tensor\"v\n\x10\x43onfigureRequest\x12\x16\n\x0eoptimizer_json\x18\x01 \x01(\t\x12\x12\n\ninit_lower\x18\x02 \x01(\x02\x12\x12\n\ninit_upper\x18\x03 \x01(\x02\x12\x14\n\x0cweight_bound\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\x13\n\x11\x43onfigureResponse\"\x0f\n\rHealthRequest\"2\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nconfigured\x18\x02 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpersia_py/proto/common.proto\x12\tpersia_py\"A\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0b\n\x03lz4\x18\x04 \x01(\x08\">\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\"]\n\tIdFeature\x12\x0c\n\x04slot\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\x12\"\n\x07lengths\x18\x03 \x01(\x0b\x32\x11.persia_py.Tensor\"v\n\x10\x43onfigureRequest\x12\x16\n\x0eoptimizer_json\x18\x01 \x01(\t\x12\x12\n\ninit_lower\x18\x02 \x01(\x02\x12\x12\n\ninit_upper\x18\x03 \x01(\x02\x12\x14\n\x0cweight_bound\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\x13\n\x11\x43onfigureResponse\"\x0f\n\rHealthRequest\"D\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nconfigured\x18\x02 \x01(\x08\x12\x10\n\x08instance\x18\x03 \x01(\t\"3\n\x0eRestartRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x01(\t\"#\n\x0fRestartResponse\x12\x10\n\x08instance\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,5 +44,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREQUEST']._serialized_start=410
   _globals['_HEALTHREQUEST']._serialized_end=425
   _globals['_HEALTHRESPONSE']._serialized_start=427
-  _globals['_HEALTHRESPONSE']._serialized_end=477
+  _globals['_HEALTHRESPONSE']._serialized_end=495
+  _globals['_RESTARTREQUEST']._serialized_start=497
+  _globals['_RESTARTREQUEST']._serialized_end=548
+  _globals['_RESTARTRESPONSE']._serialized_start=550
+  _globals['_RESTARTRESPONSE']._serialized_end=585
 # @@protoc_insertion_point(module_scope)

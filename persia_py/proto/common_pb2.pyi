@@ -59,9 +59,25 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "configured")
+    __slots__ = ("role", "configured", "instance")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     role: str
     configured: bool
-    def __init__(self, role: _Optional[str] = ..., configured: _Optional[bool] = ...) -> None: ...
+    instance: str
+    def __init__(self, role: _Optional[str] = ..., configured: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
+
+class RestartRequest(_message.Message):
+    __slots__ = ("reason", "positions")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    positions: str
+    def __init__(self, reason: _Optional[str] = ..., positions: _Optional[str] = ...) -> None: ...
+
+class RestartResponse(_message.Message):
+    __slots__ = ("instance",)
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    def __init__(self, instance: _Optional[str] = ...) -> None: ...

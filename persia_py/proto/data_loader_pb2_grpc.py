@@ -52,6 +52,11 @@ class DataLoaderStub:
                 request_serializer=persia__py_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
                 response_deserializer=persia__py_dot_proto_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Rewind = channel.unary_unary(
+                '/persia_py.DataLoader/Rewind',
+                request_serializer=persia__py_dot_proto_dot_common__pb2.RestartRequest.SerializeToString,
+                response_deserializer=persia__py_dot_proto_dot_common__pb2.RestartResponse.FromString,
+                _registered_method=True)
 
 
 class DataLoaderServicer:
@@ -79,6 +84,14 @@ class DataLoaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rewind(self, request, context):
+        """Writes the positions beside the handover log and exits: started again, the loader
+        goes on from them with a new stream (a restarted training's checkpoint).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataLoaderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +109,11 @@ def add_DataLoaderServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=persia__py_dot_proto_dot_common__pb2.HealthRequest.FromString,
                     response_serializer=persia__py_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
+            ),
+            'Rewind': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rewind,
+                    request_deserializer=persia__py_dot_proto_dot_common__pb2.RestartRequest.FromString,
+                    response_serializer=persia__py_dot_proto_dot_common__pb2.RestartResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +199,33 @@ class DataLoader:
             '/persia_py.DataLoader/Health',
             persia__py_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
             persia__py_dot_proto_dot_common__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rewind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia_py.DataLoader/Rewind',
+            persia__py_dot_proto_dot_common__pb2.RestartRequest.SerializeToString,
+            persia__py_dot_proto_dot_common__pb2.RestartResponse.FromString,
             options,
             channel_credentials,
             insecure,

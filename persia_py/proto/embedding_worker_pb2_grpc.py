@@ -68,6 +68,11 @@ class EmbeddingWorkerStub:
                 request_serializer=persia__py_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
                 response_deserializer=persia__py_dot_proto_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Restart = channel.unary_unary(
+                '/persia_py.EmbeddingWorker/Restart',
+                request_serializer=persia__py_dot_proto_dot_common__pb2.RestartRequest.SerializeToString,
+                response_deserializer=persia__py_dot_proto_dot_common__pb2.RestartResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingWorkerServicer:
@@ -112,6 +117,13 @@ class EmbeddingWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Restart(self, request, context):
+        """Exits (after answering) so that its supervisor starts it again, empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +156,11 @@ def add_EmbeddingWorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=persia__py_dot_proto_dot_common__pb2.HealthRequest.FromString,
                     response_serializer=persia__py_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
+            ),
+            'Restart': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restart,
+                    request_deserializer=persia__py_dot_proto_dot_common__pb2.RestartRequest.FromString,
+                    response_serializer=persia__py_dot_proto_dot_common__pb2.RestartResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +328,33 @@ class EmbeddingWorker:
             '/persia_py.EmbeddingWorker/Health',
             persia__py_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
             persia__py_dot_proto_dot_common__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia_py.EmbeddingWorker/Restart',
+            persia__py_dot_proto_dot_common__pb2.RestartRequest.SerializeToString,
+            persia__py_dot_proto_dot_common__pb2.RestartResponse.FromString,
             options,
             channel_credentials,
             insecure,
