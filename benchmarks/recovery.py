@@ -4,6 +4,7 @@ kind beside the same job without faults, measured in the same run.
 
     python -m benchmarks.recovery --json recovery.json            # ~5-minute jobs
     python -m benchmarks.recovery --train-samples 150000          # a quicker look
+    python -m benchmarks.recovery --nn-restarts torchrun          # NN ranks as on Kubernetes
 
 The job is the synthetic Criteo example (2 parameter servers, 2 embedding workers, 2 data
 loaders, 2 NN ranks, a checkpoint every ``--every-steps`` steps). The clean job runs
@@ -101,7 +102,7 @@ class Job:
                    "--num-embedding-workers", "2", "--num-data-loaders", "2",
                    "--nproc-per-node", "2", "--run-dir", str(folder / "run"), "--no-metrics",
                    "--data-loader-args", f"--train-samples {args.train_samples}",
-                   "--nn-worker-args", "--test-samples 5000"]
+                   "--nn-worker-args", "--test-samples 5000", "--nn-restarts", args.nn_restarts]
         self.started = time.monotonic()
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -181,6 +182,10 @@ def main() -> None:
     parser.add_argument("--train-samples", type=int, default=900_000,
                         help="samples of each job (the default runs ~5 min on 2 cores)")
     parser.add_argument("--every-steps", type=int, default=20, help="checkpoint period")
+    parser.add_argument("--nn-restarts", choices=("launcher", "torchrun"), default="launcher",
+                        help="who restarts the killed NN rank (persia-launcher local "
+                             "--nn-restarts): the launcher rolls the training roles back, "
+                             "torchrun's restarted ranks rewind them (as on Kubernetes)")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--work-dir", default=None,
                         help="run the jobs in this (new) folder and keep it (default: a "
@@ -212,7 +217,7 @@ def main() -> None:
 
     figures.update({
         "clean_wall_s": round(clean_wall, 1), "chaos_wall_s": round(faulty_wall, 1),
-        "train_samples": args.train_samples,
+        "train_samples": args.train_samples, "nn_restarts": args.nn_restarts,
         "clean_samples_per_s": round(args.train_samples / clean_wall, 1),
         "chaos_samples_per_s": round(args.train_samples / faulty_wall, 1),
         "chaos_throughput_ratio": round(clean_wall / faulty_wall, 3),

@@ -319,6 +319,8 @@ def test_ranks_restarted_by_torchrun_rewind_the_loaders_and_workers_bit_identica
     out = _completes(_reproducible_job(uninterrupted, "torchrun", "--nn-restarts", "torchrun",
                                        die_at=17))
     assert "restarting the training" not in out, out[-3000:]  # torchrun did it, not local
+    assert re.search(r"\[launcher\] batches: .*; torchrun restarts of the NN ranks: 1 ",
+                     out), out[-3000:]
     for line in (r"NN ranks restarted by torchrun \(restart 1\): going back to checkpoint "
                  r"\S+/ckpt-0+15-",
                  r"\[launcher\] data-loader-0 exited to be started again \(code 75\)",

@@ -138,12 +138,14 @@ class BatchCounts:
     _SENT = re.compile(r"data loader (\d+) sent (\d+) batches \((\d+) skipped")
     _RESENT = "putting its ID features on embedding worker"
     _DEDUPLICATED = "had applied its update already"
+    _REWOUND = "NN ranks restarted by torchrun"  # rank 0's line (persia_py/rewind.py)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.sent: dict[int, tuple[int, int]] = {}
         self.resent = 0
         self.deduplicated = 0
+        self.rewinds = 0
 
     def see(self, line: str) -> None:
         if self._RESENT in line:
@@ -152,6 +154,9 @@ class BatchCounts:
         elif self._DEDUPLICATED in line:
             with self._lock:
                 self.deduplicated += 1
+        elif self._REWOUND in line:
+            with self._lock:
+                self.rewinds += 1
         elif (found := self._SENT.search(line)) is not None:
             with self._lock:  # a restarted loader's last run replaces its earlier one
                 self.sent[int(found[1])] = (int(found[2]), int(found[3]))
@@ -165,4 +170,6 @@ class BatchCounts:
             return (f"batches: {sent} sent by the data loaders' last runs ({skipped} skipped: "
                     "trained before the checkpoint they resumed, or handed over before they "
                     f"restarted), {self.resent} re-sent to restarted embedding workers, "
-                    f"{self.deduplicated} updates the parameter servers had applied already")
+                    f"{self.deduplicated} updates the parameter servers had applied already"
+                    + (f"; torchrun restarts of the NN ranks: {self.rewinds} (each went back "
+                       "to its checkpoint)" if self.rewinds else ""))
