@@ -317,6 +317,15 @@ def missing_slot(fx: Fixtures):
     return send(fx, batch(slots=("user",))), {"slots": "['item']"}
 
 
+def restart_without_checkpoint(fx: Fixtures):
+    from persia_py.rewind import ENV_RESTART_COUNT, rewind_after_restart
+
+    fx.monkeypatch.setenv(ENV_RESTART_COUNT, "2")
+    return raised(lambda: rewind_after_restart(
+        periodic_dir=str(fx.tmp_path), loaders=[], embedding_workers=[],
+        common=CommonConfig(), rank=0)), {"count": "2"}
+
+
 TRIGGERS: dict[str, Trigger] = {
     "No job token": no_job_token,
     "Job token too weak": weak_token,
@@ -345,6 +354,7 @@ TRIGGERS: dict[str, Trigger] = {
     "Tensor given as a dense feature": tensor_as_dense_feature,
     "Slot not in the embedding config": unknown_slot,
     "Batch missing a slot": missing_slot,
+    "NN ranks restarted before the first checkpoint": restart_without_checkpoint,
 }
 NEEDS_SERVERS = {"StreamingDataset outside training", "Training batch in an evaluation context",
                  "backward without forward", "Slot not in the embedding config",
