@@ -90,6 +90,7 @@ class Job:
 
     def __init__(self, folder: Path, args: argparse.Namespace) -> None:
         folder.mkdir(parents=True)
+        self.folder = folder
         config = folder / "global_config.yml"
         config.write_text((EXAMPLE / "global_config.yml").read_text() + (
             f"\ncheckpoint_config:\n  root: {folder}\n  dir: {folder / 'ckpt'}\n"
@@ -112,12 +113,14 @@ class Job:
         self.log = StepLog(folder / "run" / "train_log.jsonl")
 
     def _read(self) -> None:
-        for raw in self.process.stdout:
-            line = raw.decode(errors="replace")
-            self.lines.append((time.monotonic(), line))
-            if line.startswith("[launcher]") or "test_auc" in line or "Error" in line:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+        with open(self.folder / "output.log", "w") as out:  # the whole output, for --work-dir
+            for raw in self.process.stdout:
+                line = raw.decode(errors="replace")
+                self.lines.append((time.monotonic(), line))
+                out.write(line)
+                if line.startswith("[launcher]") or "test_auc" in line or "Error" in line:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
 
     def kill(self, kind: str) -> float:
         pid = role_pid(self.process.pid, kind, 1 if kind == "NN worker" else 0,

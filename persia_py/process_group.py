@@ -28,13 +28,33 @@ def init_process_group(backend: str, common: CommonConfig) -> list[str]:
     """Join the default process group (``env://``, as torchrun sets it up), set the
     collectives' deadline, and return each rank's address (index = rank)."""
     # Joining waits for the slowest rank to start: that is a start-up wait.
-    dist.init_process_group(backend, timeout=timedelta(seconds=common.startup_timeout_sec))
+    timeout = timedelta(seconds=common.startup_timeout_sec)
+    store = _store_of_this_attempt(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     addresses: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(addresses, _local_address())
     if backend == "gloo":  # NCCL's watchdog aborts the process instead; keep its default
         dist.distributed_c10d._set_pg_timeout(
             timedelta(seconds=2 * common.rpc_timeout_sec))
     return [str(a) for a in addresses]
+
+
+def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store, seen under a prefix of its own, when torchrun restarted the
+    ranks (None on a first start: ``env://`` as usual). torchrun's static rendezvous keeps
+    one store across restarts, and torch 2.13 adds no per-attempt prefix to it, so the
+    restarted ranks could read the dead ranks' gloo addresses and fail to connect
+    ("Connection refused"), depending on who writes first."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"persia/attempt_{attempt}", store)
 
 
 def _local_address() -> str:
