@@ -326,6 +326,14 @@ def restart_without_checkpoint(fx: Fixtures):
         common=CommonConfig(), rank=0)), {"count": "2"}
 
 
+def replay_without_update_log(fx: Fixtures):
+    from persia_py.launcher.cli import main
+
+    config = str(ROOT / "examples" / "criteo_synthetic" / "embedding_config.yml")
+    return raised(lambda: main(["embedding-parameter-server", "--embedding-config", config,
+                                "--replay-update-log"])), {}
+
+
 TRIGGERS: dict[str, Trigger] = {
     "No job token": no_job_token,
     "Job token too weak": weak_token,
@@ -355,10 +363,12 @@ TRIGGERS: dict[str, Trigger] = {
     "Slot not in the embedding config": unknown_slot,
     "Batch missing a slot": missing_slot,
     "NN ranks restarted before the first checkpoint": restart_without_checkpoint,
+    "Update log replay without a log folder": replay_without_update_log,
 }
 NEEDS_SERVERS = {"StreamingDataset outside training", "Training batch in an evaluation context",
                  "backward without forward", "Slot not in the embedding config",
                  "Batch missing a slot"}
+STARTS_PROCESSES = {"Update log replay without a log folder"}  # the server's start-up does
 
 
 def test_every_entry_has_a_trigger_and_every_trigger_an_entry() -> None:
@@ -370,7 +380,7 @@ def test_every_entry_has_a_trigger_and_every_trigger_an_entry() -> None:
 
 def _params():
     return [pytest.param(e, id=e.title, marks=[pytest.mark.processes]
-                         if e.title in NEEDS_SERVERS else [])
+                         if e.title in NEEDS_SERVERS | STARTS_PROCESSES else [])
             for e in faq_entries() if e.title in TRIGGERS]
 
 
