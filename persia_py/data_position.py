@@ -115,11 +115,12 @@ class DataPositions:
         return json.dumps(self.to_json(), separators=(",", ":"))
 
     @classmethod
-    def from_env(cls, text: str | None) -> DataPositions:
+    def from_env(cls, text: str | None, where: str = f"${ENV_DATA_POSITIONS}") -> DataPositions:
+        """Positions from their :meth:`to_env` text (``where`` names its source in errors)."""
         if not text:
             return cls()
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"${ENV_DATA_POSITIONS}: not JSON ({exc})") from None
-        return cls.from_json(data, f"${ENV_DATA_POSITIONS}")
+            raise ValueError(f"{where}: not JSON ({exc})") from None
+        return cls.from_json(data, where)

@@ -83,7 +83,7 @@ def read_rewind(handover_log: str | os.PathLike) -> DataPositions | None:
         text = path.read_text()
     except FileNotFoundError:
         return None
-    return DataPositions.from_env(text)
+    return DataPositions.from_env(text, str(path))
 
 
 def exit_after_answer(context: grpc.ServicerContext, what: str) -> None:

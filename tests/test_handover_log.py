@@ -124,7 +124,7 @@ def test_a_rewind_leaves_the_positions_beside_the_log_then_exits(tmp_path: Path)
     servicer = DataLoaderServicer(BatchQueue(4, 1, HandoverLog(path, replay=False)),
                                   loader_index=1)
     context = _Context()
-    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: .*not JSON"):
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: .*RestartRequest.positions: not JSON"):
         servicer.Rewind(common_pb2.RestartRequest(positions="{"), context)
     assert rewind.read_rewind(path) is None and not context.callbacks  # nothing written
     answer = servicer.Rewind(request, context)

@@ -234,7 +234,8 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
             raise FailedPrecondition(
                 f"data loader {self.loader_index} keeps no handover log (--handover-log), "
                 "where a rewind leaves its positions: it cannot be rewound")
-        positions = DataPositions.from_env(request.positions)  # ValueError: INVALID_ARGUMENT
+        # Checked whole before anything is written (ValueError: INVALID_ARGUMENT).
+        positions = DataPositions.from_env(request.positions, "RestartRequest.positions")
         rewind.write_rewind(log.path, positions)
         logger.warning("data loader %d: asked to rewind (%s): batches below %d trained",
                        self.loader_index, request.reason[:200],
