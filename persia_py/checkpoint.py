@@ -161,6 +161,15 @@ def data_positions(manifest: Mapping) -> dict:
     return {"0": {"next": int(manifest["step"]), "also": []}}
 
 
+def _share(counts: list[int], rank: int, world: int) -> int:
+    """Rank ``rank``'s count of a checkpoint's per-rank ``counts``: its own with as many
+    ranks, else an equal share of their sum."""
+    if len(counts) == world:
+        return counts[rank]
+    total = sum(counts)
+    return total // world + (rank < total % world)
+
+
 STATE_KEYS = ("model", "dense_optimizer", "train_state")
 """What a rank's ``states`` hold: the dense model, its optimizer and its
 :class:`~persia_py.stateful.TrainState` (batches trained)."""
@@ -173,13 +182,10 @@ class _PeriodicJoinHook(JoinHook):
 
     def __init__(self, checkpointer: Checkpointer) -> None:
         self._checkpointer = checkpointer
-        self._steps: int | None = None
 
     def main_hook(self) -> None:  # once per step of the ranks still training
-        if self._steps is None:
-            self._steps = self._checkpointer.steps
-        self._steps += 1
-        if self._checkpointer.is_periodic(self._steps):
+        self._checkpointer.states["train_state"].shadowed()  # the job's step goes on
+        if self._checkpointer.is_periodic(self._checkpointer.job_step):
             self._checkpointer.vote(training=False)
 
 
@@ -218,6 +224,10 @@ class Checkpointer(WorldJoinable):
         self.periodic_dir = config.dir
         self.every_steps = config.every_steps
         self._client: PSCheckpointClient | None = None
+        self.last_cut: tuple[Path, Path | None] | None = None
+        """(root, folder) of the checkpoint last written (the folder on rank 0 only) or
+        loaded; nothing trained since, unless :meth:`changed`."""
+        self._cut_steps = 0
         super().__init__()
 
     @property
@@ -225,23 +235,37 @@ class Checkpointer(WorldJoinable):
         """Batches this rank has trained, including those before the loaded checkpoint."""
         return self.states["train_state"].state_dict()["steps"]
 
+    @property
+    def job_step(self) -> int:
+        """The job's step, the same on every rank (see ``TrainState.job_step``)."""
+        return self.states["train_state"].state_dict()["job_step"]
+
+    def changed(self) -> bool:
+        """Whether this rank trained a batch (or took one for evaluation) since the last
+        checkpoint it wrote or loaded."""
+        state = self.states["train_state"].state_dict()
+        return state["steps"] != self._cut_steps or bool(state["new_batch_ids"])
+
     def _ps(self) -> PSCheckpointClient:
         if self._client is None:
             self._client = PSCheckpointClient(self._ps_addrs, self._common, self._config.root)
             self._client.wait_ready()
         return self._client
 
-    def resume_if_asked(self, path: str | None = None) -> None:
+    def resume_if_asked(self, path: str | None = None) -> Path | None:
         """Load ``path`` if given (the checkpoint a training restarted by torchrun went
         back to), else ``$PERSIA_RESUME_DIR`` if set, else the newest complete checkpoint
         in the periodic folder (``checkpoint_config.dir``) if there is one: a job
-        restarted after a failure goes on from its last checkpoint by itself."""
+        restarted after a failure goes on from its last checkpoint by itself. Returns
+        the checkpoint folder loaded (None: none)."""
         path = path or os.environ.get(ENV_RESUME_DIR)
         if not path and self.periodic_dir:
             path = fmt.latest(self.periodic_dir)
-        if path:
-            logger.info("resuming from checkpoint %s", path)
-            self.load(path)
+        if not path:
+            return None
+        logger.info("resuming from checkpoint %s", path)
+        self.load(path)
+        return self.last_cut[1]
 
     def is_periodic(self, steps: int) -> bool:
         return bool(self.every_steps) and steps % self.every_steps == 0
@@ -249,7 +273,7 @@ class Checkpointer(WorldJoinable):
     def after_step(self) -> None:
         """Write the periodic checkpoint if this step is one, and every rank still trains
         (ranks train in step until one runs out of batches; see :class:`_PeriodicJoinHook`)."""
-        if not self.is_periodic(self.steps):
+        if not self.is_periodic(self.job_step):
             return
         training = self.vote(training=True)
         _, world = _world()
@@ -257,17 +281,33 @@ class Checkpointer(WorldJoinable):
             self.dump(self.periodic_dir)
         else:
             logger.warning("step %d: periodic checkpoint skipped: %d of %d NN-worker ranks "
-                           "have run out of batches", self.steps, world - training, world)
+                           "have run out of batches", self.job_step, world - training, world)
 
     def vote(self, *, training: bool) -> int:
         """How many ranks are still training (every rank votes at a periodic step)."""
+        return self._count_ranks(training)
+
+    def _count_ranks(self, flag: bool) -> int:
+        """How many ranks say ``flag`` (every rank calls it)."""
         _, world = _world()
         if world == 1:
-            return int(training)
+            return int(flag)
         device = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
-        count = torch.tensor([int(training)], dtype=torch.int64, device=device)
+        count = torch.tensor([int(flag)], dtype=torch.int64, device=device)
         dist.all_reduce(count)
         return int(count.item())
+
+    def final(self, root: str | os.PathLike) -> Path | None:
+        """The checkpoint a training ends with, in ``root`` (every rank calls it, after
+        the last step): written, unless no rank trained anything since the last checkpoint
+        written into or loaded from ``root``; that one is the final one then (a second
+        folder of the same cut would make the two kept ones one, pruning the distinct
+        one before). Returns the folder on rank 0 (and on every rank when loaded)."""
+        same_root = (self.last_cut is not None
+                     and self.last_cut[0] == Path(os.path.realpath(root)))
+        if same_root and self._count_ranks(self.changed()) == 0:
+            return self.last_cut[1]
+        return self.dump(root)
 
     def join_hook(self, **kwargs) -> JoinHook:
         return _PeriodicJoinHook(self)
@@ -283,7 +323,8 @@ class Checkpointer(WorldJoinable):
         _barrier()  # every rank's updates are acknowledged: the cut is consistent
         train_state = self.states["train_state"]
         state = train_state.state_dict()
-        rank_steps = [steps for [steps] in _gather([state["steps"]], self._device)]
+        counts = _gather([state["steps"], state["samples"]], self._device)
+        rank_steps, rank_samples = [c[0] for c in counts], [c[1] for c in counts]
         # Batch ids are < 2^63 (loader index < 2^23), so they travel as int64.
         new_ids = [i for ids in _gather(state["new_batch_ids"], self._device) for i in ids]
         positions = train_state.positions.advanced(new_ids)
@@ -291,17 +332,23 @@ class Checkpointer(WorldJoinable):
         final = None
         self._dense_token = self._write_sharded_dense(Path(root)) if self.sharded_dense else None
         if rank == 0:
-            final = self._write(Path(root), rank_steps, world, positions,
-                                dict(extra_files or {}))
+            final = self._write(Path(root), {"rank_steps": rank_steps, "world_size": world,
+                                             "rank_samples": rank_samples,
+                                             "job_step": state["job_step"]},
+                                positions, dict(extra_files or {}))
             logger.info("checkpoint %s written in %.2fs", final, time.perf_counter() - started)
         _barrier()
         # Every rank holds the same cut: the next checkpoint counts from here.
-        train_state.load_state_dict({"steps": state["steps"],
-                                     "data_positions": positions.to_json()})
+        train_state.load_state_dict({**state, "data_positions": positions.to_json()})
+        self._cut(root, final, state["steps"])
         return final
 
-    def _write(self, root: Path, rank_steps: list[int], world: int,
-               positions: DataPositions, extra_files: dict[str, bytes]) -> Path:
+    def _cut(self, root: str | os.PathLike, folder: Path | None, steps: int) -> None:
+        self.last_cut = (Path(os.path.realpath(root)), folder)
+        self._cut_steps = steps
+
+    def _write(self, root: Path, counts: dict, positions: DataPositions,
+               extra_files: dict[str, bytes]) -> Path:
         tmp = fmt.new_tmp_dir(root, self._dense_token)
         with ThreadPoolExecutor(max_workers=1) as pool:
             ps_answers = pool.submit(self._ps().dump, tmp)
@@ -316,12 +363,12 @@ class Checkpointer(WorldJoinable):
             "num_ps_replicas": len(answers),
             "ps_rows": [a.num_rows for a in answers],
             "ps_bytes": [a.num_bytes for a in answers],
-            "world_size": world,
-            "rank_steps": rank_steps,
+            **counts,  # world_size, rank_steps, rank_samples, job_step
             "data_positions": positions.to_json(),
             "created_unix": time.time(),
         }
-        return fmt.commit(tmp, manifest, step=sum(rank_steps))
+        # Named by the batches of all ranks (``step``); the job's step is ``job_step``.
+        return fmt.commit(tmp, manifest, step=sum(counts["rank_steps"]))
 
     def load(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint (a root or one checkpoint folder) into the servers and the model."""
@@ -330,16 +377,17 @@ class Checkpointer(WorldJoinable):
         manifest = fmt.load_json(folder / fmt.MANIFEST)
         rank, world = _world()
         rank_steps = manifest["rank_steps"]
-        if len(rank_steps) == world:
-            steps = rank_steps[rank]
-        else:  # a different number of ranks: each takes an equal share of the count
-            total = sum(rank_steps)
-            steps = total // world + (rank < total % world)
+        steps = _share(rank_steps, rank, world)
+        # Older checkpoints: the job's step as rank 0 counts it, the same on every rank.
+        job_step = manifest.get("job_step", _share(rank_steps, 0, world))
+        samples = _share(manifest.get("rank_samples", [0] * len(rank_steps)), rank, world)
         if rank == 0:
             self._ps().load(folder)
         self._load_dense(folder)
-        self.states["train_state"].load_state_dict({"steps": steps,
-                                                    "data_positions": data_positions(manifest)})
+        self.states["train_state"].load_state_dict({
+            "steps": steps, "job_step": job_step, "samples": samples,
+            "data_positions": data_positions(manifest)})
+        self._cut(folder.parent, folder, steps)
         rng = fmt.load_array(folder / "torch-rng-state.npy")
         torch.set_rng_state(torch.from_numpy(np.array(rng)))
         _barrier()  # no rank trains before the servers hold the checkpoint's rows

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from persia_py.checkpoint import Checkpointer
 from persia_py.checkpoint_format import check_name
 from persia_py.checks import check_type
-from persia_py.config import GlobalConfig
+from persia_py.config import ConfigError, GlobalConfig
 from persia_py.dense_export import DenseExporter, dense_exporter_for
 from persia_py.distributed import (
     DDPOption,
@@ -53,6 +53,7 @@ from persia_py.process_group import (
 from persia_py.progress import StepReporter
 from persia_py.progressive import ProgressiveValidation
 from persia_py.rewind import restart_count, rewind_after_restart
+from persia_py.start_checks import check_checkpoint_paths
 from persia_py.stateful import Stateful, TrainState
 from persia_py.torchscript_export import torchscript, torchscript_sharded
 from persia_py.workers.data_loader import DataCtx
@@ -141,8 +142,10 @@ class TrainCtx(EmbeddingCtx):
             ``nn_worker_config.fsdp_max_unsharded_bytes``).
         stop_on_signal: online training: SIGTERM ends the data loaders' endless stream
             after a step every rank agrees on; the embedding updates are flushed and a
-            final checkpoint is written to ``checkpoint_config.dir`` before the loop ends
-            (see :mod:`persia_py.graceful_stop`).
+            final checkpoint is written to ``checkpoint_config.dir`` (required) before the
+            loop ends (see :mod:`persia_py.graceful_stop`). With that folder set, a
+            stream that ends by itself (the loaders' scripts end, ``idle_timeout_sec``)
+            ends with a final checkpoint there too.
         progressive_validation: a :class:`~persia_py.progressive.ProgressiveValidation`:
             each training batch's outputs (scored before its update) give a running AUC,
             log loss and NE (and GAUC) in the training log.
@@ -187,6 +190,14 @@ class TrainCtx(EmbeddingCtx):
                                         grad_accumulation_steps=grad_accumulation_steps)
         """Clipping and accumulation of the dense gradients (see persia_py.grad_control)."""
         super().__init__(model=model, global_config=global_config, device_id=device_id, env=env)
+        # Config errors now, not at the first checkpoint or the end (persia_py.start_checks).
+        checkpoints = self.global_config.checkpoint_config
+        check_checkpoint_paths(checkpoints)
+        if stop_on_signal and not checkpoints.dir:
+            raise ConfigError("checkpoint_config.dir: required with TrainCtx(stop_on_signal="
+                              "True): the training ends with a checkpoint there, which the job "
+                              "started again goes on from")
+        self.grad_control.check_checkpoint_period(checkpoints.every_steps)
         self.distributed_option = distributed_option or DDPOption()
         if isinstance(self.distributed_option, FSDPOption):
             self.distributed_option = self.distributed_option.with_config_bound(
@@ -282,8 +293,8 @@ class TrainCtx(EmbeddingCtx):
             self.state_dict(), flush=self.flush, ps_addrs=self.env.ps_addrs, common=self.common,
             config=self.global_config.checkpoint_config, device=self.device,
             sharded_dense=self.dense.sharded)
-        self.grad_control.check_checkpoint_period(self.checkpointer.every_steps)
-        self.checkpointer.resume_if_asked(back_to)
+        if (resumed := self.checkpointer.resume_if_asked(back_to)) is not None:
+            self._resumed(resumed)
         self.dense_exporter = dense_exporter_for(self.global_config.checkpoint_config,
                                                  rank=self.env.rank,
                                                  sharded=self.dense.sharded)
@@ -384,6 +395,14 @@ class TrainCtx(EmbeddingCtx):
         """Load a checkpoint written by :meth:`dump_checkpoint` (a root or one folder)."""
         self._require_active("ctx.load_checkpoint")
         self.checkpointer.load(src_dir)
+        self._resumed(self.checkpointer.last_cut[1])
+
+    def _resumed(self, folder: Path) -> None:
+        """The training log and progressive validation count on from a loaded checkpoint."""
+        state = self.train_state
+        self.reporter.resumed(step=state.job_step, samples=state.samples, checkpoint=str(folder))
+        if self.progressive is not None:
+            self.progressive.start_at(state.job_step)
 
     def log(self, **values: float) -> None:
         """Record numbers of this step (e.g. ``ctx.log(test_auc=auc)``) in the training log."""
@@ -412,6 +431,7 @@ class TrainCtx(EmbeddingCtx):
                                             reproducible=reproducible,
                                             embedding_staleness=embedding_staleness)
         self._finish_accumulation()
+        self._report_last_window()
 
     def _joined(self):
         """``torch.distributed.algorithms.Join`` over the dense tower (a rank out of
@@ -459,8 +479,9 @@ class TrainCtx(EmbeddingCtx):
                     dist.barrier()
             # Every rank is here: one more agreement covers ranks that left the loop on
             # their own request without one (every rank idle, say).
-            if self.stop is not None and self._agree_to_stop():
-                self._final_checkpoint()
+            signalled = self.stop is not None and self._agree_to_stop()
+            self._report_last_window()
+            self._final_checkpoint("a signal" if signalled else "the end of the stream")
         finally:
             stream.close()
 
@@ -475,16 +496,22 @@ class TrainCtx(EmbeddingCtx):
         with self._naming_peers("the agreement to stop"):
             return self.stop.agreed()
 
-    def _final_checkpoint(self) -> None:
+    def _report_last_window(self) -> None:
+        """Every rank, when training ends: progressive validation's last, shorter window."""
+        if self.progressive is not None and (report := self.progressive.report_partial()):
+            self.reporter.log(**report)
+
+    def _final_checkpoint(self, why: str) -> None:
+        """However the data loaders' stream ends (a signal, their scripts' end, a
+        stream's ``idle_timeout_sec``), the training ends with a checkpoint in
+        ``checkpoint_config.dir``: the job started again goes on exactly from there."""
         directory = self.checkpointer.periodic_dir
         if not directory:
-            logger.warning("stopped on a signal after %d steps; no checkpoint_config.dir, so "
-                           "no final checkpoint", self.checkpointer.steps)
             return
-        folder = self.checkpointer.dump(directory)
+        folder = self.checkpointer.final(directory)
         if folder is not None:
-            logger.info("stopped on a signal after %d steps; final checkpoint %s",
-                        self.checkpointer.steps, folder)
+            logger.info("training ended (%s) at step %d; final checkpoint %s", why,
+                        self.train_state.job_step, folder)
 
     def forward(self, batch: TrainingBatch):
         """Forward ``batch``; training batches keep what ``backward`` needs."""
@@ -513,7 +540,7 @@ class TrainCtx(EmbeddingCtx):
         self._staleness_sum += batch.staleness
         self._staleness_max = max(self._staleness_max, batch.staleness)
         self._num_steps += 1
-        self.train_state.trained(batch.batch_id)
+        self.train_state.trained(batch.batch_id, batch.batch_size)
         self.reporter.forward_done()
         labels = [t.to(self.device) for t in batch.labels]
         if self.progressive is not None:  # scored before this batch's update: unseen data
@@ -553,12 +580,12 @@ class TrainCtx(EmbeddingCtx):
             grads.append((s.slot, g if unscale is None else g * unscale))
         self._sender.submit(batch, grads)
         self.checkpointer.after_step()
-        if self.progressive is not None and (report := self.progressive.after_step()):
-            self.reporter.log(**report)
-        if self.dense_exporter is not None:  # rank 0 pushes the dense model to serving
-            self.dense_exporter.after_step(self.model)
         self.reporter.backward_done(started=started, batch_size=batch.batch_size,
                                     loss=float(loss.detach()), staleness=batch.staleness)
+        if self.progressive is not None and (report := self.progressive.after_step()):
+            self.reporter.log(**report)  # at the step its window ends with
+        if self.dense_exporter is not None:  # rank 0 pushes the dense model to serving
+            self.dense_exporter.after_step(self.model)
         return loss
 
     @contextmanager

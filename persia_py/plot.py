@@ -22,8 +22,9 @@ def read_training_log(path: str | os.PathLike) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not a JSON object: {exc}") from None
-            if not isinstance(record, dict) or "step" not in record:
-                raise ValueError(f"{path}:{number}: a record needs a 'step' field")
+            if not isinstance(record, dict) or not ("step" in record or "event" in record):
+                raise ValueError(f"{path}:{number}: a record needs a 'step' field (or an "
+                                 "'event' one: a restart, a resume)")
             records.append(record)
     return records
 

@@ -8,7 +8,9 @@ user wants recorded (``ctx.log(test_auc=...)``). It
   when stdout is a terminal, a plain line every ``log_every`` steps when it is not;
 * writes a JSON-lines training log on rank 0, one object per step
   (``{"step", "time", "samples", "loss", "staleness", "samples_per_sec"}``) plus one per
-  ``log`` call, which ``persia-launcher plot`` draws;
+  ``log`` call, which ``persia-launcher plot`` draws. ``step`` is 1-based (the step just
+  done) and, like ``samples`` (this rank's), goes on across a resume (:meth:`resumed`,
+  which logs a ``resume`` event); ``time`` is the seconds since this process started;
 * feeds the rank's Prometheus metrics (:class:`persia_py.monitoring.NNWorkerMetrics`).
 """
 
@@ -81,6 +83,14 @@ class StepReporter:
                    metrics_server=server)
 
     # -- the hooks TrainCtx calls --------------------------------------------------------
+
+    def resumed(self, *, step: int, samples: int, checkpoint: str) -> None:
+        """Training goes on from ``checkpoint``: the counters go on from its ``step`` and
+        ``samples`` (so the log's steps follow the first run's); a ``resume`` event in
+        the training log."""
+        self.num_steps, self.num_samples = step, samples
+        self._window = deque([(time.monotonic(), samples)])
+        self.event(event="resume", checkpoint=checkpoint, step=step, samples=samples)
 
     def forward_started(self) -> None:
         now = time.perf_counter()

@@ -7,7 +7,10 @@ systems report). :class:`ProgressiveValidation` collects them; every ``every_ste
 steps the ranks add up their sums (:class:`persia_py.metrics.BinaryStats`, one
 all-reduce) and the training log gets ``pv_auc``, ``pv_logloss``, ``pv_ne`` (and
 ``pv_gauc`` with ``group_by``) of the samples of those steps, which
-``persia-launcher plot`` draws with the other AUCs.
+``persia-launcher plot`` draws with the other AUCs. Windows end at the multiples of
+``every_steps`` of the job's step (the record's ``step``), across a resume too; when the
+training ends (a signal, the end of the stream) the steps since the last report are
+reported as a shorter window, so every sample trained is in exactly one report.
 
     pv = ProgressiveValidation(every_steps=50, group_by=lambda batch: user_ids(batch))
     with TrainCtx(..., progressive_validation=pv) as ctx: ...
@@ -49,6 +52,9 @@ class ProgressiveValidation(WorldJoinable):
         self.group_by = group_by
         self.num_bins = num_bins
         self.steps = 0
+        """The job's step (``TrainState.job_step``: the same on every rank); a report is
+        due at each multiple of ``every_steps``."""
+        self._window_steps = 0
         self.last: dict[str, float] = {}
         """The values of the last report."""
         self._reset()
@@ -79,12 +85,23 @@ class ProgressiveValidation(WorldJoinable):
             self._scores.append(scores)
             self._groups.append(groups)
 
+    def start_at(self, step: int) -> None:
+        """Count on from the job's ``step`` (a resumed training): windows end at the same
+        multiples of ``every_steps`` as in the run before."""
+        self.steps = step
+
     def after_step(self) -> dict[str, float] | None:
         """After each training step (every rank): the report when one is due, else None."""
         self.steps += 1
+        self._window_steps += 1
         if self.steps % self.every_steps:
             return None
         return self._report()
+
+    def report_partial(self) -> dict[str, float] | None:
+        """When training ends (every rank): the report of the steps since the last one,
+        if any, so that every sample trained is in one report; else None."""
+        return self._report() if self._window_steps else None
 
     def _report(self) -> dict[str, float]:
         total = self.stats.all_reduced(self.join_device)
@@ -95,6 +112,7 @@ class ProgressiveValidation(WorldJoinable):
         if self.group_by is not None:
             values["pv_gauc"] = _or_nan(lambda: gauc(*self._gathered()))
         self._reset()
+        self._window_steps = 0
         self.last = values
         return values
 

@@ -28,31 +28,52 @@ class Stateful(Protocol):
 
 @dataclass
 class TrainState:
-    """Progress of one NN-worker rank: the batches it has trained, including those
-    before the checkpoint it resumed from, and the data positions (every loader's
-    batches trained by all ranks, :mod:`persia_py.data_position`) as of the last
-    checkpoint written or loaded, plus the data-loader batches this rank trained since."""
+    """Progress of one NN-worker rank: the batches and samples it has trained, including
+    those before the checkpoint it resumed from; the job's step; and the data positions
+    (every loader's batches trained by all ranks, :mod:`persia_py.data_position`) as of
+    the last checkpoint written or loaded, plus the data-loader batches this rank trained
+    since."""
 
     steps: int = 0
     positions: DataPositions = field(default_factory=DataPositions)
     new_batch_ids: list[int] = field(default_factory=list)
+    job_step: int = 0
+    """Training steps of the job, the same count on every rank: 1-based, the step just
+    done. A rank counts its own and, out of batches (``Join``), the others'; a resumed
+    job goes on from its checkpoint's. The training log's ``step``, and what periodic
+    checkpoints and progressive-validation windows are counted in."""
+    samples: int = 0
+    """Samples this rank has trained, counting those before a resumed checkpoint."""
 
-    def trained(self, batch_id: int | None) -> None:
+    def trained(self, batch_id: int | None, batch_size: int = 0) -> None:
         """Count one trained batch (``batch_id``: a data loader's; None: made in-process)."""
         self.steps += 1
+        self.job_step += 1
+        self.samples += batch_size
         if batch_id is not None:
             self.new_batch_ids.append(batch_id)
 
+    def shadowed(self) -> None:
+        """Count a step the other ranks took while this one, out of batches, joined it."""
+        self.job_step += 1
+
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "data_positions": self.positions.to_json(),
-                "new_batch_ids": list(self.new_batch_ids)}
+                "new_batch_ids": list(self.new_batch_ids), "job_step": self.job_step,
+                "samples": self.samples}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore ``steps`` and ``data_positions`` (a checkpoint's cut: no batch trained
-        since; ``new_batch_ids`` is not read)."""
-        steps = state_dict["steps"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"train_state.steps: expected an int >= 0, got {steps!r}")
+        """Restore ``steps``, ``data_positions`` and, when given, ``job_step`` and
+        ``samples`` (a checkpoint's cut: no batch trained since; ``new_batch_ids`` is not
+        read)."""
+        counts = {key: state_dict.get(key, getattr(self, key))
+                  for key in ("steps", "job_step", "samples")}
+        counts["steps"] = state_dict["steps"]
+        for key, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"train_state.{key}: expected an int >= 0, got {value!r}")
         positions = DataPositions.from_json(state_dict.get("data_positions", {}),
                                             "train_state.data_positions")
-        self.steps, self.positions, self.new_batch_ids = steps, positions, []
+        self.steps, self.job_step, self.samples = (counts["steps"], counts["job_step"],
+                                                   counts["samples"])
+        self.positions, self.new_batch_ids = positions, []

@@ -161,18 +161,16 @@ def test_bad_values_and_checkpoint_periods_are_refused() -> None:
         False, False, True, False, False, True]
 
 
-def test_checkpoint_period_not_a_multiple_is_refused_on_entry(embedding_worker,
-                                                             tmp_path) -> None:
-    config = GlobalConfig(common_config=GLOBAL.common_config,
-                          checkpoint_config=CheckpointConfig(every_steps=3, dir=str(tmp_path)))
+def test_checkpoint_period_not_a_multiple_is_refused_when_made(embedding_worker,
+                                                              tmp_path) -> None:
+    config = GlobalConfig(common_config=GLOBAL.common_config, checkpoint_config=CheckpointConfig(
+        every_steps=3, root=str(tmp_path), dir=str(tmp_path)))
     model = Model()
-    ctx = TrainCtx(model=model, embedding_optimizer=SGD(lr=0.0),
-                   dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                   global_config=config, grad_accumulation_steps=2,
-                   env=PersiaEnv(embedding_worker_addrs=(embedding_worker,)))
     with pytest.raises(ValueError, match="every_steps=3 is not a multiple"):
-        with ctx:
-            pass
+        TrainCtx(model=model, embedding_optimizer=SGD(lr=0.0),
+                 dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                 global_config=config, grad_accumulation_steps=2,
+                 env=PersiaEnv(embedding_worker_addrs=(embedding_worker,)))
 
 
 def _ddp_rank(rank: int, port: int, embedding_worker: str, out_dir: str) -> None:

@@ -1,11 +1,16 @@
-"""Online training: an endless stream in, stopped by SIGTERM, resumed exactly.
+"""Online training: an endless stream in, stopped or ended, resumed exactly.
 
 * A ``persia-launcher local`` job (2 NN ranks) follows a folder of CSV files while more
   arrive; SIGTERM stops it cleanly (exit 0, final checkpoint); started again (one rank)
   it goes on from the exact stream position, and SIGTERM stops it again while it waits
   for data: over both runs every sample id is trained exactly once (the ranks write the
   ids they trained to files). The parameter server writes a
-  last increment as it stops; progressive validation reports land in both runs' logs.
+  last increment as it stops; progressive validation reports land in both runs' logs,
+  every sample in one of them, and the second run's steps go on from the first's.
+* Every other way a job ends leaves a final checkpoint that the same command goes on
+  from exactly: its loader ends the stream, the stream's ``idle_timeout_sec``, a loader
+  without a stream reaching its natural end. The training log's steps, samples and
+  progressive-validation windows go on across those resumes.
 * The stream readers: a folder followed in name order, lines appended to a file (a
   partial last line waits for its newline), Parquet, reading a range again, the
   position log (torn last line, compaction), bad input named by file and row.
@@ -25,6 +30,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, RoleProcess, launcher_command, run_ranks
 
+from persia_py import checkpoint_format as fmt
 from persia_py.data_readers import BadRecordError, CsvColumn, CsvReaderConfig
 from persia_py.plot import read_training_log
 from persia_py.stream_reader import CsvFormat, ParquetFormat, StreamPosition, StreamReader
@@ -56,13 +62,27 @@ def _add_file(folder: Path, index: int) -> int:
     return ROWS_PER_FILE
 
 
-def _start(work: Path, run: str, num_ranks: int) -> RoleProcess:
+def _write_config(work: Path, every_steps: int) -> None:
+    (work / "global_config.yml").write_text(
+        (ROOT / "examples" / "criteo_synthetic" / "global_config.yml").read_text()
+        + textwrap.dedent(f"""
+            checkpoint_config:
+              root: {work}
+              dir: {work / "ckpt"}
+              every_steps: {every_steps}
+              incremental_dir: {work / "increments"}
+              incremental_every_sec: 3600
+        """))
+
+
+def _start(work: Path, run: str, num_ranks: int, loader_args: str = "") -> RoleProcess:
     return RoleProcess(launcher_command(
         "local", "--nn-worker", str(JOB / "train.py"), "--data-loader", str(JOB / "data_loader.py"),
         "--embedding-config", str(JOB / "embedding_config.yml"),
         "--global-config", str(work / "global_config.yml"), "--nproc-per-node", str(num_ranks),
         "--run-dir", str(work / run), "--no-metrics",
-        "--data-loader-args", f"--stream {work / 'stream'} --positions {work / 'positions'}",
+        "--data-loader-args",
+        f"--stream {work / 'stream'} --positions {work / 'positions'} {loader_args}",
         "--nn-worker-args", f"--out {work / run}"))
 
 
@@ -84,20 +104,34 @@ def _trained_ids(run_dir: Path) -> np.ndarray:
     return np.array(text.split(), dtype=np.int64)
 
 
+def _checkpoint_steps(work: Path) -> list[tuple[int, int]]:
+    """(batches of all ranks, the job's step) of each checkpoint kept, oldest first."""
+    manifests = [fmt.load_json(p / fmt.MANIFEST) for p in (work / "ckpt").glob("ckpt-*")]
+    return sorted((m["step"], m["job_step"]) for m in manifests)
+
+
+def _check_log_goes_on(records: list[dict], resumed_at: list[int], every: int) -> None:
+    """Over the runs of one log (rank 0's): step records from 1 on, rising; a ``resume``
+    event at each step in ``resumed_at``, the next step record the one after it; and
+    progressive-validation reports at the multiples of ``every`` and at each run's end."""
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps[0] == 1 and all(a < b for a, b in zip(steps, steps[1:])), steps
+    resumes = [i for i, r in enumerate(records) if r.get("event") == "resume"]
+    assert [records[i]["step"] for i in resumes] == resumed_at, records
+    for i, end in zip(resumes, [*resumes[1:], len(records)]):
+        # (With two ranks rank 0 may have had no batch in a run: then no step record.)
+        first = next((r["step"] for r in records[i:end] if "loss" in r), None)
+        assert first in (None, records[i]["step"] + 1), records[i:end]
+    ends = {*resumed_at, steps[-1]}
+    assert all(r["step"] % every == 0 or r["step"] in ends
+               for r in records if "pv_auc" in r), records
+
+
 @pytest.mark.processes
 def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -> None:
     stream = tmp_path / "stream"
     stream.mkdir()
-    (tmp_path / "global_config.yml").write_text(
-        (ROOT / "examples" / "criteo_synthetic" / "global_config.yml").read_text()
-        + textwrap.dedent(f"""
-            checkpoint_config:
-              root: {tmp_path}
-              dir: {tmp_path / "ckpt"}
-              every_steps: 4
-              incremental_dir: {tmp_path / "increments"}
-              incremental_every_sec: 3600
-        """))
+    _write_config(tmp_path, every_steps=4)
     total = sum(_add_file(stream, i) for i in range(3))
     job = _start(tmp_path, "run1", num_ranks=2)
     try:
@@ -131,17 +165,113 @@ def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -
         raise
     out = _stop(job)
     assert re.search(r"final checkpoint .*ckpt-", out), out[-5000:]
-    # Progressive validation: both runs logged AUC, log loss, NE and GAUC of all ranks'
-    # pre-update scores (every 4 steps of each rank: 4 batches of 32 samples per rank).
-    for run, num_ranks in (("run1", 2), ("run2", 1)):
-        reports = [r for r in read_training_log(tmp_path / run / "train_log.jsonl")
-                   if "pv_auc" in r]
-        assert reports and reports[0]["pv_samples"] == 128 * num_ranks, reports
-        assert all(0 < r["pv_logloss"] and 0 <= r["pv_auc"] <= 1 and 0 <= r["pv_gauc"] <= 1
-                   for r in reports), reports
     every = np.sort(np.concatenate([first, _trained_ids(tmp_path / "run2")]))
     assert every.size == total, f"{every.size} samples trained, {total} in the stream"
     np.testing.assert_array_equal(every, np.arange(total))  # none skipped, none twice
+    # Progressive validation: both runs logged AUC, log loss, NE and GAUC of all ranks'
+    # pre-update scores, every 4 steps of the job and at SIGTERM: every sample trained
+    # is in one report. The second run's log goes on from the step it resumed at.
+    logs = [read_training_log(tmp_path / run / "train_log.jsonl") for run in ("run1", "run2")]
+    reports = [r for log in logs for r in log if "pv_auc" in r]
+    assert sum(r["pv_samples"] for r in reports) == total, reports
+    assert all(0 < r["pv_logloss"] and 0 <= r["pv_auc"] <= 1 and 0 <= r["pv_gauc"] <= 1
+               for r in reports), reports
+    [resumed] = [r for r in logs[1] if r.get("event") == "resume"]
+    first_step = next(r["step"] for r in logs[1] if "loss" in r)
+    assert first_step == resumed["step"] + 1 and resumed["step"] >= 4, logs[1][:3]
+    assert resumed["samples"] > 0 and resumed["checkpoint"] in out, resumed
+
+
+# -- the other ways a job ends -------------------------------------------------------------
+
+ENDS_EVERY = 4
+"""Periodic checkpoints and progressive validation of the jobs below, in steps."""
+
+
+def _run_to_its_end(work: Path, run: str, loader_args: str, num_ranks: int = 1
+                    ) -> tuple[str, np.ndarray]:
+    """Run the job (the same command each time) until it ends by itself; its output and
+    the sample ids it trained (moved aside, so the next run's are its own)."""
+    job = _start(work, "run", num_ranks, loader_args)
+    out = job.finish(timeout=180)
+    ids = _trained_ids(work / "run")
+    for path in (work / "run").glob("ids-rank*.txt"):
+        path.rename(path.with_name(f"{run}-{path.name}"))
+    return out, ids
+
+
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory) -> dict:
+    """One job ended four times by itself, each run going on from the last: runs 1 and 2
+    (one rank; the same command) follow the stream, whose loader ends it after 6 batches
+    or after 1 s without data: run 1 trains 6 of the 9 batches there and ends the stream,
+    run 2 the 3 left, then its stream ends idle. Runs 3 and 4 (two ranks; the same command
+    again) have a loader without a stream that reads the files there once and ends: run 3
+    trains the 6 batches that arrived meanwhile, run 4 the 3 after it."""
+    work = tmp_path_factory.mktemp("ended")
+    (work / "stream").mkdir()
+    _write_config(work, every_steps=ENDS_EVERY)
+    runs: dict = {"work": work, "checkpoints": []}
+    files = iter(range(6))
+    for run, num_files, loader_args, num_ranks in (
+            ("run1", 3, "--end-after-batches 6 --idle-timeout-sec 1", 1),
+            ("run2", 0, "--end-after-batches 6 --idle-timeout-sec 1", 1),
+            ("run3", 2, "--finite", 2), ("run4", 1, "--finite", 2)):
+        for _ in range(num_files):
+            _add_file(work / "stream", next(files))
+        runs[run] = _run_to_its_end(work, run, loader_args, num_ranks)
+        runs["checkpoints"].append(_checkpoint_steps(work))
+    return runs
+
+
+def _ended_with_checkpoint(out: str, batches: int) -> None:
+    assert re.search(r"training ended \(the end of the stream\) at step \d+; final checkpoint "
+                     rf".*ckpt-{batches:012d}-", out), out[-5000:]
+
+
+@pytest.mark.processes
+def test_a_stream_its_loader_ends_leaves_a_checkpoint_to_go_on_from(ended) -> None:
+    out, ids = ended["run1"]
+    assert "data loader 0 sent 6 batches" in out, out[-5000:]  # the 9 there, it ended at 6
+    _ended_with_checkpoint(out, 6)
+    np.testing.assert_array_equal(np.sort(ids), np.arange(192))
+    # The periodic checkpoint (step 4) is kept beside the final one.
+    assert ended["checkpoints"][0] == [(4, 4), (6, 6)]
+    out, ids = ended["run2"]
+    assert re.search(r"resuming from .*ckpt-000000000006-", out), out[-5000:]
+    np.testing.assert_array_equal(np.sort(ids), np.arange(192, 288))  # none twice
+
+
+@pytest.mark.processes
+def test_an_idle_stream_ends_with_a_checkpoint_to_go_on_from(ended) -> None:
+    out, _ = ended["run2"]
+    assert "data loader 0 sent 3 batches" in out, out[-5000:]  # then 1 s without data
+    _ended_with_checkpoint(out, 9)
+    out, ids = ended["run3"]
+    assert re.search(r"resuming from .*ckpt-000000000009-", out), out[-5000:]
+    np.testing.assert_array_equal(np.sort(ids), np.arange(288, 480))  # none twice
+
+
+@pytest.mark.processes
+def test_a_loader_that_ends_leaves_a_checkpoint_to_go_on_from(ended) -> None:
+    out, _ = ended["run3"]  # two ranks: the first out of batches joins the other's steps
+    assert "data loader 0 sent 6 batches (9 skipped" in out, out[-5000:]
+    _ended_with_checkpoint(out, 15)
+    out, ids = ended["run4"]
+    assert "data loader 0 sent 3 batches (15 skipped" in out, out[-5000:]
+    np.testing.assert_array_equal(np.sort(ids), np.arange(480, 576))  # none twice
+
+
+@pytest.mark.processes
+def test_the_training_log_goes_on_across_resumes(ended) -> None:
+    records = read_training_log(ended["work"] / "run" / "train_log.jsonl")
+    # The job's step each run resumed at: the last's final checkpoint's.
+    resumed_at = [max(j for _, j in kept) for kept in ended["checkpoints"][:3]]
+    assert resumed_at[:2] == [6, 9], resumed_at
+    _check_log_goes_on(records, resumed_at, every=ENDS_EVERY)
+    steps = [r for r in records if "loss" in r]
+    assert [r["samples"] for r in steps[:9]] == list(range(32, 289, 32))  # one rank
+    assert sum(r["pv_samples"] for r in records if "pv_auc" in r) == 576  # each sample once
 
 
 # -- readers ------------------------------------------------------------------------------

@@ -441,7 +441,7 @@ class DataCtx:
                                   grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise queue.Full from None
                 raise
-        return self._wait(f"room on embedding worker {worker.address}", attempt)
+        return self._wait(f"room on embedding worker {worker.address}", attempt, self.common.rpc_timeout_sec)
 
     def _resend(self, id_: int) -> tuple[int, int]:
         """Put a kept batch on its embedding worker again (which restarted): (worker
@@ -451,12 +451,12 @@ class DataCtx:
                        "restarted)", id_, worker_index)
         return worker_index, self._put_ids(self._workers[worker_index], batch, id_)
 
-    def _wait(self, what: str, attempt):
+    def _wait(self, what: str, attempt, timeout: float = 10.0):
         """Retry ``attempt(timeout)`` while it raises queue.Full, logging every minute."""
         started = last_log = time.monotonic()
         while True:
             try:
-                return attempt(10.0)
+                return attempt(timeout)
             except queue.Full:
                 now = time.monotonic()
                 if now - last_log > 60:

@@ -8,6 +8,7 @@ import sys
 
 from persia_py.config import ConfigError
 from persia_py.launcher.job_token import add_insecure_flag
+from persia_py.start_checks import CONFIG_EXIT_CODE
 
 _NEEDS_TOKEN = ("embedding-parameter-server", "embedding-worker", "nn-worker", "data-loader",
                 "serve")
@@ -236,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             roles.require_token(args)
         return run(args)
     except ConfigError as exc:
+        # Final: a supervisor that restarted the role would meet the same error.
         print(f"persia-launcher {args.command}: config error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_EXIT_CODE
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ from persia_py.config import load_embedding_config, load_global_config
 from persia_py.env import job_env
 from persia_py.launcher import job_token
 from persia_py.monitoring import ENV_METRICS_PORT
+from persia_py.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
 
 logger = logging.getLogger("persia_py.launcher")
 
@@ -56,6 +57,8 @@ TLS_DIR = "/etc/persia-tls"
 TLS_FILES = {"tls_cert_file": "tls.crt", "tls_key_file": "tls.key", "tls_ca_file": "ca.crt"}
 """``common_config`` key -> key in the TLS Secret (as cert-manager writes them)."""
 IMAGE_UID = 1000
+POD_WORKDIR = "/app"
+"""The Dockerfile's ``WORKDIR``: the pods' checkpoint root unless the config sets one."""
 """The Dockerfile's user ``persia``: pods run as it, and can read the mounted Secrets."""
 KUBERNETES_VERSION = "1.35"
 """The Kubernetes release whose API schemas the manifests are validated against (tests)."""
@@ -375,7 +378,9 @@ def _token_secret_object(args: argparse.Namespace) -> list[dict]:
 def render(args: argparse.Namespace) -> list[dict]:
     """Every object of the job, in the order to apply them."""
     _check(args)
-    load_global_config(args.global_config)
+    # As the pods will see them: a folder outside the root is refused before any apply.
+    check_checkpoint_paths(load_global_config(args.global_config).checkpoint_config,
+                           pod_dir=POD_WORKDIR)
     load_embedding_config(args.embedding_config)
     files = {"embedding_config.yml": _read(args.embedding_config),
              "global_config.yml": _global_config_text(args)}
@@ -438,6 +443,10 @@ def _nn_worker_job(args: argparse.Namespace) -> list[dict]:
             "completions": nodes,
             "parallelism": nodes,
             "backoffLimit": 0,
+            # A config error (persia_py.start_checks) is final: the Job fails, naming it.
+            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
+                "containerName": "nn-worker", "operator": "In",
+                "values": [CONFIG_EXIT_CODE]}}]},
             "template": {
                 "metadata": {"labels": _labels(args, "nn-worker"),
                              "annotations": _annotations(args)},

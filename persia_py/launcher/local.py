@@ -14,9 +14,12 @@ checkpoint its update log starts from plus the log replayed; an embedding worker
 on the same port (the data loaders put the batches it lost there again); a data loader
 alone, on the same port (its handover log says where it left off). Only an NN rank's
 death rolls the training back to its last checkpoint (persia_py/launcher/recovery.py).
-Past the limit, or when a server exits cleanly before training ended, everything stops.
+Past the limit, or when a server exits cleanly before training ended, everything stops;
+so does a role that stopped on a config error (exit code 78,
+:data:`persia_py.start_checks.CONFIG_EXIT_CODE`), which is never restarted.
 
-Both config files are validated before any process starts. Every role gets the job
+Both config files are validated before any process starts, the checkpoint folders
+against the checkpoint root included. Every role gets the job
 token by environment: the user's (``auth_token_file`` or ``$PERSIA_AUTH_TOKEN``), else a
 new one per run, also written to ``<run dir>/auth_token`` (mode 0600) for clients started
 outside the job; ``--insecure`` runs without one, and says so. Every role serves Prometheus
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from persia_py import allocator, rewind
+from persia_py.config import load_global_config
 from persia_py.env import ENV_GLOBAL_CONFIG, job_env
 from persia_py.launcher import job_token
 from persia_py.launcher.processes import descendants
@@ -55,6 +59,7 @@ from persia_py.launcher.roles import validate_configs
 from persia_py.monitoring import LauncherMetrics, serve_metrics
 from persia_py.progress import ENV_TRAIN_LOG
 from persia_py.security import ENV_AUTH_TOKEN
+from persia_py.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
 
 _STOP_GRACE_SEC = 10.0
 GRACEFUL_STOP_SEC = 300.0
@@ -154,6 +159,10 @@ class LocalCluster:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
         except ValueError:
             how = f"signal {-code}"
+        if code == CONFIG_EXIT_CODE:
+            self.log(f"{role.name} stopped on a config error ({how}; its message is above); "
+                     "not restarting it: it would stop the same way")
+            return False
         if role.restart is None:
             return self.restart_training is not None and self.restart_training(role, how)
         if code == rewind.EXIT_CODE and role.kind in ("embedding-worker", "data-loader"):
@@ -353,6 +362,8 @@ def run_local(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     validate_configs(args.global_config, args.embedding_config)
+    # Every role starts in this folder: its checkpoint root, unless the config sets one.
+    check_checkpoint_paths(load_global_config(args.global_config).checkpoint_config)
     run_dir = os.path.abspath(args.run_dir or os.path.join(
         "runs", f"local-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"))
     os.makedirs(run_dir, exist_ok=True)

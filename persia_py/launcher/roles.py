@@ -33,6 +33,7 @@ from persia_py.launcher import job_token
 from persia_py.launcher.processes import run_torchrun
 from persia_py.monitoring import ENV_METRICS_PORT, serve_metrics
 from persia_py.progress import ENV_TRAIN_LOG
+from persia_py.start_checks import check_checkpoint_paths
 
 logger = logging.getLogger("persia_py.launcher")
 
@@ -92,6 +93,8 @@ def run_parameter_server(args: argparse.Namespace) -> int:
 
     global_config, embedding_config = _server_configs(args)
     inference = args.inference or global_config.common_config.job_type == "Infer"
+    if not inference:  # it serves Dump into checkpoint_config.dir, exports increments
+        check_checkpoint_paths(global_config.checkpoint_config, root=args.checkpoint_root)
     ps = ParameterServer(global_config, embedding_config,
                          replica_index=args.replica_index, replica_size=args.replica_size,
                          inference=inference)
@@ -199,11 +202,14 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
 
 def _user_env(args: argparse.Namespace) -> dict[str, str]:
     """This process's environment plus the config paths, for a user script; both config
-    files are validated first, so a bad key stops the role before the script starts. The
+    files are validated first, checkpoint folders included, so a bad key stops the role
+    before the script starts. The
     script starts with persia_py's malloc settings (:mod:`persia_py.allocator`)."""
     env = allocator.with_tunables(dict(os.environ))
     global_path, embedding_path = _config_paths(args)
     validate_configs(global_path, embedding_path)
+    # The ranks write checkpoints into checkpoint_config.dir: refused now, not at the first.
+    check_checkpoint_paths(load_global_config(global_path).checkpoint_config)
     if global_path:
         env[ENV_GLOBAL_CONFIG] = global_path
     if embedding_path:
