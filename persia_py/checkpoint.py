@@ -297,17 +297,24 @@ class Checkpointer(WorldJoinable):
         dist.all_reduce(count)
         return int(count.item())
 
-    def final(self, root: str | os.PathLike) -> Path | None:
-        """The checkpoint a training ends with, in ``root`` (every rank calls it, after
-        the last step): written, unless no rank trained anything since the last checkpoint
-        written into or loaded from ``root``; that one is the final one then (a second
-        folder of the same cut would make the two kept ones one, pruning the distinct
-        one before). Returns the folder on rank 0 (and on every rank when loaded)."""
+    def final(self, why: str) -> Path | None:
+        """The checkpoint a training ends with (``why``: for the log), in the periodic
+        folder, which the job started again goes on from exactly; every rank calls it,
+        after the last step. Written, unless no rank trained anything since the last
+        checkpoint written into or loaded from that folder: that one is the final one
+        then (a second folder of the same cut would make the two kept ones one, pruning
+        the distinct one before). Returns the folder on rank 0 (every rank's if loaded)."""
+        root = self.periodic_dir
         same_root = (self.last_cut is not None
                      and self.last_cut[0] == Path(os.path.realpath(root)))
         if same_root and self._count_ranks(self.changed()) == 0:
-            return self.last_cut[1]
-        return self.dump(root)
+            folder = self.last_cut[1]
+        else:
+            folder = self.dump(root)
+        if folder is not None:
+            logger.info("training ended (%s) at step %d; final checkpoint %s", why,
+                        self.job_step, folder)
+        return folder
 
     def join_hook(self, **kwargs) -> JoinHook:
         return _PeriodicJoinHook(self)

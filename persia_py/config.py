@@ -130,12 +130,14 @@ class CheckpointConfig:
     the current directory of each process (``persia-launcher local`` starts every role
     in the directory it was started in)."""
     dir: str | None = None
-    """Checkpoint root that ``TrainCtx`` writes periodic checkpoints to (none: off)."""
+    """Checkpoint root that ``TrainCtx`` writes periodic and final checkpoints to and
+    resumes from (none: off); ``root`` or a folder directly in it."""
     every_steps: int = 0
-    """Checkpoint after every this many training steps of each rank (0: never)."""
+    """Checkpoint after every this many steps of the job (0: never)."""
     incremental_dir: str | None = None
     """Folder each training parameter server writes incremental exports to (the rows
-    inserted or updated since its last export), for serving replicas that follow them."""
+    inserted or updated since its last export), for serving replicas that follow them;
+    a folder in ``root``."""
     incremental_every_updates: int = 0
     """Export after this many applied updates (requests) of a replica (0: not by count)."""
     incremental_every_sec: float = 0.0

@@ -481,7 +481,8 @@ class TrainCtx(EmbeddingCtx):
             # their own request without one (every rank idle, say).
             signalled = self.stop is not None and self._agree_to_stop()
             self._report_last_window()
-            self._final_checkpoint("a signal" if signalled else "the end of the stream")
+            if self.checkpointer.periodic_dir:  # however it ends: the restart goes on there
+                self.checkpointer.final("a signal" if signalled else "the end of the stream")
         finally:
             stream.close()
 
@@ -500,18 +501,6 @@ class TrainCtx(EmbeddingCtx):
         """Every rank, when training ends: progressive validation's last, shorter window."""
         if self.progressive is not None and (report := self.progressive.report_partial()):
             self.reporter.log(**report)
-
-    def _final_checkpoint(self, why: str) -> None:
-        """However the data loaders' stream ends (a signal, their scripts' end, a
-        stream's ``idle_timeout_sec``), the training ends with a checkpoint in
-        ``checkpoint_config.dir``: the job started again goes on exactly from there."""
-        directory = self.checkpointer.periodic_dir
-        if not directory:
-            return
-        folder = self.checkpointer.final(directory)
-        if folder is not None:
-            logger.info("training ended (%s) at step %d; final checkpoint %s", why,
-                        self.train_state.job_step, folder)
 
     def forward(self, batch: TrainingBatch):
         """Forward ``batch``; training batches keep what ``backward`` needs."""

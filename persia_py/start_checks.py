@@ -46,22 +46,28 @@ def _plain(name: str) -> bool:
 
 
 def check_checkpoint_paths(config: CheckpointConfig, *, root: str | os.PathLike | None = None,
-                           where: str | None = None, pod_dir: str | None = None) -> None:
+                           pod_dir: str | None = None) -> None:
     """ConfigError (naming the key, its value and the rule) unless ``checkpoint_config.dir``
     and ``incremental_dir`` lie where the servers can write them: in the checkpoint root
-    ``root`` (None: ``config.root``, else the current directory), each folder on the way a
-    plain name. ``where`` says where the root came from, for the message.
+    ``root`` (a server's ``--checkpoint-root``; None: ``config.root``, else the current
+    directory), each folder on the way a plain name.
 
     ``pod_dir``: check the paths as written, for processes that run elsewhere with this
     folder as their current directory (Kubernetes pods: the image's ``WORKDIR``); links
     are not resolved then."""
     given = root if root is not None else config.root
-    if where is None:
-        where = ("checkpoint_config.root" if config.root is not None and root is None else
-                 "the server's --checkpoint-root" if root is not None else
-                 "checkpoint_config.root is unset: the current directory")
+    if root is not None:
+        where = "the server's --checkpoint-root"
+    elif config.root is not None:
+        where = "checkpoint_config.root"
+    else:
+        where = ("checkpoint_config.root is unset: the current directory" if pod_dir is None
+                 else "checkpoint_config.root is unset: the pods' working directory")
     if pod_dir is None:
         base = fmt.configured_root(given)
+        if base.exists() and not base.is_dir():  # the servers would fail to make it
+            raise ConfigError(f"checkpoint_config.root: {os.fspath(given)!r} ({where}) is a "
+                              "file; the checkpoint root must be a folder")
     else:
         base = PurePosixPath(posixpath.normpath(posixpath.join(pod_dir, given or ".")))
     for key, (depths, rule) in _RULES.items():

@@ -57,3 +57,69 @@ def test_exact_message(tmp_path, which: str, text: str, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         load(path)
     assert str(info.value) == f"{path}: {message}"
+
+
+# -- checkpoint folders against the checkpoint root (persia_py.start_checks) ---------------
+
+RULE_DIR = ("it must be the root or a folder directly in it (ROOT or ROOT/NAME; its "
+            "checkpoints are folders in it)")
+RULE_INC = "it must be a folder in the root (ROOT/NAME or ROOT/NAME/NAME)"
+ADVICE = ("The parameter servers read and write only inside the root: set "
+          "checkpoint_config.root to a folder that holds it, or move it there")
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"dir": "/data/job/ckpt"},  # docs/online_training.md's example, started elsewhere
+     "checkpoint_config.dir: '/data/job/ckpt' lies outside the checkpoint root {root} "
+     "(checkpoint_config.root is unset: the current directory); " + RULE_DIR),
+    ({"root": "{root}", "dir": "{root}/a/b"},
+     "checkpoint_config.dir: '{root}/a/b' lies too deep in the checkpoint root {root} "
+     "(checkpoint_config.root); " + RULE_DIR),
+    ({"root": "{root}", "dir": "{root}/my ckpt"},
+     "checkpoint_config.dir: '{root}/my ckpt' has 'my ckpt', not a plain name (letters, "
+     "digits, '_', '.', '-'), on its way from the checkpoint root {root} "
+     "(checkpoint_config.root); " + RULE_DIR),
+    ({"root": "{root}", "dir": "{root}", "incremental_dir": "{root}"},
+     "checkpoint_config.incremental_dir: '{root}' is the checkpoint root {root} "
+     "(checkpoint_config.root); " + RULE_INC),
+    ({"root": "{root}/ckpt", "dir": "{root}/ckpt", "incremental_dir": "{root}/increments"},
+     "checkpoint_config.incremental_dir: '{root}/increments' lies outside the checkpoint "
+     "root {root}/ckpt (checkpoint_config.root); " + RULE_INC),
+])
+def test_checkpoint_folders_outside_the_root_are_named_with_the_rule(
+        tmp_path, monkeypatch, keys: dict, message: str) -> None:
+    from persia_py.config import CheckpointConfig
+    from persia_py.start_checks import check_checkpoint_paths
+
+    monkeypatch.chdir(tmp_path)  # the root when checkpoint_config.root is unset
+    root = str(tmp_path.resolve())
+    config = CheckpointConfig(**{k: v.format(root=root) for k, v in keys.items()})
+    with pytest.raises(ConfigError) as info:
+        check_checkpoint_paths(config)
+    assert str(info.value) == f"{message.format(root=root)}. {ADVICE}"
+    allowed = CheckpointConfig(root=root, dir=f"{root}/ckpt", incremental_dir=f"{root}/ckpt/inc")
+    check_checkpoint_paths(allowed)
+    check_checkpoint_paths(dataclasses.replace(allowed, dir=root))  # the root itself
+
+
+def test_a_checkpoint_root_that_is_a_file_is_refused(tmp_path) -> None:
+    from persia_py.config import CheckpointConfig
+    from persia_py.start_checks import check_checkpoint_paths
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError) as info:
+        check_checkpoint_paths(CheckpointConfig(root=str(tmp_path / "a-file")))
+    assert str(info.value) == (f"checkpoint_config.root: '{tmp_path / 'a-file'}' "
+                               "(checkpoint_config.root) is a file; the checkpoint root must "
+                               "be a folder")
+
+
+def test_kubernetes_pods_are_checked_in_their_working_folder() -> None:
+    from persia_py.config import CheckpointConfig
+    from persia_py.start_checks import check_checkpoint_paths
+
+    check_checkpoint_paths(CheckpointConfig(dir="ckpt", incremental_dir="/app/ckpt/inc"),
+                           pod_dir="/app")
+    with pytest.raises(ConfigError, match=r"^checkpoint_config.dir: '/data/job/ckpt' lies "
+                                          r"outside the checkpoint root /app \("):
+        check_checkpoint_paths(CheckpointConfig(dir="/data/job/ckpt"), pod_dir="/app")

@@ -334,6 +334,19 @@ def replay_without_update_log(fx: Fixtures):
                                 "--replay-update-log"])), {}
 
 
+def checkpoint_dir_outside_root(fx: Fixtures):
+    from persia_py.config import CheckpointConfig
+    from persia_py.start_checks import check_checkpoint_paths
+
+    fx.monkeypatch.chdir(fx.tmp_path)  # the checkpoint root: checkpoint_config.root is unset
+    return raised(lambda: check_checkpoint_paths(CheckpointConfig(dir="/data/job/ckpt"))), {
+        "value": "/data/job/ckpt", "root": str(fx.tmp_path.resolve())}
+
+
+def stop_on_signal_without_dir(fx: Fixtures):
+    return raised(lambda: train_ctx(stop_on_signal=True)), {}
+
+
 TRIGGERS: dict[str, Trigger] = {
     "No job token": no_job_token,
     "Job token too weak": weak_token,
@@ -363,6 +376,8 @@ TRIGGERS: dict[str, Trigger] = {
     "Slot not in the embedding config": unknown_slot,
     "Batch missing a slot": missing_slot,
     "NN ranks restarted before the first checkpoint": restart_without_checkpoint,
+    "Checkpoint folder outside the checkpoint root": checkpoint_dir_outside_root,
+    "Stop on signal without a checkpoint folder": stop_on_signal_without_dir,
     "Update log replay without a log folder": replay_without_update_log,
 }
 NEEDS_SERVERS = {"StreamingDataset outside training", "Training batch in an evaluation context",

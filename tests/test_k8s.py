@@ -98,6 +98,9 @@ def test_objects_match_the_flags() -> None:
     assert job["completions"] == job["parallelism"] == 2
     pod = job["template"]["spec"]
     assert pod["subdomain"] == "ctr-nn-worker" and pod["restartPolicy"] == "Never"
+    # A config error (exit code 78, persia_py.start_checks) fails the Job: no retry into it.
+    assert job["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onExitCodes": {
+        "containerName": "nn-worker", "operator": "In", "values": [78]}}]
     (nn,) = pod["containers"]
     command = nn["command"]
     assert command[:2] == ["persia-launcher", "nn-worker"]
@@ -127,6 +130,14 @@ def test_configs_are_validated_before_rendering(tmp_path) -> None:
     flags[flags.index("--global-config") + 1] = str(bad)
     with pytest.raises(ConfigError, match="forward_bufer_size: unknown key"):
         _render(*flags)
+    # As the pods will see it: they start in the image's WORKDIR, the checkpoint root.
+    bad.write_text("checkpoint_config:\n  dir: /data/job/ckpt\n  every_steps: 10\n")
+    with pytest.raises(ConfigError, match=r"checkpoint_config.dir: '/data/job/ckpt' lies "
+                                          r"outside the checkpoint root /app \(checkpoint_config"
+                                          r".root is unset: the pods' working directory\)"):
+        _render(*flags)
+    bad.write_text("checkpoint_config:\n  dir: ckpt\n  every_steps: 10\n")
+    assert _render(*flags)
 
 
 @pytest.mark.parametrize("flag, value", [("--job-name", "Bad_Name"), ("--num-ps", "0"),

@@ -12,6 +12,8 @@ import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
 from prometheus_client.parser import text_string_to_metric_families
 
+from persia_py.start_checks import CONFIG_EXIT_CODE
+
 pytestmark = pytest.mark.processes
 
 _METRICS_LINE = r"^\[(?P<role>[\w-]+)\] .* metrics on (?P<url>http://\S+/metrics)"
@@ -106,7 +108,7 @@ def test_local_refuses_a_bad_config_before_starting_anything(tmp_path) -> None:
         "--data-loader", str(EXAMPLE / "data_loader.py"), "--embedding-config", str(bad),
         "--run-dir", str(tmp_path / "run")))
     try:
-        assert job.wait(timeout=60) == 2
+        assert job.wait(timeout=60) == CONFIG_EXIT_CODE  # final: never restarted
         out = job.output()
         assert re.search(rf"config error: {re.escape(str(bad))}: slots_config\.a\.dimm: unknown "
                          r"key .*did you mean 'dim'\?", out), out

@@ -231,35 +231,33 @@ def _ended_with_checkpoint(out: str, batches: int) -> None:
 
 @pytest.mark.processes
 def test_a_stream_its_loader_ends_leaves_a_checkpoint_to_go_on_from(ended) -> None:
-    out, ids = ended["run1"]
-    assert "data loader 0 sent 6 batches" in out, out[-5000:]  # the 9 there, it ended at 6
+    (out, first), (out2, second) = ended["run1"], ended["run2"]
+    np.testing.assert_array_equal(np.sort(first), np.arange(192))  # 6 of the 9 batches there
+    np.testing.assert_array_equal(np.sort(second), np.arange(192, 288))  # none twice
+    assert "data loader 0 sent 6 batches" in out, out[-5000:]
     _ended_with_checkpoint(out, 6)
-    np.testing.assert_array_equal(np.sort(ids), np.arange(192))
+    assert re.search(r"resuming from .*ckpt-000000000006-", out2), out2[-5000:]
     # The periodic checkpoint (step 4) is kept beside the final one.
     assert ended["checkpoints"][0] == [(4, 4), (6, 6)]
-    out, ids = ended["run2"]
-    assert re.search(r"resuming from .*ckpt-000000000006-", out), out[-5000:]
-    np.testing.assert_array_equal(np.sort(ids), np.arange(192, 288))  # none twice
 
 
 @pytest.mark.processes
 def test_an_idle_stream_ends_with_a_checkpoint_to_go_on_from(ended) -> None:
-    out, _ = ended["run2"]
+    (out, _), (out3, third) = ended["run2"], ended["run3"]
+    np.testing.assert_array_equal(np.sort(third), np.arange(288, 480))  # none twice
     assert "data loader 0 sent 3 batches" in out, out[-5000:]  # then 1 s without data
     _ended_with_checkpoint(out, 9)
-    out, ids = ended["run3"]
-    assert re.search(r"resuming from .*ckpt-000000000009-", out), out[-5000:]
-    np.testing.assert_array_equal(np.sort(ids), np.arange(288, 480))  # none twice
+    assert re.search(r"resuming from .*ckpt-000000000009-", out3), out3[-5000:]
 
 
 @pytest.mark.processes
 def test_a_loader_that_ends_leaves_a_checkpoint_to_go_on_from(ended) -> None:
-    out, _ = ended["run3"]  # two ranks: the first out of batches joins the other's steps
+    (out, _), (out4, fourth) = ended["run3"], ended["run4"]
+    np.testing.assert_array_equal(np.sort(fourth), np.arange(480, 576))  # none twice
+    # Two ranks: the first out of batches joins the other's steps.
     assert "data loader 0 sent 6 batches (9 skipped" in out, out[-5000:]
     _ended_with_checkpoint(out, 15)
-    out, ids = ended["run4"]
-    assert "data loader 0 sent 3 batches (15 skipped" in out, out[-5000:]
-    np.testing.assert_array_equal(np.sort(ids), np.arange(480, 576))  # none twice
+    assert "data loader 0 sent 3 batches (15 skipped" in out4, out4[-5000:]
 
 
 @pytest.mark.processes
@@ -495,6 +493,53 @@ def test_distributed_metrics_equal_single_process(tmp_path: Path) -> None:
     # (the model's outputs are float32: scores rounded to float32)
     assert pv_loss == pytest.approx(log_loss(labels[last], scores[last]), rel=1e-6)
     assert pv_samples == 6000 and first_is_none
+
+
+def test_a_loader_waits_out_an_embedding_worker_outage_for_rpc_timeout_sec(caplog) -> None:
+    """A put that meets an embedding worker down (restarting, or gone at a clean stop)
+    retries for ``common_config.rpc_timeout_sec`` per attempt, the deadline its warning
+    names (it was a fixed 10 s)."""
+    from types import SimpleNamespace
+
+    import grpc
+
+    from persia_py.config import CommonConfig, GlobalConfig
+    from persia_py.embedding.data import IDTypeFeatureWithSingleID, PersiaBatch
+    from persia_py.env import PersiaEnv
+    from persia_py.workers.data_loader import DataCtx
+    from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
+
+    class Unavailable(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "connection refused"
+
+    common = CommonConfig(rpc_timeout_sec=42)
+    worker = EmbeddingWorkerClient("127.0.0.1:0", common)  # never dialled: calls are faked
+    deadlines = []
+
+    def put_batch(request, timeout, wait_for_ready):
+        deadlines.append(timeout)
+        if len(deadlines) == 1:
+            raise Unavailable()
+        return SimpleNamespace(ref=7)
+
+    worker._put_batch = put_batch
+    ctx = DataCtx(port=0, env=PersiaEnv(embedding_worker_addrs=(worker.address,)),
+                  global_config=GlobalConfig(common_config=common))
+    batch = PersiaBatch([IDTypeFeatureWithSingleID("user", np.arange(4, dtype=np.uint64))],
+                        requires_grad=False)
+    try:
+        with caplog.at_level("WARNING", logger="persia_py.rpc"):
+            assert ctx._put_ids(worker, batch, 5) == 7
+    finally:
+        worker.close()
+    assert "embedding worker 127.0.0.1:0 unavailable (connection refused); waiting and " \
+           "retrying until the call's deadline (42 s, common_config.rpc_timeout_sec)" \
+           in caplog.text, caplog.text
+    assert 41 < deadlines[0] <= 42 and deadlines[1] < deadlines[0]
 
 
 def test_sigterm_is_noted_not_fatal_and_the_handler_restored() -> None:

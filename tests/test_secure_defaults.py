@@ -28,6 +28,7 @@ from persia_py.launcher import local
 from persia_py.proto import common_pb2
 from persia_py.rpc import create_channel
 from persia_py.security import ENV_AUTH_TOKEN
+from persia_py.start_checks import CONFIG_EXIT_CODE
 
 processes = pytest.mark.processes
 
@@ -66,7 +67,7 @@ def test_a_weak_token_is_refused_naming_where_it_came_from() -> None:
     done = subprocess.run(launcher_command("embedding-parameter-server", *EXAMPLE_CONFIGS),
                           env={**env_without_token(), ENV_AUTH_TOKEN: "short"},
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
+    assert done.returncode == CONFIG_EXIT_CODE
     assert f"{ENV_AUTH_TOKEN}: the job token must be at least 16" in done.stderr, done.stderr
 
 

@@ -13,8 +13,15 @@ import pytest
 import torch
 from conftest import start_server
 
+from persia_py import checkpoint_format as fmt
 from persia_py.checkpoint import Checkpointer
-from persia_py.config import CheckpointConfig, CommonConfig, GlobalConfig, NNWorkerConfig
+from persia_py.config import (
+    CheckpointConfig,
+    CommonConfig,
+    ConfigError,
+    GlobalConfig,
+    NNWorkerConfig,
+)
 from persia_py.ctx import DataCtx, InferCtx, TrainCtx, eval_ctx
 from persia_py.data import DataLoader, IterableDataset, StreamingDataset
 from persia_py.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
@@ -359,3 +366,53 @@ def test_leaving_a_loop_early_gives_back_the_budget(cluster) -> None:
         loader.close()  # batches looked up ahead are never trained
         ctx.flush()
         assert ctx.budget.used == 0
+
+
+def test_a_stop_at_a_periodic_step_keeps_two_distinct_checkpoints(cluster, caplog) -> None:
+    """The final checkpoint of a stop right after a periodic one is that one: a second
+    folder of the same cut would leave the two kept checkpoints one step, pruning the
+    distinct one before."""
+    root = cluster.checkpoint_root / "stop-at-periodic"
+    config = GlobalConfig(common_config=COMMON, checkpoint_config=CheckpointConfig(
+        root=str(cluster.checkpoint_root), dir=str(root), every_steps=4))
+    data_ctx, thread, errors = _start_loader(cluster.embedding_worker)
+    model = Model()
+    env = PersiaEnv(embedding_worker_addrs=(cluster.embedding_worker,), ps_addrs=(cluster.ps,),
+                    data_loader_addrs=(f"127.0.0.1:{data_ctx.port}",))
+    with caplog.at_level("INFO", logger="persia_py.checkpoint"), TrainCtx(
+            model=model, embedding_optimizer=SGD(lr=0.1), global_config=config, env=env,
+            dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            stop_on_signal=True) as ctx:
+        for batch in DataLoader(StreamingDataset(buffer_size=4), embedding_staleness=2):
+            output, labels = ctx.forward(batch)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            if ctx.checkpointer.steps == NUM_BATCHES:  # the last batch, a periodic step
+                ctx.stop.request()  # as SIGTERM does
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not errors
+    steps = sorted(fmt.read_manifest(p)["step"] for p in root.glob("ckpt-*"))
+    assert steps == [NUM_BATCHES - 4, NUM_BATCHES], steps
+    assert f"training ended (a signal) at step {NUM_BATCHES}; final checkpoint " \
+           f"{fmt.resolve(root)}" in caplog.text, caplog.text
+
+
+def test_config_errors_are_refused_when_the_context_is_made(cluster) -> None:
+    model = Model()
+    env = PersiaEnv(embedding_worker_addrs=(cluster.embedding_worker,), ps_addrs=(cluster.ps,))
+    outside = cluster.checkpoint_root.parent / "elsewhere"
+
+    def make(checkpoints: CheckpointConfig, **kwargs) -> TrainCtx:
+        return TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1), env=env,
+                        dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        global_config=GlobalConfig(common_config=COMMON,
+                                                   checkpoint_config=checkpoints), **kwargs)
+
+    # Not at the first periodic checkpoint, after training up to it.
+    with pytest.raises(ConfigError, match=rf"^checkpoint_config.dir: '{outside}' lies outside "
+                                          rf"the checkpoint root {cluster.checkpoint_root} "):
+        make(CheckpointConfig(root=str(cluster.checkpoint_root), dir=str(outside),
+                              every_steps=4))
+    # Not at the end, with no checkpoint to go on from.
+    with pytest.raises(ConfigError, match=r"^checkpoint_config.dir: required with "
+                                          r"TrainCtx\(stop_on_signal=True\)"):
+        make(CheckpointConfig(root=str(cluster.checkpoint_root)), stop_on_signal=True)

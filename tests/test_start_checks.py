@@ -1,0 +1,94 @@
+"""Config errors are refused at start, and a role that stops on one is never restarted.
+
+* ``persia-launcher local`` refuses a checkpoint folder outside the checkpoint root before
+  it starts any process (docs/online_training.md's own example once trained until its
+  first periodic checkpoint, failed there, and was restarted three times), with exit code
+  78; so do the roles it starts, ``embedding-parameter-server`` and ``nn-worker`` (before
+  torchrun).
+* ``LocalCluster`` takes a role's exit code 78 as final: no restart, the job stops with it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import textwrap
+
+import pytest
+from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
+
+from persia_py.launcher.local import LocalCluster, Role
+from persia_py.start_checks import CONFIG_EXIT_CODE
+
+pytestmark = pytest.mark.processes
+
+OUTSIDE = "/data/job/ckpt"
+"""docs/online_training.md's example folder, outside any test's checkpoint root."""
+
+
+def _bad_config(tmp_path) -> str:
+    path = tmp_path / "global_config.yml"
+    path.write_text(textwrap.dedent(f"""
+        checkpoint_config:
+          root: {tmp_path}
+          dir: {OUTSIDE}
+          every_steps: 1000
+    """))
+    return str(path)
+
+
+def _refusal(tmp_path) -> str:
+    return (rf"config error: checkpoint_config.dir: '{OUTSIDE}' lies outside the checkpoint "
+            rf"root {tmp_path.resolve()} \(checkpoint_config.root\); it must be the root or a "
+            r"folder directly in it")
+
+
+def test_local_refuses_a_checkpoint_folder_outside_the_root_before_starting(tmp_path) -> None:
+    job = RoleProcess(launcher_command(
+        "local", "--nn-worker", str(EXAMPLE / "train.py"),
+        "--data-loader", str(EXAMPLE / "data_loader.py"),
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+        "--global-config", _bad_config(tmp_path), "--run-dir", str(tmp_path / "run")))
+    try:
+        assert job.wait(timeout=60) == CONFIG_EXIT_CODE, job.output()
+        out = job.output()
+        assert "persia-launcher local: " in out and ("[ps-0]" not in out), out
+        assert re.search(_refusal(tmp_path), out), out
+        assert not (tmp_path / "run").exists()
+        assert processes_with_marker(job.marker) == []
+    finally:
+        job.stop()
+
+
+@pytest.mark.parametrize("role", [
+    ["embedding-parameter-server"],
+    ["nn-worker", str(EXAMPLE / "train.py")],  # before torchrun starts a rank
+])
+def test_a_role_refuses_it_with_the_config_exit_code(tmp_path, role: list[str]) -> None:
+    job = RoleProcess(launcher_command(
+        role[0], "--global-config", _bad_config(tmp_path),
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"), *role[1:]))
+    try:
+        assert job.wait(timeout=60) == CONFIG_EXIT_CODE, job.output()
+        assert re.search(_refusal(tmp_path), job.output()), job.output()
+    finally:
+        job.stop()
+
+
+def test_a_role_stopped_by_a_config_error_is_not_restarted(capsys) -> None:
+    """A parameter server (restartable) that exits 78 stops the job with 78 at once; the
+    NN worker beside it, still running, is stopped."""
+    stopped_by_config = [sys.executable, "-c", f"import sys; sys.exit({CONFIG_EXIT_CODE})"]
+    waiting = [sys.executable, "-c", "import signal; signal.pause()"]
+    ps = Role("ps-0", stopped_by_config)
+    restarts = []
+    ps.restart = lambda: restarts.append(1) or stopped_by_config
+    cluster = LocalCluster([ps, Role("nn-worker", waiting, kind="nn-worker")],
+                           dict(os.environ))
+    cluster.restart_training = lambda role, how: restarts.append(role) or True
+    cluster.start()
+    assert cluster.run() == CONFIG_EXIT_CODE
+    assert restarts == [] and ps.num_restarts == 0
+    assert "ps-0 stopped on a config error (code 78; its message is above); not restarting " \
+           "it" in capsys.readouterr().out
