@@ -311,7 +311,7 @@ class Checkpointer(WorldJoinable):
             folder = self.last_cut[1]
         else:
             folder = self.dump(root)
-        if folder is not None:
+        if folder is not None and _world()[0] == 0:
             logger.info("training ended (%s) at step %d; final checkpoint %s", why,
                         self.job_step, folder)
         return folder

@@ -237,8 +237,9 @@ class TrainCtx(EmbeddingCtx):
         """With ``stop_on_signal``: the stop request and the ranks' agreement on it."""
         self._steps_checked = 0
         self.progressive = progressive_validation
-        if self.progressive is not None:
-            self.progressive.bind(self.device)
+        if self.progressive is not None:  # its reports go to the log at the job's step
+            self.progressive.bind(self.device, lambda report: self.reporter.log(
+                self.train_state.job_step, **report))
 
     def __enter__(self) -> TrainCtx:
         super().__enter__()
@@ -499,8 +500,8 @@ class TrainCtx(EmbeddingCtx):
 
     def _report_last_window(self) -> None:
         """Every rank, when training ends: progressive validation's last, shorter window."""
-        if self.progressive is not None and (report := self.progressive.report_partial()):
-            self.reporter.log(**report)
+        if self.progressive is not None:
+            self.progressive.report_partial()
 
     def forward(self, batch: TrainingBatch):
         """Forward ``batch``; training batches keep what ``backward`` needs."""
@@ -571,8 +572,8 @@ class TrainCtx(EmbeddingCtx):
         self.checkpointer.after_step()
         self.reporter.backward_done(started=started, batch_size=batch.batch_size,
                                     loss=float(loss.detach()), staleness=batch.staleness)
-        if self.progressive is not None and (report := self.progressive.after_step()):
-            self.reporter.log(**report)  # at the step its window ends with
+        if self.progressive is not None:
+            self.progressive.after_step()  # a report is due: into the log (bind)
         if self.dense_exporter is not None:  # rank 0 pushes the dense model to serving
             self.dense_exporter.after_step(self.model)
         return loss

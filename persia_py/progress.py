@@ -124,17 +124,19 @@ class StepReporter:
         if self.rank == 0:
             self._show(rate)
 
-    def log(self, **values: float) -> None:
-        """Record values of this step (e.g. ``test_auc``) in the training log and print them."""
+    def log(self, at_step: int | None = None, /, **values: float) -> None:
+        """Record values of this step (e.g. ``test_auc``; ``at_step``: of that step) in
+        the training log and print them."""
         for key, value in values.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"log({key}=...) takes numbers, got {value!r}")
+        step = self.num_steps if at_step is None else at_step
         if self._file is not None:
-            self._write({"step": self.num_steps, "time": round(self.elapsed, 4), **values})
+            self._write({"step": step, "time": round(self.elapsed, 4), **values})
         if self.rank == 0:
             self._end_line()
             shown = " ".join(f"{k} {v:.5g}" for k, v in values.items())
-            self._out.write(f"step {self.num_steps}: {shown}\n")
+            self._out.write(f"step {step}: {shown}\n")
             self._out.flush()
 
     # -- output --------------------------------------------------------------------------

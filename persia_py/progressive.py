@@ -51,6 +51,7 @@ class ProgressiveValidation(WorldJoinable):
         self.every_steps = every_steps
         self.group_by = group_by
         self.num_bins = num_bins
+        self._on_report: Callable[[dict[str, float]], None] | None = None
         self.steps = 0
         """The job's step (``TrainState.job_step``: the same on every rank); a report is
         due at each multiple of ``every_steps``."""
@@ -114,6 +115,8 @@ class ProgressiveValidation(WorldJoinable):
         self._reset()
         self._window_steps = 0
         self.last = values
+        if self._on_report is not None:
+            self._on_report(values)
         return values
 
     def _gathered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,9 +129,13 @@ class ProgressiveValidation(WorldJoinable):
         return (every(self._labels, np.float64), every(self._scores, np.float64),
                 every(self._groups, np.int64))
 
-    def bind(self, device: torch.device) -> None:
-        """Run the collectives for the rank whose model is on ``device`` (``TrainCtx``)."""
+    def bind(self, device: torch.device,
+             on_report: Callable[[dict[str, float]], None] | None = None) -> None:
+        """Run the collectives for the rank whose model is on ``device``, and hand every
+        report to ``on_report`` (``TrainCtx``: the training log), also those made while
+        this rank, out of batches, joins the others' steps."""
         self._device = device
+        self._on_report = on_report
 
     def join_hook(self, **kwargs) -> JoinHook:
         return _ReportJoinHook(self)

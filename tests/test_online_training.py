@@ -110,10 +110,12 @@ def _checkpoint_steps(work: Path) -> list[tuple[int, int]]:
     return sorted((m["step"], m["job_step"]) for m in manifests)
 
 
-def _check_log_goes_on(records: list[dict], resumed_at: list[int], every: int) -> None:
+def _check_log_goes_on(records: list[dict], resumed_at: list[int], every: int,
+                       last: int) -> None:
     """Over the runs of one log (rank 0's): step records from 1 on, rising; a ``resume``
     event at each step in ``resumed_at``, the next step record the one after it; and
-    progressive-validation reports at the multiples of ``every`` and at each run's end."""
+    progressive-validation reports at the multiples of ``every`` and at each run's end
+    (the last run's at step ``last``)."""
     steps = [r["step"] for r in records if "loss" in r]
     assert steps[0] == 1 and all(a < b for a, b in zip(steps, steps[1:])), steps
     resumes = [i for i, r in enumerate(records) if r.get("event") == "resume"]
@@ -122,7 +124,7 @@ def _check_log_goes_on(records: list[dict], resumed_at: list[int], every: int) -
         # (With two ranks rank 0 may have had no batch in a run: then no step record.)
         first = next((r["step"] for r in records[i:end] if "loss" in r), None)
         assert first in (None, records[i]["step"] + 1), records[i:end]
-    ends = {*resumed_at, steps[-1]}
+    ends = {*resumed_at, last}
     assert all(r["step"] % every == 0 or r["step"] in ends
                for r in records if "pv_auc" in r), records
 
@@ -263,10 +265,10 @@ def test_a_loader_that_ends_leaves_a_checkpoint_to_go_on_from(ended) -> None:
 @pytest.mark.processes
 def test_the_training_log_goes_on_across_resumes(ended) -> None:
     records = read_training_log(ended["work"] / "run" / "train_log.jsonl")
-    # The job's step each run resumed at: the last's final checkpoint's.
-    resumed_at = [max(j for _, j in kept) for kept in ended["checkpoints"][:3]]
+    # The job's step each run ended at (and the next resumed at): its final checkpoint's.
+    *resumed_at, last = [max(j for _, j in kept) for kept in ended["checkpoints"]]
     assert resumed_at[:2] == [6, 9], resumed_at
-    _check_log_goes_on(records, resumed_at, every=ENDS_EVERY)
+    _check_log_goes_on(records, resumed_at, ENDS_EVERY, last)
     steps = [r for r in records if "loss" in r]
     assert [r["samples"] for r in steps[:9]] == list(range(32, 289, 32))  # one rank
     assert sum(r["pv_samples"] for r in records if "pv_auc" in r) == 576  # each sample once

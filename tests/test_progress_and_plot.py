@@ -8,6 +8,7 @@ import json
 import pytest
 
 from persia_py.launcher.cli import main
+from persia_py.plot import read_training_log
 from persia_py.progress import StepReporter
 
 
@@ -63,9 +64,19 @@ def test_plot_writes_a_png(tmp_path) -> None:
     reporter = StepReporter(rank=0, train_log=str(log), out=io.StringIO())
     _steps(reporter, 200)
     reporter.log(test_auc=0.7)
+    reporter.close()
+    # The job restarted (the launcher's event has no step) and resumed from step 150.
+    with open(log, "a") as f:
+        f.write('{"event": "restart", "role": "nn-worker", "reason": "code 1", "time": 0}\n')
+    reporter = StepReporter(rank=0, train_log=str(log), out=io.StringIO())
+    reporter.resumed(step=150, samples=150 * 64, checkpoint="ckpt/ckpt-000000000150-0")
     _steps(reporter, 100)
     reporter.log(test_auc=0.8)
     reporter.close()
+    records = read_training_log(log)
+    resumed = next(i for i, r in enumerate(records) if r.get("event") == "resume")
+    assert records[resumed]["step"] == 150 and records[resumed + 1]["step"] == 151
+    assert records[resumed + 1]["samples"] == 151 * 64
     png = tmp_path / "curves.png"
     assert main(["plot", str(log), "-o", str(png)]) == 0
     data = png.read_bytes()
