@@ -190,14 +190,7 @@ class TrainCtx(EmbeddingCtx):
                                         grad_accumulation_steps=grad_accumulation_steps)
         """Clipping and accumulation of the dense gradients (see persia_py.grad_control)."""
         super().__init__(model=model, global_config=global_config, device_id=device_id, env=env)
-        # Config errors now, not at the first checkpoint or the end (persia_py.start_checks).
-        checkpoints = self.global_config.checkpoint_config
-        check_checkpoint_paths(checkpoints)
-        if stop_on_signal and not checkpoints.dir:
-            raise ConfigError("checkpoint_config.dir: required with TrainCtx(stop_on_signal="
-                              "True): the training ends with a checkpoint there, which the job "
-                              "started again goes on from")
-        self.grad_control.check_checkpoint_period(checkpoints.every_steps)
+        self._check_checkpoint_config(stop_on_signal)
         self.distributed_option = distributed_option or DDPOption()
         if isinstance(self.distributed_option, FSDPOption):
             self.distributed_option = self.distributed_option.with_config_bound(
@@ -240,6 +233,16 @@ class TrainCtx(EmbeddingCtx):
         if self.progressive is not None:  # its reports go to the log at the job's step
             self.progressive.bind(self.device, lambda report: self.reporter.log(
                 self.train_state.job_step, **report))
+
+    def _check_checkpoint_config(self, stop_on_signal: bool) -> None:
+        """Config errors now, not at the first checkpoint or the end (start_checks)."""
+        checkpoints = self.global_config.checkpoint_config
+        check_checkpoint_paths(checkpoints)
+        if stop_on_signal and not checkpoints.dir:
+            raise ConfigError("checkpoint_config.dir: required with TrainCtx(stop_on_signal="
+                              "True): the training ends with a checkpoint there, which the job "
+                              "started again goes on from")
+        self.grad_control.check_checkpoint_period(checkpoints.every_steps)
 
     def __enter__(self) -> TrainCtx:
         super().__enter__()

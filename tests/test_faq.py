@@ -20,6 +20,7 @@ import torch
 from conftest import ROOT, start_server
 
 from persia_py.config import (
+    CheckpointConfig,
     CommonConfig,
     GlobalConfig,
     ParameterServerConfig,
@@ -40,6 +41,7 @@ from persia_py.embedding.optim import SGD, Adagrad
 from persia_py.env import PersiaEnv
 from persia_py.launcher.job_token import require_token
 from persia_py.security import ENV_AUTH_TOKEN, TransportSecurity
+from persia_py.start_checks import check_checkpoint_paths
 
 FAQ = ROOT / "docs" / "faq.md"
 PLACEHOLDER = re.compile(r"<([a-z_]+)>")
@@ -334,19 +336,6 @@ def replay_without_update_log(fx: Fixtures):
                                 "--replay-update-log"])), {}
 
 
-def checkpoint_dir_outside_root(fx: Fixtures):
-    from persia_py.config import CheckpointConfig
-    from persia_py.start_checks import check_checkpoint_paths
-
-    fx.monkeypatch.chdir(fx.tmp_path)  # the checkpoint root: checkpoint_config.root is unset
-    return raised(lambda: check_checkpoint_paths(CheckpointConfig(dir="/data/job/ckpt"))), {
-        "value": "/data/job/ckpt", "root": str(fx.tmp_path.resolve())}
-
-
-def stop_on_signal_without_dir(fx: Fixtures):
-    return raised(lambda: train_ctx(stop_on_signal=True)), {}
-
-
 TRIGGERS: dict[str, Trigger] = {
     "No job token": no_job_token,
     "Job token too weak": weak_token,
@@ -376,8 +365,11 @@ TRIGGERS: dict[str, Trigger] = {
     "Slot not in the embedding config": unknown_slot,
     "Batch missing a slot": missing_slot,
     "NN ranks restarted before the first checkpoint": restart_without_checkpoint,
-    "Checkpoint folder outside the checkpoint root": checkpoint_dir_outside_root,
-    "Stop on signal without a checkpoint folder": stop_on_signal_without_dir,
+    "Checkpoint folder outside the checkpoint root": lambda fx: (raised(
+        lambda: check_checkpoint_paths(CheckpointConfig(root=str(fx.tmp_path), dir="/data/x"))),
+        {"value": "/data/x", "root": str(fx.tmp_path.resolve()), "where": "checkpoint_config.root"}),
+    "Stop on signal without a checkpoint folder":
+        lambda fx: (raised(lambda: train_ctx(stop_on_signal=True)), {}),
     "Update log replay without a log folder": replay_without_update_log,
 }
 NEEDS_SERVERS = {"StreamingDataset outside training", "Training batch in an evaluation context",

@@ -7,10 +7,8 @@
   ids they trained to files). The parameter server writes a
   last increment as it stops; progressive validation reports land in both runs' logs,
   every sample in one of them, and the second run's steps go on from the first's.
-* Every other way a job ends leaves a final checkpoint that the same command goes on
-  from exactly: its loader ends the stream, the stream's ``idle_timeout_sec``, a loader
-  without a stream reaching its natural end. The training log's steps, samples and
-  progressive-validation windows go on across those resumes.
+  (Every other way a job ends: tests/test_online_ends.py.)
+* A data loader waits out an embedding worker's outage with ``rpc_timeout_sec`` calls.
 * The stream readers: a folder followed in name order, lines appended to a file (a
   partial last line waits for its newline), Parquet, reading a range again, the
   position log (torn last line, compaction), bad input named by file and row.
@@ -23,67 +21,21 @@ from __future__ import annotations
 import os
 import re
 import signal
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, RoleProcess, launcher_command, run_ranks
+from conftest import RoleProcess, run_ranks
+from online_jobs import ROWS_PER_FILE, add_file, start, trained_ids, write_config
 
-from persia_py import checkpoint_format as fmt
 from persia_py.data_readers import BadRecordError, CsvColumn, CsvReaderConfig
 from persia_py.plot import read_training_log
 from persia_py.stream_reader import CsvFormat, ParquetFormat, StreamPosition, StreamReader
 from persia_py.stream_source import PositionLog
 
-JOB = ROOT / "tests" / "online_job"
-ROWS_PER_FILE = 96
-
 COLUMNS = (CsvColumn(name="sid", kind="int"), CsvColumn(name="label", kind="float"),
            CsvColumn(name="x", kind="float"), CsvColumn(name="user", kind="ids"),
            CsvColumn(name="item", kind="ids"))
-
-
-def _csv_rows(first: int, count: int) -> str:
-    rng = np.random.default_rng(first)
-    sid = np.arange(first, first + count)
-    user, item = rng.integers(0, 50, count), rng.integers(0, 80, count)
-    label = (rng.random(count) < 0.3 + 0.4 * (user % 2)).astype(int)
-    x = rng.normal(size=count).round(4)
-    return "".join(f"{s},{y},{v},{u},{i}\n" for s, y, v, u, i in zip(sid, label, x, user, item))
-
-
-def _add_file(folder: Path, index: int) -> int:
-    """Write stream file ``index`` whole (as a producer would: a hidden name, renamed into
-    place); returns its number of rows."""
-    tmp = folder / f".{index:03d}.part"
-    tmp.write_text("sid,label,x,user,item\n" + _csv_rows(index * ROWS_PER_FILE, ROWS_PER_FILE))
-    os.rename(tmp, folder / f"{index:03d}.csv")
-    return ROWS_PER_FILE
-
-
-def _write_config(work: Path, every_steps: int) -> None:
-    (work / "global_config.yml").write_text(
-        (ROOT / "examples" / "criteo_synthetic" / "global_config.yml").read_text()
-        + textwrap.dedent(f"""
-            checkpoint_config:
-              root: {work}
-              dir: {work / "ckpt"}
-              every_steps: {every_steps}
-              incremental_dir: {work / "increments"}
-              incremental_every_sec: 3600
-        """))
-
-
-def _start(work: Path, run: str, num_ranks: int, loader_args: str = "") -> RoleProcess:
-    return RoleProcess(launcher_command(
-        "local", "--nn-worker", str(JOB / "train.py"), "--data-loader", str(JOB / "data_loader.py"),
-        "--embedding-config", str(JOB / "embedding_config.yml"),
-        "--global-config", str(work / "global_config.yml"), "--nproc-per-node", str(num_ranks),
-        "--run-dir", str(work / run), "--no-metrics",
-        "--data-loader-args",
-        f"--stream {work / 'stream'} --positions {work / 'positions'} {loader_args}",
-        "--nn-worker-args", f"--out {work / run}"))
 
 
 def _wait_trained(job: RoleProcess, total: int, timeout: float = 120) -> None:
@@ -99,46 +51,16 @@ def _stop(job: RoleProcess) -> str:
     return job.finish(timeout=120)
 
 
-def _trained_ids(run_dir: Path) -> np.ndarray:
-    text = " ".join(p.read_text() for p in sorted(run_dir.glob("ids-rank*.txt")))
-    return np.array(text.split(), dtype=np.int64)
-
-
-def _checkpoint_steps(work: Path) -> list[tuple[int, int]]:
-    """(batches of all ranks, the job's step) of each checkpoint kept, oldest first."""
-    manifests = [fmt.load_json(p / fmt.MANIFEST) for p in (work / "ckpt").glob("ckpt-*")]
-    return sorted((m["step"], m["job_step"]) for m in manifests)
-
-
-def _check_log_goes_on(records: list[dict], resumed_at: list[int], every: int,
-                       last: int) -> None:
-    """Over the runs of one log (rank 0's): step records from 1 on, rising; a ``resume``
-    event at each step in ``resumed_at``, the next step record the one after it; and
-    progressive-validation reports at the multiples of ``every`` and at each run's end
-    (the last run's at step ``last``)."""
-    steps = [r["step"] for r in records if "loss" in r]
-    assert steps[0] == 1 and all(a < b for a, b in zip(steps, steps[1:])), steps
-    resumes = [i for i, r in enumerate(records) if r.get("event") == "resume"]
-    assert [records[i]["step"] for i in resumes] == resumed_at, records
-    for i, end in zip(resumes, [*resumes[1:], len(records)]):
-        # (With two ranks rank 0 may have had no batch in a run: then no step record.)
-        first = next((r["step"] for r in records[i:end] if "loss" in r), None)
-        assert first in (None, records[i]["step"] + 1), records[i:end]
-    ends = {*resumed_at, last}
-    assert all(r["step"] % every == 0 or r["step"] in ends
-               for r in records if "pv_auc" in r), records
-
-
 @pytest.mark.processes
 def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -> None:
     stream = tmp_path / "stream"
     stream.mkdir()
-    _write_config(tmp_path, every_steps=4)
-    total = sum(_add_file(stream, i) for i in range(3))
-    job = _start(tmp_path, "run1", num_ranks=2)
+    write_config(tmp_path, every_steps=4)
+    total = sum(add_file(stream, i) for i in range(3))
+    job = start(tmp_path, "run1", num_ranks=2)
     try:
         _wait_trained(job, 64)
-        total += sum(_add_file(stream, i) for i in range(3, 11))  # files arrive as it trains
+        total += sum(add_file(stream, i) for i in range(3, 11))  # files arrive as it trains
         _wait_trained(job, 384)  # both ranks past their first report (4 steps of 32)
     except BaseException:
         job.stop()
@@ -150,24 +72,24 @@ def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -
     # The hourly export never came due: the one there is the parameter server's last, as it
     # stopped, so serving gets the final rows too.
     assert [p.name[:9] for p in (tmp_path / "increments").glob("inc-*")] == ["inc-0000-"]
-    first = _trained_ids(tmp_path / "run1")
+    first = trained_ids(tmp_path / "run1")
     assert 160 <= first.size < total  # stopped mid-stream, with files left to read
 
-    total += sum(_add_file(stream, i) for i in range(11, 13))  # arrived while it was stopped
+    total += sum(add_file(stream, i) for i in range(11, 13))  # arrived while it was stopped
     # Started again (with one rank: a checkpoint resumes on any number), it goes on from
     # there; with every sample trained it waits for data, and SIGTERM stops it there too.
-    job = _start(tmp_path, "run2", num_ranks=1)
+    job = start(tmp_path, "run2", num_ranks=1)
     try:
         job.wait_for_line(r"resuming from .*ckpt-", timeout=60)
         _wait_trained(job, 32)
-        total += _add_file(stream, 13)
+        total += add_file(stream, 13)
         _wait_trained(job, total - first.size)
     except BaseException:
         job.stop()
         raise
     out = _stop(job)
     assert re.search(r"final checkpoint .*ckpt-", out), out[-5000:]
-    every = np.sort(np.concatenate([first, _trained_ids(tmp_path / "run2")]))
+    every = np.sort(np.concatenate([first, trained_ids(tmp_path / "run2")]))
     assert every.size == total, f"{every.size} samples trained, {total} in the stream"
     np.testing.assert_array_equal(every, np.arange(total))  # none skipped, none twice
     # Progressive validation: both runs logged AUC, log loss, NE and GAUC of all ranks'
@@ -182,96 +104,6 @@ def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -
     first_step = next(r["step"] for r in logs[1] if "loss" in r)
     assert first_step == resumed["step"] + 1 and resumed["step"] >= 4, logs[1][:3]
     assert resumed["samples"] > 0 and resumed["checkpoint"] in out, resumed
-
-
-# -- the other ways a job ends -------------------------------------------------------------
-
-ENDS_EVERY = 4
-"""Periodic checkpoints and progressive validation of the jobs below, in steps."""
-
-
-def _run_to_its_end(work: Path, run: str, loader_args: str, num_ranks: int = 1
-                    ) -> tuple[str, np.ndarray]:
-    """Run the job (the same command each time) until it ends by itself; its output and
-    the sample ids it trained (moved aside, so the next run's are its own)."""
-    job = _start(work, "run", num_ranks, loader_args)
-    out = job.finish(timeout=180)
-    ids = _trained_ids(work / "run")
-    for path in (work / "run").glob("ids-rank*.txt"):
-        path.rename(path.with_name(f"{run}-{path.name}"))
-    return out, ids
-
-
-@pytest.fixture(scope="module")
-def ended(tmp_path_factory) -> dict:
-    """One job ended four times by itself, each run going on from the last: runs 1 and 2
-    (one rank; the same command) follow the stream, whose loader ends it after 6 batches
-    or after 1 s without data: run 1 trains 6 of the 9 batches there and ends the stream,
-    run 2 the 3 left, then its stream ends idle. Runs 3 and 4 (two ranks; the same command
-    again) have a loader without a stream that reads the files there once and ends: run 3
-    trains the 6 batches that arrived meanwhile, run 4 the 3 after it."""
-    work = tmp_path_factory.mktemp("ended")
-    (work / "stream").mkdir()
-    _write_config(work, every_steps=ENDS_EVERY)
-    runs: dict = {"work": work, "checkpoints": []}
-    files = iter(range(6))
-    for run, num_files, loader_args, num_ranks in (
-            ("run1", 3, "--end-after-batches 6 --idle-timeout-sec 1", 1),
-            ("run2", 0, "--end-after-batches 6 --idle-timeout-sec 1", 1),
-            ("run3", 2, "--finite", 2), ("run4", 1, "--finite", 2)):
-        for _ in range(num_files):
-            _add_file(work / "stream", next(files))
-        runs[run] = _run_to_its_end(work, run, loader_args, num_ranks)
-        runs["checkpoints"].append(_checkpoint_steps(work))
-    return runs
-
-
-def _ended_with_checkpoint(out: str, batches: int) -> None:
-    assert re.search(r"training ended \(the end of the stream\) at step \d+; final checkpoint "
-                     rf".*ckpt-{batches:012d}-", out), out[-5000:]
-
-
-@pytest.mark.processes
-def test_a_stream_its_loader_ends_leaves_a_checkpoint_to_go_on_from(ended) -> None:
-    (out, first), (out2, second) = ended["run1"], ended["run2"]
-    np.testing.assert_array_equal(np.sort(first), np.arange(192))  # 6 of the 9 batches there
-    np.testing.assert_array_equal(np.sort(second), np.arange(192, 288))  # none twice
-    assert "data loader 0 sent 6 batches" in out, out[-5000:]
-    _ended_with_checkpoint(out, 6)
-    assert re.search(r"resuming from .*ckpt-000000000006-", out2), out2[-5000:]
-    # The periodic checkpoint (step 4) is kept beside the final one.
-    assert ended["checkpoints"][0] == [(4, 4), (6, 6)]
-
-
-@pytest.mark.processes
-def test_an_idle_stream_ends_with_a_checkpoint_to_go_on_from(ended) -> None:
-    (out, _), (out3, third) = ended["run2"], ended["run3"]
-    np.testing.assert_array_equal(np.sort(third), np.arange(288, 480))  # none twice
-    assert "data loader 0 sent 3 batches" in out, out[-5000:]  # then 1 s without data
-    _ended_with_checkpoint(out, 9)
-    assert re.search(r"resuming from .*ckpt-000000000009-", out3), out3[-5000:]
-
-
-@pytest.mark.processes
-def test_a_loader_that_ends_leaves_a_checkpoint_to_go_on_from(ended) -> None:
-    (out, _), (out4, fourth) = ended["run3"], ended["run4"]
-    np.testing.assert_array_equal(np.sort(fourth), np.arange(480, 576))  # none twice
-    # Two ranks: the first out of batches joins the other's steps.
-    assert "data loader 0 sent 6 batches (9 skipped" in out, out[-5000:]
-    _ended_with_checkpoint(out, 15)
-    assert "data loader 0 sent 3 batches (15 skipped" in out4, out4[-5000:]
-
-
-@pytest.mark.processes
-def test_the_training_log_goes_on_across_resumes(ended) -> None:
-    records = read_training_log(ended["work"] / "run" / "train_log.jsonl")
-    # The job's step each run ended at (and the next resumed at): its final checkpoint's.
-    *resumed_at, last = [max(j for _, j in kept) for kept in ended["checkpoints"]]
-    assert resumed_at[:2] == [6, 9], resumed_at
-    _check_log_goes_on(records, resumed_at, ENDS_EVERY, last)
-    steps = [r for r in records if "loss" in r]
-    assert [r["samples"] for r in steps[:9]] == list(range(32, 289, 32))  # one rank
-    assert sum(r["pv_samples"] for r in records if "pv_auc" in r) == 576  # each sample once
 
 
 # -- readers ------------------------------------------------------------------------------
@@ -289,7 +121,7 @@ def _sids(batches) -> list[int]:
 
 def test_folder_is_read_in_name_order_with_exact_positions(tmp_path: Path) -> None:
     for index in (1, 0, 2):
-        _add_file(tmp_path, index)
+        add_file(tmp_path, index)
     (tmp_path / ".hidden.csv").write_text("not,a,record\n")
     reader = _reader(tmp_path, header=True, pattern="*.csv")
     batches = list(reader.batches(40))
@@ -328,11 +160,11 @@ def test_appended_lines_are_read_only_once_complete(tmp_path: Path) -> None:
 
 
 def test_files_out_of_name_order_and_bad_rows_are_errors(tmp_path: Path) -> None:
-    _add_file(tmp_path, 1)
+    add_file(tmp_path, 1)
     reader = _reader(tmp_path, header=True, idle_timeout_sec=5.0)
     batches = reader.batches(ROWS_PER_FILE)
     assert next(batches).start.file == "001.csv"
-    _add_file(tmp_path, 0)  # named before the file being read: would be skipped silently
+    add_file(tmp_path, 0)  # named before the file being read: would be skipped silently
     with pytest.raises(RuntimeError, match="'000.csv' appeared after '001.csv'"):
         next(batches)
     bad = tmp_path / "bad"
