@@ -98,9 +98,6 @@ def test_objects_match_the_flags() -> None:
     assert job["completions"] == job["parallelism"] == 2
     pod = job["template"]["spec"]
     assert pod["subdomain"] == "ctr-nn-worker" and pod["restartPolicy"] == "Never"
-    # A config error (exit code 78, persia_py.start_checks) fails the Job: no retry into it.
-    assert job["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onExitCodes": {
-        "containerName": "nn-worker", "operator": "In", "values": [78]}}]
     (nn,) = pod["containers"]
     command = nn["command"]
     assert command[:2] == ["persia-launcher", "nn-worker"]
@@ -115,6 +112,13 @@ def test_objects_match_the_flags() -> None:
     assert _env(nn)["PERSIA_PS_ADDRS"] == env["PERSIA_PS_ADDRS"]
     service = by["Service", "ctr-nn-worker"]["spec"]
     assert service["clusterIP"] == "None" and service["selector"]["persia.role"] == "nn-worker"
+
+
+def test_a_config_error_fails_the_nn_worker_job_at_once() -> None:
+    """Exit code 78 (persia_py.start_checks): the pod would stop the same way again."""
+    (job,) = [o for o in _render(*FLAGS) if o["kind"] == "Job"]
+    assert job["spec"]["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onExitCodes": {
+        "containerName": "nn-worker", "operator": "In", "values": [78]}}]
 
 
 def test_cli_writes_the_manifest(tmp_path) -> None:
