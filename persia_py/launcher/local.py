@@ -359,9 +359,10 @@ def run_local(args: argparse.Namespace) -> int:
     train_log = os.path.join(run_dir, "train_log.jsonl")
     print(f"[launcher] run folder {run_dir}; training log {train_log}", flush=True)
     metrics = [] if args.no_metrics else ["--metrics-port", "0"]
-    ports = free_ports(num_ps + num_ew + num_dl + 1, host)
+    # The NN ranks' rendezvous store takes its port itself (persia_py/launcher/loopback.py).
+    ports = free_ports(num_ps + num_ew + num_dl, host)
     ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
-    dl_ports, master_port = ports[num_ps + num_ew:-1], ports[-1]
+    dl_ports = ports[num_ps + num_ew:]
     env = dict(os.environ)
     env.update(job_env(
         ps_addrs=[f"{host}:{p}" for p in ps_ports],
@@ -412,7 +413,6 @@ def run_local(args: argparse.Namespace) -> int:
     ]
     roles.append(Role("nn-worker", [*launcher, "nn-worker",
                                     "--nproc-per-node", str(args.nproc_per_node),
-                                    "--master-addr", host, "--master-port", str(master_port),
                                     *(["--max-restarts", str(args.max_restarts)]
                                       if args.nn_restarts == "torchrun" else []),
                                     *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],

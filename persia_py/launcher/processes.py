@@ -128,7 +128,8 @@ def role_pid(root: int, kind: str, index: int, *, loader_script: str,
             argv, env = _argv_env(pid)
         except OSError:  # exited meanwhile
             continue
-        wrapper = "persia_py.launcher.cli" in argv or "torch.distributed.run" in argv
+        wrapper = any(m in argv for m in ("persia_py.launcher.cli", "torch.distributed.run",
+                                          "persia_py.launcher.loopback_torchrun"))
         flag = "embedding-parameter-server" if kind == "parameter server" else "embedding-worker"
         if kind in ("parameter server", "embedding worker"):
             hit = flag in argv and argv[argv.index("--replica-index") + 1] == str(index)
