@@ -16,7 +16,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from persia_py.launcher.processes import descendants
+from persia_py.launcher.processes import descendants, is_wrapper
 
 ROLES = ("parameter_server", "embedding_worker", "data_loader", "nn_worker", "launcher")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -25,7 +25,7 @@ _POLL_SEC = 0.25
 
 def role_of(argv: list[str], *, train_script: str, loader_script: str) -> str:
     """Which role a process of the job is, from its command line."""
-    wrapper = "persia_py.launcher.cli" in argv or "torch.distributed.run" in argv
+    wrapper = is_wrapper(argv)
     if "embedding-parameter-server" in argv:
         return "parameter_server"
     if "embedding-worker" in argv:
