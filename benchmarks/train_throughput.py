@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,14 +63,18 @@ def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = 
     env = None
     if tree is not None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
-    return run_job([
-        sys.executable, "-m", "persia_py.launcher.cli", "local",
-        "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
-        "--embedding-config", str(embedding), "--global-config", str(global_),
-        "--nn-worker-args", f"--workload {workload} --embedding-staleness {staleness}",
-        "--data-loader-args", f"--workload {workload} --steps {steps}",
-    ], cwd=str(HERE), env=env, what=f"persia_py {workload}", train_script="train.py",
-        loader_script="data_loader.py")
+    run_dir = workdir / "run"  # holds update logs of GBs in trees that kept them
+    try:
+        return run_job([
+            sys.executable, "-m", "persia_py.launcher.cli", "local", "--run-dir", str(run_dir),
+            "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
+            "--embedding-config", str(embedding), "--global-config", str(global_),
+            "--nn-worker-args", f"--workload {workload} --embedding-staleness {staleness}",
+            "--data-loader-args", f"--workload {workload} --steps {steps}",
+        ], cwd=str(HERE), env=env, what=f"persia_py {workload}", train_script="train.py",
+            loader_script="data_loader.py")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def plain(workload: str, steps: int) -> tuple[float, float]:

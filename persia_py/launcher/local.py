@@ -30,6 +30,7 @@ import argparse
 import functools
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -472,5 +473,24 @@ def run_local(args: argparse.Namespace) -> int:
         for summary in (recovery.summary(), counts.summary()):
             if summary:
                 cluster.log(summary)
+        _remove_update_logs(run_dir, num_ps, cluster.log)
         if metrics_server is not None:
             metrics_server.close()
+
+
+def _remove_update_logs(run_dir: str, num_ps: int, log) -> None:
+    """Delete the parameter servers' update logs once every role has stopped: only a
+    restart inside this job replays one (a new launch begins a new log), and they hold
+    every update since the last checkpoint (gigabytes over a long run without one)."""
+    freed = 0
+    for i in range(num_ps):
+        folder = os.path.join(run_dir, f"ps-{i}-updates")
+        if not os.path.isdir(folder) or os.path.islink(folder):
+            continue
+        for entry in os.scandir(folder):
+            if entry.is_file(follow_symlinks=False):
+                freed += entry.stat(follow_symlinks=False).st_size
+        shutil.rmtree(folder, ignore_errors=True)
+    if freed:
+        log(f"update logs removed ({freed / 2**20:,.0f} MiB): only a restart inside the job "
+            "replays them")
