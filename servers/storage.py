@@ -633,7 +633,7 @@ class EmbeddingTable:
                 raise ValueError(f"last_access must lie in [0, clock={clock}], got "
                                  f"[{int(stamps.min())}, {int(stamps.max())}]")
         for name, values in (("weights", weights), ("state", state)):
-            if not bool(np.isfinite(values).all()):
+            if not kernels.all_finite(np.ascontiguousarray(values)):
                 raise ValueError(f"{name} contain NaN or infinite values")
         ordered = np.sort(ids)  # repeats are neighbours once sorted (cheaper than np.unique)
         repeats = int(np.count_nonzero(ordered[1:] == ordered[:-1]))
@@ -655,8 +655,8 @@ class EmbeddingTable:
                 rows[new] = new_rows
                 shard.size += n_new
                 shard.ids[rows] = ids[pos]
-                shard.weights[rows] = weights[pos]
-                shard.state[rows] = state[pos]
+                kernels.scatter_rows(shard.weights, rows, weights, pos)
+                kernels.scatter_rows(shard.state, rows, state, pos)
                 shard.last_access[rows] = stamps[pos]
         with self._clock_lock:
             self._clock = max(self._clock, clock)
