@@ -24,12 +24,16 @@ training lookup's ids: the rows it inserted, which the update after it needs; a 
 between the two must not lose them) and ``update`` records (worker id, sequence number,
 and each table's ids and gradients), in the order they were applied.
 
-**Records** are framed ``<length u32><crc32 u32><payload>``: a record cut short by a crash
-(the process died inside the write) fails its check and is dropped with what follows it,
-at the end of the newest segment only (it was never acknowledged; elsewhere it is an error).
-A record is one ``write`` to a file opened for appending: it is in the operating system's
-hands before the update is acknowledged, so the log survives the process's death. It is
-not fsynced per update: a machine's crash may lose the tail the OS had not written.
+**Records** are framed ``<length u32><crc32 u32><payload>`` and padded with zeros to a
+multiple of 4 KiB (the header's ``block``; segments written before padding have none): a
+record cut short by a crash (the process died inside the write) fails its check and is
+dropped with what follows it, at the end of the newest segment only (it was never
+acknowledged; elsewhere it is an error). A record is one ``write`` to a file opened for
+appending, with ``O_DIRECT`` where the file system takes it (``servers/block_append.py``:
+a buffered write of the records cost more CPU than the update itself): it has left the
+process before the update is acknowledged, so the log survives the process's death. It
+is not fsynced per update: a machine's crash may lose the tail the device had not made
+durable.
 
 **Failure.** If appending fails (a full disk), or the log would outgrow ``max_bytes`` (no
 checkpoint cut it for that long), the log is deleted and logging stops until the next
@@ -54,6 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from persia_py import checkpoint_format as fmt
+from persia_py.servers.block_append import BLOCK, BlockAppender, padded
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,8 @@ class Segment:
     kind: str
     base: str | None
     """The checkpoint folder this segment continues (None for ``start``)."""
+    block: int = 1
+    """Records are padded to a multiple of this (1: written before padding)."""
 
 
 class UpdateLog:
@@ -89,6 +96,7 @@ class UpdateLog:
         self._bytes = 0  # in the segments a restart may need
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._out: BlockAppender | None = None
         self._number = max((s.number for s in segment_files(self.folder)), default=-1)
 
     # -- segments ------------------------------------------------------------------
@@ -104,17 +112,19 @@ class UpdateLog:
             self._number += 1
             path = self.folder / _segment_name(self._number)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+            out = BlockAppender(fd)
             try:
                 header = {"kind": kind, "base": None if base is None else str(base),
-                          "replica_index": self.replica_index}
-                os.write(fd, _frame(json.dumps(header).encode(), []))
+                          "replica_index": self.replica_index, "block": BLOCK}
+                out.append(*_frame_pieces(json.dumps(header).encode(), []))
                 os.fsync(fd)
                 fmt.fsync_dir(self.folder)
             except BaseException:
+                out.close()
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
-            self._fd = fd
+            self._fd, self._out = fd, out
             self._prune(kind)
             self._bytes = sum(f.path.stat().st_size for f in segment_files(self.folder))
 
@@ -123,6 +133,7 @@ class UpdateLog:
         with self._lock:
             self._close_segment()
             self._fd = os.open(segment.path, os.O_WRONLY | os.O_APPEND)
+            self._out = BlockAppender(self._fd, block=segment.block)
             self._number = max(self._number, segment.number)
             self._bytes = sum(f.path.stat().st_size for f in segment_files(self.folder))
 
@@ -138,6 +149,9 @@ class UpdateLog:
                 segment.path.unlink(missing_ok=True)
 
     def _close_segment(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
         if self._fd is not None:
             try:
                 os.fsync(self._fd)
@@ -171,26 +185,30 @@ class UpdateLog:
     def _append(self, meta: dict, arrays: list[np.ndarray]) -> None:
         pieces, size = _frame_pieces(json.dumps(meta).encode(), arrays)
         with self._lock:
-            if self._fd is None:
+            if self._fd is None or self._out is None:
                 return  # logging stopped after a failure, until the next cut or load
-            if self._bytes + size > self.max_bytes:
+            whole = padded(size, self._out.block)
+            if self._bytes + whole > self.max_bytes:
                 self._give_up(f"it would outgrow {self.max_bytes} bytes (no checkpoint cut it "
                               "for that long: set checkpoint_config.every_steps)")
                 return
             try:
-                written = _write_all(self._fd, pieces)
-                if written != size:
-                    raise OSError(f"short write ({written} of {size} bytes)")
+                written = self._out.append(pieces, size)
+                if written != whole:
+                    raise OSError(f"short write ({written} of {whole} bytes)")
             except OSError as exc:
                 self._give_up(f"appending failed: {exc}")
                 return
-            self._bytes += size
+            self._bytes += whole
 
     def _give_up(self, why: str) -> None:
         """A log with a hole must never be replayed: delete it (unlinking needs no space)."""
         logger.error("parameter server %d: update log in %s: %s; the log is deleted and "
                      "logging stops until the next checkpoint: a restart before then loses "
                      "the updates since the checkpoint", self.replica_index, self.folder, why)
+        if self._out is not None:
+            self._out.close()
+            self._out = None
         with contextlib.suppress(OSError):
             os.close(self._fd)
         self._fd = None
@@ -221,27 +239,6 @@ def _frame_pieces(meta: bytes, arrays: list[np.ndarray]) -> tuple[list, int]:
     return [_FRAME.pack(length, crc), *pieces], _FRAME.size + length
 
 
-def _frame(meta: bytes, arrays: list[np.ndarray]) -> bytes:
-    pieces, _ = _frame_pieces(meta, arrays)
-    return b"".join(pieces)
-
-
-_IOV_MAX = 512  # well under every Linux's IOV_MAX (1024)
-
-
-def _write_all(fd: int, pieces: list) -> int:
-    """``pieces`` written in order with as few system calls as the iovec limit allows;
-    returns the bytes written (less than all only if the file refused more)."""
-    written = 0
-    for start in range(0, len(pieces), _IOV_MAX):
-        chunk = pieces[start:start + _IOV_MAX]
-        n = os.writev(fd, chunk)
-        written += n
-        if n != sum(len(p) for p in chunk):
-            break
-    return written
-
-
 @dataclass(frozen=True)
 class SegmentFile:
     number: int
@@ -270,14 +267,23 @@ def read_segments(folder: str | os.PathLike) -> list[Segment]:
         meta = header[0]
         if meta.get("kind") not in SEGMENT_KINDS:
             raise ValueError(f"{file.path}: not an update-log segment (header {meta!r})")
-        segments.append(Segment(file.number, file.path, meta["kind"], meta.get("base")))
+        segments.append(Segment(file.number, file.path, meta["kind"], meta.get("base"),
+                                _block(meta, file.path)))
     return segments
 
 
+def _block(header: dict, path: Path) -> int:
+    block = header.get("block", 1)  # segments written before padding: none
+    if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 1 << 20:
+        raise ValueError(f"{path}: the header's block {block!r} is not an int in [1, 2**20]")
+    return block
+
+
 def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, bytes, int]]:
-    """``(meta, array bytes, end offset)`` of each record of an open segment. A damaged or
-    incomplete record ends the reading when ``tolerate_tail``; else ValueError."""
-    offset = 0
+    """``(meta, array bytes, end offset)`` of each record of an open segment, the end
+    past the record's padding (the header's ``block``). A damaged or incomplete record
+    ends the reading when ``tolerate_tail``; else ValueError."""
+    offset, block = 0, 1
     while True:
         frame = f.read(_FRAME.size)
         if not frame:
@@ -287,8 +293,8 @@ def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, byte
             problem = "a record's frame is cut short"
         else:
             length, crc = _FRAME.unpack(frame)
-            payload = f.read(length) if length <= MAX_RECORD_BYTES else b""
-            if len(payload) != length or zlib.crc32(payload) != crc:
+            payload = f.read(length) if _META.size <= length <= MAX_RECORD_BYTES else b""
+            if len(payload) != length or zlib.crc32(payload) != crc or length < _META.size:
                 problem = "a record is cut short or damaged"
         if problem is not None:
             if tolerate_tail:
@@ -296,7 +302,10 @@ def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, byte
             raise ValueError(f"{path} at byte {offset}: {problem}")
         (meta_len,) = _META.unpack_from(payload)
         meta = json.loads(payload[_META.size:_META.size + meta_len])
-        offset += _FRAME.size + length
+        if offset == 0:
+            block = _block(meta, path)
+        offset = padded(offset + _FRAME.size + length, block)
+        f.seek(offset)
         yield meta, payload[_META.size + meta_len:], offset
 
 
