@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import textwrap
+import time
 
 import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
@@ -52,6 +55,54 @@ def test_ctrl_c_stops_every_process() -> None:
         job.process.send_signal(signal.SIGINT)
         assert job.wait(timeout=60) != 0
         assert processes_with_marker(job.marker) == [], job.output()
+    finally:
+        job.stop()
+
+
+def _gone(marker: str, timeout: float) -> list[int]:
+    """Wait until no live process carries ``marker`` (each waited for on a pidfd, which
+    turns readable when it exits); returns those left after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
+        pidfds = []
+        for pid in left:
+            try:
+                pidfds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                pass
+        try:
+            select.select(pidfds, [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+    return left
+
+
+def _command_lines(pids: list[int]) -> list[str]:
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ").decode(errors="replace")
+            lines.append(f"{pid}: {argv[:200]}")
+        except OSError:
+            pass
+    return lines
+
+
+def test_a_launcher_killed_outright_takes_every_role_with_it(tmp_path) -> None:
+    """SIGKILL leaves the launcher no chance to stop anything: its roles, the data
+    loader's script below its wrapper, torchrun and its rank must die by themselves."""
+    job = RoleProcess(_local("--run-dir", str(tmp_path / "run"),
+                             "--data-loader-args", "--train-samples 10000000"))
+    try:
+        job.wait_for_line(r"\[nn-worker\].*step 0 loss", timeout=300)
+        before = processes_with_marker(job.marker)
+        # launcher, PS, EW, data-loader wrapper and script, nn-worker wrapper, torchrun, rank
+        assert len(before) >= 8, _command_lines(before)
+        os.kill(job.process.pid, signal.SIGKILL)
+        left = _gone(job.marker, timeout=60)
+        assert left == [], _command_lines(left)
     finally:
         job.stop()
 

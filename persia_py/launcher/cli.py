@@ -216,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from persia_py.launcher.lifeline import watch_lifeline
+
+    # Started by a launcher: this role (and all it starts) stops when that launcher dies.
+    watch_lifeline()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

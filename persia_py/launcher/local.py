@@ -3,7 +3,9 @@
 Every role runs as its own process (its own session, so it can be stopped with all its
 children). Each output line is prefixed with the role and replica. When training ends,
 the data loaders are waited for and the servers stopped. The launcher exits with the
-training's exit code and leaves no process behind, on Ctrl-C too. SIGTERM stops the NN
+training's exit code and leaves no process behind, on Ctrl-C too; a launcher killed
+outright (SIGKILL) takes every role with it, torchrun's ranks and the user's scripts
+included (persia_py/launcher/lifeline.py). SIGTERM stops the NN
 workers first and waits for them (an online job's ranks, ``TrainCtx(stop_on_signal=True)``,
 finish their step and write a final checkpoint, then exit 0), then the other roles; a
 second SIGTERM stops all at once.
@@ -43,7 +45,8 @@ from datetime import datetime
 from persia_py import allocator, rewind
 from persia_py.env import ENV_GLOBAL_CONFIG, job_env
 from persia_py.launcher import job_token
-from persia_py.launcher.processes import descendants
+from persia_py.launcher.lifeline import Lifeline
+from persia_py.launcher.processes import descendants, die_with_parent
 from persia_py.launcher.recovery import (
     BatchCounts,
     TrainingRecovery,
@@ -60,6 +63,10 @@ _STOP_GRACE_SEC = 10.0
 GRACEFUL_STOP_SEC = 300.0
 """How long SIGTERM waits for the NN workers to stop on their own (a final checkpoint
 of large tables takes a while); a second SIGTERM stops everything at once."""
+
+
+_WRAPPERS = ("data-loader", "nn-worker")
+"""Role kinds whose process starts the user's script (and torchrun) below it."""
 
 
 class GracefulStop(Exception):
@@ -104,6 +111,7 @@ class LocalCluster:
         self.max_restarts = max_restarts
         self._print_lock = threading.Lock()
         self._exited = threading.Event()
+        self._lifeline: Lifeline | None = None
         self.metrics: LauncherMetrics | None = None
         """Restarts counted as ``persia_restarts_total{role}`` (when serving metrics)."""
         self.on_line: Callable[[str], None] | None = None
@@ -141,9 +149,16 @@ class LocalCluster:
             env = {**env, "OMP_WAIT_POLICY": "PASSIVE"}
         if role.reader is not None:
             role.reader.join(timeout=5.0)  # the old process's output is all printed
+        if self._lifeline is None:
+            self._lifeline = Lifeline()
+        # Every role dies with the launcher, however it dies (persia_py/launcher/lifeline.py):
+        # it watches the lifeline; one without children of its own also gets SIGKILL from
+        # the kernel (a wrapper must outlive the launcher a moment, to stop its children).
         role.process = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            command, env=self._lifeline.child_env(env), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            pass_fds=(self._lifeline.read_fd,),
+            preexec_fn=None if role.kind in _WRAPPERS else die_with_parent(),
         )
         role.reader = threading.Thread(target=self._pump, args=(role,), daemon=True)
         role.reader.start()
@@ -319,6 +334,9 @@ class LocalCluster:
                 role.process.wait()
             if role.reader is not None:
                 role.reader.join(timeout=5.0)
+        if roles is self.roles and self._lifeline is not None:
+            self._lifeline.close()  # every role is gone; a later spawn makes a new one
+            self._lifeline = None
 
 
 def _job_token(args: argparse.Namespace, env: dict[str, str], run_dir: str) -> list[str]:
