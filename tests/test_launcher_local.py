@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import signal
+import sys
 import textwrap
+import threading
 import time
 
 import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
+
+from persia_py import rewind
+from persia_py.launcher.local import LocalCluster, Role
+from persia_py.monitoring import LauncherMetrics
 
 pytestmark = pytest.mark.processes
 
@@ -135,3 +142,32 @@ def test_bad_counts_are_refused(flag: str) -> None:
     job = RoleProcess(_local(flag, "0"))
     assert job.wait(timeout=60) != 0
     assert "must be >= 1" in job.output()
+
+
+@pytest.mark.parametrize("kind", ["embedding-worker", "data-loader"])
+def test_exits_asked_for_by_restart_requests_count_against_max_restarts(kind, capsys) -> None:
+    """Restart and Rewind make a role exit with rewind.EXIT_CODE to be started again; any
+    caller with the job token may send them, so they are counted like deaths: a role
+    that keeps being asked is started again --max-restarts times, then the job stops."""
+    asked_to_exit = [sys.executable, "-c", f"raise SystemExit({rewind.EXIT_CODE})"]
+    role = Role(f"{kind}-0", asked_to_exit, kind=kind,
+                restart=functools.partial(list, asked_to_exit))
+    cluster = LocalCluster([role], dict(os.environ), max_restarts=2)
+    cluster.metrics = LauncherMetrics()
+    stop, codes = threading.Event(), []
+    # The restarts are made by the thread that supervises (and outlives) the roles.
+    supervisor = threading.Thread(target=lambda: (cluster.start(),
+                                                  codes.append(cluster.supervise(stop))))
+    supervisor.start()
+    try:
+        supervisor.join(timeout=60)
+    finally:
+        stop.set()
+        supervisor.join(timeout=30)
+        cluster.stop()
+    assert codes == [rewind.EXIT_CODE]
+    assert role.num_restarts == 2
+    assert cluster.metrics.restarts.labels(role=role.name)._value.get() == 2
+    out = capsys.readouterr().out
+    assert out.count(f"{kind}-0 exited to be started again (code 75)") == 3, out
+    assert "after 2 restarts, the limit; stopping the job" in out, out

@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=_non_negative, default=3, metavar="N",
                    help="restarts of each role after it died (a parameter server, embedding "
                         "worker or data loader alone; the training, from the last checkpoint, "
-                        "for an NN worker) before the job stops; 0: the first death stops it")
+                        "for an NN worker) or exited when asked to by a Restart or Rewind "
+                        "call, before the job stops; 0: the first death stops it")
     p.add_argument("--nn-restarts", choices=("launcher", "torchrun"), default="launcher",
                    help="who restarts dead NN ranks: the launcher (it restarts the training "
                         "roles from the last checkpoint) or torchrun (--max-restarts; the "

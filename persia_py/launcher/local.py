@@ -137,7 +137,9 @@ class LocalCluster:
             self.spawn(role, role.command)
 
     def spawn(self, role: Role, command: list[str]) -> None:
-        """Start ``role``'s process with ``command`` (the cluster's environment)."""
+        """Start ``role``'s process with ``command`` (the cluster's environment), from a
+        thread that outlives it (the main thread): a server gets SIGKILL when the thread
+        that started it exits (persia_py/launcher/lifeline.py)."""
         env = allocator.with_tunables(self.env)
         if role.kind != "nn-worker" and "OMP_NUM_THREADS" not in env:
             # Servers and loaders run on threads of their own; an OpenMP pool in each of
@@ -171,20 +173,23 @@ class LocalCluster:
             how = f"signal {-code}"
         if role.restart is None:
             return self.restart_training is not None and self.restart_training(role, how)
-        if code == rewind.EXIT_CODE and role.kind in ("embedding-worker", "data-loader"):
-            # Asked to by NN ranks that torchrun restarted (persia_py/rewind.py): not a
-            # failure, so not counted against max_restarts.
-            self.log(f"{role.name} exited to be started again ({how}): the training restarted "
-                     "by torchrun goes back to its checkpoint; restarting it on the same port")
-            self.spawn(role, role.restart())
-            return True
+        # Asked to exit by NN ranks that torchrun restarted (Restart, Rewind:
+        # persia_py/rewind.py). Counted like a death: any caller with the job token may
+        # ask, and must not keep the job restarting without end.
+        asked = code == rewind.EXIT_CODE and role.kind in ("embedding-worker", "data-loader")
         if role.num_restarts >= self.max_restarts:
-            self.log(f"{role.name} died ({how}) after {role.num_restarts} restarts, the "
-                      "limit; stopping the job")
+            self.log(f"{role.name} {'exited to be started again' if asked else 'died'} "
+                     f"({how}) after {role.num_restarts} restarts, the limit; stopping the job")
             return False
         role.num_restarts += 1
         self.count_restart(role)
         command = role.restart()
+        if asked:
+            self.log(f"{role.name} exited to be started again ({how}): the training restarted "
+                     "by torchrun goes back to its checkpoint; restarting it on the same port "
+                     f"(restart {role.num_restarts} of {self.max_restarts})")
+            self.spawn(role, command)
+            return True
         source = command[command.index("--load-checkpoint") + 1] if (
             "--load-checkpoint" in command) else None
         if role.kind == "embedding-worker":
