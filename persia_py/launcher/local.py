@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from persia_py import allocator, rewind
-from persia_py.env import ENV_GLOBAL_CONFIG, job_env
+from persia_py.env import job_env
 from persia_py.launcher import job_token
 from persia_py.launcher.lifeline import Lifeline
 from persia_py.launcher.processes import descendants, die_with_parent
@@ -344,31 +344,6 @@ class LocalCluster:
             self._lifeline = None
 
 
-def _job_token(args: argparse.Namespace, env: dict[str, str], run_dir: str) -> list[str]:
-    """Give the job its token; returns the flags every role needs for it.
-
-    The user's token (``auth_token_file`` or ``$PERSIA_AUTH_TOKEN``) is used as it is;
-    else, unless ``--insecure``, a new one for this run goes into every role's environment
-    (never argv: any local user can read that) and into ``<run dir>/auth_token`` (mode
-    0600), for clients started outside the job. Its path is printed, never the token.
-    """
-    if job_token.configured_token(env.get(ENV_GLOBAL_CONFIG), env) is not None:
-        print("[launcher] job token: the one configured (common_config.auth_token_file or "
-              f"${ENV_AUTH_TOKEN})", flush=True)
-        return []
-    if args.insecure:
-        print("[launcher] WARNING: running WITHOUT a job token (--insecure): any local user "
-              "can call every RPC of this job", flush=True)
-        return ["--insecure"]
-    env[ENV_AUTH_TOKEN] = token = job_token.new_token()
-    path = job_token.write_private_file(os.path.join(run_dir, job_token.TOKEN_FILE_NAME),
-                                        token + "\n")
-    print(f"[launcher] job token made for this run: {path} (mode 0600); a client outside "
-          f"the job reads it from there (common_config.auth_token_file: {path}, or "
-          f"export {ENV_AUTH_TOKEN}=$(cat {path}))", flush=True)
-    return []
-
-
 def run_local(args: argparse.Namespace) -> int:
     host = args.bind
     num_ps, num_ew, num_dl = args.num_ps, args.num_embedding_workers, args.num_data_loaders
@@ -410,7 +385,7 @@ def run_local(args: argparse.Namespace) -> int:
                              "one")
         env[key] = value
     launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
-    role_flags = [*metrics, *_job_token(args, env, run_dir)]  # every role takes both
+    role_flags = [*metrics, *job_token.give_job_token(args.insecure, env, run_dir)]  # every role takes both
     roles = [
         Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
                          "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
