@@ -121,12 +121,14 @@ def test_a_rewind_leaves_the_positions_beside_the_log_then_exits(tmp_path: Path)
         without_log.Rewind(request, _Context())
 
     path = tmp_path / "handovers.log"
-    servicer = DataLoaderServicer(BatchQueue(4, 1, HandoverLog(path, replay=False)),
-                                  loader_index=1)
+    log = HandoverLog(path, replay=False)
+    log.stream("loader1-abc")
+    servicer = DataLoaderServicer(BatchQueue(4, 1, log), loader_index=1)
     context = _Context()
     with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: .*RestartRequest.positions: not JSON"):
         servicer.Rewind(common_pb2.RestartRequest(positions="{"), context)
-    assert rewind.read_rewind(path) is None and not context.callbacks  # nothing written
+    assert not rewind.rewind_file(path).exists() and not context.callbacks  # nothing written
     answer = servicer.Rewind(request, context)
     assert answer.instance == rewind.INSTANCE and len(context.callbacks) == 1
-    assert rewind.read_rewind(path).to_json() == positions.to_json()
+    # Tagged with the log's stream: only a restart replaying that log takes it.
+    assert rewind.read_rewind(path, stream="loader1-abc").to_json() == positions.to_json()

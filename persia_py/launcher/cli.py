@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process (repeatable)")
     p.add_argument("--run-dir", default=None,
-                   help="folder of this run's files (training log); default "
-                        "runs/local-<date>-<time>")
+                   help="folder of this run's files (training log), made with mode 0700; "
+                        "refused when another user owns it or others may write into it; "
+                        "default runs/local-<date>-<time>")
     p.add_argument("--no-metrics", action="store_true",
                    help="do not serve Prometheus metrics (default: every role serves them on "
                         "a free port, printed at start-up)")

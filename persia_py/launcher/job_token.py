@@ -14,11 +14,11 @@ import argparse
 import logging
 import os
 import secrets
-import tempfile
 from collections.abc import Mapping
 
 from persia_py.config import load_global_config
 from persia_py.env import ENV_GLOBAL_CONFIG
+from persia_py.private_files import write_private_file
 from persia_py.security import ENV_AUTH_TOKEN, ENV_INSECURE_TOKEN, TransportSecurity
 
 logger = logging.getLogger("persia_py.launcher")
@@ -78,28 +78,6 @@ def require_token(what: str, global_config: str | None, insecure: bool) -> None:
 def new_token() -> str:
     """A fresh job token: 256 random bits, hex."""
     return secrets.token_hex(32)
-
-
-def write_private_file(path: str, text: str) -> str:
-    """Write ``text`` to ``path``, readable by its owner only (mode 0600); returns the path.
-
-    The file is made anew beside ``path`` (``mkstemp``: 0600, never through a link) and
-    renamed over it, so a link or a looser file already at ``path`` is replaced, never
-    followed or reused.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return os.path.abspath(path)
 
 
 def give_job_token(insecure: bool, env: dict[str, str], run_dir: str) -> list[str]:

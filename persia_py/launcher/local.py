@@ -56,6 +56,7 @@ from persia_py.launcher.recovery import (
 )
 from persia_py.launcher.roles import validate_configs
 from persia_py.monitoring import LauncherMetrics, serve_metrics
+from persia_py.private_files import UnsafeFolderError, private_folder
 from persia_py.progress import ENV_TRAIN_LOG
 from persia_py.security import ENV_AUTH_TOKEN
 
@@ -353,7 +354,10 @@ def run_local(args: argparse.Namespace) -> int:
     validate_configs(args.global_config, args.embedding_config)
     run_dir = os.path.abspath(args.run_dir or os.path.join(
         "runs", f"local-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"))
-    os.makedirs(run_dir, exist_ok=True)
+    try:  # 0700; refused when another user owns it or others may write into it
+        private_folder(run_dir, "run folder")
+    except UnsafeFolderError as exc:
+        raise SystemExit(f"--run-dir: {exc}") from None
     train_log = os.path.join(run_dir, "train_log.jsonl")
     print(f"[launcher] run folder {run_dir}; training log {train_log}", flush=True)
     metrics = [] if args.no_metrics else ["--metrics-port", "0"]
