@@ -345,51 +345,29 @@ class LocalCluster:
             self._lifeline = None
 
 
-def run_local(args: argparse.Namespace) -> int:
-    host = args.bind
-    num_ps, num_ew, num_dl = args.num_ps, args.num_embedding_workers, args.num_data_loaders
-    for name in ("num_ps", "num_embedding_workers", "num_data_loaders", "nproc_per_node"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    validate_configs(args.global_config, args.embedding_config)
+def _run_folder(args: argparse.Namespace) -> tuple[str, str]:
+    """The run folder (made 0700; refused when another user owns it or others may write
+    into it: persia_py/private_files.py) and the training log's path in it."""
     run_dir = os.path.abspath(args.run_dir or os.path.join(
         "runs", f"local-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"))
-    try:  # 0700; refused when another user owns it or others may write into it
+    try:
         private_folder(run_dir, "run folder")
     except UnsafeFolderError as exc:
         raise SystemExit(f"--run-dir: {exc}") from None
     train_log = os.path.join(run_dir, "train_log.jsonl")
     print(f"[launcher] run folder {run_dir}; training log {train_log}", flush=True)
-    metrics = [] if args.no_metrics else ["--metrics-port", "0"]
-    ports = free_ports(num_ps + num_ew + num_dl + 1, host)
-    ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
-    dl_ports, master_port = ports[num_ps + num_ew:-1], ports[-1]
-    env = dict(os.environ)
-    env.update(job_env(
-        ps_addrs=[f"{host}:{p}" for p in ps_ports],
-        embedding_worker_addrs=[f"{host}:{p}" for p in ew_ports],
-        data_loader_addrs=[f"{host}:{p}" for p in dl_ports],
-        nn_world_size=args.nproc_per_node, bind_host=host,
-        embedding_config=os.path.abspath(args.embedding_config),
-        global_config=os.path.abspath(args.global_config) if args.global_config else None))
-    env.update({"PYTHONUNBUFFERED": "1", ENV_TRAIN_LOG: train_log})
-    root = checkpoint_root(args, env)
-    if getattr(args, "resume", None):
-        env.update(resume_env(args.resume))
-    elif (latest := latest_checkpoint(root)) is not None:
-        # The NN workers resume from it by themselves (TrainCtx); the loaders must agree.
-        env.update(resume_env(latest))
-    for item in args.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--env expects KEY=VALUE, got {item!r}")
-        if key == ENV_AUTH_TOKEN:
-            raise SystemExit(f"--env {ENV_AUTH_TOKEN}=...: a token on the command line can be "
-                             "read by every local user; export it instead, or let local make "
-                             "one")
-        env[key] = value
+    return run_dir, train_log
+
+
+def _job_roles(args: argparse.Namespace, *, run_dir: str, root: str | None,
+               role_flags: list[str], ports: tuple) -> list[Role]:
+    """The job's roles, parameter servers first, then embedding workers, data loaders and
+    the NN worker, each with how it restarts alone (``Role.restart``). ``role_flags``:
+    what every role takes; ``ports``: those of each kind, and torchrun's master port."""
     launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
-    role_flags = [*metrics, *job_token.give_job_token(args.insecure, env, run_dir)]  # every role takes both
+    host = args.bind
+    ps_ports, ew_ports, dl_ports, master_port = ports
+    num_ps, num_ew, num_dl = len(ps_ports), len(ew_ports), len(dl_ports)
     roles = [
         Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
                          "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
@@ -419,6 +397,7 @@ def run_local(args: argparse.Namespace) -> int:
                                       if args.nn_restarts == "torchrun" else []),
                                     *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
                       kind="nn-worker"))
+
     def ps_restart(command: list[str]) -> Callable[[], list[str]]:
         def restart() -> list[str]:
             # Its update log brings back what it applied since the checkpoint it starts
@@ -440,6 +419,48 @@ def run_local(args: argparse.Namespace) -> int:
         at = role.command.index(args.data_loader)
         role.restart = functools.partial(
             list, [*role.command[:at], "--replay-handovers", *role.command[at:]])
+    return roles
+
+
+def run_local(args: argparse.Namespace) -> int:
+    host = args.bind
+    num_ps, num_ew, num_dl = args.num_ps, args.num_embedding_workers, args.num_data_loaders
+    for name in ("num_ps", "num_embedding_workers", "num_data_loaders", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    validate_configs(args.global_config, args.embedding_config)
+    run_dir, train_log = _run_folder(args)
+    metrics = [] if args.no_metrics else ["--metrics-port", "0"]
+    ports = free_ports(num_ps + num_ew + num_dl + 1, host)
+    ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
+    dl_ports, master_port = ports[num_ps + num_ew:-1], ports[-1]
+    env = dict(os.environ)
+    env.update(job_env(
+        ps_addrs=[f"{host}:{p}" for p in ps_ports],
+        embedding_worker_addrs=[f"{host}:{p}" for p in ew_ports],
+        data_loader_addrs=[f"{host}:{p}" for p in dl_ports],
+        nn_world_size=args.nproc_per_node, bind_host=host,
+        embedding_config=os.path.abspath(args.embedding_config),
+        global_config=os.path.abspath(args.global_config) if args.global_config else None))
+    env.update({"PYTHONUNBUFFERED": "1", ENV_TRAIN_LOG: train_log})
+    root = checkpoint_root(args, env)
+    if getattr(args, "resume", None):
+        env.update(resume_env(args.resume))
+    elif (latest := latest_checkpoint(root)) is not None:
+        # The NN workers resume from it by themselves (TrainCtx); the loaders must agree.
+        env.update(resume_env(latest))
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--env expects KEY=VALUE, got {item!r}")
+        if key == ENV_AUTH_TOKEN:
+            raise SystemExit(f"--env {ENV_AUTH_TOKEN}=...: a token on the command line can be "
+                             "read by every local user; export it instead, or let local make "
+                             "one")
+        env[key] = value
+    role_flags = [*metrics, *job_token.give_job_token(args.insecure, env, run_dir)]
+    roles = _job_roles(args, run_dir=run_dir, root=root, role_flags=role_flags,
+                       ports=(ps_ports, ew_ports, dl_ports, master_port))
     cluster = LocalCluster(roles, env, max_restarts=args.max_restarts)
     recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],
                                 root=root, train_log=train_log,
