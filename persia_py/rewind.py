@@ -37,7 +37,7 @@ from pathlib import Path
 import grpc
 
 from persia_py.config import CommonConfig
-from persia_py.data_position import DataPositions
+from persia_py.data_position import DataPositions, Position
 from persia_py.private_files import open_private
 from persia_py.proto import common_pb2, data_loader_pb2_grpc, embedding_worker_pb2_grpc
 from persia_py.rpc import call, create_channel
@@ -103,6 +103,25 @@ def read_rewind(handover_log: str | os.PathLike, *, stream: str | None) -> DataP
         path.unlink(missing_ok=True)
         return None
     return DataPositions.from_env(positions, str(path))
+
+
+def check_made(position: Position, loader: int, num_made: int) -> None:
+    """ValueError unless ``position`` (loader ``loader``'s, from a ``Rewind``) names only
+    batches this loader's stream has made: sequence numbers below ``num_made``.
+
+    A checkpoint holds as trained only batches that were trained, so only batches the
+    loader made: every checkpoint of this stream passes. Positions past what was made
+    would have the loader skip batches nobody trained (with numbers far enough ahead, its
+    whole input), and a stream's position log drop the records of the batches to come
+    (:mod:`persia_py.stream_source`). Whether a checkpoint recorded these very positions
+    the loader cannot tell: checkpoints live with the NN ranks, often on another host."""
+    beyond = [s for s in position.also if s >= num_made]
+    if position.next > num_made or beyond:
+        raise ValueError(
+            f"RestartRequest.positions[{loader}]: data loader {loader} has made only the "
+            f"batches of sequence numbers below {num_made}, so no checkpoint of its stream "
+            f"holds a later one as trained; got next={position.next}"
+            + (f", also {beyond[:5]}{'...' if len(beyond) > 5 else ''}" if beyond else ""))
 
 
 def exit_after_answer(context: grpc.ServicerContext, what: str) -> None:

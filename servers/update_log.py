@@ -160,30 +160,32 @@ class UpdateLog:
 
     def update(self, requests: list[tuple[str, np.ndarray, np.ndarray]], worker_id: str,
                sequence: int) -> None:
-        """Log one applied update: ``(table, ids uint64 [n], grads float32 [n, dim])``."""
+        """Log one applied update: ``(table, ids uint64 [n], grads [n, dim])``, the
+        gradients in the float type they arrived in (float16 from a float16 wire: half the
+        bytes, and replay widens them exactly as the update did)."""
         meta = {"type": "update", "worker_id": worker_id, "sequence": int(sequence),
-                "tables": [[name, int(ids.shape[0]), int(grads.shape[1])]
+                "tables": [[name, int(ids.shape[0]), int(grads.shape[1]), grads.dtype.name]
                            for name, ids, grads in requests]}
         arrays = [a for _, ids, grads in requests for a in (ids, grads)]
         self._append(meta, arrays)
 
     def _append(self, meta: dict, arrays: list[np.ndarray]) -> None:
-        record = _frame(json.dumps(meta).encode(), arrays)
+        pieces, size = _frame_pieces(json.dumps(meta).encode(), arrays)
         with self._lock:
             if self._fd is None:
                 return  # logging stopped after a failure, until the next cut or load
-            if self._bytes + len(record) > self.max_bytes:
+            if self._bytes + size > self.max_bytes:
                 self._give_up(f"it would outgrow {self.max_bytes} bytes (no checkpoint cut it "
                               "for that long: set checkpoint_config.every_steps)")
                 return
             try:
-                written = os.write(self._fd, record)
-                if written != len(record):
-                    raise OSError(f"short write ({written} of {len(record)} bytes)")
+                written = _write_all(self._fd, pieces)
+                if written != size:
+                    raise OSError(f"short write ({written} of {size} bytes)")
             except OSError as exc:
                 self._give_up(f"appending failed: {exc}")
                 return
-            self._bytes += len(record)
+            self._bytes += size
 
     def _give_up(self, why: str) -> None:
         """A log with a hole must never be replayed: delete it (unlinking needs no space)."""
@@ -208,10 +210,37 @@ def _segment_name(number: int) -> str:
     return f"{number:012d}.log"
 
 
+def _frame_pieces(meta: bytes, arrays: list[np.ndarray]) -> tuple[list, int]:
+    """A record as the buffers to write and its length: the arrays' own memory, checksummed
+    piece by piece, so appending copies nothing (the kernel's copy into the file aside)."""
+    pieces = [_META.pack(len(meta)), meta,
+              *(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays)]
+    crc, length = 0, 0
+    for piece in pieces:
+        crc = zlib.crc32(piece, crc)
+        length += len(piece)
+    return [_FRAME.pack(length, crc), *pieces], _FRAME.size + length
+
+
 def _frame(meta: bytes, arrays: list[np.ndarray]) -> bytes:
-    payload = b"".join([_META.pack(len(meta)), meta, *(np.ascontiguousarray(a).tobytes()
-                                                       for a in arrays)])
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+    pieces, _ = _frame_pieces(meta, arrays)
+    return b"".join(pieces)
+
+
+_IOV_MAX = 512  # well under every Linux's IOV_MAX (1024)
+
+
+def _write_all(fd: int, pieces: list) -> int:
+    """``pieces`` written in order with as few system calls as the iovec limit allows;
+    returns the bytes written (less than all only if the file refused more)."""
+    written = 0
+    for start in range(0, len(pieces), _IOV_MAX):
+        chunk = pieces[start:start + _IOV_MAX]
+        n = os.writev(fd, chunk)
+        written += n
+        if n != sum(len(p) for p in chunk):
+            break
+    return written
 
 
 @dataclass(frozen=True)
@@ -346,10 +375,13 @@ def _ids(tables: list, data: bytes, path: Path) -> list[tuple[str, np.ndarray]]:
 
 def _arrays(tables: list, data: bytes, path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
     out, offset = [], 0
-    for name, n, dim in tables:
+    for name, n, dim, *dtype in tables:  # logs written before float16 records: float32
+        grads_dtype = np.dtype(dtype[0] if dtype else "float32")
+        if grads_dtype.name not in ("float16", "float32"):
+            raise ValueError(f"{path}: an update record's gradients have dtype {grads_dtype}")
         ids = np.frombuffer(data, dtype=np.uint64, count=n, offset=offset)
         offset += ids.nbytes
-        grads = np.frombuffer(data, dtype=np.float32, count=n * dim, offset=offset)
+        grads = np.frombuffer(data, dtype=grads_dtype, count=n * dim, offset=offset)
         offset += grads.nbytes
         out.append((name, ids, grads.reshape(n, dim)))
     if offset != len(data):

@@ -30,9 +30,10 @@ def _local(*extra: str, nn_worker: str = str(EXAMPLE / "train.py"),
     )
 
 
-def test_example_learns_with_two_ps_and_two_ranks() -> None:
+def test_example_learns_with_two_ps_and_two_ranks(tmp_path) -> None:
+    run_dir = tmp_path / "run"
     job = RoleProcess(_local(
-        "--num-ps", "2", "--num-embedding-workers", "1", "--nproc-per-node", "2",
+        "--run-dir", str(run_dir), "--num-ps", "2", "--num-embedding-workers", "1", "--nproc-per-node", "2",
         "--num-data-loaders", "1",
         "--data-loader-args", "--train-samples 60000",
         "--nn-worker-args", "--test-samples 10000",
@@ -49,6 +50,11 @@ def test_example_learns_with_two_ps_and_two_ranks() -> None:
         for role in ("ps-0", "ps-1", "embedding-worker-0", "data-loader-0", "nn-worker"):
             assert any(line.startswith(f"[{role}]") for line in job.lines), role
         assert processes_with_marker(job.marker) == []
+        # The update logs (every update since the last checkpoint) are gone with the job;
+        # the training log stays.
+        assert (run_dir / "train_log.jsonl").is_file(), sorted(run_dir.iterdir())
+        assert not list(run_dir.glob("ps-*-updates")), sorted(run_dir.iterdir())
+        assert "update logs removed" in output, output
     finally:
         job.stop()
 

@@ -160,7 +160,8 @@ def test_a_planted_rewind_is_not_honoured_only_the_jobs_own(tmp_path) -> None:
 
     # The job's own Rewind, answered by this loader during this run: the restart takes it.
     running = _loader(log, replay=True)
-    servicer = DataLoaderServicer(running.batches, loader_index=0)
+    # As if it had made 50 batches: a Rewind names only batches made (rewind.check_made).
+    servicer = DataLoaderServicer(running.batches, loader_index=0, num_made=lambda: 50)
     request = common_pb2.RestartRequest(reason="test", positions=trained.to_env())
     servicer.Rewind(request, _Context())
     running.log.close()
@@ -171,5 +172,8 @@ def test_a_planted_rewind_is_not_honoured_only_the_jobs_own(tmp_path) -> None:
 
 
 class _Context:
+    def abort(self, code, details):
+        raise RuntimeError(f"{code.name}: {details}")
+
     def add_callback(self, callback) -> None:
         pass  # would exit the process

@@ -104,9 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0,
                    help="this machine's index (static rendezvous)")
     p.add_argument("--master-addr", default="127.0.0.1",
-                   help="address of node 0 (static rendezvous)")
-    p.add_argument("--master-port", type=int, default=29500,
-                   help="port of node 0 (static rendezvous)")
+                   help="address of node 0 (static rendezvous across machines; with one "
+                        "node, the ranks meet on 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="port of node 0 (static rendezvous; default 29500 across "
+                        "machines, any free port on 127.0.0.1 with one node)")
     p.add_argument("--rdzv-endpoint", default=None,
                    help="HOST:PORT of an elastic rendezvous (replaces --node-rank and "
                         "--master-addr/--master-port; torchrun assigns node ranks)")

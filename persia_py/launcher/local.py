@@ -40,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from persia_py import allocator, rewind
 from persia_py.env import job_env
@@ -55,8 +54,8 @@ from persia_py.launcher.recovery import (
     resume_env,
 )
 from persia_py.launcher.roles import validate_configs
+from persia_py.launcher.run_folder import make_run_folder, remove_update_logs, update_log_folder
 from persia_py.monitoring import LauncherMetrics, serve_metrics
-from persia_py.private_files import UnsafeFolderError, private_folder
 from persia_py.progress import ENV_TRAIN_LOG
 from persia_py.security import ENV_AUTH_TOKEN
 
@@ -345,33 +344,20 @@ class LocalCluster:
             self._lifeline = None
 
 
-def _run_folder(args: argparse.Namespace) -> tuple[str, str]:
-    """The run folder (made 0700; refused when another user owns it or others may write
-    into it: persia_py/private_files.py) and the training log's path in it."""
-    run_dir = os.path.abspath(args.run_dir or os.path.join(
-        "runs", f"local-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"))
-    try:
-        private_folder(run_dir, "run folder")
-    except UnsafeFolderError as exc:
-        raise SystemExit(f"--run-dir: {exc}") from None
-    train_log = os.path.join(run_dir, "train_log.jsonl")
-    print(f"[launcher] run folder {run_dir}; training log {train_log}", flush=True)
-    return run_dir, train_log
-
-
 def _job_roles(args: argparse.Namespace, *, run_dir: str, root: str | None,
                role_flags: list[str], ports: tuple) -> list[Role]:
     """The job's roles, parameter servers first, then embedding workers, data loaders and
     the NN worker, each with how it restarts alone (``Role.restart``). ``role_flags``:
-    what every role takes; ``ports``: those of each kind, and torchrun's master port."""
+    what every role takes; ``ports``: those of each kind (the NN ranks' rendezvous store
+    takes its port itself: persia_py/launcher/loopback.py)."""
     launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
     host = args.bind
-    ps_ports, ew_ports, dl_ports, master_port = ports
+    ps_ports, ew_ports, dl_ports = ports
     num_ps, num_ew, num_dl = len(ps_ports), len(ew_ports), len(dl_ports)
     roles = [
         Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
                          "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
-                         "--update-log", os.path.join(run_dir, f"ps-{i}-updates"), *role_flags])
+                         "--update-log", update_log_folder(run_dir, i), *role_flags])
         for i, p in enumerate(ps_ports)
     ]
     roles += [
@@ -392,7 +378,6 @@ def _job_roles(args: argparse.Namespace, *, run_dir: str, root: str | None,
     ]
     roles.append(Role("nn-worker", [*launcher, "nn-worker",
                                     "--nproc-per-node", str(args.nproc_per_node),
-                                    "--master-addr", host, "--master-port", str(master_port),
                                     *(["--max-restarts", str(args.max_restarts)]
                                       if args.nn_restarts == "torchrun" else []),
                                     *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
@@ -429,11 +414,12 @@ def run_local(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     validate_configs(args.global_config, args.embedding_config)
-    run_dir, train_log = _run_folder(args)
+    run_dir, train_log = make_run_folder(args)
     metrics = [] if args.no_metrics else ["--metrics-port", "0"]
-    ports = free_ports(num_ps + num_ew + num_dl + 1, host)
+    # The NN ranks' rendezvous store takes its port itself (persia_py/launcher/loopback.py).
+    ports = free_ports(num_ps + num_ew + num_dl, host)
     ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
-    dl_ports, master_port = ports[num_ps + num_ew:-1], ports[-1]
+    dl_ports = ports[num_ps + num_ew:]
     env = dict(os.environ)
     env.update(job_env(
         ps_addrs=[f"{host}:{p}" for p in ps_ports],
@@ -460,7 +446,7 @@ def run_local(args: argparse.Namespace) -> int:
         env[key] = value
     role_flags = [*metrics, *job_token.give_job_token(args.insecure, env, run_dir)]
     roles = _job_roles(args, run_dir=run_dir, root=root, role_flags=role_flags,
-                       ports=(ps_ports, ew_ports, dl_ports, master_port))
+                       ports=(ps_ports, ew_ports, dl_ports))
     cluster = LocalCluster(roles, env, max_restarts=args.max_restarts)
     recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],
                                 root=root, train_log=train_log,
@@ -495,5 +481,6 @@ def run_local(args: argparse.Namespace) -> int:
         for summary in (recovery.summary(), counts.summary()):
             if summary:
                 cluster.log(summary)
+        remove_update_logs(run_dir, num_ps, cluster.log)
         if metrics_server is not None:
             metrics_server.close()

@@ -149,6 +149,18 @@ def _argv_env(pid: int) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+WRAPPER_MODULES = ("persia_py.launcher.cli", "torch.distributed.run",
+                   "persia_py.launcher.loopback_torchrun")
+"""``python -m`` modules that start a user's script rather than run it (the launcher's
+role wrappers, torchrun and its loopback variant)."""
+
+
+def is_wrapper(argv: list[str]) -> bool:
+    """Whether the process of command line ``argv`` starts a user's script (see
+    :data:`WRAPPER_MODULES`), though the script's path is among its arguments."""
+    return any(m in argv for m in WRAPPER_MODULES)
+
+
 def role_pid(root: int, kind: str, index: int, *, loader_script: str,
              train_script: str) -> int:
     """The process below ``root`` (a ``persia-launcher local``) that *is* replica ``index``
@@ -163,7 +175,7 @@ def role_pid(root: int, kind: str, index: int, *, loader_script: str,
             argv, env = _argv_env(pid)
         except OSError:  # exited meanwhile
             continue
-        wrapper = "persia_py.launcher.cli" in argv or "torch.distributed.run" in argv
+        wrapper = is_wrapper(argv)
         flag = "embedding-parameter-server" if kind == "parameter server" else "embedding-worker"
         if kind in ("parameter server", "embedding worker"):
             hit = flag in argv and argv[argv.index("--replica-index") + 1] == str(index)
