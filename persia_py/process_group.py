@@ -23,6 +23,7 @@ import torch.distributed as dist
 from persia_py.collectives import all_gather_json
 from persia_py.config import CommonConfig
 from persia_py.env import ENV_RANK_FAILED_FILE
+from persia_py.private_files import append_private
 
 _MAX_ADDRESS_BYTES = 1024
 """Bound of one rank's address (JSON text) in the exchange that names the ranks."""
@@ -83,7 +84,7 @@ def report_failure(rank: int, exc: BaseException) -> None:
     if not path:
         return
     try:
-        with open(path, "a") as f:
+        with append_private(path) as f:
             f.write(f"rank {rank}: {type(exc).__name__}: {exc}"[:4000] + "\n")
     except OSError:
         pass  # the launcher then waits for torchrun alone

@@ -58,6 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from persia_py import checkpoint_format as fmt
+from persia_py.private_files import open_private
 from persia_py.servers.block_append import BLOCK, BlockAppender, padded
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class UpdateLog:
     def __init__(self, folder: str | os.PathLike, replica_index: int, *,
                  max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.replica_index = replica_index
         self.max_bytes = max_bytes
         self._bytes = 0  # in the segments a restart may need
@@ -111,7 +112,7 @@ class UpdateLog:
             self._close_segment()
             self._number += 1
             path = self.folder / _segment_name(self._number)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+            fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
             out = BlockAppender(fd)
             try:
                 header = {"kind": kind, "base": None if base is None else str(base),
@@ -132,7 +133,7 @@ class UpdateLog:
         """Append to ``segment`` (the last one, replayed after a restart)."""
         with self._lock:
             self._close_segment()
-            self._fd = os.open(segment.path, os.O_WRONLY | os.O_APPEND)
+            self._fd = open_private(segment.path, os.O_WRONLY | os.O_APPEND)
             self._out = BlockAppender(self._fd, block=segment.block)
             self._number = max(self._number, segment.number)
             self._bytes = sum(f.path.stat().st_size for f in segment_files(self.folder))

@@ -121,15 +121,17 @@ def test_a_rewind_leaves_the_positions_beside_the_log_then_exits(tmp_path: Path)
         without_log.Rewind(request, _Context())
 
     path = tmp_path / "handovers.log"
-    servicer = DataLoaderServicer(BatchQueue(4, 1, HandoverLog(path, replay=False)),
-                                  loader_index=1, num_made=lambda: 4)
+    log = HandoverLog(path, replay=False)
+    log.stream("loader1-abc")
+    servicer = DataLoaderServicer(BatchQueue(4, 1, log), loader_index=1, num_made=lambda: 4)
     context = _Context()
     with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: .*RestartRequest.positions: not JSON"):
         servicer.Rewind(common_pb2.RestartRequest(positions="{"), context)
-    assert rewind.read_rewind(path) is None and not context.callbacks  # nothing written
+    assert not rewind.rewind_file(path).exists() and not context.callbacks  # nothing written
     answer = servicer.Rewind(request, context)
     assert answer.instance == rewind.INSTANCE and len(context.callbacks) == 1
-    assert rewind.read_rewind(path).to_json() == positions.to_json()
+    # Tagged with the log's stream: only a restart replaying that log takes it.
+    assert rewind.read_rewind(path, stream="loader1-abc").to_json() == positions.to_json()
 
 
 def _rewind(servicer, positions: dict) -> tuple[str | None, _Context]:
@@ -154,20 +156,22 @@ def test_a_rewind_names_only_batches_the_loader_made(tmp_path: Path) -> None:
 
     path = tmp_path / "handovers.log"
     made = [10]
-    servicer = DataLoaderServicer(BatchQueue(4, 1, HandoverLog(path, replay=False)),
-                                  loader_index=1, num_made=lambda: made[0])
+    log = HandoverLog(path, replay=False)
+    log.stream("loader1-abc")
+    servicer = DataLoaderServicer(BatchQueue(4, 1, log), loader_index=1,
+                                  num_made=lambda: made[0])
     for position in ({"next": 11, "also": []}, {"next": 1 << 39, "also": []},
                      {"next": 7, "also": [8, 10]}):
         refused, context = _rewind(servicer, {"1": position})
         assert refused is not None and refused.startswith(
             "INVALID_ARGUMENT: Rewind: RestartRequest.positions[1]: data loader 1 has made "
             "only the batches of sequence numbers below 10"), refused
-        assert rewind.read_rewind(path) is None and not context.callbacks
+        assert not rewind.rewind_file(path).exists() and not context.callbacks
     # Another loader's position is that loader's to check.
     accepted = {"0": {"next": 1 << 39, "also": []}, "1": {"next": 7, "also": [8, 9]}}
     refused, context = _rewind(servicer, accepted)
     assert refused is None and len(context.callbacks) == 1
-    assert rewind.read_rewind(path).to_json() == accepted
+    assert rewind.read_rewind(path, stream="loader1-abc").to_json() == accepted
     made[0] = 12
     assert _rewind(servicer, {"1": {"next": 12, "also": []}})[0] is None
 
@@ -238,7 +242,7 @@ def test_a_rewind_refuses_deep_or_large_json_as_invalid_argument(tmp_path: Path,
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
             assert "RestartRequest.positions: " in refused.value.details()
             assert problem in refused.value.details(), refused.value.details()[:500]
-        assert rewind.read_rewind(path) is None and exits == []
+        assert not rewind.rewind_file(path).exists() and exits == []
     finally:
         channel.close()
         server.stop(None)

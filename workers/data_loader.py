@@ -29,7 +29,7 @@ from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.rpc import FailedPrecondition, NotFound, Overloaded, create_server, grpc_method
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
-from persia_py.workers.handover_log import Handover, HandoverLog, Handovers
+from persia_py.workers.handover_log import Handover, HandoverLog, Handovers, take_rewind
 from persia_py.workers.kept_batches import KeptBatches
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
         # Checked whole before anything is written (ValueError: INVALID_ARGUMENT).
         positions = DataPositions.from_env(request.positions, "RestartRequest.positions")
         rewind.check_made(positions.of(self.loader_index), self.loader_index, self.num_made())
-        rewind.write_rewind(log.path, positions)
+        rewind.write_rewind(log.path, positions, log.recorded_stream)
         logger.warning("data loader %d: asked to rewind (%s): batches below %d trained",
                        self.loader_index, request.reason[:200],
                        positions.of(self.loader_index).next)
@@ -235,12 +235,10 @@ class DataCtx:
         log_path = self.env.data_loader_handover_log
         # Rewound by a restarted training (persia_py/rewind.py): its checkpoint's positions
         # win, and the handover log starts again (it belongs to the stream before).
-        rewound = None if log_path is None else rewind.read_rewind(log_path)
+        rewound = None if log_path is None else take_rewind(
+            log_path, replayed=self.env.data_loader_replay, index=index)
         if rewound is not None:
-            self._done = rewound.of(index)
-            logger.warning("data loader %d rewound to the training's checkpoint: batches "
-                           "below %d (and %d more) trained; a new stream", index,
-                           self._done.next, len(self._done.also))
+            self._done = rewound
         replay = self.env.data_loader_replay and rewound is None
         self.log = (None if log_path is None else
                     HandoverLog(log_path, replay=replay, trained=self._done))

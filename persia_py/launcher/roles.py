@@ -31,7 +31,7 @@ from persia_py.env import (
 )
 from persia_py.launcher import job_token
 from persia_py.launcher.loopback import loopback_env, torchrun_command
-from persia_py.launcher.processes import run_torchrun
+from persia_py.launcher.processes import die_with_parent, run_torchrun
 from persia_py.monitoring import ENV_METRICS_PORT, serve_metrics
 from persia_py.progress import ENV_TRAIN_LOG
 
@@ -187,8 +187,9 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
 
 
 def _run_child(command: list[str], env: dict[str, str]) -> int:
-    """Run a child in the foreground; pass SIGTERM/SIGINT on to it."""
-    child = subprocess.Popen(command, env=env)
+    """Run a child in the foreground; pass SIGTERM/SIGINT on to it. It dies with this
+    process (persia_py/launcher/lifeline.py)."""
+    child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
 
     def forward(signum, _frame):
         child.send_signal(signum)
