@@ -11,13 +11,16 @@ A :class:`StreamReader` follows either
 * one **file** (CSV) that lines are appended to; it never finishes.
 
 Only complete lines are read: a partial last line waits for its newline (in a finished
-file the last line needs none). A batch never spans two files; it is shorter than
-``batch_size`` at the end of a file, or when no more data came within ``max_wait_sec``.
+file the last line needs none). A line longer than ``max_record_bytes`` (of the
+:class:`~persia_py.data_readers.CsvReaderConfig`) is an error naming the file and line,
+found while scanning, before the line is held in memory. A batch never spans two files;
+it is shorter than ``batch_size`` at the end of a file, or when no more data came within
+``max_wait_sec``.
 
 Every batch carries its exact :class:`StreamPosition` range (file name, byte offset and
 line for CSV, row for Parquet), and :meth:`StreamReader.read` reads a range again, byte
 for byte: that is what makes a restarted loader exact (:mod:`persia_py.stream_source`).
-CSV is parsed with array operations (:func:`persia_py.data_readers.parse_csv_lines`),
+CSV is parsed with array operations (:func:`persia_py.csv_parse.parse_csv_lines`),
 Parquet through ``pyarrow`` (``pip install persia_py[parquet]``).
 """
 
@@ -33,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from persia_py.data_readers import BadRecordError, CsvBatch, CsvColumn, CsvReaderConfig, parse_csv_lines
+from persia_py.csv_parse import check_line_lengths, parse_csv_lines
+from persia_py.data_readers import BadRecordError, CsvBatch, CsvColumn, CsvReaderConfig, record_too_long
 from persia_py.routing import RESERVED_ID
 
 _READ_CHUNK = 1 << 20
@@ -264,6 +268,7 @@ class StreamReader:
                 found = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n")) + read
                 newlines = np.concatenate([newlines, found])
                 read += len(chunk)
+                self._check_line_lengths(path, pos, newlines[:max_rows], read, max_rows)
         if newlines.size >= max_rows:
             return StreamPosition(pos.file, pos.offset + int(newlines[max_rows - 1]) + 1,
                                   pos.row + max_rows), max_rows
@@ -271,6 +276,16 @@ class StreamReader:
         if final and pos.offset + read > end:  # a finished file's last line needs no newline
             return StreamPosition(pos.file, pos.offset + read, pos.row + num + 1), num + 1
         return StreamPosition(pos.file, end, pos.row + num), num
+
+    def _check_line_lengths(self, path: str, pos: StreamPosition, newlines: np.ndarray,
+                            read: int, max_rows: int) -> None:
+        """A line over ``max_record_bytes`` among those scanned is an error, a partial one
+        as soon as it is over (its bytes are never held)."""
+        limit = self.fmt.config.max_record_bytes
+        check_line_lengths(np.diff(newlines, prepend=-1) - 1, limit, path, pos.row + 1)
+        tail = read - (int(newlines[-1]) + 1 if newlines.size else 0)
+        if newlines.size < max_rows and tail > limit:
+            raise BadRecordError(path, pos.row + newlines.size + 1, record_too_long(limit))
 
     def read(self, start: StreamPosition, end: StreamPosition) -> StreamBatch:
         """The records from ``start`` to ``end`` again (both in one file), exactly as

@@ -1,0 +1,196 @@
+"""Bounded input at the stream's seam: what a producer writes cannot take the loader's
+memory.
+
+* A batch with one very long (valid) field is parsed in memory bounded by a small
+  multiple of the batch's bytes (tracemalloc's peak), with the same values as
+  ``CsvReader``.
+* A line over ``max_record_bytes`` is an error naming the file and line, in the stream
+  (complete or still being written) and in ``CsvReader`` (or skipped and counted there).
+* The streaming parser honours every column option as ``CsvReader`` does (``default``,
+  ``category``, ``salt``, a float32's range).
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from persia_py import csv_parse
+from persia_py.data_readers import BadRecordError, CsvColumn, CsvReader, CsvReaderConfig
+from persia_py.reader_share import ReaderShare
+from persia_py.stream_reader import CsvFormat, StreamPosition, StreamReader
+
+COLUMNS = (CsvColumn(name="sid", kind="int"), CsvColumn(name="x", kind="float"),
+           CsvColumn(name="tags", kind="ids"), CsvColumn(name="city", kind="skip"))
+WITH_CATEGORY = (*COLUMNS[:3], CsvColumn(name="city", kind="category"))
+
+
+def _reader(path: Path, pattern: str = "*", **config) -> StreamReader:
+    config.setdefault("columns", COLUMNS)
+    return StreamReader(path, CsvFormat(CsvReaderConfig(**config)), pattern=pattern,
+                        poll_interval_sec=0.01, max_wait_sec=0.05, idle_timeout_sec=0.3)
+
+
+def _rows(count: int) -> list[str]:
+    return [f"{i},{i / 7:.4f},{i} {i + 1} {i + 2},c{i % 13}\n" for i in range(count)]
+
+
+@pytest.mark.parametrize("category", [False, True])
+def test_a_long_valid_field_is_parsed_in_memory_bounded_by_the_batch(
+        tmp_path: Path, category: bool) -> None:
+    columns = WITH_CATEGORY if category else COLUMNS
+    width = 20_000
+    rows = _rows(600)
+    rows[3] = "3,0.5" + "0" * width + ",1 2,c3\n"          # a long float
+    rows[7] = "7,1.0," + "0" * 4000 + "9 10,c7\n"           # a long id (4,001 digits)
+    rows[9] = "9,2.0,5," + "x" * width + "\n"               # a long category (or skipped)
+    rows[11] = "11,3.0," + " ".join(map(str, range(3000))) + ",c11\n"  # many ids
+    (tmp_path / "a.csv").write_text("".join(rows))
+    size = (tmp_path / "a.csv").stat().st_size
+    reader = _reader(tmp_path, columns=columns)
+    start, end = StreamPosition("a.csv"), StreamPosition("a.csv", size, len(rows))
+    reader.read(start, end)  # once first: lazy imports and compiled kernels load
+    tracemalloc.start()
+    try:
+        batch = reader.read(start, end)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Values at the widest field's width for every row took ~5,000 times the bytes.
+    assert peak < 24 * size, f"parsing {size} bytes took {peak} bytes at the peak"
+    records = batch.records
+    assert records.num_records == 600 and records.values["x"][3] == np.float32(0.5)
+    ids, lengths = records.id_lists["tags"]
+    assert lengths[7] == 2 and lengths[11] == 3000
+    assert ids[lengths[:7].sum()] == 9 and ids[lengths[:11].sum() + 2999] == 2999
+    expected = CsvReader(tmp_path / "a.csv", CsvReaderConfig(columns=columns),
+                         share=ReaderShare.whole()).read_all()
+    for name in ("sid", "x"):
+        np.testing.assert_array_equal(records.values[name], expected.values[name])
+    for name in ("tags", "city") if category else ("tags",):
+        for mine, theirs in zip(records.id_lists[name], expected.id_lists[name]):
+            np.testing.assert_array_equal(mine, theirs)
+
+
+def test_a_line_over_max_record_bytes_names_file_and_line(tmp_path: Path) -> None:
+    rows = _rows(6)
+    rows[2] = "2,0.5," + " ".join(["7"] * 61) + ",c2\n"  # 130 bytes and its newline
+    (tmp_path / "a.csv").write_text("".join(rows))
+    message = r"a\.csv: row 3: a line of 130 bytes, over max_record_bytes \(100\)"
+    with pytest.raises(BadRecordError, match=message):
+        list(_reader(tmp_path, max_record_bytes=100).batches(4))
+    with pytest.raises(BadRecordError, match=message):  # a range read again, as after a restart
+        _reader(tmp_path, max_record_bytes=100).read(
+            StreamPosition("a.csv", 0, 0), StreamPosition("a.csv", len("".join(rows[:4])), 4))
+    assert _reader(tmp_path, max_record_bytes=130).read(  # the limit itself is allowed
+        StreamPosition("a.csv", 0, 0), StreamPosition("a.csv", len("".join(rows[:4])), 4)
+    ).num_records == 4
+    growing = tmp_path / "growing"
+    growing.mkdir()
+    (growing / "b.csv").write_text("".join(rows[:2]) + "2,0.5," + "7 " * 200)  # not ended yet
+    with pytest.raises(BadRecordError, match=r"b\.csv: row 3: a line of more than 100 bytes"):
+        list(_reader(growing, max_record_bytes=100).batches(4))  # no wait for its newline
+
+
+def test_csv_reader_honours_max_record_bytes(tmp_path: Path) -> None:
+    rows = _rows(5)
+    rows[1] = "1,0.5," + "7 " * 100 + ",c1\n"
+    path = tmp_path / "a.csv"
+    path.write_text("".join(rows))
+    config = dict(columns=COLUMNS, max_record_bytes=64)
+    with pytest.raises(BadRecordError, match=r"a\.csv: row 2: a line of more than 64 bytes"):
+        CsvReader(path, CsvReaderConfig(**config), share=ReaderShare.whole()).read_all()
+    reader = CsvReader(path, CsvReaderConfig(**config, skip_bad_rows=True),
+                       share=ReaderShare.whole())
+    batch = reader.read_all()
+    assert batch.rows.tolist() == [1, 3, 4, 5] and reader.num_bad_rows == 1
+    assert reader.num_rows == 5 and reader.first_bad.row == 2
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "1024"])
+def test_max_record_bytes_is_checked(value) -> None:
+    with pytest.raises(ValueError, match="max_record_bytes must be an int >= 1"):
+        CsvReaderConfig(columns=COLUMNS, max_record_bytes=value)
+
+
+# -- every column option, as CsvReader ------------------------------------------------------
+
+def test_stream_columns_match_csv_reader(tmp_path: Path) -> None:
+    columns = (CsvColumn(name="count", kind="int", default=-1),
+               CsvColumn(name="x", kind="float", default=0.5),
+               CsvColumn(name="city", kind="category"),
+               CsvColumn(name="town", kind="category", salt="city"),
+               CsvColumn(name="note", kind="skip"),
+               CsvColumn(name="tags", kind="ids"))
+    text = ("3,1.5,paris,paris,a,1 2\n,,  lyon ,lyon,b,\n  ,  ,,,c,  7  8 \n"
+            "12,2e-3,rome,x,d,9\r\n")
+    (tmp_path / "a.csv").write_text(text)
+    config = CsvReaderConfig(columns=columns, delimiter=",", id_separator=" ")
+    mine = list(_reader(tmp_path, columns=columns).batches(10))[0].records
+    theirs = CsvReader(tmp_path / "a.csv", config, share=ReaderShare.whole()).read_all()
+    assert mine.values["count"].tolist() == [3, -1, -1, 12]
+    for name in ("count", "x"):
+        np.testing.assert_array_equal(mine.values[name], theirs.values[name])
+    for name in ("city", "town", "tags"):
+        for a, b in zip(mine.id_lists[name], theirs.id_lists[name]):
+            np.testing.assert_array_equal(a, b)
+    city, town = mine.id_lists["city"][0], mine.id_lists["town"][0]
+    assert city[0] == town[0] and city[1] == town[1]  # one salt: one id per value
+
+
+def test_a_float_beyond_float32_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("1,1e38,1,c\n2,1e39,2,c\n")
+    with pytest.raises(BadRecordError, match=r"a\.csv: row 2: column 'x': '1e39'"):
+        list(_reader(tmp_path).batches(10))
+    with pytest.raises(BadRecordError, match=r"row 2: column 'x': '1e39'"):
+        CsvReader(tmp_path / "a.csv", CsvReaderConfig(columns=COLUMNS),
+                  share=ReaderShare.whole()).read_all()
+
+
+def test_an_int_default_must_be_a_whole_number() -> None:
+    with pytest.raises(ValueError, match="whole number"):
+        CsvColumn(name="n", kind="int", default=0.5)
+
+
+def test_numbers_parse_as_csv_reader_parses_them(tmp_path: Path, monkeypatch) -> None:
+    """The array parser's shortcut for plain decimals (and numpy's cast for the rest)
+    gives exactly the values of ``CsvReader`` (Python's ``int`` and ``float``)."""
+    shortcuts = []
+    plain_decimals = csv_parse._plain_decimals
+    monkeypatch.setattr(csv_parse, "_plain_decimals", lambda *args: shortcuts.append(
+        plain_decimals(*args)) or shortcuts[-1])
+    rng = np.random.default_rng(7)
+    count = 4000
+    digits = rng.integers(0, 10, (count, 22)).astype(str)
+    cut = rng.integers(1, 22, count)
+    plain = ["".join(row[:n]).lstrip("0")[:19] or "0" for row, n in zip(digits, cut)]
+    forms = [lambda t: t[:15], lambda t: t[:14] + "." + t[14:15], lambda t: "." + t[:15],
+             lambda t: t[:8] + "." + t[8:15], lambda t: "00" + t[:10] + ".",
+             lambda t: "-" + t[:15], lambda t: t[:6] + "e-3", lambda t: " " + t[:12] + " ",
+             lambda t: "+" + t[:5], lambda t: t]
+    # The first half plain (the shortcut's), the second with signs, exponents, spaces.
+    form = np.r_[rng.integers(0, 5, count // 2), rng.integers(0, len(forms), count // 2)]
+    floats = [forms[k](t) for k, t in zip(form, plain)]
+    ints = [t[:18] if k or i < count // 2 else "-" + t[:18]
+            for i, (k, t) in enumerate(zip(rng.integers(0, 4, count), plain))]
+    ids = [" ".join(plain[i:i + 3]) for i in range(count)]
+    (tmp_path / "a.csv").write_text("".join(
+        f"{i},{x},{t},c\n" for i, x, t in zip(ints, floats, ids)))
+    columns = (CsvColumn(name="n", kind="int"), CsvColumn(name="x", kind="float"),
+               CsvColumn(name="tags", kind="ids"), CsvColumn(name="c", kind="skip"))
+    batches = list(_reader(tmp_path, columns=columns).batches(count // 4))
+    theirs = CsvReader(tmp_path / "a.csv", CsvReaderConfig(columns=columns),
+                       share=ReaderShare.whole()).read_all()
+    for name in ("n", "x"):
+        mine = np.concatenate([b.records.values[name] for b in batches])
+        assert mine.dtype == theirs.values[name].dtype
+        np.testing.assert_array_equal(mine, theirs.values[name])
+    exact = np.array([float(x) for x in floats]).astype(np.float32)  # via float64 as Python
+    assert (np.concatenate([b.records.values["x"] for b in batches]) == exact).all()
+    ids = np.concatenate([b.records.id_lists["tags"][0] for b in batches])
+    np.testing.assert_array_equal(ids, theirs.id_lists["tags"][0])
+    assert sum(v is not None for v in shortcuts) >= 6  # each column took the shortcut
+    assert sum(v is None for v in shortcuts) >= 2  # and numpy's cast
