@@ -1,24 +1,27 @@
 """Bounded input at the stream's seam: what a producer writes cannot take the loader's
-memory.
+memory or make it read outside its folder.
 
 * A batch with one very long (valid) field is parsed in memory bounded by a small
   multiple of the batch's bytes (tracemalloc's peak), with the same values as
   ``CsvReader``.
 * A line over ``max_record_bytes`` is an error naming the file and line, in the stream
   (complete or still being written) and in ``CsvReader`` (or skipped and counted there).
+* Symbolic links in a followed folder are refused, never read: a link to a file or a
+  folder among the stream's names, a file swapped for a link after it was listed, and
+  position names that point outside the folder.
 * The streaming parser honours every column option as ``CsvReader`` does (``default``,
   ``category``, ``salt``, a float32's range).
 """
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from persia_py import csv_parse
 from persia_py.data_readers import BadRecordError, CsvColumn, CsvReader, CsvReaderConfig
 from persia_py.reader_share import ReaderShare
 from persia_py.stream_reader import CsvFormat, StreamPosition, StreamReader
@@ -116,6 +119,83 @@ def test_max_record_bytes_is_checked(value) -> None:
         CsvReaderConfig(columns=COLUMNS, max_record_bytes=value)
 
 
+# -- links ----------------------------------------------------------------------------------
+
+def _secret(tmp_path: Path) -> Path:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("topsecret,1,2,3\n")
+    return secret
+
+
+@pytest.mark.parametrize("target", ["file", "folder"])
+def test_a_link_in_a_stream_folder_is_refused_not_read(tmp_path: Path, target: str) -> None:
+    folder = tmp_path / "stream"
+    folder.mkdir()
+    (folder / "000.csv").write_text("".join(_rows(3)))
+    secret = _secret(tmp_path)
+    os.symlink(secret if target == "file" else tmp_path, folder / "001.csv")
+    os.symlink(secret, folder / ".hidden.csv")  # not a stream name: ignored like any other
+    os.symlink(secret, folder / "notes.txt")
+    with pytest.raises(ValueError, match="'001.csv' is a symbolic link") as info:
+        list(_reader(folder, pattern="*.csv").batches(10))
+    assert "topsecret" not in str(info.value)
+
+
+def test_a_file_replaced_by_a_link_is_not_opened(tmp_path: Path) -> None:
+    folder = tmp_path / "stream"
+    folder.mkdir()
+    path = folder / "000.csv"
+    path.write_text("".join(_rows(3)))
+    reader = _reader(folder)
+    batch = next(reader.batches(10))
+    swapped = _secret(tmp_path)
+    swapped.write_bytes(path.read_bytes().replace(b"0,0.0000", b"9,9.9999"))
+    path.unlink()
+    os.symlink(swapped, path)  # after the listing: only O_NOFOLLOW stops it
+    with pytest.raises(ValueError, match="'000.csv' is a symbolic link"):
+        reader.read(batch.start, batch.end)
+
+
+@pytest.mark.parametrize("name", ["../secret.txt", "sub/000.csv", ".hidden.csv", ".."])
+def test_a_position_outside_the_stream_is_refused(tmp_path: Path, name: str) -> None:
+    folder = tmp_path / "stream"
+    folder.mkdir()
+    (folder / "000.csv").write_text("".join(_rows(3)))
+    _secret(tmp_path)
+    with pytest.raises(ValueError, match="not a file of this stream"):
+        _reader(folder, pattern="*.csv").read(StreamPosition(name), StreamPosition(name, 16, 1))
+
+
+def test_a_parquet_file_is_not_opened_through_a_link(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")  # in the test extra; the skip only names a bare install
+    import pyarrow.parquet as pq
+
+    from persia_py.stream_reader import ParquetFormat
+
+    pq.write_table(pa.table({"sid": pa.array([1, 2], pa.int64())}), tmp_path / "real.parquet")
+    folder = tmp_path / "stream"
+    folder.mkdir()
+    os.symlink(tmp_path / "real.parquet", folder / "a.parquet")
+    reader = StreamReader(folder, ParquetFormat((CsvColumn(name="sid", kind="int"),)),
+                          idle_timeout_sec=0.3)
+    with pytest.raises(ValueError, match="'a.parquet' is a symbolic link"):
+        list(reader.batches(4))
+    with pytest.raises(ValueError, match="'a.parquet' is a symbolic link"):
+        reader.read(StreamPosition("a.parquet"), StreamPosition("a.parquet", 0, 2))
+
+
+def test_a_followed_file_given_as_a_link_is_resolved_once(tmp_path: Path) -> None:
+    first, second = tmp_path / "first.csv", tmp_path / "second.csv"
+    first.write_text("".join(_rows(3)))
+    second.write_text("".join(_rows(5)))
+    link = tmp_path / "current.csv"
+    os.symlink(first, link)
+    reader = _reader(link)
+    link.unlink()
+    os.symlink(second, link)  # re-pointed: the reader keeps the file it was given
+    assert sum(b.num_records for b in reader.batches(10)) == 3
+
+
 # -- every column option, as CsvReader ------------------------------------------------------
 
 def test_stream_columns_match_csv_reader(tmp_path: Path) -> None:
@@ -158,6 +238,8 @@ def test_an_int_default_must_be_a_whole_number() -> None:
 def test_numbers_parse_as_csv_reader_parses_them(tmp_path: Path, monkeypatch) -> None:
     """The array parser's shortcut for plain decimals (and numpy's cast for the rest)
     gives exactly the values of ``CsvReader`` (Python's ``int`` and ``float``)."""
+    from persia_py import csv_parse
+
     shortcuts = []
     plain_decimals = csv_parse._plain_decimals
     monkeypatch.setattr(csv_parse, "_plain_decimals", lambda *args: shortcuts.append(
