@@ -34,6 +34,8 @@ from persia_py.reader_share import ReaderShare
 from persia_py.routing import RESERVED_ID
 
 logger = logging.getLogger(__name__)
+_FLOAT32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)
+"""The smallest magnitude a float64 rounds to infinity at in float32."""
 
 
 class BadRecordError(ValueError):
@@ -264,9 +266,8 @@ class CsvReader:
             try:
                 if column.kind == "float":
                     value = float(text)
-                    with np.errstate(over="ignore"):
-                        if not np.isfinite(np.float32(value)):
-                            raise ValueError("not a finite float32")
+                    if not abs(value) < _FLOAT32_OVERFLOW:  # NaN too
+                        raise ValueError("not a finite float32")
                 elif column.kind == "int":
                     value = int(text)
                     if not -(2**63) <= value < 2**63:
