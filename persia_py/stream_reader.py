@@ -107,13 +107,20 @@ class CsvFormat:
 
 class ParquetFormat:
     """Parquet records: ``columns`` name the file's columns (``float``, ``int``, ``ids``:
-    a list of integers or one integer per row; ``skip`` columns are not read)."""
+    a list of integers or one integer per row; ``skip`` columns are not read; no
+    ``category`` and no ``default``)."""
 
     final_when_written = True  # a Parquet file appears whole (written, then renamed)
 
     def __init__(self, columns: tuple[CsvColumn, ...]) -> None:
         if not columns:
             raise ValueError("columns: at least one column is required")
+        for column in columns:
+            if column.kind == "category" or column.default is not None:
+                raise ValueError(f"column {column.name!r}: Parquet columns take no "
+                                 f"{'default' if column.default is not None else 'category'}"
+                                 " (nulls are errors; hash strings with persia_py.ids."
+                                 "hash_values before writing, into an 'ids' column)")
         self.columns = tuple(columns)
         self.pa = _pyarrow()
 
@@ -267,6 +274,10 @@ class StreamReader:
             if num_lines and not pending:
                 pending, pending_since = True, now
             if self.idle_timeout_sec is not None and now - last_data >= self.idle_timeout_sec:
+                if num_lines:  # complete lines still waiting for max_wait_sec: the end sends them
+                    batch = self.read(pos, end)
+                    if batch.num_records:
+                        yield batch
                 return
             self.stop.wait(self.poll_interval_sec)
 

@@ -196,6 +196,15 @@ def test_a_followed_file_given_as_a_link_is_resolved_once(tmp_path: Path) -> Non
     assert sum(b.num_records for b in reader.batches(10)) == 3
 
 
+def test_the_end_of_a_stream_sends_the_lines_still_waiting(tmp_path: Path) -> None:
+    """``idle_timeout_sec`` ends the stream; complete lines that were waiting for
+    ``max_wait_sec`` (a short batch) go out first instead of being left unread."""
+    (tmp_path / "a.csv").write_text("".join(_rows(3)))  # the newest file: it may grow
+    reader = StreamReader(tmp_path, CsvFormat(CsvReaderConfig(columns=COLUMNS)),
+                          poll_interval_sec=0.01, max_wait_sec=600, idle_timeout_sec=0.05)
+    assert [b.num_records for b in reader.batches(10)] == [3]
+
+
 # -- every column option, as CsvReader ------------------------------------------------------
 
 def test_stream_columns_match_csv_reader(tmp_path: Path) -> None:
@@ -276,3 +285,41 @@ def test_numbers_parse_as_csv_reader_parses_them(tmp_path: Path, monkeypatch) ->
     np.testing.assert_array_equal(ids, theirs.id_lists["tags"][0])
     assert sum(v is not None for v in shortcuts) >= 6  # each column took the shortcut
     assert sum(v is None for v in shortcuts) >= 2  # and numpy's cast
+
+
+def test_parquet_refuses_the_options_it_cannot_honour() -> None:
+    from persia_py.stream_reader import ParquetFormat
+
+    for column in (CsvColumn(name="city", kind="category"),
+                   CsvColumn(name="n", kind="int", default=0)):
+        with pytest.raises(ValueError, match=f"column '{column.name}': Parquet columns take no"):
+            ParquetFormat((column,))
+
+
+@pytest.mark.parametrize("kind, texts", [
+    ("float", ["1234567890123456", "5.", ".5", "0.000000000000001", "999999999999999.",
+               "123456789012345", "0", "00000000000000.5"]),
+    ("int", ["9223372036854775807", "0", "18", "0000000000000000001"]),
+    ("ids", ["18446744073709551614", "1111111111111111111", "0", "42"]),
+])
+def test_plain_decimals_at_their_limits_parse_as_python_does(kind: str, texts: list) -> None:
+    from persia_py.csv_parse import parse_csv_lines
+
+    config = CsvReaderConfig(columns=(CsvColumn(name="v", kind=kind),))
+    for cut in range(len(texts)):  # each value alone (one matrix width) and all together
+        chunk = texts[cut:cut + 1] if cut else texts
+        batch = parse_csv_lines("".join(t + "\n" for t in chunk).encode(), config, "a", 1)
+        got = batch.id_lists["v"][0] if kind == "ids" else batch.values["v"]
+        expected = ([np.float32(float(t)) for t in chunk] if kind == "float"
+                    else [int(t) for t in chunk])
+        assert got.tolist() == expected, chunk
+
+
+@pytest.mark.parametrize("kind, text", [("float", "."), ("float", "1.2.3"), ("int", "1 2"),
+                                        ("int", "9223372036854775808"), ("ids", "1.5")])
+def test_not_quite_plain_decimals_are_errors(tmp_path: Path, kind: str, text: str) -> None:
+    from persia_py.csv_parse import parse_csv_lines
+
+    config = CsvReaderConfig(columns=(CsvColumn(name="v", kind=kind),), id_separator=";")
+    with pytest.raises(BadRecordError, match=r"a: row 2: column 'v'"):
+        parse_csv_lines(f"1\n{text}\n".encode(), config, "a", 1)
