@@ -216,17 +216,29 @@ def _plain_decimals(texts: np.ndarray, lengths: np.ndarray, dtype) -> np.ndarray
     raw = texts.view(np.uint8).reshape(texts.size, width)
     digits = raw - np.uint8(ord("0"))
     is_digit = digits <= 9  # the zero padding after a string is not (0 - 48 wraps to 208)
-    num_digits = is_digit.sum(axis=1)
-    points = raw == ord(".") if is_float else None
-    num_points = points.sum(axis=1) if is_float else 0
-    if (not np.array_equal(num_digits + num_points, lengths) or not num_digits.all()
-            or (is_float and (num_points.max() > 1 or num_digits.max() > 15))):
+    # Whole-matrix checks (a sum per row is slow for short rows): every byte a digit, a
+    # point or padding, and exactly as many padding bytes as the lengths leave.
+    padding = raw == 0
+    points = raw == ord(".") if is_float else np.zeros_like(padding)
+    if (not (is_digit | padding | points).all()
+            or np.count_nonzero(padding) != raw.size - int(lengths.sum())):
         return None
+    if is_float:
+        point_rows, point_columns = np.nonzero(points)
+        if point_rows.size and ((np.diff(point_rows) == 0).any()  # two points in a value
+                                or (lengths[point_rows] < 2).any()):  # "." alone
+            return None
+        if int(lengths.max()) - (point_rows.size == texts.size) > 15:
+            has_point = np.zeros(texts.size, bool)
+            has_point[point_rows] = True
+            if (lengths - has_point).max() > 15:  # 15 digits: exact in a float64
+                return None
+        after_point = np.zeros(texts.size, np.int64)
+        after_point[point_rows] = lengths[point_rows] - 1 - point_columns
     values = np.zeros(texts.size, np.uint64)
     for column, valid in zip(digits.T, is_digit.T):
         values = np.where(valid, values * np.uint64(10) + column, values)
     if is_float:
-        after_point = np.where(num_points > 0, lengths - 1 - points.argmax(axis=1), 0)
         return values.astype(np.float64) / _POWERS_OF_TEN[after_point]
     if dtype == np.int64 and (values > _INT64_MAX).any():
         return None
