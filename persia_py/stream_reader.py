@@ -45,7 +45,7 @@ from persia_py.csv_parse import check_line_lengths, parse_csv_lines
 from persia_py.data_readers import BadRecordError, CsvBatch, CsvColumn, CsvReaderConfig, record_too_long
 from persia_py.routing import RESERVED_ID
 
-_READ_CHUNK = 1 << 20
+_FIRST_CHUNK, _READ_CHUNK = 1 << 16, 1 << 20  # a scan reads 64 KiB, then doubles to 1 MiB
 _OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
                | getattr(os, "O_NONBLOCK", 0))  # a FIFO put in the folder must not block
 
@@ -317,9 +317,10 @@ class StreamReader:
                                  f"file has {size} (was it truncated or replaced?)")
             f.seek(pos.offset)
             newlines = np.zeros(0, np.int64)
-            read = 0
+            read, chunk_size = 0, _FIRST_CHUNK
             while newlines.size < max_rows:
-                chunk = f.read(_READ_CHUNK)
+                chunk = f.read(chunk_size)
+                chunk_size = min(2 * chunk_size, _READ_CHUNK)
                 if not chunk:
                     break
                 found = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n")) + read

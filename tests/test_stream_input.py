@@ -98,6 +98,23 @@ def test_a_line_over_max_record_bytes_names_file_and_line(tmp_path: Path) -> Non
         list(_reader(growing, max_record_bytes=100).batches(4))  # no wait for its newline
 
 
+def test_scans_across_read_chunks_keep_exact_batches_and_limits(tmp_path: Path) -> None:
+    """A scan reads 64 KiB, then twice as much each time: batches and line limits across
+    those reads are exact."""
+    rows = _rows(10_000)  # ~300 KB; a batch of 4,000 rows spans three reads
+    (tmp_path / "a.csv").write_text("".join(rows))
+    batches = list(_reader(tmp_path).batches(4000))
+    assert [b.num_records for b in batches] == [4000, 4000, 2000]
+    assert np.concatenate([b.records.values["sid"] for b in batches]).tolist() == list(
+        range(10_000))
+    assert batches[1].start.offset == len("".join(rows[:4000]))
+    assert batches[1].end == StreamPosition("a.csv", len("".join(rows[:8000])), 8000)
+    rows[5000] = "5000,0.5," + "1 " * 50_000 + ",c\n"  # 100,011 bytes from byte ~150 KB
+    (tmp_path / "a.csv").write_text("".join(rows))
+    with pytest.raises(BadRecordError, match=r"row 5001: a line of 100011 bytes, over"):
+        list(_reader(tmp_path, max_record_bytes=80_000).batches(8000))
+
+
 def test_csv_reader_honours_max_record_bytes(tmp_path: Path) -> None:
     rows = _rows(5)
     rows[1] = "1,0.5," + "7 " * 100 + ",c1\n"
