@@ -300,18 +300,6 @@ def scatter_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray,
             dst[r, d] = src[p, d]
 
 
-@njit(cache=True, nogil=True)
-def all_finite(values: np.ndarray) -> bool:
-    """Whether every value of a C-contiguous float array is finite, without numpy's
-    batch-sized boolean temporaries; stops at the first that is not."""
-    flat = values.reshape(-1)
-    for i in range(flat.shape[0]):
-        v = flat[i]
-        if not (v - v == 0.0):  # NaN and ±inf give NaN
-            return False
-    return True
-
-
 @njit(cache=True, nogil=True, error_model="numpy")
 def count_sightings(sketch: np.ndarray, salts: np.ndarray, ids: np.ndarray,
                     threshold: int) -> np.ndarray:

@@ -633,7 +633,7 @@ class EmbeddingTable:
                 raise ValueError(f"last_access must lie in [0, clock={clock}], got "
                                  f"[{int(stamps.min())}, {int(stamps.max())}]")
         for name, values in (("weights", weights), ("state", state)):
-            if not kernels.all_finite(np.ascontiguousarray(values)):
+            if not bool(np.isfinite(values).all()):
                 raise ValueError(f"{name} contain NaN or infinite values")
         ordered = np.sort(ids)  # repeats are neighbours once sorted (cheaper than np.unique)
         repeats = int(np.count_nonzero(ordered[1:] == ordered[:-1]))
