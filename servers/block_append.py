@@ -9,8 +9,9 @@ The durability promise is unchanged or better: when ``write`` returns, the recor
 of the process (on the device, rather than in the page cache), so the process's death
 cannot lose it; a machine's crash may still lose what the device had not made durable.
 
-``O_DIRECT`` wants the file offset, the length and the buffer aligned to the logical block
-size, so every record is padded with zeros to a multiple of :data:`BLOCK`; readers skip
+A record is ``<length u32><crc32 u32><payload>``. ``O_DIRECT`` wants the file offset, the
+length and the buffer aligned to the logical block size, so every record is padded with
+zeros to a multiple of :data:`BLOCK`; readers skip
 the padding (the log says so in its header). Where ``O_DIRECT`` is refused (tmpfs on older
 kernels, some network file systems) the same padded records are written buffered.
 """
@@ -21,9 +22,13 @@ import errno
 import fcntl
 import mmap
 import os
+import struct
+import zlib
 
 BLOCK = 4096
 """Record alignment: the largest logical block size of common devices."""
+FRAME = struct.Struct("<II")
+"""What precedes a record's payload: its length and its crc32."""
 
 
 def padded(size: int, block: int = BLOCK) -> int:
@@ -43,18 +48,23 @@ class BlockAppender:
         self.direct = _set_direct(fd, True) if block == BLOCK else False
         self._staging: mmap.mmap | None = None
 
-    def append(self, pieces: list, size: int) -> int:
-        """Write ``pieces`` (``size`` bytes in all) and zeros up to the next block; returns
-        the bytes the file grew by (fewer than ``padded(size, block)`` only if the file
-        system refused the rest)."""
-        total = padded(size, self.block)
+    def append(self, payload: list) -> int:
+        """Write one record: :data:`FRAME` (the payload's length and crc32), the
+        ``payload`` pieces (bytes-like), zeros up to the next block; returns the bytes the
+        file grew by (fewer than ``padded(FRAME.size + length, block)`` only if the file
+        system refused the rest). Each piece is checksummed as it is copied into the
+        staging buffer, while it is in the cache."""
+        length = sum(len(piece) for piece in payload)
+        total = padded(FRAME.size + length, self.block)
         staging = self._buffer(total)
         view = memoryview(staging)
         try:
-            at = 0
-            for piece in pieces:
+            at, crc = FRAME.size, 0
+            for piece in payload:
                 view[at:at + len(piece)] = piece
+                crc = zlib.crc32(view[at:at + len(piece)], crc)
                 at += len(piece)
+            FRAME.pack_into(view, 0, length, crc)
             view[at:total] = bytes(total - at)
             try:
                 return os.write(self.fd, view[:total])

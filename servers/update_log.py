@@ -59,11 +59,10 @@ import numpy as np
 
 from persia_py import checkpoint_format as fmt
 from persia_py.private_files import open_private
-from persia_py.servers.block_append import BLOCK, BlockAppender, padded
+from persia_py.servers.block_append import BLOCK, FRAME, BlockAppender, padded
 
 logger = logging.getLogger(__name__)
 
-_FRAME = struct.Struct("<II")  # payload length, crc32 of the payload
 _META = struct.Struct("<I")  # length of the JSON part of a payload
 _SEGMENT = re.compile(r"(\d{12})\.log")
 DEFAULT_MAX_BYTES = 8 << 30
@@ -117,7 +116,7 @@ class UpdateLog:
             try:
                 header = {"kind": kind, "base": None if base is None else str(base),
                           "replica_index": self.replica_index, "block": BLOCK}
-                out.append(*_frame_pieces(json.dumps(header).encode(), []))
+                out.append(_payload(json.dumps(header).encode(), []))
                 os.fsync(fd)
                 fmt.fsync_dir(self.folder)
             except BaseException:
@@ -184,7 +183,8 @@ class UpdateLog:
         self._append(meta, arrays)
 
     def _append(self, meta: dict, arrays: list[np.ndarray]) -> None:
-        pieces, size = _frame_pieces(json.dumps(meta).encode(), arrays)
+        payload = _payload(json.dumps(meta).encode(), arrays)
+        size = FRAME.size + sum(len(piece) for piece in payload)
         with self._lock:
             if self._fd is None or self._out is None:
                 return  # logging stopped after a failure, until the next cut or load
@@ -194,7 +194,7 @@ class UpdateLog:
                               "for that long: set checkpoint_config.every_steps)")
                 return
             try:
-                written = self._out.append(pieces, size)
+                written = self._out.append(payload)
                 if written != whole:
                     raise OSError(f"short write ({written} of {whole} bytes)")
             except OSError as exc:
@@ -228,16 +228,11 @@ def _segment_name(number: int) -> str:
     return f"{number:012d}.log"
 
 
-def _frame_pieces(meta: bytes, arrays: list[np.ndarray]) -> tuple[list, int]:
-    """A record as the buffers to write and its length: the arrays' own memory, checksummed
-    piece by piece, so appending copies nothing (the kernel's copy into the file aside)."""
-    pieces = [_META.pack(len(meta)), meta,
-              *(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays)]
-    crc, length = 0, 0
-    for piece in pieces:
-        crc = zlib.crc32(piece, crc)
-        length += len(piece)
-    return [_FRAME.pack(length, crc), *pieces], _FRAME.size + length
+def _payload(meta: bytes, arrays: list[np.ndarray]) -> list:
+    """A record's payload as pieces: the JSON part's length, the JSON, the arrays' own
+    memory (copied once, into the appender's staging buffer)."""
+    return [_META.pack(len(meta)), meta,
+            *(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays)]
 
 
 @dataclass(frozen=True)
@@ -286,14 +281,14 @@ def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, byte
     ends the reading when ``tolerate_tail``; else ValueError."""
     offset, block = 0, 1
     while True:
-        frame = f.read(_FRAME.size)
+        frame = f.read(FRAME.size)
         if not frame:
             return
         problem = None
-        if len(frame) < _FRAME.size:
+        if len(frame) < FRAME.size:
             problem = "a record's frame is cut short"
         else:
-            length, crc = _FRAME.unpack(frame)
+            length, crc = FRAME.unpack(frame)
             payload = f.read(length) if _META.size <= length <= MAX_RECORD_BYTES else b""
             if len(payload) != length or zlib.crc32(payload) != crc or length < _META.size:
                 problem = "a record is cut short or damaged"
@@ -305,7 +300,7 @@ def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, byte
         meta = json.loads(payload[_META.size:_META.size + meta_len])
         if offset == 0:
             block = _block(meta, path)
-        offset = padded(offset + _FRAME.size + length, block)
+        offset = padded(offset + FRAME.size + length, block)
         f.seek(offset)
         yield meta, payload[_META.size + meta_len:], offset
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +19,11 @@ from persia_py.config import (
     ParameterServerConfig,
     SlotConfig,
 )
-from persia_py.servers.block_append import BLOCK
+from persia_py.servers.block_append import BLOCK, FRAME
 from persia_py.servers.checkpoint import dump_replica, load_replica
 from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.replica_start import open_update_log
-from persia_py.servers.update_log import _frame_pieces, _records, read_segments, replay_plan
+from persia_py.servers.update_log import _payload, _records, read_segments, replay_plan
 
 EMBEDDING = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4), "item": SlotConfig(dim=8)})
 ADAGRAD = {"type": "adagrad", "lr": 0.1}
@@ -274,8 +275,9 @@ def test_a_segment_written_before_padding_is_replayed_and_appended_to_unpadded(t
     for i, (meta, data) in enumerate(records):
         if i == 0:
             del meta["block"]
-        pieces, _ = _frame_pieces(json.dumps(meta).encode(), [np.frombuffer(data, np.uint8)])
-        old += b"".join(bytes(p) for p in pieces)
+        payload = b"".join(bytes(p) for p in _payload(json.dumps(meta).encode(),
+                                                       [np.frombuffer(data, np.uint8)]))
+        old += FRAME.pack(len(payload), zlib.crc32(payload)) + payload
     segment.path.write_bytes(bytes(old))
     assert read_segments(log)[-1].block == 1
     restarted = _ps()
