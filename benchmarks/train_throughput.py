@@ -8,7 +8,10 @@ Prints samples/s of both sides and their ratio for the dense-heavy and embedding
 workloads (medians over repeats), then samples/s for embedding staleness 1, 2, 4, 8 on
 the embedding-heavy workload. Embeddings and gradients travel as float16 unless
 ``--fp32-wire``; both sides train on batches built before their clocks start, and both
-clocks start after the same warm-up steps (``workloads.WARMUP_STEPS``).
+clocks start after the same warm-up steps (``workloads.WARMUP_STEPS``). For each workload it
+also prints the core-seconds per 1,000 samples of every role (parameter server, embedding
+worker, data loader, NN worker, launcher; ``benchmarks.role_cpu``) beside plain PyTorch's,
+over the same timed window; ``--json`` adds ``<workload>_cpu_ratio`` (all roles over plain).
 
 Runs are long enough to pass the start-up phase: in a run's first tens of steps the
 parameter server inserts most of the rows it will hold (new memory, touched for the first
@@ -22,27 +25,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.role_cpu import ROLES, JobResult, run_job
+
 HERE = Path(__file__).resolve().parent / "throughput"
 sys.path.insert(0, str(HERE))
 from workloads import SLOT_NAMES, WARMUP_STEPS, WORKLOADS  # noqa: E402
 
 TARGETS = {"dense_heavy": 0.85, "embedding_heavy": 1.0}
-
-
-def _samples_per_sec(command: list[str], what: str) -> float:
-    result = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
-    match = re.search(r"samples_per_sec: ([0-9.]+)", result.stdout)
-    if result.returncode != 0 or match is None:
-        raise RuntimeError(f"{what} failed ({result.returncode}):\n{result.stdout[-4000:]}"
-                           f"\n{result.stderr[-4000:]}")
-    return float(match.group(1))
 
 
 def _configs(workdir: Path, workload: str, fp16: bool = True) -> tuple[Path, Path]:
@@ -57,20 +55,49 @@ def _configs(workdir: Path, workload: str, fp16: bool = True) -> tuple[Path, Pat
     return embedding, global_
 
 
-def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = True) -> float:
+def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = True,
+         tree: Path | None = None) -> JobResult:
+    """One ``local`` job of ``workload``; ``tree``: the checkout whose persia_py runs it
+    (default: the one installed), the harness being this one either way."""
     embedding, global_ = _configs(workdir, workload, fp16)
-    return _samples_per_sec([
-        sys.executable, "-m", "persia_py.launcher.cli", "local",
-        "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
-        "--embedding-config", str(embedding), "--global-config", str(global_),
-        "--nn-worker-args", f"--workload {workload} --embedding-staleness {staleness}",
-        "--data-loader-args", f"--workload {workload} --steps {steps}",
-    ], f"persia_py {workload}")
+    env = None
+    if tree is not None:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+    run_dir = workdir / "run"  # holds update logs of GBs in trees that kept them
+    try:
+        return run_job([
+            sys.executable, "-m", "persia_py.launcher.cli", "local", "--run-dir", str(run_dir),
+            "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
+            "--embedding-config", str(embedding), "--global-config", str(global_),
+            "--nn-worker-args", f"--workload {workload} --embedding-staleness {staleness}",
+            "--data-loader-args", f"--workload {workload} --steps {steps}",
+        ], cwd=str(HERE), env=env, what=f"persia_py {workload}", train_script="train.py",
+            loader_script="data_loader.py")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def plain(workload: str, steps: int) -> float:
-    return _samples_per_sec([sys.executable, str(HERE / "plain.py"), "--workload", workload,
-                             "--steps", str(steps)], f"plain PyTorch {workload}")
+def plain(workload: str, steps: int) -> tuple[float, float]:
+    """samples/s and core-seconds per 1,000 samples of the plain PyTorch process."""
+    command = [sys.executable, str(HERE / "plain.py"), "--workload", workload,
+               "--steps", str(steps)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
+    match = re.search(r"samples_per_sec: ([0-9.]+) samples: ([0-9]+) cpu_sec: ([0-9.]+)",
+                      result.stdout)
+    if result.returncode != 0 or match is None:
+        raise RuntimeError(f"plain PyTorch {workload} failed ({result.returncode}):\n"
+                           f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return float(match.group(1)), 1000 * float(match.group(3)) / int(match.group(2))
+
+
+def median_cpu(runs: list[JobResult]) -> dict[str, float]:
+    """Per role (and ``all``), the median over runs of core-seconds per 1,000 samples."""
+    per_run = [r.cpu_per_1000() for r in runs]
+    return {role: statistics.median(p[role] for p in per_run) for role in (*ROLES, "all")}
+
+
+def cpu_line(cpu: dict[str, float]) -> str:
+    return "  ".join(f"{role} {cpu[role]:.3f}" for role in (*ROLES, "all"))
 
 
 def main() -> None:
@@ -95,16 +122,24 @@ def main() -> None:
             for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
                 plain_runs.append(plain(workload, args.steps))
                 ours_runs.append(ours(workload, args.steps, args.staleness, workdir, fp16))
-            o, p = statistics.median(ours_runs), statistics.median(plain_runs)
-            figures.update({f"{workload}_runs_samples_per_sec": ours_runs,
-                            f"{workload}_plain_runs_samples_per_sec": plain_runs,
-                            f"{workload}_samples_per_sec": o,
-                            f"{workload}_plain_samples_per_sec": p,
-                            f"{workload}_ratio": o / p})
+            o = statistics.median(r.samples_per_sec for r in ours_runs)
+            p = statistics.median(sps for sps, _ in plain_runs)
+            cpu, plain_cpu = median_cpu(ours_runs), statistics.median(c for _, c in plain_runs)
+            figures.update({
+                f"{workload}_runs_samples_per_sec": [r.samples_per_sec for r in ours_runs],
+                f"{workload}_plain_runs_samples_per_sec": [sps for sps, _ in plain_runs],
+                f"{workload}_samples_per_sec": o,
+                f"{workload}_plain_samples_per_sec": p,
+                f"{workload}_ratio": o / p,
+                f"{workload}_cpu_per_1000_samples": cpu,
+                f"{workload}_plain_cpu_per_1000_samples": plain_cpu,
+                f"{workload}_cpu_ratio": cpu["all"] / plain_cpu})
             print(f"{workload:16s} persia_py {o:10.0f} samples/s   plain PyTorch {p:10.0f} "
                   f"samples/s   ratio {o / p:5.2f}   (target >= {TARGETS[workload]})", flush=True)
+            print(f"{'':16s} core-s per 1,000 samples: {cpu_line(cpu)}   plain PyTorch "
+                  f"{plain_cpu:.3f}   ratio {cpu['all'] / plain_cpu:5.2f}", flush=True)
         for staleness in (1, 2, 4, 8):
-            s = ours("embedding_heavy", args.steps, staleness, workdir, fp16)
+            s = ours("embedding_heavy", args.steps, staleness, workdir, fp16).samples_per_sec
             figures[f"embedding_heavy_staleness_{staleness}_samples_per_sec"] = s
             print(f"embedding_heavy  staleness {staleness}: {s:10.0f} samples/s", flush=True)
     if args.json:

@@ -2,7 +2,7 @@
 
 Every role builds and parses messages of tens of MB per step. With glibc's defaults
 such a buffer often lands in memory just handed back to the kernel, so each use starts
-with a page fault per 4 KiB, thousands per answer (docs/benchmarks.md). Three
+with a page fault per 4 KiB, thousands per answer (docs/benchmarks.md). Four
 settings stop that:
 
 * ``glibc.malloc.hugetlb=1``: malloc'd memory is advised for transparent huge pages,
@@ -10,7 +10,10 @@ settings stop that:
 * ``glibc.malloc.mmap_threshold`` 32 MiB: buffers below it come from the heap (and are
   reused) instead of a fresh mapping each time;
 * ``glibc.malloc.trim_threshold`` 4 GiB: freed heap memory is kept for the next
-  message instead of being returned and faulted in again.
+  message instead of being returned and faulted in again;
+* ``glibc.malloc.arena_max`` 2: the gRPC threads share two arenas instead of one each
+  (up to 8 per core), so a message's buffer is more often one another thread just freed
+  than fresh memory to fault in and zero.
 
 The cost is memory: a process keeps its peak message working set. glibc reads
 ``GLIBC_TUNABLES`` once, at start, so launchers put it in the environment of the
@@ -28,8 +31,9 @@ import sys
 MMAP_THRESHOLD = 32 << 20
 """The most glibc accepts (half its 64 MiB heap size on 64-bit hosts)."""
 TRIM_THRESHOLD = 4 << 30
+ARENA_MAX = 2
 TUNABLES = (f"glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold={MMAP_THRESHOLD}"
-            f":glibc.malloc.trim_threshold={TRIM_THRESHOLD}")
+            f":glibc.malloc.trim_threshold={TRIM_THRESHOLD}:glibc.malloc.arena_max={ARENA_MAX}")
 """The ``GLIBC_TUNABLES`` value for persia_py processes."""
 
 _M_TRIM_THRESHOLD = -1

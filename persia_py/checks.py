@@ -8,7 +8,9 @@ so a config loader can put the key path in front of them unchanged. Type message
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import numpy as np
 
@@ -73,3 +75,33 @@ def describe(value: object) -> str:
     if isinstance(value, (str, int, float, bool)) and len(text) <= 40:
         return f"{name} {text}"
     return name
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OPENS = np.frombuffer(b"[{", dtype=np.uint8)
+_CLOSES = np.frombuffer(b"]}", dtype=np.uint8)
+
+
+def load_json(text: str | bytes, where: str, *, max_bytes: int, max_depth: int) -> object:
+    """``text`` parsed as JSON, if it is at most ``max_bytes`` long and nests arrays and
+    objects at most ``max_depth`` deep; else ``ValueError`` naming ``where`` and the
+    problem. Both are checked before parsing, in one pass over the bytes (the parser
+    would recurse once per level, and answer a deep text with a RecursionError)."""
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    if len(raw) > max_bytes:
+        raise ValueError(f"{where}: {len(raw)} bytes of JSON, over the bound of {max_bytes}")
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise ValueError(f"{where}: JSON nested {depth} deep, deeper than {max_depth}")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from None
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in the JSON text ``raw`` (brackets inside strings
+    do not count)."""
+    codes = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    steps = np.isin(codes, _OPENS).astype(np.int64) - np.isin(codes, _CLOSES)
+    return int(np.cumsum(steps).max(initial=0))

@@ -17,8 +17,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from persia_py.checks import load_json
+
 SEQ_BITS = 40
 """Low bits of a batch id that hold the loader's sequence number."""
+
+MAX_LOADERS = 1 << (64 - SEQ_BITS)
+"""Loader indexes a batch id can hold."""
+MAX_POSITIONS_BYTES = 1 << 20
+"""Largest positions text (:meth:`DataPositions.to_env`) read from the environment, a
+rewind file or a ``Rewind`` call."""
+_POSITIONS_DEPTH = 3  # {loader: {"next": n, "also": [...]}}
 
 ENV_DATA_POSITIONS = "PERSIA_DATA_POSITIONS"
 """JSON ``{loader index: {"next": int, "also": [int, ...]}}`` a resumed job's data
@@ -71,8 +80,13 @@ class Position:
                 or not _count(data["next"]) or not isinstance(data["also"], list)
                 or not all(_count(s) and s > data["next"] for s in data["also"])):
             raise ValueError(f"{where}: expected {{'next': int >= 0, 'also': [ints above "
-                             f"next]}}, got {data!r}")
+                             f"next]}}, got {_shown(data)}")
         return cls(data["next"], frozenset(data["also"]))
+
+
+def _shown(data: object) -> str:
+    text = repr(data)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
 
 
 def _count(value: object) -> bool:
@@ -103,11 +117,13 @@ class DataPositions:
     def from_json(cls, data: object, where: str = "data_positions") -> DataPositions:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: expected a mapping of loader index to position, "
-                             f"got {data!r}")
+                             f"got {_shown(data)}")
         positions = {}
         for key, value in data.items():
-            if not (isinstance(key, str) and key.isdigit()):
-                raise ValueError(f"{where}: loader index {key!r} is not a number")
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()
+                    and len(key) <= 8 and int(key) < MAX_LOADERS):
+                raise ValueError(f"{where}: loader index {_shown(key)} is not a number "
+                                 f"below {MAX_LOADERS}")
             positions[int(key)] = Position.from_json(value, f"{where}[{key}]")
         return cls(positions)
 
@@ -119,8 +135,5 @@ class DataPositions:
         """Positions from their :meth:`to_env` text (``where`` names its source in errors)."""
         if not text:
             return cls()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not JSON ({exc})") from None
-        return cls.from_json(data, where)
+        return cls.from_json(load_json(text, where, max_bytes=MAX_POSITIONS_BYTES,
+                                       max_depth=_POSITIONS_DEPTH), where)

@@ -4,7 +4,8 @@ A malformed record (wrong number of fields, a value that does not parse, a non-f
 float, an id out of range) stops the reader with a :class:`BadRecordError` naming the
 file and the row (the 1-based line number). With ``skip_bad_rows`` the reader skips such
 rows instead, counts them, and reports the count and the first bad row when the file is
-done (a warning in the log, and ``num_bad_rows`` on the reader).
+done (a warning in the log, and ``num_bad_rows`` on the reader). A line longer than
+``max_record_bytes`` is such a malformed row too, found before it is held in memory.
 
     reader = CsvReader("train.csv", CsvReaderConfig(columns=(
         CsvColumn(name="label", kind="float"), CsvColumn(name="age", kind="float"),
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +34,8 @@ from persia_py.reader_share import ReaderShare
 from persia_py.routing import RESERVED_ID
 
 logger = logging.getLogger(__name__)
+_FLOAT32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)
+"""The smallest magnitude a float64 rounds to infinity at in float32."""
 
 
 class BadRecordError(ValueError):
@@ -42,6 +44,13 @@ class BadRecordError(ValueError):
     def __init__(self, path: str, row: int, reason: str) -> None:
         super().__init__(f"{path}: row {row}: {reason}")
         self.path, self.row, self.reason = path, row, reason
+
+
+def record_too_long(limit: int, num_bytes: int | None = None) -> str:
+    """The reason of a :class:`BadRecordError` for a line over ``max_record_bytes``."""
+    size = f"more than {limit}" if num_bytes is None else str(num_bytes)
+    return (f"a line of {size} bytes, over max_record_bytes ({limit}); raise "
+            "CsvReaderConfig(max_record_bytes=...) if such records are meant")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,8 +63,9 @@ class CsvColumn:
     hex values; empty is a value too) made an id by :func:`persia_py.ids.hash_values`;
     ``skip``: read and ignored."""
     default: float | None = None
-    """``float`` and ``int`` columns: the value of an empty field (Criteo's missing
-    counts); None: an empty field is a malformed record."""
+    """``float`` and ``int`` columns: the value of an empty field (or one of spaces only:
+    Criteo's missing counts); None: an empty field is a malformed record. An ``int``
+    column's default is a whole number in the int64 range."""
     salt: str | None = None
     """``category`` columns: the hash's salt (None: the column's name). Give columns that
     share a table (``feature_groups``) the same salt."""
@@ -67,6 +77,10 @@ class CsvColumn:
         if self.default is not None and self.kind not in ("float", "int"):
             raise ValueError(f"column {self.name!r}: default is for 'float' and 'int' "
                              f"columns, not {self.kind!r}")
+        if self.kind == "int" and self.default is not None and not (
+                float(self.default).is_integer() and -(2**63) <= self.default < 2**63):
+            raise ValueError(f"column {self.name!r}: an 'int' column's default must be a "
+                             f"whole number in the int64 range, got {self.default!r}")
         if self.salt is not None and self.kind != "category":
             raise ValueError(f"column {self.name!r}: salt is for 'category' columns, not "
                              f"{self.kind!r}")
@@ -84,6 +98,10 @@ class CsvReaderConfig:
     """The first line names the columns and is skipped."""
     skip_bad_rows: bool = False
     """Skip and count malformed rows instead of stopping at the first one."""
+    max_record_bytes: int = 1 << 20
+    """The longest line a record may have, in bytes (its newline not counted; 1 MiB by
+    default). A longer line is a malformed record, found before it is held in memory:
+    this bounds a batch's memory at about ``batch_size`` times it."""
 
     def __post_init__(self) -> None:
         if not self.columns:
@@ -94,6 +112,10 @@ class CsvReaderConfig:
         if len(self.delimiter) != 1 or not self.id_separator or self.id_separator == self.delimiter:
             raise ValueError(f"delimiter must be one character and id_separator a different, "
                              f"non-empty string; got {self.delimiter!r}, {self.id_separator!r}")
+        if (not isinstance(self.max_record_bytes, int) or isinstance(self.max_record_bytes, bool)
+                or self.max_record_bytes < 1):
+            raise ValueError(f"max_record_bytes must be an int >= 1 (bytes in a line), got "
+                             f"{self.max_record_bytes!r}")
 
 
 @dataclass
@@ -156,7 +178,8 @@ class CsvReader:
         with open(self.path, "rb") as f:
             lines_before = _count_newlines(f, start)
             f.seek(start)
-            reader = csv.reader(_lines(f, end - start), delimiter=cfg.delimiter, strict=True)
+            reader = csv.reader(self._lines(f, end - start, lines_before + 1),
+                                delimiter=cfg.delimiter, strict=True)
             first = start == 0
             while True:
                 line_before = reader.line_num
@@ -190,6 +213,28 @@ class CsvReader:
                     continue
                 yield row, record
 
+    def _lines(self, f, num_bytes: int, first_line: int) -> Iterator[str]:
+        """The lines in the next ``num_bytes`` of binary ``f`` (they end on a line end), as
+        text; bytes that are not UTF-8 are replaced (the field then fails to parse). A
+        line over ``max_record_bytes`` is a bad row, never held whole: it is read past in
+        pieces and an empty line takes its place, so later rows keep their numbers."""
+        limit = self.config.max_record_bytes
+        left, line_number = num_bytes, first_line
+        while left > 0:
+            line = f.readline(min(left, limit + 1))
+            if not line:
+                return
+            left -= len(line)
+            if len(line) > limit and not line.endswith(b"\n"):
+                self.num_rows += 1
+                self._bad(line_number, record_too_long(limit))
+                while left > 0 and line and not line.endswith(b"\n"):
+                    line = f.readline(min(left, 1 << 16))
+                    left -= len(line)
+                line = b"\n"
+            line_number += 1
+            yield line.decode("utf-8", errors="replace")
+
     def _unshareable(self) -> str:
         return (f"a record spanning lines cannot be shared between data loaders (share "
                 f"{self.share.index} of {self.share.count}): read the file whole with "
@@ -221,8 +266,8 @@ class CsvReader:
             try:
                 if column.kind == "float":
                     value = float(text)
-                    if not math.isfinite(value):
-                        raise ValueError("not finite")
+                    if not abs(value) < _FLOAT32_OVERFLOW:  # NaN too
+                        raise ValueError("not a finite float32")
                 elif column.kind == "int":
                     value = int(text)
                     if not -(2**63) <= value < 2**63:
@@ -273,138 +318,3 @@ def _count_newlines(f, num_bytes: int) -> int:
     return count
 
 
-def _lines(f, num_bytes: int) -> Iterator[str]:
-    """The lines in the next ``num_bytes`` of binary ``f`` (they end on a line end), as
-    text; bytes that are not UTF-8 are replaced (the field then fails to parse)."""
-    left = num_bytes
-    while left > 0:
-        line = f.readline(left)
-        if not line:
-            return
-        left -= len(line)
-        yield line.decode("utf-8", errors="replace")
-
-
-# -- vectorized parsing of complete lines (the streaming readers' CSV path) ----------------
-
-def parse_csv_lines(data: bytes, config: CsvReaderConfig, path: str, first_line: int) -> CsvBatch:
-    """Every record of ``data`` (complete lines, each ending in a newline) as one batch,
-    parsed with array operations over the whole buffer, no loop per row or field.
-
-    ``first_line`` is the 1-based line number of ``data``'s first line (for errors and
-    ``rows``). Blank lines are skipped. Fields are not quoted: a line with a quote
-    character, with the wrong number of fields, or with a value that does not parse is
-    a :class:`BadRecordError` naming ``path`` and the line (``skip_bad_rows`` is not
-    honoured here: a stream cannot skip a row and still replay exactly)."""
-    buf = np.frombuffer(data, dtype=np.uint8)
-    if buf.size and buf[-1] != ord("\n"):
-        raise ValueError(f"{path}: parse_csv_lines takes complete lines (the data must end "
-                         "with a newline)")
-    ends = np.flatnonzero(buf == ord("\n"))
-    starts = np.r_[0, ends[:-1] + 1].astype(np.int64)
-    ends = ends - ((ends > starts) & (buf[np.maximum(ends - 1, 0)] == ord("\r")))  # CRLF
-    lines = first_line + np.arange(ends.size, dtype=np.int64)
-    keep = ends > starts
-    starts, ends, lines = starts[keep], ends[keep], lines[keep]
-    quotes = np.flatnonzero(buf == ord('"'))
-    if quotes.size:
-        row = int(first_line + np.searchsorted(np.flatnonzero(buf == ord("\n")), quotes[0]))
-        raise BadRecordError(path, row, "quoted fields are not supported by the streaming "
-                                        "reader")
-    num_fields = len(config.columns)
-    delims = np.flatnonzero(buf == ord(config.delimiter))
-    delim_line = np.searchsorted(ends, delims)  # index (among kept lines) of each delimiter
-    counts = np.bincount(delim_line, minlength=ends.size)[:ends.size] + 1
-    bad = np.flatnonzero(counts != num_fields)
-    if bad.size:
-        raise BadRecordError(path, int(lines[bad[0]]),
-                             f"{int(counts[bad[0]])} fields, expected {num_fields}")
-    inner = delims.reshape(ends.size, num_fields - 1)
-    field_starts = np.concatenate([starts[:, None], inner + 1], axis=1)
-    field_ends = np.concatenate([inner, ends[:, None]], axis=1)
-    values, id_lists = {}, {}
-    for k, column in enumerate(config.columns):  # a loop over columns, not rows
-        s, e = field_starts[:, k], field_ends[:, k]
-        if column.kind == "skip":
-            continue
-        if column.kind == "ids":
-            id_lists[column.name] = _parse_id_lists(buf, s, e, config, column, path, lines)
-            continue
-        dtype = np.float64 if column.kind == "float" else np.int64
-        parsed = _parse_fields(buf, s, e, dtype, column, path, lines)
-        if column.kind == "float":
-            finite = np.isfinite(parsed)
-            if not finite.all():
-                i = int(np.argmin(finite))
-                raise BadRecordError(path, int(lines[i]), f"column {column.name!r}: "
-                                     f"{float(parsed[i])} is not a valid float (not finite)")
-            parsed = parsed.astype(np.float32)
-        values[column.name] = parsed
-    return CsvBatch(values=values, id_lists=id_lists, rows=lines)
-
-
-def _fixed_width(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """The byte strings ``buf[starts[i]:ends[i]]`` as one fixed-width bytes array."""
-    width = int((ends - starts).max(initial=0))
-    if width == 0:
-        return np.zeros(starts.size, dtype="S1")
-    index = starts[:, None] + np.arange(width)
-    inside = index < ends[:, None]
-    cells = np.where(inside, buf[np.minimum(index, buf.size - 1)], 0).astype(np.uint8)
-    return np.ascontiguousarray(cells).view(f"S{width}").reshape(-1)
-
-
-def _parse_fields(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, dtype, column,
-                  path: str, lines: np.ndarray) -> np.ndarray:
-    """One numeric column; on a bad value, the error names its line."""
-    texts = _fixed_width(buf, starts, ends)
-    try:
-        return texts.astype(dtype)
-    except (ValueError, OverflowError):
-        pass
-    for i, text in enumerate(texts.tolist()):  # only after a failure: find the bad row
-        try:
-            np.array([text]).astype(dtype)
-        except (ValueError, OverflowError) as exc:
-            kind = "float" if dtype == np.float64 else column.kind
-            raise BadRecordError(path, int(lines[i]), f"column {column.name!r}: "
-                                 f"{text.decode(errors='replace')[:40]!r} is not a valid "
-                                 f"{kind} ({exc})") from None
-    raise AssertionError("a column failed to parse but no value of it fails")
-
-
-def _parse_id_lists(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                    config: CsvReaderConfig, column, path: str,
-                    lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One ``ids`` column: (uint64 ids, int32 per-record lengths); empty tokens skipped."""
-    if len(config.id_separator) != 1:
-        raise ValueError(f"column {column.name!r}: the streaming reader needs a one-character "
-                         f"id_separator, got {config.id_separator!r}")
-    seps = np.flatnonzero(buf == ord(config.id_separator))
-    field = np.searchsorted(ends, seps)  # the record whose field may hold each separator
-    field = np.minimum(field, max(ends.size - 1, 0))
-    inside = (ends.size > 0) & (seps >= starts[field]) & (seps < ends[field])
-    seps = seps[inside]
-    token_starts = np.sort(np.concatenate([starts, seps + 1]))
-    token_ends = np.sort(np.concatenate([seps, ends]))
-    nonempty = token_ends > token_starts
-    token_starts, token_ends = token_starts[nonempty], token_ends[nonempty]
-    record = np.searchsorted(ends, token_starts)
-    lengths = np.bincount(record, minlength=ends.size).astype(np.int32)
-    texts = _fixed_width(buf, token_starts, token_ends)
-    try:
-        ids = texts.astype(np.uint64) if texts.size else np.zeros(0, np.uint64)
-    except (ValueError, OverflowError):
-        ids = None
-    if ids is None or (ids >= RESERVED_ID).any():
-        bad = (np.arange(texts.size) if ids is None else np.flatnonzero(ids >= RESERVED_ID))
-        for i in bad.tolist():  # only after a failure: find the bad id's row
-            try:
-                ok = int(texts[i]) in range(int(RESERVED_ID))
-            except ValueError:
-                ok = False
-            if not ok:
-                raise BadRecordError(path, int(lines[record[i]]), f"column {column.name!r}: "
-                                     f"{texts[i].decode(errors='replace')[:40]!r} is not a "
-                                     f"valid id (ids must be in [0, {int(RESERVED_ID)}))")
-    return ids, lengths

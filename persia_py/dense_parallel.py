@@ -22,10 +22,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 
+from persia_py.collectives import broadcast_tensors
 from persia_py.fsdp_limiter import UnshardedBytesMeter
 
 Inputs = tuple[list[torch.Tensor], list[torch.Tensor]]
 """A training forward's inputs: the non-ID tensors and the pooled embeddings."""
+MAX_JOIN_INPUT_BYTES = 1 << 34
+"""Bound of one batch's inputs a rank without a batch of its own receives to shadow a
+step (they came over gRPC, each message within ``common_config.max_message_bytes``)."""
 
 
 def _local_grads_finite(optimizer: torch.optim.Optimizer) -> bool:
@@ -126,14 +130,12 @@ class FSDPParallel(DenseParallel, Joinable):
         if bool(training_ranks.all()):
             return
         src = int(torch.nonzero(training_ranks)[0])
-        # The inputs are a batch's tensors between this job's own ranks (as DDP's
-        # buffers): pickled by broadcast_object_list, once per Join at most.
-        sent = [None if self._last_inputs is None else
-                tuple([t.cpu() for t in part] for part in self._last_inputs)]
-        dist.broadcast_object_list(sent, src=src)
+        # Once per Join at most: dtypes and shapes as JSON, then the tensors (nothing pickled).
+        dense, embeddings = broadcast_tensors(self._last_inputs, src,
+                                              max_bytes=MAX_JOIN_INPUT_BYTES,
+                                              device=self.join_device, what="a batch to shadow")
         if self._last_inputs is None:
-            device = self.join_device
-            self._last_inputs = tuple([t.to(device) for t in part] for part in sent[0])
+            self._last_inputs = (dense, embeddings)
 
     def grads_finite(self, optimizer: torch.optim.Optimizer) -> bool:
         """Every rank's gradient shards finite (one allreduce: the ranks hold different

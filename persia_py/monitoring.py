@@ -14,16 +14,19 @@ such as AUC live in :mod:`persia_py.metrics`.)
 from __future__ import annotations
 
 import logging
+import socket
+import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from persia_py.servers.parameter_server import ParameterServer
     from persia_py.workers.embedding_worker import EmbeddingWorker
 
@@ -37,23 +40,109 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
                     2.5, 5.0, 10.0, 30.0)
 
 
+MAX_METRICS_CONNECTIONS = 8
+"""Connections a metrics endpoint serves at once (a thread each); one more is answered
+503 at once and closed, without a thread (a scraper comes back at its next interval)."""
+METRICS_READ_TIMEOUT_SEC = 10.0
+"""How long a metrics connection may take to send its request (it holds a thread)."""
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n"
+         b"Connection: close\r\n\r\n")
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = METRICS_READ_TIMEOUT_SEC
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+        """One line per scrape would drown the role's own output."""
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection (as prometheus_client's server), at most
+    :data:`MAX_METRICS_CONNECTIONS` of them at once."""
+
+    daemon_threads = True
+    max_connections = MAX_METRICS_CONNECTIONS
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_active = 0
+        self._idle = threading.Condition()
+
+    def process_request(self, request, client_address) -> None:
+        with self._idle:
+            full = self.num_active >= self.max_connections
+            if not full:
+                self.num_active += 1
+        if full:
+            try:  # a fresh socket's buffer takes these bytes; never wait on this client
+                request.setblocking(False)
+                request.send(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # its thread releases the slot
+        except BaseException:
+            self._release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], OSError):  # a client gone, or too slow: its loss
+            return
+        super().handle_error(request, client_address)
+
+    def _release(self) -> None:
+        with self._idle:
+            self.num_active -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no connection is being served; False after ``timeout`` s."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.num_active == 0, timeout=timeout)
+
+
 class MetricsServer:
     """A running ``/metrics`` endpoint; ``close`` stops it."""
 
-    def __init__(self, httpd: WSGIServer, thread) -> None:
+    def __init__(self, httpd: _BoundedServer, thread: threading.Thread) -> None:
         self._httpd, self._thread = httpd, thread
         self.port: int = httpd.server_port
+
+    @property
+    def num_connections(self) -> int:
+        """Connections being served now (each on a thread of its own)."""
+        return self._httpd.num_active
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no connection is being served; False after ``timeout`` s."""
+        return self._httpd.wait_idle(timeout)
 
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5.0)
+        self._httpd.wait_idle(timeout=2.0)  # a scrape under way finishes; none waits longer
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str, what: str) -> MetricsServer:
     """Serve ``registry`` on ``host:port`` (0: any free port) and print where, for people
-    and for ``persia-launcher local``: ``<what> metrics on http://host:port/metrics``."""
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    and for ``persia-launcher local``: ``<what> metrics on http://host:port/metrics``.
+    At most :data:`MAX_METRICS_CONNECTIONS` connections are served at once."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("_BoundedServer", (_BoundedServer,), {"address_family": family})
+    httpd = make_server(host, port, make_wsgi_app(registry), server_class,
+                        handler_class=_Handler)
+    thread = threading.Thread(target=httpd.serve_forever, name=f"metrics {what}", daemon=True)
+    thread.start()
     server = MetricsServer(httpd, thread)
     print(f"{what} metrics on http://{host}:{server.port}/metrics", flush=True)
     return server

@@ -20,8 +20,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from persia_py.collectives import all_gather_json
 from persia_py.config import CommonConfig
 from persia_py.env import ENV_RANK_FAILED_FILE
+from persia_py.private_files import append_private
+
+_MAX_ADDRESS_BYTES = 1024
+"""Bound of one rank's address (JSON text) in the exchange that names the ranks."""
 
 
 def init_process_group(backend: str, common: CommonConfig) -> list[str]:
@@ -35,8 +40,8 @@ def init_process_group(backend: str, common: CommonConfig) -> list[str]:
     else:
         dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    addresses: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(addresses, _local_address())
+    addresses = all_gather_json(_local_address(), max_bytes=_MAX_ADDRESS_BYTES,
+                                what="the ranks' addresses")
     if backend == "gloo":  # NCCL's watchdog aborts the process instead; keep its default
         dist.distributed_c10d._set_pg_timeout(
             timedelta(seconds=2 * common.rpc_timeout_sec))
@@ -79,7 +84,7 @@ def report_failure(rank: int, exc: BaseException) -> None:
     if not path:
         return
     try:
-        with open(path, "a") as f:
+        with append_private(path) as f:
             f.write(f"rank {rank}: {type(exc).__name__}: {exc}"[:4000] + "\n")
     except OSError:
         pass  # the launcher then waits for torchrun alone

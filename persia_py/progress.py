@@ -31,6 +31,7 @@ from persia_py.monitoring import (
     metrics_port_from_env,
     serve_metrics,
 )
+from persia_py.private_files import append_private
 
 ENV_TRAIN_LOG = "PERSIA_TRAIN_LOG"
 """Path of the JSON-lines training log rank 0 writes (``persia-launcher`` sets it)."""
@@ -58,7 +59,7 @@ class StepReporter:
         self._file: TextIO | None = None
         if rank == 0 and train_log:
             os.makedirs(os.path.dirname(os.path.abspath(train_log)), exist_ok=True)
-            self._file = open(train_log, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            self._file = append_private(train_log, buffering=1)  # closed in close()
         self._started = time.monotonic()
         self.num_steps = 0
         self.num_samples = 0

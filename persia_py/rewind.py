@@ -8,10 +8,12 @@ loaders run in pods of their own) the ranks come back alone, and nobody else kno
 rank 0 of a restarted training, before anything is trained:
 
 1. asks every data loader to **rewind** (``Rewind``): the loader writes the checkpoint's
-   data positions beside its handover log and exits with :data:`EXIT_CODE`; started
-   again by its supervisor (``local``, a StatefulSet), it finds them, starts a new
-   handover log and a new stream, and makes exactly the batches the checkpoint does not
-   hold as trained;
+   data positions beside its handover log, with the stream that log names, and exits
+   with :data:`EXIT_CODE`; started again by its supervisor (``local``, a StatefulSet),
+   it finds them, starts a new handover log and a new stream, and makes exactly the
+   batches the checkpoint does not hold as trained. Only a restart takes them, and only
+   when they name the stream of the log it replays: positions this job's loader wrote
+   during this run. A file left by another run, or planted, is removed, not honoured;
 2. asks every embedding worker to **restart** (``Restart``): it exits and comes back
    empty, holding no batch of the stream before;
 3. waits until each of them answers ``Health`` as a new process (:data:`INSTANCE`
@@ -24,6 +26,7 @@ exits, so a caller is never left guessing whether it was heard.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -34,7 +37,8 @@ from pathlib import Path
 import grpc
 
 from persia_py.config import CommonConfig
-from persia_py.data_position import DataPositions
+from persia_py.data_position import DataPositions, Position
+from persia_py.private_files import open_private
 from persia_py.proto import common_pb2, data_loader_pb2_grpc, embedding_worker_pb2_grpc
 from persia_py.rpc import call, create_channel
 
@@ -63,27 +67,61 @@ def rewind_file(handover_log: str | os.PathLike) -> Path:
     return Path(f"{handover_log}.rewind")
 
 
-def write_rewind(handover_log: str | os.PathLike, positions: DataPositions) -> None:
-    """Write ``positions`` for the next start of this loader: whole or not at all."""
+def write_rewind(handover_log: str | os.PathLike, positions: DataPositions,
+                 stream: str | None) -> None:
+    """Write ``positions`` for the next start of this loader, tagged with the ``stream``
+    its handover log names: whole or not at all, readable by its owner only."""
     path = rewind_file(handover_log)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        os.write(fd, positions.to_env().encode())
+        os.write(fd, json.dumps({"stream": stream, "positions": positions.to_env()}).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
 
 
-def read_rewind(handover_log: str | os.PathLike) -> DataPositions | None:
-    """The positions a ``Rewind`` left for this start (None: there are none)."""
+def read_rewind(handover_log: str | os.PathLike, *, stream: str | None) -> DataPositions | None:
+    """The positions a ``Rewind`` left for this start (None: there are none). ``stream``:
+    the stream of the handover log this start replays (None on a first start). Positions
+    that name another stream (another run's, or planted) are not honoured: the file is
+    removed and None returned."""
     path = rewind_file(handover_log)
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
-    return DataPositions.from_env(text, str(path))
+    try:
+        record = json.loads(text)
+        named, positions = record["stream"], record["positions"]
+    except (ValueError, KeyError, TypeError):
+        named = positions = None
+    if stream is None or named != stream:
+        logger.warning("%s: not positions of the stream this start replays (%s); removed, "
+                       "not honoured", path, stream or "none: a first start")
+        path.unlink(missing_ok=True)
+        return None
+    return DataPositions.from_env(positions, str(path))
+
+
+def check_made(position: Position, loader: int, num_made: int) -> None:
+    """ValueError unless ``position`` (loader ``loader``'s, from a ``Rewind``) names only
+    batches this loader's stream has made: sequence numbers below ``num_made``.
+
+    A checkpoint holds as trained only batches that were trained, so only batches the
+    loader made: every checkpoint of this stream passes. Positions past what was made
+    would have the loader skip batches nobody trained (with numbers far enough ahead, its
+    whole input), and a stream's position log drop the records of the batches to come
+    (:mod:`persia_py.stream_source`). Whether a checkpoint recorded these very positions
+    the loader cannot tell: checkpoints live with the NN ranks, often on another host."""
+    beyond = [s for s in position.also if s >= num_made]
+    if position.next > num_made or beyond:
+        raise ValueError(
+            f"RestartRequest.positions[{loader}]: data loader {loader} has made only the "
+            f"batches of sequence numbers below {num_made}, so no checkpoint of its stream "
+            f"holds a later one as trained; got next={position.next}"
+            + (f", also {beyond[:5]}{'...' if len(beyond) > 5 else ''}" if beyond else ""))
 
 
 def exit_after_answer(context: grpc.ServicerContext, what: str) -> None:

@@ -13,13 +13,18 @@ callers; no other module opens a socket with gRPC. Both take the settings from
   every call as ``authorization: Bearer <token>``; a server interceptor checks it with a
   constant-time compare on the call's metadata, and answers UNAUTHENTICATED without
   reading the request's body (let alone parsing it) when it is missing or wrong.
+  A token easy to guess (short, a string repeated, few bits of randomness in its
+  characters) and a token file that others may read or write are refused, unless
+  ``$PERSIA_INSECURE_TOKEN`` is 1 (``persia-launcher ... --insecure-token``).
 """
 
 from __future__ import annotations
 
 import collections
 import hmac
+import math
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -30,7 +35,14 @@ from persia_py.config import CommonConfig, ConfigError
 ENV_AUTH_TOKEN = "PERSIA_AUTH_TOKEN"
 TOKEN_METADATA_KEY = "authorization"
 _TOKEN_PREFIX = "Bearer "
+ENV_INSECURE_TOKEN = "PERSIA_INSECURE_TOKEN"
+"""1: accept a token easy to guess and a token file others can use (``--insecure-token``)."""
 MIN_TOKEN_CHARS = 16
+MIN_TOKEN_BITS = 32
+"""Least randomness a token's characters must carry, as :func:`token_weakness` estimates
+it (a random 16-character hex token: 34 bits or more in millions of draws)."""
+_HOW_TO_MAKE = "python -c 'import secrets; print(secrets.token_hex(32))'"
+_OPT_OUT = f"or pass --insecure-token ({ENV_INSECURE_TOKEN}=1) to accept it"
 
 
 @dataclass(frozen=True)
@@ -52,15 +64,17 @@ class TransportSecurity:
     ) -> TransportSecurity:
         """Read the TLS files and the token named by ``common`` (token: file, else env)."""
         environ = os.environ if environ is None else environ
+        insecure = environ.get(ENV_INSECURE_TOKEN) == "1"
         pem = {}
         for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
             path = getattr(common, name)
             pem[name] = None if path is None else _read(name, path)
         if common.auth_token_file is not None:
-            token = _check_token(_read("auth_token_file", common.auth_token_file).decode(
-                errors="replace").strip(), f"auth_token_file {common.auth_token_file!r}")
+            path = common.auth_token_file
+            token = _check_token(_read_token_file(path, insecure), f"auth_token_file {path!r}",
+                                 insecure)
         elif environ.get(ENV_AUTH_TOKEN):
-            token = _check_token(environ[ENV_AUTH_TOKEN].strip(), ENV_AUTH_TOKEN)
+            token = _check_token(environ[ENV_AUTH_TOKEN].strip(), ENV_AUTH_TOKEN, insecure)
         else:
             token = None
         return cls(cert=pem["tls_cert_file"], key=pem["tls_key_file"], ca=pem["tls_ca_file"],
@@ -93,16 +107,85 @@ def _read(name: str, path: str) -> bytes:
         raise ConfigError(f"{name}: cannot read {path!r}: {exc.strerror}") from None
 
 
-def _check_token(token: str, source: str) -> str:
-    if len(token) < MIN_TOKEN_CHARS or not token.isascii() or not token.isprintable() or (
+def _read_token_file(path: str, insecure: bool) -> str:
+    """The token in ``path``, refused (unless ``insecure``) when :func:`token_file_problem`
+    finds one; the mode is read from the file opened, not from its name."""
+    try:
+        with open(path, "rb") as f:
+            problem = None if insecure else token_file_problem(os.fstat(f.fileno()))
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(f"auth_token_file: cannot read {path!r}: {exc.strerror}") from None
+    if problem is not None:
+        raise ConfigError(f"auth_token_file {path!r}: {problem}; a job token file must be "
+                          f"readable by its owner only (chmod 600 {path}), {_OPT_OUT}")
+    return text.decode(errors="replace").strip()
+
+
+def token_file_problem(st: os.stat_result) -> str | None:
+    """Why a token file with this status is not private (None: it is). A file of this
+    user must allow nothing to group and others; one of root (as Kubernetes mounts a
+    Secret: root's, readable by the pod's group) nothing to others and no group write;
+    anyone else's is refused."""
+    mode, uid = stat.S_IMODE(st.st_mode), os.geteuid()
+    if st.st_uid == uid:
+        if mode & 0o077:
+            return f"readable or writable by group or others (mode {mode:04o})"
+    elif st.st_uid == 0:
+        if mode & 0o027:
+            return f"root's, but writable by its group or usable by others (mode {mode:04o})"
+    else:
+        return f"owned by uid {st.st_uid}, neither this user (uid {uid}) nor root"
+    return None
+
+
+def _check_token(token: str, source: str, insecure: bool = False) -> str:
+    if not token or not token.isascii() or not token.isprintable() or (
         any(c.isspace() for c in token)
     ):
-        raise ConfigError(
-            f"{source}: the job token must be at least {MIN_TOKEN_CHARS} printable ASCII "
-            f"characters without spaces (e.g. python -c 'import secrets; "
-            f"print(secrets.token_hex(32))')"
-        )
+        raise ConfigError(f"{source}: the job token must be printable ASCII characters "
+                          f"without spaces (e.g. {_HOW_TO_MAKE})")
+    weakness = None if insecure else token_weakness(token)
+    if weakness is not None:
+        raise ConfigError(f"{source}: the job token is too easy to guess ({weakness}); make "
+                          f"one with {_HOW_TO_MAKE}, {_OPT_OUT}")
     return token
+
+
+def token_weakness(token: str) -> str | None:
+    """Why ``token`` is easy to guess (None: no reason found). Its randomness is estimated
+    twice, from the counts of its characters and of the steps between neighbours (which
+    catches ``0123...``), and the lower estimate must reach :data:`MIN_TOKEN_BITS`."""
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"fewer than {MIN_TOKEN_CHARS} characters"
+    if 2 * _smallest_period(token) <= len(token):
+        return "a shorter string repeated"
+    steps = [ord(b) - ord(a) for a, b in zip(token, token[1:])]
+    bits = min(_bits(list(token)), _bits(steps))
+    if bits < MIN_TOKEN_BITS:
+        return (f"about {bits:.0f} bits of randomness in its characters, fewer than "
+                f"{MIN_TOKEN_BITS}")
+    return None
+
+
+def _smallest_period(text: str) -> int:
+    """The least ``p`` with ``text[i] == text[i + p]`` throughout (prefix function)."""
+    border = [0] * len(text)
+    k = 0
+    for i in range(1, len(text)):
+        while k and text[i] != text[k]:
+            k = border[k - 1]
+        if text[i] == text[k]:
+            k += 1
+        border[i] = k
+    return len(text) - border[-1]
+
+
+def _bits(symbols: list) -> float:
+    """``len(symbols)`` times the entropy of their frequencies (bits)."""
+    counts = collections.Counter(symbols)
+    n = len(symbols)
+    return -sum(c * math.log2(c / n) for c in counts.values())
 
 
 class TokenServerInterceptor(grpc.ServerInterceptor):

@@ -7,24 +7,32 @@ A :class:`StreamReader` follows either
   (CSV): its complete lines are read as they are appended, and it counts as finished
   once a later file exists. Files starting with ``.`` are ignored, so a writer can write
   ``.part`` and rename it into place (Parquet files must appear whole that way). A file
-  that appears with a name before one already read is an error, never skipped; or
-* one **file** (CSV) that lines are appended to; it never finishes.
+  that appears with a name before one already read is an error, never skipped. Links
+  are not followed: a symbolic link among the files (to a file or a folder) is an error,
+  and every file is opened with ``O_NOFOLLOW``; or
+* one **file** (CSV) that lines are appended to; it never finishes. Given as a link, it is
+  resolved once, when the reader is made.
 
 Only complete lines are read: a partial last line waits for its newline (in a finished
-file the last line needs none). A batch never spans two files; it is shorter than
-``batch_size`` at the end of a file, or when no more data came within ``max_wait_sec``.
+file the last line needs none). A line longer than ``max_record_bytes`` (of the
+:class:`~persia_py.data_readers.CsvReaderConfig`) is an error naming the file and line,
+found while scanning, before the line is held in memory. A batch never spans two files;
+it is shorter than ``batch_size`` at the end of a file, or when no more data came within
+``max_wait_sec``.
 
 Every batch carries its exact :class:`StreamPosition` range (file name, byte offset and
 line for CSV, row for Parquet), and :meth:`StreamReader.read` reads a range again, byte
 for byte: that is what makes a restarted loader exact (:mod:`persia_py.stream_source`).
-CSV is parsed with array operations (:func:`persia_py.data_readers.parse_csv_lines`),
+CSV is parsed with array operations (:func:`persia_py.csv_parse.parse_csv_lines`),
 Parquet through ``pyarrow`` (``pip install persia_py[parquet]``).
 """
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -33,10 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from persia_py.data_readers import BadRecordError, CsvBatch, CsvColumn, CsvReaderConfig, parse_csv_lines
+from persia_py.csv_parse import check_line_lengths, parse_csv_lines
+from persia_py.data_readers import BadRecordError, CsvBatch, CsvColumn, CsvReaderConfig, record_too_long
 from persia_py.routing import RESERVED_ID
 
-_READ_CHUNK = 1 << 20
+_FIRST_CHUNK, _READ_CHUNK = 1 << 16, 1 << 20  # a scan reads 64 KiB, then doubles to 1 MiB
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+               | getattr(os, "O_NONBLOCK", 0))  # a FIFO put in the folder must not block
 
 
 @dataclass(frozen=True)
@@ -96,13 +107,20 @@ class CsvFormat:
 
 class ParquetFormat:
     """Parquet records: ``columns`` name the file's columns (``float``, ``int``, ``ids``:
-    a list of integers or one integer per row; ``skip`` columns are not read)."""
+    a list of integers or one integer per row; ``skip`` columns are not read; no
+    ``category`` and no ``default``)."""
 
     final_when_written = True  # a Parquet file appears whole (written, then renamed)
 
     def __init__(self, columns: tuple[CsvColumn, ...]) -> None:
         if not columns:
             raise ValueError("columns: at least one column is required")
+        for column in columns:
+            if column.kind == "category" or column.default is not None:
+                raise ValueError(f"column {column.name!r}: Parquet columns take no "
+                                 f"{'default' if column.default is not None else 'category'}"
+                                 " (nulls are errors; hash strings with persia_py.ids."
+                                 "hash_values before writing, into an 'ids' column)")
         self.columns = tuple(columns)
         self.pa = _pyarrow()
 
@@ -138,6 +156,8 @@ class StreamReader:
                  stop: threading.Event | None = None) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.folder_mode = os.path.isdir(self.path)
+        if not self.folder_mode:
+            self.path = os.path.realpath(self.path)  # the file named, not what a link says later
         if not self.folder_mode and not os.path.isfile(self.path):
             raise FileNotFoundError(f"stream path {self.path}: neither a folder nor a file")
         if not self.folder_mode and not isinstance(fmt, CsvFormat):
@@ -164,12 +184,49 @@ class StreamReader:
         """The names of the stream's files now, in reading order."""
         if not self.folder_mode:
             return [os.path.basename(self.path)]
-        return sorted(n for n in os.listdir(self.path)
-                      if not n.startswith(".") and fnmatch.fnmatchcase(n, self.pattern)
-                      and os.path.isfile(os.path.join(self.path, n)))
+        names = []
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                if not self._is_stream_name(entry.name):
+                    continue
+                if entry.is_symlink():
+                    raise ValueError(self._link_refused(entry.name))
+                if entry.is_file(follow_symlinks=False):  # folders (and FIFOs) are not read
+                    names.append(entry.name)
+        return sorted(names)
+
+    def _is_stream_name(self, name: str) -> bool:
+        return not name.startswith(".") and fnmatch.fnmatchcase(name, self.pattern)
+
+    def _link_refused(self, name: str) -> str:
+        return (f"{self.path}: {name!r} is a symbolic link; a stream's links are not followed "
+                "(one could point at any file this loader can read): put the file itself in "
+                "the folder (move or copy it)")
 
     def _file(self, name: str) -> str:
-        return os.path.join(self.path, name) if self.folder_mode else self.path
+        """The path of the stream's file ``name`` (from a listing or a position log)."""
+        if not self.folder_mode:
+            if name != os.path.basename(self.path):
+                raise ValueError(f"{self.path}: a stream position names {name!r}, another file")
+            return self.path
+        if os.sep in name or (os.altsep and os.altsep in name) or not self._is_stream_name(name):
+            raise ValueError(f"{self.path}: a stream position names {name!r}, not a file of "
+                             f"this stream (a name in the folder matching {self.pattern!r})")
+        return os.path.join(self.path, name)
+
+    def _open(self, name: str):
+        """The stream's file ``name`` opened for reading, never through a link."""
+        path = self._file(name)
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+                raise ValueError(self._link_refused(name)) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ValueError(f"{path}: not a regular file")
+        return os.fdopen(fd, "rb")
 
     def _check_order(self, files: list[str], current: str) -> None:
         """A file named before the one being read that was not there before is an error:
@@ -217,6 +274,10 @@ class StreamReader:
             if num_lines and not pending:
                 pending, pending_since = True, now
             if self.idle_timeout_sec is not None and now - last_data >= self.idle_timeout_sec:
+                if num_lines:  # complete lines still waiting for max_wait_sec: the end sends them
+                    batch = self.read(pos, end)
+                    if batch.num_records:
+                        yield batch
                 return
             self.stop.wait(self.poll_interval_sec)
 
@@ -249,21 +310,23 @@ class StreamReader:
     def _scan_lines(self, pos: StreamPosition, max_rows: int, final: bool
                     ) -> tuple[StreamPosition, int]:
         path = self._file(pos.file)
-        size = os.path.getsize(path)
-        if pos.offset > size:
-            raise ValueError(f"{path}: the stream position is at byte {pos.offset}, the file "
-                             f"has {size} (was it truncated or replaced?)")
-        with open(path, "rb") as f:
+        with self._open(pos.file) as f:
+            size = os.fstat(f.fileno()).st_size
+            if pos.offset > size:
+                raise ValueError(f"{path}: the stream position is at byte {pos.offset}, the "
+                                 f"file has {size} (was it truncated or replaced?)")
             f.seek(pos.offset)
             newlines = np.zeros(0, np.int64)
-            read = 0
+            read, chunk_size = 0, _FIRST_CHUNK
             while newlines.size < max_rows:
-                chunk = f.read(_READ_CHUNK)
+                chunk = f.read(chunk_size)
+                chunk_size = min(2 * chunk_size, _READ_CHUNK)
                 if not chunk:
                     break
                 found = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n")) + read
                 newlines = np.concatenate([newlines, found])
                 read += len(chunk)
+                self._check_line_lengths(path, pos, newlines[:max_rows], read, max_rows)
         if newlines.size >= max_rows:
             return StreamPosition(pos.file, pos.offset + int(newlines[max_rows - 1]) + 1,
                                   pos.row + max_rows), max_rows
@@ -271,6 +334,16 @@ class StreamReader:
         if final and pos.offset + read > end:  # a finished file's last line needs no newline
             return StreamPosition(pos.file, pos.offset + read, pos.row + num + 1), num + 1
         return StreamPosition(pos.file, end, pos.row + num), num
+
+    def _check_line_lengths(self, path: str, pos: StreamPosition, newlines: np.ndarray,
+                            read: int, max_rows: int) -> None:
+        """A line over ``max_record_bytes`` among those scanned is an error, a partial one
+        as soon as it is over (its bytes are never held)."""
+        limit = self.fmt.config.max_record_bytes
+        check_line_lengths(np.diff(newlines, prepend=-1) - 1, limit, path, pos.row + 1)
+        tail = read - (int(newlines[-1]) + 1 if newlines.size else 0)
+        if newlines.size < max_rows and tail > limit:
+            raise BadRecordError(path, pos.row + newlines.size + 1, record_too_long(limit))
 
     def read(self, start: StreamPosition, end: StreamPosition) -> StreamBatch:
         """The records from ``start`` to ``end`` again (both in one file), exactly as
@@ -285,7 +358,7 @@ class StreamReader:
 
     def _csv_records(self, start: StreamPosition, end: StreamPosition) -> CsvBatch:
         path = self._file(start.file)
-        with open(path, "rb") as f:
+        with self._open(start.file) as f:
             f.seek(start.offset)
             data = f.read(end.offset - start.offset)
         if len(data) != end.offset - start.offset:
@@ -306,11 +379,12 @@ class StreamReader:
         if self._table is None or self._table[0] != name:
             path = self._file(name)
             wanted = [c.name for c in self.fmt.columns if c.kind != "skip"]
-            try:
-                table = self.fmt.pa.read_table(path, columns=wanted)
-            except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
-                raise ValueError(f"{path}: cannot read the Parquet columns {wanted}: "
-                                 f"{exc}") from exc
+            with self._open(name) as f:
+                try:
+                    table = self.fmt.pa.read_table(f, columns=wanted)
+                except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
+                    raise ValueError(f"{path}: cannot read the Parquet columns {wanted}: "
+                                     f"{exc}") from exc
             self._table = (name, table)
         return self._table[1]
 

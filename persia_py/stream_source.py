@@ -40,6 +40,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from persia_py.private_files import open_private
 from persia_py.stream_reader import StreamBatch, StreamPosition, StreamReader
 from persia_py.workers.data_loader import DataCtx
 
@@ -53,7 +54,7 @@ class PositionLog:
         self.records: dict[int, tuple[StreamPosition, StreamPosition]] = {}
         if self.path.exists():
             self._load_and_compact(keep_from)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
     def _load_and_compact(self, keep_from: int) -> None:
         text = self.path.read_bytes()
@@ -76,7 +77,7 @@ class PositionLog:
             raise ValueError(f"{self.path}: batch sequence numbers are not contiguous")
         if len(kept) != complete.count(b"\n") or len(complete) != len(text):
             tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "w") as f:
+            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
                 f.write("".join(line + "\n" for line in kept))
                 f.flush()
                 os.fsync(f.fileno())

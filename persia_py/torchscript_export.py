@@ -11,8 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from persia_py.collectives import broadcast_json
+
 _FSDP_ATTRIBUTES = ("_fsdp_use_orig_params", "_is_fsdp_managed_module")
 """What ``fully_shard`` adds to a module's ``__dict__`` besides its composable state."""
+_MAX_ERROR_CHARS = 4000
+"""Of rank 0's TorchScript error, what the other ranks are told."""
 _COMPOSABLE_STATE = "__composable_api_state_key"
 """Prefix of the keys under which ``fully_shard`` keeps its state on the module."""
 
@@ -42,16 +46,16 @@ def torchscript_sharded(model: nn.Module) -> bytes | None:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
     result: bytes | None = None
-    error: list[str | None] = [None]
+    error: str | None = None
     if dist.get_rank() == 0:
         try:
             result = torchscript(unsharded_copy(model, full))
         except ValueError as exc:
-            error[0] = str(exc)
+            error = str(exc)[:_MAX_ERROR_CHARS]
     del full
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise ValueError(error[0])
+    error = broadcast_json(error, src=0, what="rank 0's TorchScript error")
+    if error is not None:
+        raise ValueError(str(error))
     return result
 
 

@@ -284,6 +284,22 @@ def gather_rows_at(weights: np.ndarray, rows: np.ndarray, positions: np.ndarray,
 # -- insertion and admission --------------------------------------------------------------
 
 
+@njit(cache=True, nogil=True)
+def scatter_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray,
+                 positions: np.ndarray) -> None:
+    """``dst[rows[i]] = src[positions[i]]`` for every ``i``, in one pass (numpy's
+    ``dst[rows] = src[positions]`` builds the gathered rows first)."""
+    n = rows.shape[0]
+    width = src.shape[1]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:
+            prefetch_row(dst, rows[i + PREFETCH_AHEAD])
+        r = rows[i]
+        p = positions[i]
+        for d in range(width):
+            dst[r, d] = src[p, d]
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def count_sightings(sketch: np.ndarray, salts: np.ndarray, ids: np.ndarray,
                     threshold: int) -> np.ndarray:

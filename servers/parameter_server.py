@@ -342,8 +342,10 @@ class ParameterServer:
                 self._forget(worker_id, sequence)
             raise
         if self.update_log is not None:  # before the caller hears of it: see update_log
-            self.update_log.update([(name, ids, grads) for (name, _, _), (ids, grads)
-                                    in zip(requests, checked)], worker_id, sequence)
+            # float16 gradients as they arrived (half the bytes), others as applied
+            self.update_log.update([(name, ids, raw if raw.dtype == np.float16 else grads)
+                                    for (name, _, raw), (ids, grads) in zip(requests, checked)],
+                                   worker_id, sequence)
         with self._seen_lock:
             self.num_updates += 1
         return num_updated, False

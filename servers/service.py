@@ -66,9 +66,10 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             (
                 t.table,
                 codec.decode(t.ids, name=f"tables[{i}].ids", dtypes=("uint64",), ndim=1),
-                # Finiteness is checked once, by ParameterServer.update, for the whole request.
+                # As they travelled (a view of the request): widened once, by the table's
+                # check, and logged as they arrived. Finiteness is checked there too.
                 codec.decode(t.grads, name=f"tables[{i}].grads", dtypes=("float16", "float32"),
-                             ndim=2, as_float32=True),
+                             ndim=2, copy=False),
             )
             for i, t in enumerate(request.tables)
         ]

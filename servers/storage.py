@@ -28,6 +28,7 @@ from typing import Self
 
 import numpy as np
 
+from persia_py.codec import cast_float
 from persia_py.dedup import unique_in_order
 from persia_py.hashing import ADMIT_SALT, HashKey, keyed_buckets, mix64
 from persia_py.routing import RESERVED_ID, split_by
@@ -526,7 +527,8 @@ class EmbeddingTable:
                              f"{self.dim}: expected ({ids.shape[0]}, {self.dim})")
         if grads.dtype.kind != "f":
             raise ValueError(f"grads must have a floating dtype, got {grads.dtype}")
-        grads = np.ascontiguousarray(grads, dtype=np.float32)
+        grads = (cast_float(grads, "float32") if grads.dtype == np.float16
+                 else np.ascontiguousarray(grads, dtype=np.float32))
         if not bool(np.isfinite(grads).all()):
             raise ValueError("grads contain NaN or infinite values; nothing was updated")
         return ids, grads
@@ -653,8 +655,8 @@ class EmbeddingTable:
                 rows[new] = new_rows
                 shard.size += n_new
                 shard.ids[rows] = ids[pos]
-                shard.weights[rows] = weights[pos]
-                shard.state[rows] = state[pos]
+                kernels.scatter_rows(shard.weights, rows, weights, pos)
+                kernels.scatter_rows(shard.state, rows, state, pos)
                 shard.last_access[rows] = stamps[pos]
         with self._clock_lock:
             self._clock = max(self._clock, clock)

@@ -24,12 +24,16 @@ training lookup's ids: the rows it inserted, which the update after it needs; a 
 between the two must not lose them) and ``update`` records (worker id, sequence number,
 and each table's ids and gradients), in the order they were applied.
 
-**Records** are framed ``<length u32><crc32 u32><payload>``: a record cut short by a crash
-(the process died inside the write) fails its check and is dropped with what follows it,
-at the end of the newest segment only (it was never acknowledged; elsewhere it is an error).
-A record is one ``write`` to a file opened for appending: it is in the operating system's
-hands before the update is acknowledged, so the log survives the process's death. It is
-not fsynced per update: a machine's crash may lose the tail the OS had not written.
+**Records** are framed ``<length u32><crc32 u32><payload>`` and padded with zeros to a
+multiple of 4 KiB (the header's ``block``; segments written before padding have none): a
+record cut short by a crash (the process died inside the write) fails its check and is
+dropped with what follows it, at the end of the newest segment only (it was never
+acknowledged; elsewhere it is an error). A record is one ``write`` to a file opened for
+appending, with ``O_DIRECT`` where the file system takes it (``servers/block_append.py``:
+a buffered write of the records cost more CPU than the update itself): it has left the
+process before the update is acknowledged, so the log survives the process's death. It
+is not fsynced per update: a machine's crash may lose the tail the device had not made
+durable.
 
 **Failure.** If appending fails (a full disk), or the log would outgrow ``max_bytes`` (no
 checkpoint cut it for that long), the log is deleted and logging stops until the next
@@ -54,10 +58,11 @@ from pathlib import Path
 import numpy as np
 
 from persia_py import checkpoint_format as fmt
+from persia_py.private_files import open_private
+from persia_py.servers.block_append import BLOCK, FRAME, BlockAppender, padded
 
 logger = logging.getLogger(__name__)
 
-_FRAME = struct.Struct("<II")  # payload length, crc32 of the payload
 _META = struct.Struct("<I")  # length of the JSON part of a payload
 _SEGMENT = re.compile(r"(\d{12})\.log")
 DEFAULT_MAX_BYTES = 8 << 30
@@ -75,6 +80,8 @@ class Segment:
     kind: str
     base: str | None
     """The checkpoint folder this segment continues (None for ``start``)."""
+    block: int = 1
+    """Records are padded to a multiple of this (1: written before padding)."""
 
 
 class UpdateLog:
@@ -83,12 +90,13 @@ class UpdateLog:
     def __init__(self, folder: str | os.PathLike, replica_index: int, *,
                  max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.replica_index = replica_index
         self.max_bytes = max_bytes
         self._bytes = 0  # in the segments a restart may need
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._out: BlockAppender | None = None
         self._number = max((s.number for s in segment_files(self.folder)), default=-1)
 
     # -- segments ------------------------------------------------------------------
@@ -103,18 +111,20 @@ class UpdateLog:
             self._close_segment()
             self._number += 1
             path = self.folder / _segment_name(self._number)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+            fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
+            out = BlockAppender(fd)
             try:
                 header = {"kind": kind, "base": None if base is None else str(base),
-                          "replica_index": self.replica_index}
-                os.write(fd, _frame(json.dumps(header).encode(), []))
+                          "replica_index": self.replica_index, "block": BLOCK}
+                out.append(_payload(json.dumps(header).encode(), []))
                 os.fsync(fd)
                 fmt.fsync_dir(self.folder)
             except BaseException:
+                out.close()
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
-            self._fd = fd
+            self._fd, self._out = fd, out
             self._prune(kind)
             self._bytes = sum(f.path.stat().st_size for f in segment_files(self.folder))
 
@@ -122,7 +132,8 @@ class UpdateLog:
         """Append to ``segment`` (the last one, replayed after a restart)."""
         with self._lock:
             self._close_segment()
-            self._fd = os.open(segment.path, os.O_WRONLY | os.O_APPEND)
+            self._fd = open_private(segment.path, os.O_WRONLY | os.O_APPEND)
+            self._out = BlockAppender(self._fd, block=segment.block)
             self._number = max(self._number, segment.number)
             self._bytes = sum(f.path.stat().st_size for f in segment_files(self.folder))
 
@@ -138,6 +149,9 @@ class UpdateLog:
                 segment.path.unlink(missing_ok=True)
 
     def _close_segment(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
         if self._fd is not None:
             try:
                 os.fsync(self._fd)
@@ -159,36 +173,43 @@ class UpdateLog:
 
     def update(self, requests: list[tuple[str, np.ndarray, np.ndarray]], worker_id: str,
                sequence: int) -> None:
-        """Log one applied update: ``(table, ids uint64 [n], grads float32 [n, dim])``."""
+        """Log one applied update: ``(table, ids uint64 [n], grads [n, dim])``, the
+        gradients in the float type they arrived in (float16 from a float16 wire: half the
+        bytes, and replay widens them exactly as the update did)."""
         meta = {"type": "update", "worker_id": worker_id, "sequence": int(sequence),
-                "tables": [[name, int(ids.shape[0]), int(grads.shape[1])]
+                "tables": [[name, int(ids.shape[0]), int(grads.shape[1]), grads.dtype.name]
                            for name, ids, grads in requests]}
         arrays = [a for _, ids, grads in requests for a in (ids, grads)]
         self._append(meta, arrays)
 
     def _append(self, meta: dict, arrays: list[np.ndarray]) -> None:
-        record = _frame(json.dumps(meta).encode(), arrays)
+        payload = _payload(json.dumps(meta).encode(), arrays)
+        size = FRAME.size + sum(len(piece) for piece in payload)
         with self._lock:
-            if self._fd is None:
+            if self._fd is None or self._out is None:
                 return  # logging stopped after a failure, until the next cut or load
-            if self._bytes + len(record) > self.max_bytes:
+            whole = padded(size, self._out.block)
+            if self._bytes + whole > self.max_bytes:
                 self._give_up(f"it would outgrow {self.max_bytes} bytes (no checkpoint cut it "
                               "for that long: set checkpoint_config.every_steps)")
                 return
             try:
-                written = os.write(self._fd, record)
-                if written != len(record):
-                    raise OSError(f"short write ({written} of {len(record)} bytes)")
+                written = self._out.append(payload)
+                if written != whole:
+                    raise OSError(f"short write ({written} of {whole} bytes)")
             except OSError as exc:
                 self._give_up(f"appending failed: {exc}")
                 return
-            self._bytes += len(record)
+            self._bytes += whole
 
     def _give_up(self, why: str) -> None:
         """A log with a hole must never be replayed: delete it (unlinking needs no space)."""
         logger.error("parameter server %d: update log in %s: %s; the log is deleted and "
                      "logging stops until the next checkpoint: a restart before then loses "
                      "the updates since the checkpoint", self.replica_index, self.folder, why)
+        if self._out is not None:
+            self._out.close()
+            self._out = None
         with contextlib.suppress(OSError):
             os.close(self._fd)
         self._fd = None
@@ -207,10 +228,11 @@ def _segment_name(number: int) -> str:
     return f"{number:012d}.log"
 
 
-def _frame(meta: bytes, arrays: list[np.ndarray]) -> bytes:
-    payload = b"".join([_META.pack(len(meta)), meta, *(np.ascontiguousarray(a).tobytes()
-                                                       for a in arrays)])
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+def _payload(meta: bytes, arrays: list[np.ndarray]) -> list:
+    """A record's payload as pieces: the JSON part's length, the JSON, the arrays' own
+    memory (copied once, into the appender's staging buffer)."""
+    return [_META.pack(len(meta)), meta,
+            *(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays)]
 
 
 @dataclass(frozen=True)
@@ -241,25 +263,34 @@ def read_segments(folder: str | os.PathLike) -> list[Segment]:
         meta = header[0]
         if meta.get("kind") not in SEGMENT_KINDS:
             raise ValueError(f"{file.path}: not an update-log segment (header {meta!r})")
-        segments.append(Segment(file.number, file.path, meta["kind"], meta.get("base")))
+        segments.append(Segment(file.number, file.path, meta["kind"], meta.get("base"),
+                                _block(meta, file.path)))
     return segments
 
 
+def _block(header: dict, path: Path) -> int:
+    block = header.get("block", 1)  # segments written before padding: none
+    if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 1 << 20:
+        raise ValueError(f"{path}: the header's block {block!r} is not an int in [1, 2**20]")
+    return block
+
+
 def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, bytes, int]]:
-    """``(meta, array bytes, end offset)`` of each record of an open segment. A damaged or
-    incomplete record ends the reading when ``tolerate_tail``; else ValueError."""
-    offset = 0
+    """``(meta, array bytes, end offset)`` of each record of an open segment, the end
+    past the record's padding (the header's ``block``). A damaged or incomplete record
+    ends the reading when ``tolerate_tail``; else ValueError."""
+    offset, block = 0, 1
     while True:
-        frame = f.read(_FRAME.size)
+        frame = f.read(FRAME.size)
         if not frame:
             return
         problem = None
-        if len(frame) < _FRAME.size:
+        if len(frame) < FRAME.size:
             problem = "a record's frame is cut short"
         else:
-            length, crc = _FRAME.unpack(frame)
-            payload = f.read(length) if length <= MAX_RECORD_BYTES else b""
-            if len(payload) != length or zlib.crc32(payload) != crc:
+            length, crc = FRAME.unpack(frame)
+            payload = f.read(length) if _META.size <= length <= MAX_RECORD_BYTES else b""
+            if len(payload) != length or zlib.crc32(payload) != crc or length < _META.size:
                 problem = "a record is cut short or damaged"
         if problem is not None:
             if tolerate_tail:
@@ -267,7 +298,10 @@ def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, byte
             raise ValueError(f"{path} at byte {offset}: {problem}")
         (meta_len,) = _META.unpack_from(payload)
         meta = json.loads(payload[_META.size:_META.size + meta_len])
-        offset += _FRAME.size + length
+        if offset == 0:
+            block = _block(meta, path)
+        offset = padded(offset + FRAME.size + length, block)
+        f.seek(offset)
         yield meta, payload[_META.size + meta_len:], offset
 
 
@@ -345,10 +379,13 @@ def _ids(tables: list, data: bytes, path: Path) -> list[tuple[str, np.ndarray]]:
 
 def _arrays(tables: list, data: bytes, path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
     out, offset = [], 0
-    for name, n, dim in tables:
+    for name, n, dim, *dtype in tables:  # logs written before float16 records: float32
+        grads_dtype = np.dtype(dtype[0] if dtype else "float32")
+        if grads_dtype.name not in ("float16", "float32"):
+            raise ValueError(f"{path}: an update record's gradients have dtype {grads_dtype}")
         ids = np.frombuffer(data, dtype=np.uint64, count=n, offset=offset)
         offset += ids.nbytes
-        grads = np.frombuffer(data, dtype=np.float32, count=n * dim, offset=offset)
+        grads = np.frombuffer(data, dtype=grads_dtype, count=n * dim, offset=offset)
         offset += grads.nbytes
         out.append((name, ids, grads.reshape(n, dim)))
     if offset != len(data):

@@ -187,7 +187,15 @@ def no_job_token(fx: Fixtures):
 
 def weak_token(fx: Fixtures):
     return raised(lambda: TransportSecurity.from_common(COMMON, {ENV_AUTH_TOKEN: "short"})), {
-        "source": ENV_AUTH_TOKEN}
+        "source": ENV_AUTH_TOKEN, "why": "fewer than 16 characters"}
+
+
+def loose_token_file(fx: Fixtures):
+    path = fx.config_file("token", "f3a9c1d27be84e60a5d7c2b91e0f4a68\n")
+    path.chmod(0o640)
+    common = CommonConfig(auth_token_file=str(path))
+    return raised(lambda: TransportSecurity.from_common(common, {})), {
+        "path": str(path), "mode": "0640"}
 
 
 def unknown_key(fx: Fixtures):
@@ -339,6 +347,7 @@ def replay_without_update_log(fx: Fixtures):
 TRIGGERS: dict[str, Trigger] = {
     "No job token": no_job_token,
     "Job token too weak": weak_token,
+    "Job token file others can read": loose_token_file,
     "Unknown config key": unknown_key,
     "Wrong type in a config file": wrong_config_type,
     "Embedding dim out of range": dim_out_of_range,

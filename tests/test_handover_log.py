@@ -121,12 +121,128 @@ def test_a_rewind_leaves_the_positions_beside_the_log_then_exits(tmp_path: Path)
         without_log.Rewind(request, _Context())
 
     path = tmp_path / "handovers.log"
-    servicer = DataLoaderServicer(BatchQueue(4, 1, HandoverLog(path, replay=False)),
-                                  loader_index=1)
+    log = HandoverLog(path, replay=False)
+    log.stream("loader1-abc")
+    servicer = DataLoaderServicer(BatchQueue(4, 1, log), loader_index=1, num_made=lambda: 4)
     context = _Context()
     with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: .*RestartRequest.positions: not JSON"):
         servicer.Rewind(common_pb2.RestartRequest(positions="{"), context)
-    assert rewind.read_rewind(path) is None and not context.callbacks  # nothing written
+    assert not rewind.rewind_file(path).exists() and not context.callbacks  # nothing written
     answer = servicer.Rewind(request, context)
     assert answer.instance == rewind.INSTANCE and len(context.callbacks) == 1
-    assert rewind.read_rewind(path).to_json() == positions.to_json()
+    # Tagged with the log's stream: only a restart replaying that log takes it.
+    assert rewind.read_rewind(path, stream="loader1-abc").to_json() == positions.to_json()
+
+
+def _rewind(servicer, positions: dict) -> tuple[str | None, _Context]:
+    """Ask ``servicer`` to rewind to ``positions`` (JSON): (the refusal, or None; context)."""
+    import json
+
+    from persia_py.proto import common_pb2
+
+    context = _Context()
+    try:
+        servicer.Rewind(common_pb2.RestartRequest(positions=json.dumps(positions)), context)
+    except RuntimeError as exc:
+        return str(exc), context
+    return None, context
+
+
+def test_a_rewind_names_only_batches_the_loader_made(tmp_path: Path) -> None:
+    """A loader that has made batches 0..9 refuses positions that hold a later one as
+    trained (it would skip batches nobody trained; a stream's position log would drop
+    the records of those to come), writing nothing; positions up to what it made pass."""
+    from persia_py import rewind
+
+    path = tmp_path / "handovers.log"
+    made = [10]
+    log = HandoverLog(path, replay=False)
+    log.stream("loader1-abc")
+    servicer = DataLoaderServicer(BatchQueue(4, 1, log), loader_index=1,
+                                  num_made=lambda: made[0])
+    for position in ({"next": 11, "also": []}, {"next": 1 << 39, "also": []},
+                     {"next": 7, "also": [8, 10]}):
+        refused, context = _rewind(servicer, {"1": position})
+        assert refused is not None and refused.startswith(
+            "INVALID_ARGUMENT: Rewind: RestartRequest.positions[1]: data loader 1 has made "
+            "only the batches of sequence numbers below 10"), refused
+        assert not rewind.rewind_file(path).exists() and not context.callbacks
+    # Another loader's position is that loader's to check.
+    accepted = {"0": {"next": 1 << 39, "also": []}, "1": {"next": 7, "also": [8, 9]}}
+    refused, context = _rewind(servicer, accepted)
+    assert refused is None and len(context.callbacks) == 1
+    assert rewind.read_rewind(path, stream="loader1-abc").to_json() == accepted
+    made[0] = 12
+    assert _rewind(servicer, {"1": {"next": 12, "also": []}})[0] is None
+
+
+def test_a_loader_counts_the_batches_made_before_it_started(tmp_path: Path) -> None:
+    """What a loader has made counts those trained before the checkpoint it resumed and
+    those its dead predecessor handed over (a checkpoint may hold them as trained)."""
+    from persia_py.config import GlobalConfig
+    from persia_py.data_position import DataPositions
+    from persia_py.env import PersiaEnv
+    from persia_py.workers.data_loader import DataCtx
+
+    path = tmp_path / "handovers.log"
+    log = HandoverLog(path, replay=False, trained=Position(3))
+    for seq in (3, 4, 5, 6):
+        log.handed(Handover(seq, 0, b"c" * 16, seq))
+    log.done([3, 5])
+    log.close()
+
+    def loader(**env) -> DataCtx:
+        return DataCtx(env=PersiaEnv(embedding_worker_addrs=("127.0.0.1:1",), **env),
+                       global_config=GlobalConfig())
+
+    assert loader().num_made == 0
+    resumed = loader(data_positions=DataPositions({0: Position(5, frozenset({8}))}))
+    assert resumed.num_made == 9
+    restarted = loader(data_loader_handover_log=str(path), data_loader_replay=True)
+    assert restarted.num_made == 7  # batch 6 handed over, in training
+    restarted.log.close()
+
+
+def test_a_rewind_refuses_deep_or_large_json_as_invalid_argument(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """Through gRPC: positions nested deeper than their shape, or over their byte bound,
+    get INVALID_ARGUMENT naming the problem (a deep text made the parser recurse and the
+    call answer INTERNAL); nothing is written."""
+    import json
+
+    import grpc
+
+    from persia_py import rewind
+    from persia_py.config import CommonConfig
+    from persia_py.data_position import MAX_POSITIONS_BYTES
+    from persia_py.proto import common_pb2, data_loader_pb2_grpc
+    from persia_py.rpc import create_channel, create_server
+
+    exits = []
+    monkeypatch.setattr(rewind, "exit_after_answer", lambda context, what: exits.append(what))
+    # Control calls may be larger than the positions' own bound here, to reach it.
+    common = CommonConfig(max_control_message_bytes=4 * MAX_POSITIONS_BYTES)
+    path = tmp_path / "handovers.log"
+    server, port = create_server("127.0.0.1:0", common, max_workers=2)
+    data_loader_pb2_grpc.add_DataLoaderServicer_to_server(DataLoaderServicer(
+        BatchQueue(4, 1, HandoverLog(path, replay=False)), loader_index=0,
+        num_made=lambda: 1 << 40), server)
+    server.start()
+    channel = create_channel(f"127.0.0.1:{port}", common)
+    stub = data_loader_pb2_grpc.DataLoaderStub(channel)
+    also = list(range(1, MAX_POSITIONS_BYTES // 7))
+    try:
+        for text, problem in (
+                ("[" * 100_000 + "]" * 100_000, "JSON nested 100000 deep, deeper than 3"),
+                ('{"0": {"next": 0, "also": [[[[1]]]]}}', "JSON nested 6 deep, deeper than 3"),
+                (json.dumps({"0": {"next": 0, "also": also}}),
+                 f"bytes of JSON, over the bound of {MAX_POSITIONS_BYTES}")):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Rewind(common_pb2.RestartRequest(positions=text), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert "RestartRequest.positions: " in refused.value.details()
+            assert problem in refused.value.details(), refused.value.details()[:500]
+        assert not rewind.rewind_file(path).exists() and exits == []
+    finally:
+        channel.close()
+        server.stop(None)

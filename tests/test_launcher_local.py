@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import select
 import signal
+import sys
 import textwrap
+import threading
+import time
 
 import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
+
+from persia_py import rewind
+from persia_py.launcher.local import LocalCluster, Role
+from persia_py.monitoring import LauncherMetrics
 
 pytestmark = pytest.mark.processes
 
@@ -20,9 +30,10 @@ def _local(*extra: str, nn_worker: str = str(EXAMPLE / "train.py"),
     )
 
 
-def test_example_learns_with_two_ps_and_two_ranks() -> None:
+def test_example_learns_with_two_ps_and_two_ranks(tmp_path) -> None:
+    run_dir = tmp_path / "run"
     job = RoleProcess(_local(
-        "--num-ps", "2", "--num-embedding-workers", "1", "--nproc-per-node", "2",
+        "--run-dir", str(run_dir), "--num-ps", "2", "--num-embedding-workers", "1", "--nproc-per-node", "2",
         "--num-data-loaders", "1",
         "--data-loader-args", "--train-samples 60000",
         "--nn-worker-args", "--test-samples 10000",
@@ -39,6 +50,11 @@ def test_example_learns_with_two_ps_and_two_ranks() -> None:
         for role in ("ps-0", "ps-1", "embedding-worker-0", "data-loader-0", "nn-worker"):
             assert any(line.startswith(f"[{role}]") for line in job.lines), role
         assert processes_with_marker(job.marker) == []
+        # The update logs (every update since the last checkpoint) are gone with the job;
+        # the training log stays.
+        assert (run_dir / "train_log.jsonl").is_file(), sorted(run_dir.iterdir())
+        assert not list(run_dir.glob("ps-*-updates")), sorted(run_dir.iterdir())
+        assert "update logs removed" in output, output
     finally:
         job.stop()
 
@@ -52,6 +68,54 @@ def test_ctrl_c_stops_every_process() -> None:
         job.process.send_signal(signal.SIGINT)
         assert job.wait(timeout=60) != 0
         assert processes_with_marker(job.marker) == [], job.output()
+    finally:
+        job.stop()
+
+
+def _gone(marker: str, timeout: float) -> list[int]:
+    """Wait until no live process carries ``marker`` (each waited for on a pidfd, which
+    turns readable when it exits); returns those left after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
+        pidfds = []
+        for pid in left:
+            try:
+                pidfds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                pass
+        try:
+            select.select(pidfds, [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+    return left
+
+
+def _command_lines(pids: list[int]) -> list[str]:
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ").decode(errors="replace")
+            lines.append(f"{pid}: {argv[:200]}")
+        except OSError:
+            pass
+    return lines
+
+
+def test_a_launcher_killed_outright_takes_every_role_with_it(tmp_path) -> None:
+    """SIGKILL leaves the launcher no chance to stop anything: its roles, the data
+    loader's script below its wrapper, torchrun and its rank must die by themselves."""
+    job = RoleProcess(_local("--run-dir", str(tmp_path / "run"),
+                             "--data-loader-args", "--train-samples 10000000"))
+    try:
+        job.wait_for_line(r"\[nn-worker\].*step 0 loss", timeout=300)
+        before = processes_with_marker(job.marker)
+        # launcher, PS, EW, data-loader wrapper and script, nn-worker wrapper, torchrun, rank
+        assert len(before) >= 8, _command_lines(before)
+        os.kill(job.process.pid, signal.SIGKILL)
+        left = _gone(job.marker, timeout=60)
+        assert left == [], _command_lines(left)
     finally:
         job.stop()
 
@@ -84,3 +148,32 @@ def test_bad_counts_are_refused(flag: str) -> None:
     job = RoleProcess(_local(flag, "0"))
     assert job.wait(timeout=60) != 0
     assert "must be >= 1" in job.output()
+
+
+@pytest.mark.parametrize("kind", ["embedding-worker", "data-loader"])
+def test_exits_asked_for_by_restart_requests_count_against_max_restarts(kind, capsys) -> None:
+    """Restart and Rewind make a role exit with rewind.EXIT_CODE to be started again; any
+    caller with the job token may send them, so they are counted like deaths: a role
+    that keeps being asked is started again --max-restarts times, then the job stops."""
+    asked_to_exit = [sys.executable, "-c", f"raise SystemExit({rewind.EXIT_CODE})"]
+    role = Role(f"{kind}-0", asked_to_exit, kind=kind,
+                restart=functools.partial(list, asked_to_exit))
+    cluster = LocalCluster([role], dict(os.environ), max_restarts=2)
+    cluster.metrics = LauncherMetrics()
+    stop, codes = threading.Event(), []
+    # The restarts are made by the thread that supervises (and outlives) the roles.
+    supervisor = threading.Thread(target=lambda: (cluster.start(),
+                                                  codes.append(cluster.supervise(stop))))
+    supervisor.start()
+    try:
+        supervisor.join(timeout=60)
+    finally:
+        stop.set()
+        supervisor.join(timeout=30)
+        cluster.stop()
+    assert codes == [rewind.EXIT_CODE]
+    assert role.num_restarts == 2
+    assert cluster.metrics.restarts.labels(role=role.name)._value.get() == 2
+    out = capsys.readouterr().out
+    assert out.count(f"{kind}-0 exited to be started again (code 75)") == 3, out
+    assert "after 2 restarts, the limit; stopping the job" in out, out

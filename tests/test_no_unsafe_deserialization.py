@@ -2,7 +2,10 @@
 
 Forbidden: importing pickle-like modules (pickle, cPickle, dill, cloudpickle, marshal,
 shelve, jsonpickle), ``torch.load`` without ``weights_only=True``, ``numpy.load`` with
-``allow_pickle=True``, ``yaml.load``/``yaml.unsafe_load`` (use ``yaml.safe_load``).
+``allow_pickle=True``, ``yaml.load``/``yaml.unsafe_load`` (use ``yaml.safe_load``), and
+between the NN ranks torch's collectives that pickle (``all_gather_object``,
+``broadcast_object_list``, ... : use ``persia_py.collectives``' JSON, bytes and tensor
+exchanges) and its RPC framework (``torch.distributed.rpc`` pickles arguments).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from conftest import ROOT
 
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve",
                   "jsonpickle"}
+PICKLING_COLLECTIVES = {"all_gather_object", "gather_object", "broadcast_object_list",
+                        "scatter_object_list", "send_object_list", "recv_object_list",
+                        "_object_to_tensor", "_tensor_to_object"}
+"""torch.distributed's functions that pickle what they send or unpickle what they get."""
 SCANNED = ["persia_py", "servers", "workers", "benchmarks", "examples", "scripts"]
 
 
@@ -35,14 +42,26 @@ def _keyword_is(call: ast.Call, name: str, value: object) -> bool:
                for k in call.keywords)
 
 
+def _is_rpc(module: str | None) -> bool:
+    return (module or "").startswith("torch.distributed.rpc")
+
+
 def unsafe_uses(source: str) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [f"line {node.lineno}: import {a.name}" for a in node.names
-                      if a.name.split(".")[0] in UNSAFE_MODULES]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in UNSAFE_MODULES:
+                      if a.name.split(".")[0] in UNSAFE_MODULES or _is_rpc(a.name)]
+        elif isinstance(node, ast.ImportFrom) and ((node.module or "").split(".")[0]
+                                                   in UNSAFE_MODULES or _is_rpc(node.module)):
             found.append(f"line {node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.ImportFrom):
+            found += [f"line {node.lineno}: from {node.module} import {a.name} (pickles)"
+                      for a in node.names if a.name in PICKLING_COLLECTIVES
+                      or (node.module == "torch.distributed" and a.name == "rpc")]
+        elif isinstance(node, (ast.Attribute, ast.Name)) and (
+                getattr(node, "attr", None) or getattr(node, "id", None)) in PICKLING_COLLECTIVES:
+            found.append(f"line {node.lineno}: {_dotted(node)} (pickles; use persia_py.collectives)")
         elif isinstance(node, ast.Call):
             name = _dotted(node.func)
             if name == "torch.load" and not _keyword_is(node, "weights_only", True):
@@ -59,6 +78,14 @@ def test_the_scan_catches_each_pattern() -> None:
            "torch.load('x')\ntorch.load('x', weights_only=False)\n"
            "np.load('x', allow_pickle=True)\nyaml.load(open('x'))\n")
     assert len(unsafe_uses(bad)) == 6
+    collectives = ("import torch.distributed as dist\n"
+                   "dist.all_gather_object(out, 'x')\n"
+                   "torch.distributed.broadcast_object_list(box, src=0)\n"
+                   "gather = dist.gather_object\n"
+                   "from torch.distributed import scatter_object_list, rpc\n"
+                   "import torch.distributed.rpc\n"
+                   "from torch.distributed.distributed_c10d import _object_to_tensor\n")
+    assert len(unsafe_uses(collectives)) == 7, unsafe_uses(collectives)
     assert unsafe_uses("import torch, yaml\ntorch.load('x', weights_only=True)\n"
                        "yaml.safe_load('a: 1')\n") == []
 

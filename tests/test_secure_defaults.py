@@ -6,7 +6,7 @@ k8s manifest's token Secret, TLS and NetworkPolicy are in ``tests/test_k8s.py``.
 
 from __future__ import annotations
 
-import argparse
+import secrets
 import signal
 import subprocess
 import textwrap
@@ -24,7 +24,7 @@ from conftest import (
 )
 
 from persia_py.config import CommonConfig
-from persia_py.launcher import local
+from persia_py.launcher.job_token import give_job_token
 from persia_py.proto import common_pb2
 from persia_py.rpc import create_channel
 from persia_py.security import ENV_AUTH_TOKEN
@@ -68,7 +68,27 @@ def test_a_weak_token_is_refused_naming_where_it_came_from() -> None:
                           env={**env_without_token(), ENV_AUTH_TOKEN: "short"},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == CONFIG_EXIT_CODE
-    assert f"{ENV_AUTH_TOKEN}: the job token must be at least 16" in done.stderr, done.stderr
+    assert f"{ENV_AUTH_TOKEN}: the job token is too easy to guess" in done.stderr, done.stderr
+
+
+@processes
+def test_a_loose_token_file_is_refused_and_insecure_token_accepts_it(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32) + "\n")
+    token.chmod(0o644)  # as a plain `echo ... > token` leaves it
+    config = tmp_path / "global_config.yml"
+    config.write_text(f"common_config:\n  auth_token_file: {token}\n")
+    flags = ["--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+             "--global-config", str(config)]
+    done = subprocess.run(launcher_command("embedding-parameter-server", *flags),
+                          env=env_without_token(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == CONFIG_EXIT_CODE
+    assert (f"auth_token_file {str(token)!r}: readable or writable by group or others (mode "
+            "0644)") in done.stderr, done.stderr
+    # The explicit opt-out, handed on by environment (also to what a role starts).
+    ps, _ = start_server("embedding-parameter-server", *flags, "--insecure-token",
+                         env=env_without_token())
+    ps.stop()
 
 
 @processes
@@ -86,22 +106,17 @@ def test_insecure_is_an_explicit_opt_out_with_a_warning() -> None:
         ps.stop()
 
 
-def _local_args(tmp_path: Path, **overrides) -> argparse.Namespace:
-    values = {"insecure": False, "global_config": None, "run_dir": str(tmp_path)}
-    return argparse.Namespace(**{**values, **overrides})
-
-
 def test_local_uses_the_users_token_or_makes_one_or_none_when_told(tmp_path: Path) -> None:
-    given = {ENV_AUTH_TOKEN: "a" * 32}
-    assert local._job_token(_local_args(tmp_path), given, str(tmp_path)) == []
-    assert given == {ENV_AUTH_TOKEN: "a" * 32} and not list(tmp_path.iterdir())
+    users = secrets.token_hex(32)
+    given = {ENV_AUTH_TOKEN: users}
+    assert give_job_token(False, given, str(tmp_path)) == []
+    assert given == {ENV_AUTH_TOKEN: users} and not list(tmp_path.iterdir())
 
     env: dict[str, str] = {}
-    assert local._job_token(_local_args(tmp_path, insecure=True), env, str(tmp_path)) == [
-        "--insecure"]
+    assert give_job_token(True, env, str(tmp_path)) == ["--insecure"]
     assert env == {} and not list(tmp_path.iterdir())
 
-    assert local._job_token(_local_args(tmp_path), env, str(tmp_path)) == []
+    assert give_job_token(False, env, str(tmp_path)) == []
     token_file = tmp_path / "auth_token"
     assert token_file.stat().st_mode & 0o777 == 0o600
     assert token_file.read_text() == env[ENV_AUTH_TOKEN] + "\n"
@@ -112,7 +127,7 @@ def test_local_uses_the_users_token_or_makes_one_or_none_when_told(tmp_path: Pat
     token_file.unlink()
     token_file.symlink_to(target)
     second: dict[str, str] = {}
-    local._job_token(_local_args(tmp_path), second, str(tmp_path))
+    give_job_token(False, second, str(tmp_path))
     assert target.read_text() == "keep" and not token_file.is_symlink()
     assert token_file.read_text() == second[ENV_AUTH_TOKEN] + "\n" != env[ENV_AUTH_TOKEN]
 

@@ -5,6 +5,7 @@ token are refused, and the parameter server's rows are unchanged by their attemp
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 
 import grpc
@@ -25,7 +26,7 @@ from persia_py.proto import (
     parameter_server_pb2_grpc,
 )
 from persia_py.rpc import create_channel
-from persia_py.security import ENV_AUTH_TOKEN, TransportSecurity
+from persia_py.security import ENV_AUTH_TOKEN, ENV_INSECURE_TOKEN, TransportSecurity
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.ps_client import PSClient, configure_request
 
@@ -107,6 +108,7 @@ def test_tls_and_token_train_end_to_end_and_refuse_everyone_else(secure_cluster,
         root_certificates=ca, private_key=open(rogue["tls_key_file"], "rb").read(),
         certificate_chain=open(rogue["tls_cert_file"], "rb").read())
     (files["root"] / "wrong-token").write_text(secrets.token_hex(32))
+    (files["root"] / "wrong-token").chmod(0o600)
     intruders = {
         "plaintext": (grpc.insecure_channel, (), grpc.StatusCode.UNAVAILABLE),
         "TLS without a client certificate": (
@@ -173,14 +175,72 @@ def test_token_comes_from_file_then_environment_and_is_checked(tmp_path) -> None
     assert TransportSecurity.from_common(CommonConfig(), {}).token is None
     assert TransportSecurity.from_common(CommonConfig(), {ENV_AUTH_TOKEN: token}).token == token
     (tmp_path / "t").write_text(f"{token}\n")
+    (tmp_path / "t").chmod(0o600)
     from_file = TransportSecurity.from_common(CommonConfig(auth_token_file=str(tmp_path / "t")),
                                               {ENV_AUTH_TOKEN: "ignored-because-file-wins"})
     assert from_file.token == token and token not in repr(from_file)
-    with pytest.raises(ConfigError, match=f"{ENV_AUTH_TOKEN}: the job token must be at least 16"):
+    with pytest.raises(ConfigError, match=f"{ENV_AUTH_TOKEN}: the job token is too easy to "
+                       "guess \\(fewer than 16 characters\\)"):
         TransportSecurity.from_common(CommonConfig(), {ENV_AUTH_TOKEN: "short"})
     (tmp_path / "spaced").write_text("a token with spaces in it")
+    (tmp_path / "spaced").chmod(0o600)
     with pytest.raises(ConfigError, match="auth_token_file"):
         TransportSecurity.from_common(CommonConfig(auth_token_file=str(tmp_path / "spaced")), {})
+
+
+@pytest.mark.parametrize("weak, why", [
+    ("a" * 16, "a shorter string repeated"), ("passwordpassword", "a shorter string repeated"),
+    ("0123456789abcdef", "about 5 bits of randomness in its characters, fewer than 32"),
+    ("hunter2", "fewer than 16 characters"),
+])
+def test_a_token_easy_to_guess_is_refused_unless_insecure_token(weak: str, why: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        TransportSecurity.from_common(CommonConfig(), {ENV_AUTH_TOKEN: weak})
+    assert str(refused.value) == (
+        f"{ENV_AUTH_TOKEN}: the job token is too easy to guess ({why}); make one with "
+        "python -c 'import secrets; print(secrets.token_hex(32))', or pass --insecure-token "
+        f"({ENV_INSECURE_TOKEN}=1) to accept it")
+    accepted = TransportSecurity.from_common(CommonConfig(), {ENV_AUTH_TOKEN: weak,
+                                                              ENV_INSECURE_TOKEN: "1"})
+    assert accepted.token == weak
+    for strong in (secrets.token_hex(8), secrets.token_hex(32), secrets.token_urlsafe(24)):
+        assert TransportSecurity.from_common(CommonConfig(), {ENV_AUTH_TOKEN: strong}).token
+
+
+def test_a_token_file_others_can_use_is_refused_unless_insecure_token(tmp_path,
+                                                                     monkeypatch) -> None:
+    path = tmp_path / "token"
+    path.write_text(secrets.token_hex(32) + "\n")
+    config = CommonConfig(auth_token_file=str(path))
+    for mode in (0o644, 0o640, 0o604, 0o620, 0o602):
+        path.chmod(mode)
+        with pytest.raises(ConfigError) as refused:
+            TransportSecurity.from_common(config, {})
+        assert str(refused.value) == (
+            f"auth_token_file {str(path)!r}: readable or writable by group or others (mode "
+            f"{mode:04o}); a job token file must be readable by its owner only (chmod 600 "
+            f"{path}), or pass --insecure-token ({ENV_INSECURE_TOKEN}=1) to accept it")
+        assert TransportSecurity.from_common(config, {ENV_INSECURE_TOKEN: "1"}).token
+    path.chmod(0o600)
+    assert TransportSecurity.from_common(config, {}).token
+    path.chmod(0o400)
+    assert TransportSecurity.from_common(config, {}).token
+
+    from persia_py import security
+
+    def status(uid: int, mode: int):
+        return os.stat_result((0o100000 | mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+
+    # Seen by a user (uid 1000) that is not root: a file of root's may be group-readable
+    # (Kubernetes mounts a Secret so: root's, group fsGroup, 0440); another user's never.
+    monkeypatch.setattr(security.os, "geteuid", lambda: 1000)
+    assert security.token_file_problem(status(0, 0o440)) is None
+    assert security.token_file_problem(status(1000, 0o400)) is None
+    assert "mode 0460" in security.token_file_problem(status(0, 0o460))
+    assert "mode 0444" in security.token_file_problem(status(0, 0o444))
+    assert "mode 0440" in security.token_file_problem(status(1000, 0o440))
+    assert security.token_file_problem(status(1001, 0o400)) == (
+        "owned by uid 1001, neither this user (uid 1000) nor root")
 
 
 def test_tls_config_needs_all_three_existing_files(tmp_path) -> None:
@@ -199,6 +259,7 @@ def test_servers_bind_loopback_by_default_and_take_no_token_flag() -> None:
     local = parser.parse_args(["local", "--nn-worker", "t.py", "--data-loader", "d.py",
                                "--embedding-config", "e.yml"])
     assert local.bind == "127.0.0.1"
+    # --insecure-token is a switch; no flag takes a token (it would leak via ps).
     flags = [opt for action in parser._subparsers._group_actions[0].choices.values()
-             for a in action._actions for opt in a.option_strings]
+             for a in action._actions if a.nargs != 0 for opt in a.option_strings]
     assert not [f for f in flags if "token" in f], "a token on the command line leaks via ps"

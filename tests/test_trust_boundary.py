@@ -599,8 +599,8 @@ def _memory_mib(pid: int) -> dict[str, float]:
 
 def _peak_rise_mib(pid: int, fn) -> float:
     """How far the resident memory of process ``pid`` peaks above its current level while
-    ``fn()`` runs. (Memory a call freed is kept for the next one, in a malloc arena per
-    server thread (persia_py.allocator), so each call is measured from where it starts.)"""
+    ``fn()`` runs. (Memory a call freed is kept for the next one, in the malloc arenas the server
+    threads share (persia_py.allocator), so each call is measured from where it starts.)"""
     with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current VmRSS
     idle = _memory_mib(pid)["VmRSS"]

@@ -4,7 +4,9 @@ window included, whatever checkpoints were cut, completed, or loaded meanwhile."
 
 from __future__ import annotations
 
+import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +19,11 @@ from persia_py.config import (
     ParameterServerConfig,
     SlotConfig,
 )
+from persia_py.servers.block_append import BLOCK, FRAME
 from persia_py.servers.checkpoint import dump_replica, load_replica
 from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.replica_start import open_update_log
-from persia_py.servers.update_log import read_segments, replay_plan
+from persia_py.servers.update_log import _payload, _records, read_segments, replay_plan
 
 EMBEDDING = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4), "item": SlotConfig(dim=8)})
 ADAGRAD = {"type": "adagrad", "lr": 0.1}
@@ -115,6 +118,27 @@ def test_a_restarted_replica_holds_every_update_its_predecessor_applied(tmp_path
     _same(restarted, again)
 
 
+def test_float16_gradients_are_logged_as_they_arrived_and_replay_bit_identical(tmp_path) -> None:
+    """A float16 wire's gradients go into the log as float16 (half the bytes of float32),
+    and the replay widens them exactly as the live update did."""
+    sizes = {}
+    for dtype in ("float16", "float32"):
+        log = tmp_path / dtype
+        live = _logged(log)
+        rng = np.random.default_rng(3)
+        for sequence in range(1, 4):
+            ids = np.unique(rng.integers(0, 1 << 20, 4000).astype(np.uint64))
+            live.lookup([("item", ids)], training=True)
+            grads = rng.normal(scale=1e-3, size=(ids.size, 8)).astype(dtype)
+            grads.setflags(write=False)  # as a view of a received request
+            live.update([("item", ids, grads)], worker_id="ew-1", sequence=sequence)
+        sizes[dtype] = sum(f.stat().st_size for f in log.iterdir())
+        _restart_holds_the_same(live, log, num_updates=3)
+    # per row: the lookup's id (8 B), then the update's id and 8 gradients: 32 B in
+    # float16, 48 B in float32 (records padded to 4 KiB)
+    assert sizes["float16"] < 0.75 * sizes["float32"], sizes
+
+
 def test_without_any_checkpoint_the_log_configures_and_replays_from_empty(tmp_path) -> None:
     live = _ps()
     open_update_log(live, tmp_path, replay=False, checkpoint=None)
@@ -146,8 +170,10 @@ def test_a_record_cut_short_is_dropped_and_its_retry_makes_the_replica_whole(tmp
     trainer.steps(live, 2)
     segment = read_segments(tmp_path)[-1].path
     trainer.steps(live, 1)
-    torn = segment.stat().st_size - 10
-    os.truncate(segment, torn)  # died inside the write of the last update
+    # Died inside the write of the last update (a record of ~19 KB): past its padding
+    # (under one block), into its payload.
+    torn = segment.stat().st_size - BLOCK - 10
+    os.truncate(segment, torn)
     restarted = _ps()
     assert open_update_log(restarted, tmp_path, replay=True, checkpoint=None).endswith(
         "and 2 updates replayed from its update log")
@@ -222,3 +248,51 @@ def test_a_serving_replica_refuses_an_update_log(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="keeps no update log"):
         open_update_log(ParameterServer(GLOBAL, EMBEDDING, inference=True), tmp_path,
                         replay=False, checkpoint=None)
+
+
+def test_records_are_whole_blocks_and_a_zeroed_tail_is_a_torn_record(tmp_path) -> None:
+    """Every record is padded to a block (O_DIRECT needs it); a tail of zeros (blocks a
+    dying write allocated but never filled) is dropped like any torn record."""
+    live = _logged(tmp_path)
+    _Trainer().steps(live, 3)
+    segment = read_segments(tmp_path)[-1]
+    assert segment.block == BLOCK and segment.path.stat().st_size % BLOCK == 0
+    with open(segment.path, "ab") as f:
+        f.write(bytes(3 * BLOCK))
+    _restart_holds_the_same(live, tmp_path, num_updates=3)
+    assert segment.path.stat().st_size % BLOCK == 0  # appending goes on aligned
+
+
+def test_a_segment_written_before_padding_is_replayed_and_appended_to_unpadded(tmp_path) -> None:
+    log = tmp_path / "log"
+    live = _logged(log)
+    _Trainer().steps(live, 2)
+    live.update_log.close()
+    # Rewrite the segment as the earlier format had it: no "block", records back to back.
+    segment = read_segments(log)[-1]
+    records = list(_raw_records(segment.path))
+    old = bytearray()
+    for i, (meta, data) in enumerate(records):
+        if i == 0:
+            del meta["block"]
+        payload = b"".join(bytes(p) for p in _payload(json.dumps(meta).encode(),
+                                                       [np.frombuffer(data, np.uint8)]))
+        old += FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+    segment.path.write_bytes(bytes(old))
+    assert read_segments(log)[-1].block == 1
+    restarted = _ps()
+    assert open_update_log(restarted, log, replay=True, checkpoint=None).endswith(
+        "and 2 updates replayed from its update log")
+    _same(live, restarted)
+    trainer = _Trainer(seed=5, worker_id="ew-2")
+    trainer.steps(restarted, 1)  # appended unpadded to the old segment
+    assert segment.path.stat().st_size % BLOCK != 0
+    again = _ps()
+    open_update_log(again, log, replay=True, checkpoint=None)
+    _same(restarted, again)
+
+
+def _raw_records(path: Path):
+    with open(path, "rb") as f:
+        for meta, data, _ in _records(f, path, tolerate_tail=False):
+            yield meta, data

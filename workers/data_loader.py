@@ -29,7 +29,8 @@ from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.rpc import FailedPrecondition, NotFound, Overloaded, create_server, grpc_method
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
-from persia_py.workers.handover_log import Handover, HandoverLog, Handovers
+from persia_py.workers.handover_log import Handover, HandoverLog, Handovers, take_rewind
+from persia_py.workers.kept_batches import KeptBatches
 
 logger = logging.getLogger(__name__)
 
@@ -138,69 +139,18 @@ class BatchQueue:
         return self._all_ended.wait(timeout)
 
 
-class KeptBatches:
-    """The ID features of the training batches this loader put on embedding workers, kept
-    until the NN worker that trained a batch says it is done (``NextBatchRequest.done``):
-    when an embedding worker dies with batches still waiting there, or with their
-    updates not yet sent, the NN worker asks for the batch again (``ResendBatch``) and
-    the loader puts it on the worker's restarted successor under the same identity.
-    At most the batches queued here and those in flight on the NN workers are kept."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._kept: dict[int, tuple[int, PersiaBatch] | None] = {}
-        self.num_resent = 0
-
-    def expect(self, batch_ids) -> None:
-        """After a restart: these batches are in training; their ID features come back
-        when the script makes them again (a resend asked for meanwhile waits)."""
-        with self._lock:
-            self._kept.update(dict.fromkeys(batch_ids))
-
-    def keep(self, batch_id_: int, worker_index: int, batch: PersiaBatch, *,
-             expected: bool = False) -> None:
-        """Keep a batch; ``expected``: one made again after a restart, kept only if no NN
-        worker said it finished meanwhile."""
-        with self._lock:
-            if not expected or batch_id_ in self._kept:
-                self._kept[batch_id_] = (worker_index, batch)
-
-    def done(self, batch_ids) -> None:
-        with self._lock:
-            for b in batch_ids:  # a handful per request: those acknowledged since the last
-                self._kept.pop(b, None)
-            self._lock.notify_all()
-
-    def wait_empty(self, timeout: float) -> bool:
-        with self._lock:
-            return self._lock.wait_for(lambda: not self._kept, timeout)
-
-    def get(self, batch_id_: int) -> tuple[int, PersiaBatch]:
-        with self._lock:
-            known = batch_id_ in self._kept
-            found = self._kept.get(batch_id_)
-            if found is not None:
-                self.num_resent += 1
-        if known and found is None:
-            raise Overloaded(f"batch {batch_id_} is being made again (this data loader "
-                             "restarted); retry")
-        if found is None:
-            raise NotFound(f"batch {batch_id_} is not kept by this data loader (done, not "
-                           "made by it, or made before it restarted)")
-        return found
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-
 class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
+    """``num_made()``: how many batches this loader's stream has made (every sequence
+    number below it); a ``Rewind`` may name no other."""
+
     def __init__(self, batches: BatchQueue, kept: KeptBatches | None = None,
                  resend: Callable[[int], tuple[int, int]] | None = None, *,
-                 loader_index: int = 0) -> None:
+                 loader_index: int = 0, num_made: Callable[[], int] = lambda: 0) -> None:
         self.batches = batches
         self.kept = kept if kept is not None else KeptBatches()
         self.resend = resend
         self.loader_index = loader_index
+        self.num_made = num_made
 
     @grpc_method
     def NextBatch(self, request, context):
@@ -236,7 +186,8 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
                 "where a rewind leaves its positions: it cannot be rewound")
         # Checked whole before anything is written (ValueError: INVALID_ARGUMENT).
         positions = DataPositions.from_env(request.positions, "RestartRequest.positions")
-        rewind.write_rewind(log.path, positions)
+        rewind.check_made(positions.of(self.loader_index), self.loader_index, self.num_made())
+        rewind.write_rewind(log.path, positions, log.recorded_stream)
         logger.warning("data loader %d: asked to rewind (%s): batches below %d trained",
                        self.loader_index, request.reason[:200],
                        positions.of(self.loader_index).next)
@@ -284,12 +235,10 @@ class DataCtx:
         log_path = self.env.data_loader_handover_log
         # Rewound by a restarted training (persia_py/rewind.py): its checkpoint's positions
         # win, and the handover log starts again (it belongs to the stream before).
-        rewound = None if log_path is None else rewind.read_rewind(log_path)
+        rewound = None if log_path is None else take_rewind(
+            log_path, replayed=self.env.data_loader_replay, index=index)
         if rewound is not None:
-            self._done = rewound.of(index)
-            logger.warning("data loader %d rewound to the training's checkpoint: batches "
-                           "below %d (and %d more) trained; a new stream", index,
-                           self._done.next, len(self._done.also))
+            self._done = rewound
         replay = self.env.data_loader_replay and rewound is None
         self.log = (None if log_path is None else
                     HandoverLog(log_path, replay=replay, trained=self._done))
@@ -310,6 +259,9 @@ class DataCtx:
         self._done = recovered.finished
         self._in_training = recovered.in_training
         self._last_handed = {h.seq: h.rank for h in recovered.last.values()}
+        # Batches made before this start: trained, or handed over and in training.
+        self._made_before = max([self._done.next, *(s + 1 for s in self._done.also),
+                                 *(s + 1 for s in self._in_training)])
         if self.log is not None:
             if recovered.stream is None:
                 self.log.stream(self.stream)
@@ -334,7 +286,9 @@ class DataCtx:
         server, self.port = create_server(f"{self.env.bind_host}:{self.port}", self.common)
         data_loader_pb2_grpc.add_DataLoaderServicer_to_server(
             DataLoaderServicer(self.batches, self.kept, self._resend,
-                               loader_index=self.env.data_loader_replica_index), server)
+                               loader_index=self.env.data_loader_replica_index,
+                               num_made=lambda: self.num_made),
+            server)
         server.start()
         self._server = server
         print(f"data-loader {self.env.data_loader_replica_index} on port {self.port} ready",
@@ -345,6 +299,12 @@ class DataCtx:
                 self.metrics.registry, metrics_port, self.env.bind_host,
                 f"data-loader {self.env.data_loader_replica_index}")
         return self
+
+    @property
+    def num_made(self) -> int:
+        """Batches this loader's stream has made: every sequence number below it, those
+        made before a restart and trained before the checkpoint it started from too."""
+        return max(self.next_seq, self._made_before)
 
     @property
     def resumed_position(self) -> Position:

@@ -35,8 +35,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from persia_py import rewind
 from persia_py.checkpoint_format import fsync_dir
 from persia_py.data_position import Position
+from persia_py.private_files import open_private
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ class HandoverLog:
                                 set(self.recovered.ended))
         # A new start (not a replay) begins a new log: what was there is another run's.
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if replay else os.O_TRUNC)
-        self._fd = os.open(self.path, flags, 0o600)
+        self._fd = open_private(self.path, flags)
         self._lock = threading.Lock()
         self._compact_every = compact_every
         self._lines = 0
@@ -99,6 +101,11 @@ class HandoverLog:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 os.write(self._fd, b"\n")
+
+    @property
+    def recorded_stream(self) -> str | None:
+        """The stream this log names (None: none yet)."""
+        return self._state.stream
 
     def stream(self, stream: str) -> None:
         self._append({"stream": stream}, lambda st: setattr(st, "stream", stream))
@@ -140,7 +147,7 @@ class HandoverLog:
         records += [_handed_record(h) for _, h in sorted(state.in_training.items())]
         records += [{"ended": r} for r in sorted(state.ended)]
         tmp = self.path.with_name(f".{self.path.name}.compacting")
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
             f.write(b"".join(_line(r) for r in records))
             f.flush()
             os.fsync(f.fileno())
@@ -202,4 +209,20 @@ def read_handovers(path: str | os.PathLike) -> Handovers:
     return state
 
 
-__all__ = ["Handover", "HandoverLog", "Handovers", "read_handovers"]
+def take_rewind(path: str | os.PathLike, *, replayed: bool, index: int) -> Position | None:
+    """Loader ``index``'s positions that a ``Rewind`` left beside its handover log
+    ``path`` (persia_py/rewind.py), or None. Only a restart (``replayed``) takes them, and
+    only when they name the stream of that log; any other file is removed unread."""
+    if not rewind.rewind_file(path).exists():
+        return None
+    stream = read_handovers(path).stream if replayed else None
+    positions = rewind.read_rewind(path, stream=stream)
+    if positions is None:
+        return None
+    done = positions.of(index)
+    logger.warning("data loader %d rewound to the training's checkpoint: batches below %d "
+                   "(and %d more) trained; a new stream", index, done.next, len(done.also))
+    return done
+
+
+__all__ = ["Handover", "HandoverLog", "Handovers", "read_handovers", "take_rewind"]

@@ -161,7 +161,7 @@ class LoaderLink:
     """An NN worker's side of one data loader: the batch ids it finished training, told to
     the loader with its next NextBatch (the loader then forgets their ID features), and
     a way to have a batch put on its embedding worker again when that worker restarted
-    and lost it (see data_loader.KeptBatches)."""
+    and lost it (see kept_batches.KeptBatches)."""
 
     def __init__(self, stub, address: str, common: CommonConfig, outages: OutageLog) -> None:
         self.stub, self.address = stub, address

@@ -36,7 +36,7 @@ if __name__ == "__main__":
     samples, start = 0, None
     for step, (dense, ids, labels) in enumerate(batches):
         if step == args.warmup:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
         if start is not None:
             samples += w.batch_size
         embeddings = [t(x, offsets) for t, x in zip(tables, ids)]
@@ -46,4 +46,6 @@ if __name__ == "__main__":
         loss.backward()
         embedding_optimizer.step()
         dense_optimizer.step()
-    print(f"samples_per_sec: {samples / (time.perf_counter() - start):.1f}", flush=True)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    print(f"samples_per_sec: {samples / elapsed:.1f} samples: {samples} cpu_sec: {cpu:.3f}",
+          flush=True)

@@ -1,5 +1,6 @@
-"""NN worker of the throughput benchmark: prints ``samples_per_sec: <value>`` after the
-warm-up steps."""
+"""NN worker of the throughput benchmark: prints ``timing_started`` after the warm-up
+steps and ``samples_per_sec: <value> samples: <count>`` at the end (``benchmarks.role_cpu``
+reads every role's CPU between the two lines)."""
 
 import argparse
 import time
@@ -28,11 +29,12 @@ if __name__ == "__main__":
         for step, batch in enumerate(loader):
             if step == args.warmup:
                 start = time.perf_counter()
+                print("timing_started", flush=True)  # the CPU-per-role window opens
             if start is not None:
                 samples += batch.batch_size
             output, labels = ctx.forward(batch)
             ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
         ctx.flush()
         elapsed = time.perf_counter() - start
-        print(f"samples_per_sec: {samples / elapsed:.1f} staleness_mean: "
+        print(f"samples_per_sec: {samples / elapsed:.1f} samples: {samples} staleness_mean: "
               f"{ctx.mean_staleness:.2f}", flush=True)

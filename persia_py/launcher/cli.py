@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from persia_py.config import ConfigError
-from persia_py.launcher.job_token import add_insecure_flag
+from persia_py.launcher.job_token import add_insecure_flag, add_insecure_token_flag
+from persia_py.security import ENV_INSECURE_TOKEN
 from persia_py.start_checks import CONFIG_EXIT_CODE
 
 _NEEDS_TOKEN = ("embedding-parameter-server", "embedding-worker", "nn-worker", "data-loader",
@@ -36,6 +38,7 @@ def _add_server_flags(p: argparse.ArgumentParser, who: str = "this server",
     _add_metrics_flag(p)
     _add_config_flags(p)
     add_insecure_flag(p, who)
+    add_insecure_token_flag(p)
 
 
 def _add_metrics_flag(p: argparse.ArgumentParser, extra: str = "") -> None:
@@ -102,9 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0,
                    help="this machine's index (static rendezvous)")
     p.add_argument("--master-addr", default="127.0.0.1",
-                   help="address of node 0 (static rendezvous)")
-    p.add_argument("--master-port", type=int, default=29500,
-                   help="port of node 0 (static rendezvous)")
+                   help="address of node 0 (static rendezvous across machines; with one "
+                        "node, the ranks meet on 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="port of node 0 (static rendezvous; default 29500 across "
+                        "machines, any free port on 127.0.0.1 with one node)")
     p.add_argument("--rdzv-endpoint", default=None,
                    help="HOST:PORT of an elastic rendezvous (replaces --node-rank and "
                         "--master-addr/--master-port; torchrun assigns node ranks)")
@@ -125,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metrics_flag(p, "; rank r serves on PORT + local rank r")
     _add_config_flags(p)
     add_insecure_flag(p, "the training script")
+    add_insecure_token_flag(p)
 
     p = sub.add_parser("data-loader", help="run a data-loader script")
     p.add_argument("script", help="the data-loader script")
@@ -155,14 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process (repeatable)")
     p.add_argument("--run-dir", default=None,
-                   help="folder of this run's files (training log); default "
-                        "runs/local-<date>-<time>")
+                   help="folder of this run's files (training log), made with mode 0700; "
+                        "refused when another user owns it or others may write into it; "
+                        "default runs/local-<date>-<time>")
     p.add_argument("--no-metrics", action="store_true",
                    help="do not serve Prometheus metrics (default: every role serves them on "
                         "a free port, printed at start-up)")
     add_insecure_flag(p, "every role", "the configured token, else a new one per run, handed "
                       "to the roles by environment and written to RUN_DIR/auth_token, mode "
                       "0600, for clients outside the job")
+    add_insecure_token_flag(p)
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue a job from its last checkpoint in DIR (a checkpoint root or "
                         "folder): the NN workers load it, the data loaders skip the batches "
@@ -170,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=_non_negative, default=3, metavar="N",
                    help="restarts of each role after it died (a parameter server, embedding "
                         "worker or data loader alone; the training, from the last checkpoint, "
-                        "for an NN worker) before the job stops; 0: the first death stops it")
+                        "for an NN worker) or exited when asked to by a Restart or Rewind "
+                        "call, before the job stops; 0: the first death stops it")
     p.add_argument("--nn-restarts", choices=("launcher", "torchrun"), default="launcher",
                    help="who restarts dead NN ranks: the launcher (it restarts the training "
                         "roles from the last checkpoint) or torchrun (--max-restarts; the "
@@ -204,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "free port); the parameter servers then serve theirs (increment "
                         "freshness) on free ports, each printed at start-up")
     add_insecure_flag(p, "the Serving service and its servers")
+    add_insecure_token_flag(p)
 
     p = sub.add_parser("k8s", help="render Kubernetes manifests for a job")
     from persia_py.launcher.k8s import add_k8s_flags
@@ -217,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from persia_py.launcher.lifeline import watch_lifeline
+
+    # Started by a launcher: this role (and all it starts) stops when that launcher dies.
+    watch_lifeline()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -232,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         "k8s": k8s.run_k8s,
         "plot": _run_plot,
     }[args.command]
+    if getattr(args, "insecure_token", False):
+        # Read by every token check in this process and in those it starts.
+        os.environ[ENV_INSECURE_TOKEN] = "1"
     try:
         if args.command in _NEEDS_TOKEN:
             roles.require_token(args)

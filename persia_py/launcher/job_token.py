@@ -14,11 +14,12 @@ import argparse
 import logging
 import os
 import secrets
-import tempfile
 from collections.abc import Mapping
 
 from persia_py.config import load_global_config
-from persia_py.security import ENV_AUTH_TOKEN, TransportSecurity
+from persia_py.env import ENV_GLOBAL_CONFIG
+from persia_py.private_files import write_private_file
+from persia_py.security import ENV_AUTH_TOKEN, ENV_INSECURE_TOKEN, TransportSecurity
 
 logger = logging.getLogger("persia_py.launcher")
 
@@ -40,6 +41,16 @@ def add_insecure_flag(p: argparse.ArgumentParser, what: str, default: str | None
     p.add_argument("--insecure", action="store_true",
                    help=f"run {what} without a job token: anyone who can reach its ports can "
                         f"call every RPC (default: {default})")
+
+
+def add_insecure_token_flag(p: argparse.ArgumentParser) -> None:
+    """``--insecure-token``: the explicit opt-out of the token checks (see
+    :mod:`persia_py.security`), handed on to every process started below by environment."""
+    p.add_argument("--insecure-token", action="store_true",
+                   help="accept a job token that is easy to guess (short, a string repeated, "
+                        "little randomness) or a token file that group or others may read or "
+                        f"write (default: refused); sets {ENV_INSECURE_TOKEN}=1 for this "
+                        "process and every process it starts")
 
 
 def configured_token(global_config: str | None,
@@ -69,23 +80,25 @@ def new_token() -> str:
     return secrets.token_hex(32)
 
 
-def write_private_file(path: str, text: str) -> str:
-    """Write ``text`` to ``path``, readable by its owner only (mode 0600); returns the path.
+def give_job_token(insecure: bool, env: dict[str, str], run_dir: str) -> list[str]:
+    """``local``: give the job its token; returns the flags every role needs for it.
 
-    The file is made anew beside ``path`` (``mkstemp``: 0600, never through a link) and
-    renamed over it, so a link or a looser file already at ``path`` is replaced, never
-    followed or reused.
+    The user's token (``auth_token_file`` or ``$PERSIA_AUTH_TOKEN``) is used as it is;
+    else, unless ``--insecure``, a new one for this run goes into every role's environment
+    (never argv: any local user can read that) and into ``<run dir>/auth_token`` (mode
+    0600), for clients started outside the job. Its path is printed, never the token.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return os.path.abspath(path)
+    if configured_token(env.get(ENV_GLOBAL_CONFIG), env) is not None:
+        print("[launcher] job token: the one configured (common_config.auth_token_file or "
+              f"${ENV_AUTH_TOKEN})", flush=True)
+        return []
+    if insecure:
+        print("[launcher] WARNING: running WITHOUT a job token (--insecure): any local user "
+              "can call every RPC of this job", flush=True)
+        return ["--insecure"]
+    env[ENV_AUTH_TOKEN] = token = new_token()
+    path = write_private_file(os.path.join(run_dir, TOKEN_FILE_NAME), token + "\n")
+    print(f"[launcher] job token made for this run: {path} (mode 0600); a client outside "
+          f"the job reads it from there (common_config.auth_token_file: {path}, or "
+          f"export {ENV_AUTH_TOKEN}=$(cat {path}))", flush=True)
+    return []

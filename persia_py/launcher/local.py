@@ -3,7 +3,9 @@
 Every role runs as its own process (its own session, so it can be stopped with all its
 children). Each output line is prefixed with the role and replica. When training ends,
 the data loaders are waited for and the servers stopped. The launcher exits with the
-training's exit code and leaves no process behind, on Ctrl-C too. SIGTERM stops the NN
+training's exit code and leaves no process behind, on Ctrl-C too; a launcher killed
+outright (SIGKILL) takes every role with it, torchrun's ranks and the user's scripts
+included (persia_py/launcher/lifeline.py). SIGTERM stops the NN
 workers first and waits for them (an online job's ranks, ``TrainCtx(stop_on_signal=True)``,
 finish their step and write a final checkpoint, then exit 0), then the other roles; a
 second SIGTERM stops all at once.
@@ -41,13 +43,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from persia_py import allocator, rewind
 from persia_py.config import load_global_config
-from persia_py.env import ENV_GLOBAL_CONFIG, job_env
+from persia_py.env import job_env
 from persia_py.launcher import job_token
-from persia_py.launcher.processes import descendants
+from persia_py.launcher.lifeline import Lifeline
+from persia_py.launcher.processes import descendants, die_with_parent
 from persia_py.launcher.recovery import (
     BatchCounts,
     TrainingRecovery,
@@ -56,6 +58,7 @@ from persia_py.launcher.recovery import (
     resume_env,
 )
 from persia_py.launcher.roles import validate_configs
+from persia_py.launcher.run_folder import make_run_folder, remove_update_logs, update_log_folder
 from persia_py.monitoring import LauncherMetrics, serve_metrics
 from persia_py.progress import ENV_TRAIN_LOG
 from persia_py.security import ENV_AUTH_TOKEN
@@ -65,6 +68,10 @@ _STOP_GRACE_SEC = 10.0
 GRACEFUL_STOP_SEC = 300.0
 """How long SIGTERM waits for the NN workers to stop on their own (a final checkpoint
 of large tables takes a while); a second SIGTERM stops everything at once."""
+
+
+_WRAPPERS = ("data-loader", "nn-worker")
+"""Role kinds whose process starts the user's script (and torchrun) below it."""
 
 
 class GracefulStop(Exception):
@@ -109,6 +116,7 @@ class LocalCluster:
         self.max_restarts = max_restarts
         self._print_lock = threading.Lock()
         self._exited = threading.Event()
+        self._lifeline: Lifeline | None = None
         self.metrics: LauncherMetrics | None = None
         """Restarts counted as ``persia_restarts_total{role}`` (when serving metrics)."""
         self.on_line: Callable[[str], None] | None = None
@@ -134,7 +142,9 @@ class LocalCluster:
             self.spawn(role, role.command)
 
     def spawn(self, role: Role, command: list[str]) -> None:
-        """Start ``role``'s process with ``command`` (the cluster's environment)."""
+        """Start ``role``'s process with ``command`` (the cluster's environment), from a
+        thread that outlives it (the main thread): a server gets SIGKILL when the thread
+        that started it exits (persia_py/launcher/lifeline.py)."""
         env = allocator.with_tunables(self.env)
         if role.kind != "nn-worker" and "OMP_NUM_THREADS" not in env:
             # Servers and loaders run on threads of their own; an OpenMP pool in each of
@@ -146,9 +156,16 @@ class LocalCluster:
             env = {**env, "OMP_WAIT_POLICY": "PASSIVE"}
         if role.reader is not None:
             role.reader.join(timeout=5.0)  # the old process's output is all printed
+        if self._lifeline is None:
+            self._lifeline = Lifeline()
+        # Every role dies with the launcher, however it dies (persia_py/launcher/lifeline.py):
+        # it watches the lifeline; one without children of its own also gets SIGKILL from
+        # the kernel (a wrapper must outlive the launcher a moment, to stop its children).
         role.process = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            command, env=self._lifeline.child_env(env), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            pass_fds=(self._lifeline.read_fd,),
+            preexec_fn=None if role.kind in _WRAPPERS else die_with_parent(),
         )
         role.reader = threading.Thread(target=self._pump, args=(role,), daemon=True)
         role.reader.start()
@@ -165,20 +182,23 @@ class LocalCluster:
             return False
         if role.restart is None:
             return self.restart_training is not None and self.restart_training(role, how)
-        if code == rewind.EXIT_CODE and role.kind in ("embedding-worker", "data-loader"):
-            # Asked to by NN ranks that torchrun restarted (persia_py/rewind.py): not a
-            # failure, so not counted against max_restarts.
-            self.log(f"{role.name} exited to be started again ({how}): the training restarted "
-                     "by torchrun goes back to its checkpoint; restarting it on the same port")
-            self.spawn(role, role.restart())
-            return True
+        # Asked to exit by NN ranks that torchrun restarted (Restart, Rewind:
+        # persia_py/rewind.py). Counted like a death: any caller with the job token may
+        # ask, and must not keep the job restarting without end.
+        asked = code == rewind.EXIT_CODE and role.kind in ("embedding-worker", "data-loader")
         if role.num_restarts >= self.max_restarts:
-            self.log(f"{role.name} died ({how}) after {role.num_restarts} restarts, the "
-                      "limit; stopping the job")
+            self.log(f"{role.name} {'exited to be started again' if asked else 'died'} "
+                     f"({how}) after {role.num_restarts} restarts, the limit; stopping the job")
             return False
         role.num_restarts += 1
         self.count_restart(role)
         command = role.restart()
+        if asked:
+            self.log(f"{role.name} exited to be started again ({how}): the training restarted "
+                     "by torchrun goes back to its checkpoint; restarting it on the same port "
+                     f"(restart {role.num_restarts} of {self.max_restarts})")
+            self.spawn(role, command)
+            return True
         source = command[command.index("--load-checkpoint") + 1] if (
             "--load-checkpoint" in command) else None
         if role.kind == "embedding-worker":
@@ -328,31 +348,72 @@ class LocalCluster:
                 role.process.wait()
             if role.reader is not None:
                 role.reader.join(timeout=5.0)
+        if roles is self.roles and self._lifeline is not None:
+            self._lifeline.close()  # every role is gone; a later spawn makes a new one
+            self._lifeline = None
 
 
-def _job_token(args: argparse.Namespace, env: dict[str, str], run_dir: str) -> list[str]:
-    """Give the job its token; returns the flags every role needs for it.
+def _job_roles(args: argparse.Namespace, *, run_dir: str, root: str | None,
+               role_flags: list[str], ports: tuple) -> list[Role]:
+    """The job's roles, parameter servers first, then embedding workers, data loaders and
+    the NN worker, each with how it restarts alone (``Role.restart``). ``role_flags``:
+    what every role takes; ``ports``: those of each kind (the NN ranks' rendezvous store
+    takes its port itself: persia_py/launcher/loopback.py)."""
+    launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
+    host = args.bind
+    ps_ports, ew_ports, dl_ports = ports
+    num_ps, num_ew, num_dl = len(ps_ports), len(ew_ports), len(dl_ports)
+    roles = [
+        Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
+                         "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
+                         "--update-log", update_log_folder(run_dir, i), *role_flags])
+        for i, p in enumerate(ps_ports)
+    ]
+    roles += [
+        Role(f"embedding-worker-{i}", [*launcher, "embedding-worker", "--port", str(p),
+                                       "--bind", host, "--replica-index", str(i),
+                                       "--replica-size", str(num_ew), *role_flags],
+             kind="embedding-worker")
+        for i, p in enumerate(ew_ports)
+    ]
+    roles += [
+        Role(f"data-loader-{i}", [*launcher, "data-loader", "--port", str(p),
+                                  "--replica-index", str(i), "--replica-size", str(num_dl),
+                                  "--handover-log",
+                                  os.path.join(run_dir, f"data-loader-{i}-handovers.log"),
+                                  *role_flags, args.data_loader, *shlex.split(args.data_loader_args)],
+             kind="data-loader")
+        for i, p in enumerate(dl_ports)
+    ]
+    roles.append(Role("nn-worker", [*launcher, "nn-worker",
+                                    "--nproc-per-node", str(args.nproc_per_node),
+                                    *(["--max-restarts", str(args.max_restarts)]
+                                      if args.nn_restarts == "torchrun" else []),
+                                    *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
+                      kind="nn-worker"))
 
-    The user's token (``auth_token_file`` or ``$PERSIA_AUTH_TOKEN``) is used as it is;
-    else, unless ``--insecure``, a new one for this run goes into every role's environment
-    (never argv: any local user can read that) and into ``<run dir>/auth_token`` (mode
-    0600), for clients started outside the job. Its path is printed, never the token.
-    """
-    if job_token.configured_token(env.get(ENV_GLOBAL_CONFIG), env) is not None:
-        print("[launcher] job token: the one configured (common_config.auth_token_file or "
-              f"${ENV_AUTH_TOKEN})", flush=True)
-        return []
-    if args.insecure:
-        print("[launcher] WARNING: running WITHOUT a job token (--insecure): any local user "
-              "can call every RPC of this job", flush=True)
-        return ["--insecure"]
-    env[ENV_AUTH_TOKEN] = token = job_token.new_token()
-    path = job_token.write_private_file(os.path.join(run_dir, job_token.TOKEN_FILE_NAME),
-                                        token + "\n")
-    print(f"[launcher] job token made for this run: {path} (mode 0600); a client outside "
-          f"the job reads it from there (common_config.auth_token_file: {path}, or "
-          f"export {ENV_AUTH_TOKEN}=$(cat {path}))", flush=True)
-    return []
+    def ps_restart(command: list[str]) -> Callable[[], list[str]]:
+        def restart() -> list[str]:
+            # Its update log brings back what it applied since the checkpoint it starts
+            # from; the newest checkpoint serves when the log is empty.
+            latest = latest_checkpoint(root)
+            command_now = [*command, "--replay-update-log"]
+            return command_now if latest is None else [*command_now, "--load-checkpoint", latest]
+        return restart
+
+    for role in roles[:num_ps]:
+        role.restart = ps_restart(role.command)
+    for role in roles[num_ps:num_ps + num_ew]:
+        # Restarted alone: the data loaders keep the ID features of every batch not yet
+        # trained and put those it lost on its successor (see workers/data_loader.py).
+        role.restart = functools.partial(list, role.command)
+    for role in roles[num_ps + num_ew:num_ps + num_ew + num_dl]:
+        # Restarted alone: its handover log says where it left off
+        # (workers/handover_log.py); the flag goes before the script and its arguments.
+        at = role.command.index(args.data_loader)
+        role.restart = functools.partial(
+            list, [*role.command[:at], "--replay-handovers", *role.command[at:]])
+    return roles
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -364,15 +425,12 @@ def run_local(args: argparse.Namespace) -> int:
     validate_configs(args.global_config, args.embedding_config)
     # Every role starts in this folder: its checkpoint root, unless the config sets one.
     check_checkpoint_paths(load_global_config(args.global_config).checkpoint_config)
-    run_dir = os.path.abspath(args.run_dir or os.path.join(
-        "runs", f"local-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"))
-    os.makedirs(run_dir, exist_ok=True)
-    train_log = os.path.join(run_dir, "train_log.jsonl")
-    print(f"[launcher] run folder {run_dir}; training log {train_log}", flush=True)
+    run_dir, train_log = make_run_folder(args)
     metrics = [] if args.no_metrics else ["--metrics-port", "0"]
-    ports = free_ports(num_ps + num_ew + num_dl + 1, host)
+    # The NN ranks' rendezvous store takes its port itself (persia_py/launcher/loopback.py).
+    ports = free_ports(num_ps + num_ew + num_dl, host)
     ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
-    dl_ports, master_port = ports[num_ps + num_ew:-1], ports[-1]
+    dl_ports = ports[num_ps + num_ew:]
     env = dict(os.environ)
     env.update(job_env(
         ps_addrs=[f"{host}:{p}" for p in ps_ports],
@@ -397,58 +455,9 @@ def run_local(args: argparse.Namespace) -> int:
                              "read by every local user; export it instead, or let local make "
                              "one")
         env[key] = value
-    launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
-    role_flags = [*metrics, *_job_token(args, env, run_dir)]  # every role takes both
-    roles = [
-        Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
-                         "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
-                         "--update-log", os.path.join(run_dir, f"ps-{i}-updates"), *role_flags])
-        for i, p in enumerate(ps_ports)
-    ]
-    roles += [
-        Role(f"embedding-worker-{i}", [*launcher, "embedding-worker", "--port", str(p),
-                                       "--bind", host, "--replica-index", str(i),
-                                       "--replica-size", str(num_ew), *role_flags],
-             kind="embedding-worker")
-        for i, p in enumerate(ew_ports)
-    ]
-    roles += [
-        Role(f"data-loader-{i}", [*launcher, "data-loader", "--port", str(p),
-                                  "--replica-index", str(i), "--replica-size", str(num_dl),
-                                  "--handover-log",
-                                  os.path.join(run_dir, f"data-loader-{i}-handovers.log"),
-                                  *role_flags, args.data_loader, *shlex.split(args.data_loader_args)],
-             kind="data-loader")
-        for i, p in enumerate(dl_ports)
-    ]
-    roles.append(Role("nn-worker", [*launcher, "nn-worker",
-                                    "--nproc-per-node", str(args.nproc_per_node),
-                                    "--master-addr", host, "--master-port", str(master_port),
-                                    *(["--max-restarts", str(args.max_restarts)]
-                                      if args.nn_restarts == "torchrun" else []),
-                                    *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
-                      kind="nn-worker"))
-    def ps_restart(command: list[str]) -> Callable[[], list[str]]:
-        def restart() -> list[str]:
-            # Its update log brings back what it applied since the checkpoint it starts
-            # from; the newest checkpoint serves when the log is empty.
-            latest = latest_checkpoint(root)
-            command_now = [*command, "--replay-update-log"]
-            return command_now if latest is None else [*command_now, "--load-checkpoint", latest]
-        return restart
-
-    for role in roles[:num_ps]:
-        role.restart = ps_restart(role.command)
-    for role in roles[num_ps:num_ps + num_ew]:
-        # Restarted alone: the data loaders keep the ID features of every batch not yet
-        # trained and put those it lost on its successor (see workers/data_loader.py).
-        role.restart = functools.partial(list, role.command)
-    for role in roles[num_ps + num_ew:num_ps + num_ew + num_dl]:
-        # Restarted alone: its handover log says where it left off
-        # (workers/handover_log.py); the flag goes before the script and its arguments.
-        at = role.command.index(args.data_loader)
-        role.restart = functools.partial(
-            list, [*role.command[:at], "--replay-handovers", *role.command[at:]])
+    role_flags = [*metrics, *job_token.give_job_token(args.insecure, env, run_dir)]
+    roles = _job_roles(args, run_dir=run_dir, root=root, role_flags=role_flags,
+                       ports=(ps_ports, ew_ports, dl_ports))
     cluster = LocalCluster(roles, env, max_restarts=args.max_restarts)
     recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],
                                 root=root, train_log=train_log,
@@ -483,5 +492,6 @@ def run_local(args: argparse.Namespace) -> int:
         for summary in (recovery.summary(), counts.summary()):
             if summary:
                 cluster.log(summary)
+        remove_update_logs(run_dir, num_ps, cluster.log)
         if metrics_server is not None:
             metrics_server.close()

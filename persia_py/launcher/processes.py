@@ -1,14 +1,47 @@
-"""Processes of the launcher's children: finding them, and watching torchrun."""
+"""Processes of the launcher's children: tying them to their parent (Linux ``prctl``, see
+persia_py/launcher/lifeline.py), finding them, and watching torchrun."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 from persia_py.env import ENV_DATA_LOADER_REPLICA_INDEX, ENV_RANK_FAILED_FILE
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl() -> Callable[..., int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = libc.prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child get ``sig`` when the thread calling
+    ``Popen`` exits (its process dies). Everything is looked up before the fork; the
+    child only calls ``prctl`` and compares its parent's pid."""
+    prctl, parent = _prctl(), os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody will tell us
+            os.kill(os.getpid(), sig)
+    return preexec
+
+
+def become_subreaper() -> None:
+    """Make this process the parent of its orphaned descendants (instead of init)."""
+    _prctl()(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _children() -> dict[int, list[int]]:
@@ -58,7 +91,9 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     fd, failed_file = tempfile.mkstemp(prefix="persia-rank-failed-")
     os.close(fd)
     os.unlink(failed_file)
-    child = subprocess.Popen(command, env={**env, ENV_RANK_FAILED_FILE: failed_file})
+    # torchrun dies with this wrapper, which dies with the launcher (lifeline.py).
+    child = subprocess.Popen(command, env={**env, ENV_RANK_FAILED_FILE: failed_file},
+                             preexec_fn=die_with_parent())
 
     def forward(signum, _frame):
         # SIGTERM goes to the ranks themselves while they run: one that stops cleanly on
@@ -114,6 +149,18 @@ def _argv_env(pid: int) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+WRAPPER_MODULES = ("persia_py.launcher.cli", "torch.distributed.run",
+                   "persia_py.launcher.loopback_torchrun")
+"""``python -m`` modules that start a user's script rather than run it (the launcher's
+role wrappers, torchrun and its loopback variant)."""
+
+
+def is_wrapper(argv: list[str]) -> bool:
+    """Whether the process of command line ``argv`` starts a user's script (see
+    :data:`WRAPPER_MODULES`), though the script's path is among its arguments."""
+    return any(m in argv for m in WRAPPER_MODULES)
+
+
 def role_pid(root: int, kind: str, index: int, *, loader_script: str,
              train_script: str) -> int:
     """The process below ``root`` (a ``persia-launcher local``) that *is* replica ``index``
@@ -128,7 +175,7 @@ def role_pid(root: int, kind: str, index: int, *, loader_script: str,
             argv, env = _argv_env(pid)
         except OSError:  # exited meanwhile
             continue
-        wrapper = "persia_py.launcher.cli" in argv or "torch.distributed.run" in argv
+        wrapper = is_wrapper(argv)
         flag = "embedding-parameter-server" if kind == "parameter server" else "embedding-worker"
         if kind in ("parameter server", "embedding worker"):
             hit = flag in argv and argv[argv.index("--replica-index") + 1] == str(index)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from persia_py.data_position import ENV_DATA_POSITIONS
 from persia_py.env import ENV_GLOBAL_CONFIG
+from persia_py.private_files import append_private
 
 
 def resume_env(path: str) -> dict[str, str]:
@@ -115,7 +116,7 @@ class TrainingRecovery:
         """One line in the training log (JSON lines, as rank 0 writes them)."""
         record = {"event": "restart", "role": name, "reason": how,
                   "checkpoint": checkpoint, "time": time.time()}
-        with open(self.train_log, "a") as f:  # one write: appends do not interleave
+        with append_private(self.train_log) as f:  # one write: appends do not interleave
             f.write(json.dumps(record) + "\n")
 
     def summary(self) -> str | None:

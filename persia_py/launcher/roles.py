@@ -30,7 +30,8 @@ from persia_py.env import (
     PersiaEnv,
 )
 from persia_py.launcher import job_token
-from persia_py.launcher.processes import run_torchrun
+from persia_py.launcher.loopback import loopback_env, torchrun_command
+from persia_py.launcher.processes import die_with_parent, run_torchrun
 from persia_py.monitoring import ENV_METRICS_PORT, serve_metrics
 from persia_py.progress import ENV_TRAIN_LOG
 from persia_py.start_checks import check_checkpoint_paths
@@ -189,8 +190,9 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
 
 
 def _run_child(command: list[str], env: dict[str, str]) -> int:
-    """Run a child in the foreground; pass SIGTERM/SIGINT on to it."""
-    child = subprocess.Popen(command, env=env)
+    """Run a child in the foreground; pass SIGTERM/SIGINT on to it. It dies with this
+    process (persia_py/launcher/lifeline.py)."""
+    child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
 
     def forward(signum, _frame):
         child.send_signal(signum)
@@ -225,9 +227,15 @@ def run_nn_worker(args: argparse.Namespace) -> int:
     env.setdefault(ENV_TRAIN_LOG, os.path.abspath(args.train_log))
     deadline = int(min(60, max(5, load_global_config(env.get(ENV_GLOBAL_CONFIG))
                                .common_config.rpc_timeout_sec)))
-    command = [sys.executable, "-m", "torch.distributed.run",
-               f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
-               f"--max-restarts={args.max_restarts}"]
+    one_node = args.nnodes == 1 and not args.rdzv_endpoint
+    if one_node:
+        # Every port the ranks open on loopback (persia_py/launcher/loopback.py).
+        env = loopback_env(env)
+        command = torchrun_command(args.master_port or 0)
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run"]
+    command += [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
+                f"--max-restarts={args.max_restarts}"]
     if args.local_addr:
         # What the other nodes dial (MASTER_ADDR when this node gets rank 0); the hostname
         # may resolve to loopback or to another interface.
@@ -246,9 +254,9 @@ def run_nn_worker(args: argparse.Namespace) -> int:
             host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")
             conf.insert(0, f"is_host={int(host == args.local_addr)}")
         command.append(f"--rdzv-conf={','.join(conf)}")
-    else:
+    elif not one_node:
         command += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-                    f"--master-port={args.master_port}"]
+                    f"--master-port={args.master_port or 29500}"]
     return run_torchrun([*command, args.script, *args.script_args], env, grace_sec=deadline)
 
 

@@ -1,0 +1,125 @@
+"""CPU seconds per role of a ``persia-launcher local`` job, over the benchmark's timed
+window only (start-up and imports excluded), read from /proc.
+
+The job's NN worker prints ``timing_started`` when its clock starts and
+``samples_per_sec: …`` when it stops; :func:`run_job` snapshots every process below the
+launcher at both lines and polls in between, so a process that exits inside the window
+(a restarted role) still counts up to its last poll.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from persia_py.launcher.processes import descendants, is_wrapper
+
+ROLES = ("parameter_server", "embedding_worker", "data_loader", "nn_worker", "launcher")
+_TICK = os.sysconf("SC_CLK_TCK")
+_POLL_SEC = 0.25
+
+
+def role_of(argv: list[str], *, train_script: str, loader_script: str) -> str:
+    """Which role a process of the job is, from its command line."""
+    wrapper = is_wrapper(argv)
+    if "embedding-parameter-server" in argv:
+        return "parameter_server"
+    if "embedding-worker" in argv:
+        return "embedding_worker"
+    if not wrapper and any(a.endswith(loader_script) for a in argv):
+        return "data_loader"
+    if not wrapper and any(a.endswith(train_script) for a in argv):
+        return "nn_worker"
+    return "launcher"
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime, every thread of the process
+
+
+@dataclass
+class _Window:
+    root: int
+    train_script: str
+    loader_script: str
+    role: dict[int, str] = field(default_factory=dict)
+    first: dict[int, int] = field(default_factory=dict)
+    last: dict[int, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def poll(self, *, baseline: bool = False) -> None:
+        for pid in [self.root, *descendants(self.root)]:
+            try:
+                if pid not in self.role:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        argv = f.read().decode(errors="replace").split("\0")
+                    self.role[pid] = role_of(argv, train_script=self.train_script,
+                                             loader_script=self.loader_script)
+                ticks = _cpu_ticks(pid)
+            except (OSError, ValueError):  # exited meanwhile
+                continue
+            with self.lock:
+                if baseline or pid not in self.first:
+                    # a process born inside the window counts from zero
+                    self.first.setdefault(pid, ticks if baseline else 0)
+                self.last[pid] = ticks
+
+    def seconds(self) -> dict[str, float]:
+        per_role: dict[str, float] = defaultdict(float)
+        with self.lock:
+            for pid, ticks in self.last.items():
+                per_role[self.role[pid]] += (ticks - self.first.get(pid, 0)) / _TICK
+        return {role: per_role.get(role, 0.0) for role in ROLES}
+
+
+@dataclass
+class JobResult:
+    samples_per_sec: float
+    samples: int
+    cpu_sec: dict[str, float]
+
+    def cpu_per_1000(self) -> dict[str, float]:
+        """Core-seconds per 1,000 trained samples, per role and ``all``."""
+        per = {role: 1000 * sec / self.samples for role, sec in self.cpu_sec.items()}
+        per["all"] = sum(per.values())
+        return per
+
+
+def run_job(command: list[str], *, cwd: str, env: dict[str, str] | None, what: str,
+            train_script: str, loader_script: str) -> JobResult:
+    """Run a ``local`` job and measure its timed window."""
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    window = _Window(proc.pid, train_script, loader_script)
+    stop = threading.Event()
+
+    def poll_until_stopped() -> None:
+        while not stop.wait(_POLL_SEC):
+            window.poll()
+
+    poller = threading.Thread(target=poll_until_stopped, daemon=True)
+    tail: list[str] = []
+    result = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail = (tail + [line])[-200:]
+        if "timing_started" in line and not poller.is_alive():
+            window.poll(baseline=True)
+            poller.start()
+        match = re.search(r"samples_per_sec: ([0-9.]+) samples: ([0-9]+)", line)
+        if match and result is None and poller.is_alive():
+            window.poll()
+            stop.set()
+            result = JobResult(float(match.group(1)), int(match.group(2)), window.seconds())
+    stop.set()
+    code = proc.wait()
+    if code != 0 or result is None:
+        raise RuntimeError(f"{what} failed ({code}):\n{''.join(tail)[-6000:]}")
+    return result

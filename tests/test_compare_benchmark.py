@@ -1,0 +1,80 @@
+"""The pieces of ``benchmarks.compare``: each role's CPU over the timed window only, read
+from /proc for real processes, and REF checked out importable beside the working tree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import ROOT
+
+from benchmarks.compare import checkout, remove
+from benchmarks.role_cpu import ROLES, role_of, run_job
+
+_JOB = textwrap.dedent("""
+    import subprocess, sys, time
+    def burn(seconds):
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+    if sys.argv[1:2] == ["ps"]:  # a child the classifier takes for a parameter server
+        burn(0.6)
+        sys.exit(0)
+    burn(0.4)  # before the window: must not count
+    print("timing_started", flush=True)
+    child = subprocess.Popen([sys.executable, __file__, "ps", "embedding-parameter-server"])
+    child.wait()
+    print("samples_per_sec: 100.0 samples: 2000 staleness_mean: 1.00", flush=True)
+""")
+
+
+def test_role_of_names_each_role_of_a_local_job() -> None:
+    def of(*argv: str) -> str:
+        return role_of(list(argv), train_script="train.py", loader_script="loader.py")
+
+    assert of("python", "-m", "persia_py.launcher.cli", "embedding-parameter-server") == \
+        "parameter_server"
+    assert of("python", "-m", "persia_py.launcher.cli", "embedding-worker") == \
+        "embedding_worker"
+    assert of("python", "/x/loader.py") == "data_loader"
+    assert of("python", "/x/train.py", "--workload", "w") == "nn_worker"
+    # the wrappers that start the scripts are the launcher's, not the roles'
+    assert of("python", "-m", "persia_py.launcher.cli", "data-loader", "/x/loader.py") == \
+        "launcher"
+    assert of("python", "-m", "torch.distributed.run", "/x/train.py") == "launcher"
+
+
+@pytest.mark.processes
+def test_cpu_is_counted_per_role_inside_the_window_only(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    result = run_job([sys.executable, str(script)], cwd=str(tmp_path), env=None, what="job",
+                     train_script="train.py", loader_script="loader.py")
+    assert result.samples == 2000 and result.samples_per_sec == 100.0
+    assert set(result.cpu_sec) == set(ROLES)
+    # the child burnt 0.6 s inside the window; the parent's 0.4 s before it is left out
+    assert 0.45 <= result.cpu_sec["parameter_server"] <= 1.0, result.cpu_sec
+    assert result.cpu_sec["launcher"] < 0.3, result.cpu_sec
+    per = result.cpu_per_1000()
+    assert abs(per["all"] - sum(per[r] for r in ROLES)) < 1e-9
+
+
+@pytest.mark.processes
+def test_a_ref_is_checked_out_importable_and_removed(tmp_path) -> None:
+    tree = checkout("HEAD", tmp_path / "ref")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import persia_py, persia_py.servers.storage as s; "
+             "print(persia_py.__file__, s.__file__)"],
+            env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}, capture_output=True,
+            text=True, cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert all(path.startswith(str(tree)) for path in done.stdout.split()), done.stdout
+    finally:
+        remove(tree)
+    assert not tree.exists()
+    listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
+                            text=True).stdout
+    assert str(tree) not in listed
