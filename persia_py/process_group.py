@@ -97,10 +97,17 @@ def is_collective_failure(exc: BaseException) -> bool:
     if not isinstance(exc, RuntimeError):
         return False
     # gloo raises plain RuntimeErrors: from a collective's wait (raised in c10d's
-    # Python API), or from the autograd hooks of DDP's reducer (naming gloo's sources).
+    # Python API), or from the autograd hooks of DDP's reducer (naming gloo's sources,
+    # except for its own timeout of a pair, which names nothing).
     innermost = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    return "gloo" in str(exc) or any(
+    text = str(exc)
+    return "gloo" in text or any(m in text for m in _GLOO_TRANSPORT_MESSAGES) or any(
         frame.filename.endswith("distributed_c10d.py") for frame in innermost)
+
+
+_GLOO_TRANSPORT_MESSAGES = ("Application timeout caused pair closure",
+                            "Connection closed by peer", "Connection reset by peer")
+"""What gloo's transport says when a peer is gone or silent, with or without its path."""
 
 
 @contextmanager
