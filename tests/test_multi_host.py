@@ -154,11 +154,19 @@ class ReadmeJob:
     def wait(self) -> None:
         """Both NN-worker nodes and the data loader end well; the servers still serve."""
         for name, proc in self.foreground.items():
-            assert proc.wait(timeout=600) == 0, f"host {name}:\n{proc.output()}"
+            assert proc.wait(timeout=600) == 0, \
+                f"host {name}:\n{proc.output()}\n{self.others(name)}"
         data_loader = self.procs["b"][0]
         assert data_loader.wait(timeout=60) == 0, data_loader.output()
         for proc in self.procs["a"]:
             assert proc.process.poll() is None, f"a server on host A exited:\n{proc.output()}"
+
+    def others(self, but: str) -> str:
+        """What every other host's processes printed: a node's failure often starts on
+        another one (a rank there died, and this one lost its peer)."""
+        return "\n".join(f"--- host {name}, process {i}:\n{proc.output()[-6000:]}"
+                         for name, procs in self.procs.items() for i, proc in enumerate(procs)
+                         if proc is not self.foreground.get(but))
 
 
 def test_three_hosts_train_like_one_machine(emulated_hosts, tmp_path) -> None:
