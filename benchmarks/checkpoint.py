@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from persia_py import checkpoint_format as fmt
+from persia_py.checkpoint import layout as fmt
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig, ParameterServerConfig, SlotConfig
 from persia_py.servers.checkpoint import dump_replica, load_replica
 from persia_py.servers.parameter_server import ParameterServer

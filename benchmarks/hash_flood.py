@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from persia_py.hashing import HASH_STACK_SALT, REPLICA_SALT, HashKey, inverse_mix64, mix64
+from persia_py.ids.hashing import HASH_STACK_SALT, REPLICA_SALT, HashKey, inverse_mix64, mix64
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.optimizers import SGDConfig
 from persia_py.servers.storage import EmbeddingTable

@@ -12,14 +12,14 @@ user.
 One online training job (TrainCtx in this process, its embedding parameter server and
 embedding worker as real processes) trains on the stream once, exporting embedding
 increments (``incremental_every_updates``: one update request per batch, so stream time)
-and dense versions (:class:`~persia_py.dense_export.DenseExporter`) every ``short``
+and dense versions (:class:`~persia_py.checkpoint.dense_export.DenseExporter`) every ``short``
 batches; every export records its stream position. Serving replicas (inference-mode
 parameter servers and a dense model in this process) then follow that export folder
 through the stream, each syncing at its own interval: every batch arriving after a sync
 is scored by the replica as of that sync, before any later export, exactly as a
 replica that polls at that interval would have answered it, with the same apply code
 (:func:`~persia_py.servers.increments.apply_increment`,
-:func:`~persia_py.dense_export.read_dense_version`). ``never`` keeps the state of the end
+:func:`~persia_py.checkpoint.dense_export.read_dense_version`). ``never`` keeps the state of the end
 of the first quarter of the stream; all replicas are scored on the rest.
 
 Printed: serving AUC per interval, mean serving staleness (stream seconds between a
@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from benchmarks.ps_process import role_process
-from persia_py import checkpoint_format as fmt
+from persia_py.checkpoint import layout as fmt
+from persia_py.checkpoint.dense_export import DenseExporter, dense_versions, read_dense_version
 from persia_py.config import (
     CommonConfig,
     EmbeddingTablesConfig,
@@ -54,7 +55,6 @@ from persia_py.config import (
     ParameterServerConfig,
     SlotConfig,
 )
-from persia_py.dense_export import DenseExporter, dense_versions, read_dense_version
 from persia_py.embedding.data import (
     IDTypeFeatureWithSingleID,
     Label,
@@ -62,6 +62,7 @@ from persia_py.embedding.data import (
     PersiaBatch,
 )
 from persia_py.metrics import roc_auc
+from persia_py.ops import safe_files
 from persia_py.servers.increments import apply_increment, increment_folders
 from persia_py.servers.parameter_server import ParameterServer
 
@@ -190,7 +191,7 @@ def _increments(directory: Path) -> list[tuple[int, Path]]:
     """(update requests before its rows were read, folder) of every increment, in order."""
     out = []
     for _, _, folder in increment_folders(directory):
-        manifest = fmt.load_json(folder / fmt.MANIFEST)
+        manifest = safe_files.load_json(folder / fmt.MANIFEST)
         out.append((int(manifest["num_updates"]), folder))
     return out
 
@@ -204,7 +205,7 @@ class Replica:
         self.ps.configure(optimizer={"type": "adagrad", "lr": LR})
         self.model = Tower().eval()
         self.increments = _increments(workdir / "inc")
-        self.versions = [(int(fmt.load_json(f / fmt.MANIFEST)["step"]), f)
+        self.versions = [(int(safe_files.load_json(f / fmt.MANIFEST)["step"]), f)
                          for _, f in dense_versions(workdir / "dense")]
         self.next_increment = 0
         self.position = 0

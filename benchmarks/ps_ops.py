@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.ps_process import parameter_server_process
-from persia_py import allocator
 from persia_py.config import CommonConfig
-from persia_py.routing import mix64
+from persia_py.ids.routing import mix64
+from persia_py.ops import allocator
 from persia_py.servers.optimizers import AdagradConfig, optimizer_to_dict, state_width
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.workers.ps_client import PSClient, configure_request

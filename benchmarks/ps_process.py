@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from persia_py import allocator
-from persia_py.security import ENV_AUTH_TOKEN
+from persia_py.ops import allocator
+from persia_py.wire.security import ENV_AUTH_TOKEN
 
 START_TIMEOUT_S = 120.0
 

@@ -3,8 +3,8 @@
     python -m benchmarks.stream_reader [--rows 200000] [--batch-size 1024] [--json PATH]
 
 Writes one CSV file (an int, two floats and two id-list columns, as a click log) and
-reads it in batches with :class:`persia_py.stream_reader.StreamReader` (array-parsed,
-positions kept) and with :class:`persia_py.data_readers.CsvReader` (``csv`` module, a
+reads it in batches with :class:`persia_py.input.stream_reader.StreamReader` (array-parsed,
+positions kept) and with :class:`persia_py.input.readers.CsvReader` (``csv`` module, a
 Python loop per row) in the same run; then times the position log's durable append
 (one ``write`` + ``fsync`` per batch), the price of exact restarts.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from persia_py.data_readers import CsvColumn, CsvReader, CsvReaderConfig
-from persia_py.stream_reader import CsvFormat, StreamPosition, StreamReader
+from persia_py.input.readers import CsvColumn, CsvReader, CsvReaderConfig
+from persia_py.input.stream_reader import CsvFormat, StreamPosition, StreamReader
 from persia_py.stream_source import PositionLog
 
 COLUMNS = (CsvColumn(name="sid", kind="int"), CsvColumn(name="label", kind="float"),

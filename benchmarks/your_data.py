@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from persia_py.data_readers import CsvReader
 from persia_py.ids import hash_values
-from persia_py.reader_share import ReaderShare
+from persia_py.input.reader_share import ReaderShare
+from persia_py.input.readers import CsvReader
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "criteo_tsv"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from persia_py.checks import check_type
+from persia_py.config.checks import check_type
 from persia_py.ctx import current_ctx
 from persia_py.embedding.data import PersiaBatch
 from persia_py.workers.nn_worker import TrainingBatch

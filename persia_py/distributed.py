@@ -4,7 +4,7 @@
 * :class:`FSDPOption` — every rank keeps a shard; parameters are all-gathered per unit
   around its forward and backward, gradients reduce-scattered (PyTorch's FSDP2,
   ``torch.distributed.fsdp.fully_shard``), with a bound on the unsharded bytes alive at
-  once (:mod:`persia_py.fsdp_limiter`).
+  once (:mod:`persia_py.dense.fsdp_limiter`).
 
 Pass one as ``TrainCtx(..., distributed_option=...)``; the default is ``DDPOption()``.
 Embeddings are not touched by either: they live on the parameter servers.
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from persia_py.dense_parallel import DenseParallel, FSDPParallel
-from persia_py.fsdp_limiter import UnshardedBytesMeter, floor_bytes, unit_bytes
+from persia_py.dense.fsdp_limiter import UnshardedBytesMeter, floor_bytes, unit_bytes
+from persia_py.dense.parallel import DenseParallel, FSDPParallel
 
 logger = logging.getLogger(__name__)
 

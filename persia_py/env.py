@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from persia_py.data_position import ENV_DATA_POSITIONS, DataPositions
+from persia_py.ids.positions import ENV_DATA_POSITIONS, DataPositions
 
 ENV_GLOBAL_CONFIG = "PERSIA_GLOBAL_CONFIG"
 ENV_EMBEDDING_CONFIG = "PERSIA_EMBEDDING_CONFIG"

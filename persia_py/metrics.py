@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from persia_py.collectives import all_gather_arrays
+from persia_py.dense.collectives import all_gather_arrays
 
 _EPS = 1e-7
 """Scores are clipped to [eps, 1 - eps] in log losses (a score of exactly 0 or 1)."""

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.distributed.algorithms.join import JoinHook
 
-from persia_py.collectives import WorldJoinable, all_gather_arrays
+from persia_py.dense.collectives import WorldJoinable, all_gather_arrays
 from persia_py.metrics import BinaryStats, gauc
 
 

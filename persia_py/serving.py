@@ -1,4 +1,5 @@
-"""Online predictions from a checkpoint: ``persia-launcher serve``.
+"""Online predictions from a checkpoint: the model and gRPC service behind
+``persia-launcher serve`` (supervised by :mod:`persia_py.launcher.serve`), and its client.
 
 The serving process owns the dense model (built by the user's factory, weights loaded
 from the checkpoint's ``dense-model`` arrays; nothing is unpickled) and a supervised set
@@ -12,15 +13,11 @@ equal the training job's evaluation of the same rows.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import logging
 import os
-import signal
 import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,16 +25,16 @@ import grpc
 import numpy as np
 import torch
 
-from persia_py import checkpoint_format as fmt
-from persia_py import codec
-from persia_py.config import CommonConfig, load_global_config
+from persia_py.checkpoint import layout as fmt
+from persia_py.checkpoint.dense import read_full_model
+from persia_py.checkpoint.dense_export import DenseModelSlot
+from persia_py.config import CommonConfig
 from persia_py.ctx import InferCtx
-from persia_py.dense_checkpoint import read_full_model
-from persia_py.dense_export import DenseFollower, DenseModelSlot
 from persia_py.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from persia_py.proto import serving_pb2 as pb
 from persia_py.proto import serving_pb2_grpc
-from persia_py.rpc import ServiceClient, create_channel, create_server, grpc_method, wait_for_ready
+from persia_py.wire import codec
+from persia_py.wire.rpc import ServiceClient, create_server, grpc_method
 
 logger = logging.getLogger(__name__)
 
@@ -148,133 +145,3 @@ class ServingClient(ServiceClient):
         )
         answer = self._call(self.stub.Predict, request, idempotent=True)
         return [codec.decode(t, name=f"outputs[{i}]") for i, t in enumerate(answer.outputs)]
-
-
-# -- persia-launcher serve ------------------------------------------------------------------
-
-
-def _wait_for_roles(cluster, addresses: list[str], common: CommonConfig,
-                    stop: threading.Event) -> bool:
-    """Wait until every address accepts connections; False if ``stop`` was set first.
-    A role that exits meanwhile (e.g. a checkpoint it cannot load) ends the wait."""
-    deadline = time.monotonic() + common.startup_timeout_sec
-    for address in addresses:
-        channel = create_channel(address, common)
-        try:
-            while True:
-                if stop.is_set():
-                    return False
-                for role in cluster.roles:
-                    code = role.process.poll()
-                    if code is not None:
-                        raise SystemExit(f"serve: {role.name} exited with code {code} while "
-                                         "starting (see its output above)")
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"serve: {address} not reachable within "
-                                     f"{common.startup_timeout_sec:.0f}s")
-                try:
-                    wait_for_ready(channel, address, 1.0)
-                    break
-                except TimeoutError:
-                    continue
-        finally:
-            channel.close()
-    return True
-
-
-def _follow_dense(args: argparse.Namespace, slot: DenseModelSlot,
-                  factory: Callable[[], torch.nn.Module], device: torch.device,
-                  global_config) -> tuple[DenseFollower | None, object]:
-    """The started follower of ``--follow-dense`` (None without it) and the metrics
-    endpoint of ``--metrics-port`` (None without it): the dense model's age and loads."""
-    from prometheus_client import CollectorRegistry, Counter
-
-    from persia_py.monitoring import register_freshness, serve_metrics
-
-    registry = CollectorRegistry()
-    failures = Counter("persia_serving_dense_load_failures",
-                       "Failed attempts to load a dense model version (each is retried)",
-                       registry=registry)
-    follower = None
-    if args.follow_dense:
-        every_sec = global_config.checkpoint_config.dense_export_every_sec
-        follower = DenseFollower(slot, args.follow_dense,
-                                 lambda: build_model(factory).to(device),
-                                 warn_after_sec=2 * every_sec or None,
-                                 on_failure=failures.inc).start()
-    register_freshness(registry, "dense_model", lambda: max(0.0, time.time() - slot.created_unix),
-                       lambda: 0 if follower is None else follower.num_loaded)
-    metrics_server = (None if args.metrics_port is None
-                      else serve_metrics(registry, args.metrics_port, args.bind, "serve"))
-    return follower, metrics_server
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from persia_py.env import ENV_EMBEDDING_CONFIG, ENV_GLOBAL_CONFIG, ENV_PS_ADDRS
-    from persia_py.launcher.local import LocalCluster, Role, free_ports
-    from persia_py.launcher.roles import validate_configs
-
-    if args.num_ps < 1:
-        raise SystemExit("--num-ps must be >= 1")
-    validate_configs(args.global_config, args.embedding_config)
-    global_config = load_global_config(args.global_config)
-    try:
-        folder = fmt.resolve(args.checkpoint)
-    except fmt.CheckpointError as exc:
-        raise SystemExit(f"--checkpoint: {exc}") from None
-    factory = load_factory(args.model)
-    model = load_dense_model(factory, folder)
-    print(f"serve: dense model {args.model} loaded from {folder}", flush=True)
-
-    host = args.bind
-    *ps_ports, ew_port = free_ports(args.num_ps + 1, host)
-    ps_addrs = [f"{host}:{p}" for p in ps_ports]
-    env = dict(os.environ)
-    env.update({ENV_EMBEDDING_CONFIG: os.path.abspath(args.embedding_config),
-                ENV_PS_ADDRS: ",".join(ps_addrs), "PYTHONUNBUFFERED": "1"})
-    if args.global_config:
-        env[ENV_GLOBAL_CONFIG] = os.path.abspath(args.global_config)
-    launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
-    follow = (["--follow-increments", os.path.abspath(args.follow_increments)]
-              if args.follow_increments else [])
-    insecure = ["--insecure"] if args.insecure else []  # the servers have no token either
-    if args.metrics_port is not None:  # each replica prints its endpoint (freshness, load)
-        insecure.extend(["--metrics-port", "0"])
-    roles = [Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
-                              "--bind", host, "--replica-index", str(i),
-                              "--replica-size", str(args.num_ps), "--inference", *insecure,
-                              "--load-checkpoint", str(folder), *follow])
-             for i, p in enumerate(ps_ports)]
-    for role in roles:  # a replica that dies comes back from the same checkpoint
-        role.restart = (lambda command: lambda: command)(role.command)
-    roles.append(Role("embedding-worker-0", [*launcher, "embedding-worker", "--port",
-                                             str(ew_port), "--bind", host, *insecure]))
-    cluster = LocalCluster(roles, env)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        cluster.start()
-        ew_addr = f"{host}:{ew_port}"
-        if not _wait_for_roles(cluster, [*ps_addrs, ew_addr], global_config.common_config,
-                               stop):
-            return 0
-        with InferCtx(model=model, embedding_worker_addresses=[ew_addr],
-                      global_config=global_config, device_id=args.device_id) as ctx:
-            model.to(ctx.device)
-            slot = DenseModelSlot(model, created_unix=(folder / fmt.MANIFEST).stat().st_mtime)
-            follower, metrics_server = _follow_dense(args, slot, factory, ctx.device,
-                                                     global_config)
-            server, port = create_serving_server(ctx, f"{host}:{args.port}", slot)
-            print(f"serve: parameter servers {','.join(ps_addrs)}", flush=True)
-            print(f"serve ready on port {port}", flush=True)
-            try:
-                return cluster.supervise(stop)
-            finally:
-                server.stop(grace=2.0).wait(10.0)
-                if metrics_server is not None:
-                    metrics_server.close()
-                if follower is not None:
-                    follower.close()
-    finally:
-        cluster.stop()

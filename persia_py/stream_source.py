@@ -7,11 +7,11 @@
             ctx.send_data(make_batch(part.records))   # exactly one send per part
 
 **How positions work, and why this way.** Checkpoints already record, per loader, which
-batch sequence numbers were trained (:mod:`persia_py.data_position`: every sequence
+batch sequence numbers were trained (:mod:`persia_py.ids.positions`: every sequence
 below ``next``, plus a few beyond it). For a finite input a restarted loader makes its
 batches again from the start and skips those; an endless stream cannot be re-read from
 its start. So the loader keeps a small **position log**: before a batch goes out, one
-line ``{"seq", "start", "end"}`` (its :class:`~persia_py.stream_reader.StreamPosition`
+line ``{"seq", "start", "end"}`` (its :class:`~persia_py.input.stream_reader.StreamPosition`
 range) is appended with one ``write`` and ``fsync``-ed. A batch that may be trained thus
 always has its range on disk first. On restart the loader reads the checkpoint's
 position for itself (``$PERSIA_DATA_POSITIONS``), and:
@@ -40,8 +40,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from persia_py.private_files import open_private
-from persia_py.stream_reader import StreamBatch, StreamPosition, StreamReader
+from persia_py.input.stream_reader import StreamBatch, StreamPosition, StreamReader
+from persia_py.ops.private_files import open_private
 from persia_py.workers.data_loader import DataCtx
 
 

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from persia_py.checks import check_number
+from persia_py.config.checks import check_number
 
 
 def setup_seed(seed: int) -> None:

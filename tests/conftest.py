@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from persia_py.security import ENV_AUTH_TOKEN, TokenClientInterceptor
+from persia_py.wire.security import ENV_AUTH_TOKEN, TokenClientInterceptor
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "criteo_synthetic"

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 from conftest import ROOT, RoleProcess, launcher_command
 
-from persia_py import checkpoint_format as fmt
+from persia_py.checkpoint import layout as fmt
+from persia_py.ops import safe_files
 
 JOB = ROOT / "tests" / "online_job"
 ROWS_PER_FILE = 96
@@ -66,7 +67,7 @@ def trained_ids(run_dir: Path) -> np.ndarray:
 
 def checkpoint_steps(work: Path) -> list[tuple[int, int]]:
     """(batches of all ranks, the job's step) of each checkpoint kept, oldest first."""
-    manifests = [fmt.load_json(p / fmt.MANIFEST) for p in (work / "ckpt").glob("ckpt-*")]
+    manifests = [safe_files.load_json(p / fmt.MANIFEST) for p in (work / "ckpt").glob("ckpt-*")]
     return sorted((m["step"], m["job_step"]) for m in manifests)
 
 

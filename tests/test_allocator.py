@@ -1,4 +1,4 @@
-"""persia_py.allocator: big message buffers are reused, not faulted in again each time."""
+"""persia_py.ops.allocator: big message buffers are reused, not faulted in again each time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from persia_py import allocator
+from persia_py.ops import allocator
 
 glibc_only = pytest.mark.skipif(
     sys.platform != "linux" or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"),
@@ -58,7 +58,7 @@ def test_tuned_process_reuses_message_buffers() -> None:
 @pytest.mark.processes
 @glibc_only
 def test_tune_this_process_sets_the_thresholds_at_run_time() -> None:
-    code = ("from persia_py import allocator; import sys; "
+    code = ("from persia_py.ops import allocator; import sys; "
             "sys.exit(0 if allocator.tune_this_process() else 3)")
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     assert subprocess.run([sys.executable, "-c", code], env=base, timeout=60).returncode == 0

@@ -29,10 +29,11 @@ import numpy as np
 import pytest
 from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command
 
-from persia_py import checkpoint_format as fmt
-from persia_py.checkpoint import data_positions
-from persia_py.data_position import DataPositions, batch_id
+from persia_py.checkpoint import layout as fmt
+from persia_py.checkpoint.coordinator import data_positions
+from persia_py.ids.positions import DataPositions, batch_id
 from persia_py.launcher.processes import ROLE_KINDS, role_pid
+from persia_py.ops import safe_files
 
 pytestmark = pytest.mark.processes
 
@@ -114,7 +115,7 @@ def test_every_role_killed_at_random_the_job_heals_and_trains_each_batch_once(
                 # Read now: two checkpoints later the launcher may have pruned it.
                 restored = DataPositions()
                 if restart.group(3):
-                    manifest = fmt.load_json(fmt.resolve(restart.group(3)) / fmt.MANIFEST)
+                    manifest = safe_files.load_json(fmt.resolve(restart.group(3)) / fmt.MANIFEST)
                     restored = DataPositions.from_json(data_positions(manifest))
         with urllib.request.urlopen(metrics.group(1), timeout=10) as response:
             counted = response.read().decode()
@@ -214,13 +215,14 @@ def _final_state(root: Path) -> dict[str, bytes]:
     manifest = fmt.read_manifest(root)
     out = {"step": str(manifest["step"]).encode()}
     for r in range(manifest["num_ps_replicas"]):
-        for name, table in fmt.load_json(folder / f"ps-{r}.json")["tables"].items():
-            ids = fmt.load_array(folder / table["files"]["ids"])
+        for name, table in safe_files.load_json(folder / f"ps-{r}.json")["tables"].items():
+            ids = safe_files.load_array(folder / table["files"]["ids"])
             order = np.argsort(ids)
             for key in ("ids", "weights", "state"):
-                out[f"{name}.{key}.{r}"] = fmt.load_array(folder / table["files"][key])[order].tobytes()
+                array = safe_files.load_array(folder / table["files"][key])
+                out[f"{name}.{key}.{r}"] = array[order].tobytes()
     for p in sorted(folder.glob("dense-*.npy")):
-        out[p.name] = fmt.load_array(p).tobytes()
+        out[p.name] = safe_files.load_array(p).tobytes()
     out["dense-optimizer.json"] = (folder / "dense-optimizer.json").read_bytes()
     return out
 
@@ -314,7 +316,7 @@ def test_ranks_restarted_by_torchrun_rewind_the_loaders_and_workers_bit_identica
     """With ``--nn-restarts torchrun`` (as on Kubernetes) the launcher does not see the
     rank die: torchrun starts it again, and the restarted training goes back to its
     checkpoint by itself: it asks the data loader to rewind and the embedding worker to
-    restart (both exit and are started again; persia_py/rewind.py), loads the checkpoint
+    restart (both exit and are started again; persia_py/checkpoint/rewind.py), loads the checkpoint
     and trains exactly what the uninterrupted job trained after it."""
     out = _completes(_reproducible_job(uninterrupted, "torchrun", "--nn-restarts", "torchrun",
                                        die_at=17))

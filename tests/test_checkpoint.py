@@ -15,9 +15,10 @@ import pytest
 import torch
 from conftest import RoleProcess
 
-from persia_py import checkpoint_format as fmt
+from persia_py.checkpoint import layout as fmt
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig, SlotConfig
-from persia_py.routing import replica_of
+from persia_py.ids.routing import replica_of
+from persia_py.ops import safe_files
 from persia_py.servers.checkpoint import dump_replica, load_replica
 from persia_py.servers.parameter_server import ParameterServer
 
@@ -93,12 +94,12 @@ def test_load_refuses_incomplete_checkpoints_and_other_settings(tmp_path) -> Non
     _train([ps], np.random.default_rng(0), steps=1)
     tmp = fmt.new_tmp_dir(tmp_path)
     dump_replica(ps, tmp)  # no manifest: an interrupted write
-    with pytest.raises(fmt.CheckpointError, match="not a complete checkpoint"):
+    with pytest.raises(safe_files.CheckpointError, match="not a complete checkpoint"):
         load_replica(_replicas(1)[0], tmp)
     _dump([ps], tmp_path, step=1)
     other = _replicas(1)[0]
     other.configure(optimizer={"type": "sgd", "lr": 0.1})
-    from persia_py.rpc import FailedPrecondition
+    from persia_py.wire.rpc import FailedPrecondition
     with pytest.raises(FailedPrecondition, match="checkpoint"):
         load_replica(other, tmp_path)
 
@@ -127,15 +128,15 @@ def test_dense_model_and_optimizer_round_trip_without_pickle(tmp_path) -> None:
 WRITER = textwrap.dedent("""
     import sys
     import numpy as np
-    from persia_py import checkpoint_format as fmt
+    from persia_py.checkpoint import layout as fmt
     root = sys.argv[1]
     ids = np.arange(1, 400_001, dtype=np.uint64)
     for step in range(1, 1000):
         tmp = fmt.new_tmp_dir(root)
         # Every array of checkpoint `step` holds the value `step`.
-        fmt.save_array(tmp / "ids.npy", ids)
+        safe_files.save_array(tmp / "ids.npy", ids)
         for name in ("weights", "state"):
-            fmt.save_array(tmp / f"{name}.npy", np.full((ids.size, 32), step, np.float32))
+            safe_files.save_array(tmp / f"{name}.npy", np.full((ids.size, 32), step, np.float32))
         fmt.commit(tmp, {"rows": int(ids.size)}, step=step)
         print("committed", step, flush=True)
 """)
@@ -159,6 +160,6 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_intact(tmp_pa
     manifest = fmt.read_manifest(root)
     step = manifest["step"]
     assert step >= 2 and manifest["rows"] == 400_000
-    assert np.array_equal(fmt.load_array(folder / "ids.npy"), np.arange(1, 400_001))
+    assert np.array_equal(safe_files.load_array(folder / "ids.npy"), np.arange(1, 400_001))
     for name in ("weights", "state"):
-        assert (fmt.load_array(folder / f"{name}.npy") == step).all()
+        assert (safe_files.load_array(folder / f"{name}.npy") == step).all()

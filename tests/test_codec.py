@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from persia_py import codec
 from persia_py.proto import common_pb2
 from persia_py.proto import parameter_server_pb2 as ps_pb
+from persia_py.wire import codec
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "uint64", "int64", "int32", "bool"])

@@ -1,4 +1,4 @@
-"""The NN ranks' exchanges without pickle (``persia_py.collectives``): JSON, bytes and
+"""The NN ranks' exchanges without pickle (``persia_py.dense.collectives``): JSON, bytes and
 tensors between two gloo ranks, and bounds refused on every rank alike before anything is
 allocated, after which the group still works."""
 
@@ -14,7 +14,7 @@ def _exchanges(rank: int, _port: int, store_file: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from persia_py import collectives as c
+    from persia_py.dense import collectives as c
 
     dist.init_process_group("gloo", store=dist.FileStore(store_file, 2), rank=rank,
                             world_size=2)
@@ -62,7 +62,7 @@ def test_json_bytes_and_tensors_cross_ranks_without_pickle_within_bounds(tmp_pat
 def test_one_rank_exchanges_with_itself_within_the_bound() -> None:
     import torch
 
-    from persia_py import collectives as c
+    from persia_py.dense import collectives as c
 
     assert c.all_gather_json({"a": [1]}) == [{"a": [1]}]
     assert c.broadcast_json("x", src=0) == "x"

@@ -15,8 +15,8 @@ from persia_py.config import (
     load_embedding_config,
     load_global_config,
 )
+from persia_py.config.optimizer import SGDConfig
 from persia_py.embedding import EmbeddingConfig
-from persia_py.optimizer_config import SGDConfig
 from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.storage import EmbeddingTable
 

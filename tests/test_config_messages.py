@@ -59,7 +59,7 @@ def test_exact_message(tmp_path, which: str, text: str, message: str) -> None:
     assert str(info.value) == f"{path}: {message}"
 
 
-# -- checkpoint folders against the checkpoint root (persia_py.start_checks) ---------------
+# -- checkpoint folders against the checkpoint root (persia_py.ops.start_checks) ---------------
 
 RULE_DIR = ("it must be the root or a folder directly in it (ROOT or ROOT/NAME; its "
             "checkpoints are folders in it)")
@@ -89,7 +89,7 @@ ADVICE = ("The parameter servers read and write only inside the root: set "
 def test_checkpoint_folders_outside_the_root_are_named_with_the_rule(
         tmp_path, monkeypatch, keys: dict, message: str) -> None:
     from persia_py.config import CheckpointConfig
-    from persia_py.start_checks import check_checkpoint_paths
+    from persia_py.ops.start_checks import check_checkpoint_paths
 
     monkeypatch.chdir(tmp_path)  # the root when checkpoint_config.root is unset
     root = str(tmp_path.resolve())
@@ -104,7 +104,7 @@ def test_checkpoint_folders_outside_the_root_are_named_with_the_rule(
 
 def test_a_checkpoint_root_that_is_a_file_is_refused(tmp_path) -> None:
     from persia_py.config import CheckpointConfig
-    from persia_py.start_checks import check_checkpoint_paths
+    from persia_py.ops.start_checks import check_checkpoint_paths
 
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError) as info:
@@ -116,7 +116,7 @@ def test_a_checkpoint_root_that_is_a_file_is_refused(tmp_path) -> None:
 
 def test_kubernetes_pods_are_checked_in_their_working_folder() -> None:
     from persia_py.config import CheckpointConfig
-    from persia_py.start_checks import check_checkpoint_paths
+    from persia_py.ops.start_checks import check_checkpoint_paths
 
     check_checkpoint_paths(CheckpointConfig(dir="ckpt", incremental_dir="/app/ckpt/inc"),
                            pod_dir="/app")

@@ -1,4 +1,4 @@
-"""Exact data positions (persia_py.data_position): what a checkpoint says each data
+"""Exact data positions (persia_py.ids.positions): what a checkpoint says each data
 loader's trained batches are, and how a resumed loader skips exactly those."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from persia_py.data_position import DataPositions, Position, batch_id, split_batch_ids
+from persia_py.ids.positions import DataPositions, Position, batch_id, split_batch_ids
 
 
 def test_batch_ids_split_back_into_loader_and_sequence() -> None:

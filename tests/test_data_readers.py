@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from persia_py.data_readers import BadRecordError, CsvColumn, CsvReader, CsvReaderConfig
+from persia_py.input.readers import BadRecordError, CsvColumn, CsvReader, CsvReaderConfig
 
 COLUMNS = (CsvColumn(name="label", kind="float"), CsvColumn(name="count", kind="int"),
            CsvColumn(name="comment", kind="skip"), CsvColumn(name="tags", kind="ids"))
@@ -56,7 +56,7 @@ def test_skip_bad_rows_counts_and_reports_them(tmp_path, caplog) -> None:
     path.write_text(GOOD + "\n".join(f"{line}\n1,{i},z,{i}" for i, line in enumerate(BAD_LINES))
                     + "\n")
     reader = CsvReader(path, _config(skip_bad_rows=True))
-    with caplog.at_level(logging.WARNING, logger="persia_py.data_readers"):
+    with caplog.at_level(logging.WARNING, logger="persia_py.input.readers"):
         batch = reader.read_all()
     assert batch.num_records == 3 + len(BAD_LINES)
     assert reader.num_bad_rows == len(BAD_LINES) and reader.num_rows == 3 + 2 * len(BAD_LINES)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from persia_py.device import device_of_this_process, pick_device
+from persia_py.dense.device import device_of_this_process, pick_device
 
 
 @pytest.mark.parametrize("local_rank", [0, 3, 7])

@@ -40,8 +40,8 @@ from persia_py.embedding.data import (
 from persia_py.embedding.optim import SGD, Adagrad
 from persia_py.env import PersiaEnv
 from persia_py.launcher.job_token import require_token
-from persia_py.security import ENV_AUTH_TOKEN, TransportSecurity
-from persia_py.start_checks import check_checkpoint_paths
+from persia_py.ops.start_checks import check_checkpoint_paths
+from persia_py.wire.security import ENV_AUTH_TOKEN, TransportSecurity
 
 FAQ = ROOT / "docs" / "faq.md"
 PLACEHOLDER = re.compile(r"<([a-z_]+)>")
@@ -328,7 +328,7 @@ def missing_slot(fx: Fixtures):
 
 
 def restart_without_checkpoint(fx: Fixtures):
-    from persia_py.rewind import ENV_RESTART_COUNT, rewind_after_restart
+    from persia_py.checkpoint.rewind import ENV_RESTART_COUNT, rewind_after_restart
 
     fx.monkeypatch.setenv(ENV_RESTART_COUNT, "2")
     return raised(lambda: rewind_after_restart(

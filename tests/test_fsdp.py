@@ -24,10 +24,11 @@ import pytest
 import torch
 from conftest import EXAMPLE, ROOT, RoleProcess, start_server
 
-from persia_py import checkpoint_format as fmt
-from persia_py.dense_checkpoint import read_full_model
+from persia_py.checkpoint import layout as fmt
+from persia_py.checkpoint.dense import read_full_model
+from persia_py.dense.fsdp_limiter import floor_bytes, plan_prefetch, unit_bytes
 from persia_py.distributed import DDPOption, FSDPOption, build_on_meta, materialize
-from persia_py.fsdp_limiter import floor_bytes, plan_prefetch, unit_bytes
+from persia_py.ops import safe_files
 from persia_py.serving import load_dense_model
 
 JOB = ROOT / "tests" / "fsdp_job" / "train.py"
@@ -227,13 +228,13 @@ def job(tmp_path_factory) -> tuple[dict, Path]:
 def _ps_rows(folder: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Every table's (ids, weights) in a checkpoint, sorted by id."""
     rows = {}
-    manifest = fmt.load_json(folder / fmt.MANIFEST)
+    manifest = safe_files.load_json(folder / fmt.MANIFEST)
     for r in range(manifest["num_ps_replicas"]):
-        for name, table in fmt.load_json(folder / f"ps-{r}.json")["tables"].items():
-            ids = fmt.load_array(folder / table["files"]["ids"])
+        for name, table in safe_files.load_json(folder / f"ps-{r}.json")["tables"].items():
+            ids = safe_files.load_array(folder / table["files"]["ids"])
             order = np.argsort(ids)
             rows[f"{name}.{r}"] = (ids[order],
-                                   fmt.load_array(folder / table["files"]["weights"])[order])
+                                   safe_files.load_array(folder / table["files"]["weights"])[order])
     return rows
 
 
@@ -291,7 +292,7 @@ def test_checkpoint_round_trip_fsdp2_ddp1_fsdp2(job) -> None:
     a, b, c = (fmt.resolve(root / n) for n in ("fsdp", "b", "c"))
     assert (a / "dense-dcp.json").is_file() and (c / "dense-dcp.json").is_file()
     assert (b / "dense-model.json").is_file()  # the 1-rank DDP job wrote the whole model
-    assert fmt.load_json(b / fmt.MANIFEST)["world_size"] == 1
+    assert safe_files.load_json(b / fmt.MANIFEST)["world_size"] == 1
     weights = [read_full_model(f) for f in (a, b, c)]
     assert weights[0].keys() == weights[1].keys() == weights[2].keys()
     for key in weights[0]:
@@ -320,7 +321,7 @@ def test_uneven_batches_train_each_once_and_skip_periodic_checkpoints(job) -> No
     _same_training(fmt.resolve(root / "uneven-ddp"), fmt.resolve(root / "uneven-fsdp"))
     periodic = [p for p in (root / "periodic").iterdir() if p.name.startswith("ckpt-")]
     assert len(periodic) == 1, periodic
-    manifest = fmt.load_json(periodic[0] / fmt.MANIFEST)
+    manifest = safe_files.load_json(periodic[0] / fmt.MANIFEST)
     assert manifest["rank_steps"] == [PERIOD, PERIOD]
     assert fmt.resolve(root / "periodic") == periodic[0]
 

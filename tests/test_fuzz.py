@@ -29,13 +29,13 @@ import numpy as np
 import pytest
 from conftest import RoleProcess, launcher_command, start_server, token_channel
 
-from persia_py import codec
 from persia_py.config import CommonConfig
+from persia_py.ids.routing import RESERVED_ID
 from persia_py.proto import checkpoint_pb2 as ckpt_pb
 from persia_py.proto import common_pb2, data_loader_pb2
 from persia_py.proto import embedding_worker_pb2 as ew_pb
 from persia_py.proto import parameter_server_pb2 as ps_pb
-from persia_py.routing import RESERVED_ID
+from persia_py.wire import codec
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.ps_client import PSClient, configure_request
 

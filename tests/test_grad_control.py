@@ -17,10 +17,10 @@ from conftest import run_ranks, start_server
 from persia_py.config import CheckpointConfig, CommonConfig, GlobalConfig
 from persia_py.ctx import TrainCtx
 from persia_py.data import DataLoader, IterableDataset
+from persia_py.dense.grad_control import GradControl
 from persia_py.embedding.data import IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
 from persia_py.embedding.optim import SGD
 from persia_py.env import PersiaEnv
-from persia_py.grad_control import GradControl
 
 pytestmark = pytest.mark.processes
 
@@ -223,7 +223,7 @@ def _fsdp_rank(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from persia_py.grad_control import clip_grads_
+    from persia_py.dense.grad_control import clip_grads_
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2")

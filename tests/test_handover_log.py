@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from persia_py.data_position import Position, batch_id
+from persia_py.ids.positions import Position, batch_id
 from persia_py.proto import data_loader_pb2 as pb
-from persia_py.rpc import Overloaded
+from persia_py.wire.rpc import Overloaded
 from persia_py.workers.data_loader import BatchQueue, DataLoaderServicer
 from persia_py.workers.handover_log import Handover, HandoverLog, read_handovers
 
@@ -110,8 +110,8 @@ class _Context:
 
 
 def test_a_rewind_leaves_the_positions_beside_the_log_then_exits(tmp_path: Path) -> None:
-    from persia_py import rewind
-    from persia_py.data_position import DataPositions
+    from persia_py.checkpoint import rewind
+    from persia_py.ids.positions import DataPositions
     from persia_py.proto import common_pb2
 
     positions = DataPositions({0: Position(7, frozenset({9})), 1: Position(4)})
@@ -152,7 +152,7 @@ def test_a_rewind_names_only_batches_the_loader_made(tmp_path: Path) -> None:
     """A loader that has made batches 0..9 refuses positions that hold a later one as
     trained (it would skip batches nobody trained; a stream's position log would drop
     the records of those to come), writing nothing; positions up to what it made pass."""
-    from persia_py import rewind
+    from persia_py.checkpoint import rewind
 
     path = tmp_path / "handovers.log"
     made = [10]
@@ -180,8 +180,8 @@ def test_a_loader_counts_the_batches_made_before_it_started(tmp_path: Path) -> N
     """What a loader has made counts those trained before the checkpoint it resumed and
     those its dead predecessor handed over (a checkpoint may hold them as trained)."""
     from persia_py.config import GlobalConfig
-    from persia_py.data_position import DataPositions
     from persia_py.env import PersiaEnv
+    from persia_py.ids.positions import DataPositions
     from persia_py.workers.data_loader import DataCtx
 
     path = tmp_path / "handovers.log"
@@ -212,11 +212,11 @@ def test_a_rewind_refuses_deep_or_large_json_as_invalid_argument(tmp_path: Path,
 
     import grpc
 
-    from persia_py import rewind
+    from persia_py.checkpoint import rewind
     from persia_py.config import CommonConfig
-    from persia_py.data_position import MAX_POSITIONS_BYTES
+    from persia_py.ids.positions import MAX_POSITIONS_BYTES
     from persia_py.proto import common_pb2, data_loader_pb2_grpc
-    from persia_py.rpc import create_channel, create_server
+    from persia_py.wire.rpc import create_channel, create_server
 
     exits = []
     monkeypatch.setattr(rewind, "exit_after_answer", lambda context, what: exits.append(what))

@@ -9,16 +9,16 @@ import sys
 import numpy as np
 import pytest
 
-from persia_py import hashing
-from persia_py.dedup import rows_in_order, unique_in_order
-from persia_py.hashing import HashKey, inverse_mix64, keyed_buckets, mix64
+from persia_py.ids import hashing
+from persia_py.ids.dedup import rows_in_order, unique_in_order
+from persia_py.ids.hashing import HashKey, inverse_mix64, keyed_buckets, mix64
 from persia_py.servers.kernels import sum_duplicate_rows
 
 KEYED_CODE = """
 import sys
 import numpy as np
-from persia_py.dedup import _KEY
-from persia_py.hashing import HashKey, keyed_buckets
+from persia_py.ids.dedup import _KEY
+from persia_py.ids.hashing import HashKey, keyed_buckets
 ids = np.arange(1, 65, dtype=np.uint64)
 fresh = HashKey.random()
 sys.stdout.write(",".join(map(str, keyed_buckets(ids, _KEY, 2**62))) + ";"

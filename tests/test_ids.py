@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from persia_py.embedding.data import IDTypeFeature, IDTypeFeatureWithSingleID
-from persia_py.hashing import mix64
 from persia_py.ids import as_ids, fnv1a64, hash_values, salt_of
-from persia_py.routing import RESERVED_ID
+from persia_py.ids.hashing import mix64
+from persia_py.ids.routing import RESERVED_ID
 
 
 def _fnv1a64_reference(data: bytes) -> int:
@@ -98,7 +98,7 @@ def test_hash_values_refuses_what_it_cannot_hash() -> None:
 
 def test_reserved_id_is_never_produced() -> None:
     # The one value whose hash is RESERVED_ID: the inverse of mix64 of all ones.
-    from persia_py.hashing import inverse_mix64
+    from persia_py.ids.hashing import inverse_mix64
     value = inverse_mix64(np.array([RESERVED_ID]), 0)
     assert hash_values(value)[0] == RESERVED_ID - np.uint64(1)
 

@@ -115,7 +115,7 @@ def test_objects_match_the_flags() -> None:
 
 
 def test_a_config_error_fails_the_nn_worker_job_at_once() -> None:
-    """Exit code 78 (persia_py.start_checks): the pod would stop the same way again."""
+    """Exit code 78 (persia_py.ops.start_checks): the pod would stop the same way again."""
     (job,) = [o for o in _render(*FLAGS) if o["kind"] == "Job"]
     assert job["spec"]["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onExitCodes": {
         "containerName": "nn-worker", "operator": "In", "values": [78]}}]

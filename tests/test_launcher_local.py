@@ -14,9 +14,9 @@ import time
 import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
 
-from persia_py import rewind
+from persia_py.checkpoint import rewind
 from persia_py.launcher.local import LocalCluster, Role
-from persia_py.monitoring import LauncherMetrics
+from persia_py.telemetry.monitoring import LauncherMetrics
 
 pytestmark = pytest.mark.processes
 

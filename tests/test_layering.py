@@ -217,5 +217,57 @@ def test_cycle_detector() -> None:
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     # The graph maps folders to import names and resolves ``from pkg import module``.
     assert "persia_py.workers.budget" in GRAPH["persia_py.workers.nn_worker"]
-    assert "persia_py.codec" in GRAPH["persia_py.workers.nn_worker"]
+    assert "persia_py.wire.codec" in GRAPH["persia_py.workers.nn_worker"]
     assert "persia_py.servers.parameter_server" in GRAPH["persia_py.servers.service"]
+
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundations", ("persia_py.proto", "persia_py.config", "persia_py.ids", "persia_py.ops",
+                     "persia_py.env")),
+    ("services", ("persia_py.wire", "persia_py.input", "persia_py.dense",
+                  "persia_py.embedding", "persia_py.telemetry", "persia_py.checkpoint")),
+    ("roles", ("persia_py.servers", "persia_py.workers")),
+    ("api", ("persia_py", "persia_py.ctx", "persia_py.data", "persia_py.distributed",
+             "persia_py.metrics", "persia_py.utils", "persia_py.logger", "persia_py.serving",
+             "persia_py.progressive", "persia_py.stream_source", "persia_py.data_readers",
+             "persia_py.stream_reader", "persia_py.reader_share")),
+    ("launcher", ("persia_py.launcher",)),
+]
+"""The layers, lowest first: a module imports only from its own layer and those below
+(typing-only imports included). docs/architecture.md draws the same table."""
+
+
+def unit_of(name: str) -> str:
+    """The package (or top-level module) of the layer table that holds module ``name``."""
+    units = [u for _, members in LAYERS for u in members if _in(name, u) and u != "persia_py"]
+    if not units:
+        return "persia_py" if name == "persia_py" else ""
+    return max(units, key=len)
+
+
+RANK = {unit: rank for rank, (_, members) in enumerate(LAYERS) for unit in members}
+
+
+def test_every_module_has_a_layer() -> None:
+    """A new module lands in a package of the table, or the table says where it sits."""
+    unplaced = sorted(name for name in MODULES if not unit_of(name))
+    assert not unplaced, f"add these to LAYERS (tests/test_layering.py): {unplaced}"
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    wrong = []
+    for name, targets in sorted(GRAPH.items()):
+        for target in sorted(targets):
+            if RANK[unit_of(target)] > RANK[unit_of(name)]:
+                wrong.append(f"{name} ({LAYERS[RANK[unit_of(name)]][0]}) imports {target} "
+                             f"({LAYERS[RANK[unit_of(target)]][0]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_cycle_between_packages() -> None:
+    """Packages of one layer may use each other one way only."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in GRAPH.items():
+        graph.setdefault(unit_of(name), set()).update(
+            unit_of(t) for t in targets if unit_of(t) != unit_of(name))
+    assert import_cycles(graph) == []

@@ -1,4 +1,4 @@
-"""The metrics endpoint (``persia_py.monitoring.serve_metrics``) serves a bounded number of
+"""The metrics endpoint (``persia_py.telemetry.monitoring.serve_metrics``) serves a bounded number of
 connections at once: one more is answered 503 at once, without a thread of its own, and
 the endpoint serves again once the others are done."""
 
@@ -9,7 +9,7 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter
 
-from persia_py.monitoring import MAX_METRICS_CONNECTIONS, serve_metrics
+from persia_py.telemetry.monitoring import MAX_METRICS_CONNECTIONS, serve_metrics
 
 
 def _get(sock: socket.socket) -> bytes:

@@ -12,7 +12,7 @@ import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
 from prometheus_client.parser import text_string_to_metric_families
 
-from persia_py.start_checks import CONFIG_EXIT_CODE
+from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 
 pytestmark = pytest.mark.processes
 

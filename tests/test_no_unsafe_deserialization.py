@@ -4,7 +4,7 @@ Forbidden: importing pickle-like modules (pickle, cPickle, dill, cloudpickle, ma
 shelve, jsonpickle), ``torch.load`` without ``weights_only=True``, ``numpy.load`` with
 ``allow_pickle=True``, ``yaml.load``/``yaml.unsafe_load`` (use ``yaml.safe_load``), and
 between the NN ranks torch's collectives that pickle (``all_gather_object``,
-``broadcast_object_list``, ... : use ``persia_py.collectives``' JSON, bytes and tensor
+``broadcast_object_list``, ... : use ``persia_py.dense.collectives``' JSON, bytes and tensor
 exchanges) and its RPC framework (``torch.distributed.rpc`` pickles arguments).
 """
 
@@ -61,7 +61,7 @@ def unsafe_uses(source: str) -> list[str]:
                       or (node.module == "torch.distributed" and a.name == "rpc")]
         elif isinstance(node, (ast.Attribute, ast.Name)) and (
                 getattr(node, "attr", None) or getattr(node, "id", None)) in PICKLING_COLLECTIVES:
-            found.append(f"line {node.lineno}: {_dotted(node)} (pickles; use persia_py.collectives)")
+            found.append(f"line {node.lineno}: {_dotted(node)} (pickles; use persia_py.dense.collectives)")
         elif isinstance(node, ast.Call):
             name = _dotted(node.func)
             if name == "torch.load" and not _keyword_is(node, "weights_only", True):

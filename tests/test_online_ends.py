@@ -19,7 +19,7 @@ from online_jobs import (
     write_config,
 )
 
-from persia_py.plot import read_training_log
+from persia_py.launcher.plot import read_training_log
 
 ENDS_EVERY = 4
 """Periodic checkpoints and progressive validation of the jobs below, in steps."""

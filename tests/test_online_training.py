@@ -28,9 +28,9 @@ import pytest
 from conftest import RoleProcess, run_ranks
 from online_jobs import ROWS_PER_FILE, add_file, start, trained_ids, write_config
 
-from persia_py.data_readers import BadRecordError, CsvColumn, CsvReaderConfig
-from persia_py.plot import read_training_log
-from persia_py.stream_reader import CsvFormat, ParquetFormat, StreamPosition, StreamReader
+from persia_py.input.readers import BadRecordError, CsvColumn, CsvReaderConfig
+from persia_py.input.stream_reader import CsvFormat, ParquetFormat, StreamPosition, StreamReader
+from persia_py.launcher.plot import read_training_log
 from persia_py.stream_source import PositionLog
 
 COLUMNS = (CsvColumn(name="sid", kind="int"), CsvColumn(name="label", kind="float"),
@@ -366,7 +366,7 @@ def test_a_loader_waits_out_an_embedding_worker_outage_for_rpc_timeout_sec(caplo
     batch = PersiaBatch([IDTypeFeatureWithSingleID("user", np.arange(4, dtype=np.uint64))],
                         requires_grad=False)
     try:
-        with caplog.at_level("WARNING", logger="persia_py.rpc"):
+        with caplog.at_level("WARNING", logger="persia_py.wire.rpc"):
             assert ctx._put_ids(worker, batch, 5) == 7
     finally:
         worker.close()
@@ -381,7 +381,7 @@ def test_sigterm_is_noted_not_fatal_and_the_handler_restored() -> None:
 
     import torch
 
-    from persia_py.graceful_stop import StopOnSignal
+    from persia_py.dense.graceful_stop import StopOnSignal
 
     before = signal_module.getsignal(signal_module.SIGTERM)
     stop = StopOnSignal(torch.device("cpu"))

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from persia_py.config import ConfigError, SlotConfig
-from persia_py.embedding.optim import SGD, Adagrad, Adam
-from persia_py.optimizer_config import (
+from persia_py.config.optimizer import (
     AdagradConfig,
     AdamConfig,
     SGDConfig,
     optimizer_from_dict,
     optimizer_to_dict,
 )
+from persia_py.embedding.optim import SGD, Adagrad, Adam
 from persia_py.servers.optimizers import apply_update, initial_state, state_width
 from persia_py.servers.storage import EmbeddingTable
 

@@ -1,4 +1,4 @@
-"""A local job's run folder and logs are its owner's alone (``persia_py/private_files.py``):
+"""A local job's run folder and logs are its owner's alone (``persia_py/ops/private_files.py``):
 the folder is made 0700 whatever the umask and refused when others own it or may write
 into it; every log is written 0600; a ``.rewind`` beside a handover log is honoured only
 by a restart, and only when the job's own loader wrote it for the stream it replays."""
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE, launcher_command
 
-from persia_py import rewind
+from persia_py.checkpoint import rewind
 from persia_py.config import GlobalConfig
-from persia_py.data_position import DataPositions, Position
 from persia_py.env import ENV_RANK_FAILED_FILE, PersiaEnv
-from persia_py.private_files import UnsafeFolderError, private_folder
+from persia_py.ids.positions import DataPositions, Position
+from persia_py.ops.private_files import UnsafeFolderError, private_folder
 
 
 def _mode(path: Path) -> int:
@@ -86,12 +86,12 @@ def test_local_refuses_a_run_folder_others_may_write_into(tmp_path) -> None:
 
 
 def test_every_log_is_written_0600_whatever_the_umask(tmp_path, umask, monkeypatch) -> None:
+    from persia_py.dense.process_group import report_failure
+    from persia_py.input.stream_reader import StreamPosition
     from persia_py.launcher.recovery import TrainingRecovery
-    from persia_py.process_group import report_failure
-    from persia_py.progress import StepReporter
     from persia_py.servers.update_log import UpdateLog
-    from persia_py.stream_reader import StreamPosition
     from persia_py.stream_source import PositionLog
+    from persia_py.telemetry.progress import StepReporter
     from persia_py.workers.handover_log import Handover, HandoverLog
 
     umask(0)

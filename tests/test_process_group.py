@@ -1,12 +1,12 @@
 """Failures of the NN ranks' collectives are told apart from other errors and name the
-peers (``persia_py.process_group``)."""
+peers (``persia_py.dense.process_group``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from persia_py.config import CommonConfig
-from persia_py.process_group import PeerFailure, is_collective_failure, naming_peers
+from persia_py.dense.process_group import PeerFailure, is_collective_failure, naming_peers
 
 
 def _raised_here(message: str) -> RuntimeError:

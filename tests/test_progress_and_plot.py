@@ -8,8 +8,8 @@ import json
 import pytest
 
 from persia_py.launcher.cli import main
-from persia_py.plot import read_training_log
-from persia_py.progress import StepReporter
+from persia_py.launcher.plot import read_training_log
+from persia_py.telemetry.progress import StepReporter
 
 
 class _Tty(io.StringIO):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command, processes_with_marker
 
-from persia_py import checkpoint_format as fmt
+from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, SlotConfig
 from persia_py.servers.checkpoint import dump_replica, load_replica
 from persia_py.servers.parameter_server import ParameterServer
@@ -114,7 +114,7 @@ def test_lookups_wait_for_a_parameter_server_restarted_empty_and_configure_it(
     state["server"].stop(grace=None).wait(10)
     state["ps"].close()
     waiter = _Waiter(r"parameter server \S+ unavailable")
-    logging.getLogger("persia_py.rpc").addHandler(waiter)
+    logging.getLogger("persia_py.wire.rpc").addHandler(waiter)
     result: dict = {}
 
     def train_one() -> None:
@@ -133,7 +133,7 @@ def test_lookups_wait_for_a_parameter_server_restarted_empty_and_configure_it(
             state["server"], _ = create_ps_server(state["ps"], f"127.0.0.1:{state['port']}")
             thread.join(timeout=30)
     finally:
-        logging.getLogger("persia_py.rpc").removeHandler(waiter)
+        logging.getLogger("persia_py.wire.rpc").removeHandler(waiter)
     assert not thread.is_alive() and result == {"updated": 2}, result
     assert state["ps"].configured and state["ps"].num_updates == 1
     assert "is not configured (restarted without a checkpoint?)" in caplog.text

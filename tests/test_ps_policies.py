@@ -6,10 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from persia_py import codec
 from persia_py.config import embedding_config_from_dict, global_config_from_dict
+from persia_py.ids.routing import mix64
 from persia_py.proto import parameter_server_pb2 as pb
-from persia_py.routing import mix64
 from persia_py.servers.initializer import initial_rows
 from persia_py.servers.optimizers import (
     AdagradConfig,
@@ -20,6 +19,7 @@ from persia_py.servers.optimizers import (
 )
 from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.storage import STAT_KEYS, EmbeddingTable
+from persia_py.wire import codec
 
 DIM = 8
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from persia_py.data_readers import BadRecordError, CsvColumn, CsvReader, CsvReaderConfig
 from persia_py.env import ENV_DATA_LOADER_REPLICA_INDEX, ENV_DATA_LOADER_REPLICA_SIZE, PersiaEnv
-from persia_py.reader_share import ReaderShare
+from persia_py.input.reader_share import ReaderShare
+from persia_py.input.readers import BadRecordError, CsvColumn, CsvReader, CsvReaderConfig
 
 CONFIG = CsvReaderConfig(columns=(CsvColumn(name="row", kind="int"),
                                   CsvColumn(name="cat", kind="category"),

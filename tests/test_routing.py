@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from persia_py.routing import hash_stack, replica_of, split_by
+from persia_py.ids.routing import hash_stack, replica_of, split_by
 
 
 def test_routing_is_a_pure_function_of_the_id() -> None:
@@ -28,7 +28,7 @@ def test_routing_is_a_pure_function_of_the_id() -> None:
 @pytest.mark.processes
 def test_routing_is_stable_across_processes() -> None:
     ids = np.arange(1000, dtype=np.uint64) * np.uint64(2654435761)
-    code = ("import numpy as np, sys; from persia_py.routing import replica_of;"
+    code = ("import numpy as np, sys; from persia_py.ids.routing import replica_of;"
             "ids = np.arange(1000, dtype=np.uint64) * np.uint64(2654435761);"
             "sys.stdout.write(','.join(map(str, replica_of(ids, 5))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

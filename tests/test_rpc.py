@@ -1,4 +1,4 @@
-"""persia_py.rpc: which failures ``call`` retries."""
+"""persia_py.wire.rpc: which failures ``call`` retries."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from persia_py.proto import (  # noqa: F401 - imported to register the services'
     parameter_server_pb2,
     serving_pb2,
 )
-from persia_py.rpc import _request_limit, call, create_channel, create_server
+from persia_py.wire.rpc import _request_limit, call, create_channel, create_server
 
 LIMIT = 4 * 1024 * 1024  # the smallest allowed
 

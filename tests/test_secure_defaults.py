@@ -25,10 +25,10 @@ from conftest import (
 
 from persia_py.config import CommonConfig
 from persia_py.launcher.job_token import give_job_token
+from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 from persia_py.proto import common_pb2
-from persia_py.rpc import create_channel
-from persia_py.security import ENV_AUTH_TOKEN
-from persia_py.start_checks import CONFIG_EXIT_CODE
+from persia_py.wire.rpc import create_channel
+from persia_py.wire.security import ENV_AUTH_TOKEN
 
 processes = pytest.mark.processes
 
@@ -148,7 +148,7 @@ AUTHENTICATED_SCRIPT = textwrap.dedent("""
     import os, sys, threading
     from persia_py.config import CommonConfig
     from persia_py.proto import common_pb2
-    from persia_py.rpc import create_channel
+    from persia_py.wire.rpc import create_channel
 
     service, variable = sys.argv[1], sys.argv[2]
     address = os.environ[variable].split(",")[0]

@@ -15,7 +15,6 @@ import yaml
 from certs import make_tls_files
 from conftest import env_without_token, start_server
 
-from persia_py import codec
 from persia_py.config import CommonConfig, ConfigError, global_config_from_dict
 from persia_py.launcher.cli import build_parser
 from persia_py.proto import (
@@ -25,8 +24,9 @@ from persia_py.proto import (
     parameter_server_pb2,
     parameter_server_pb2_grpc,
 )
-from persia_py.rpc import create_channel
-from persia_py.security import ENV_AUTH_TOKEN, ENV_INSECURE_TOKEN, TransportSecurity
+from persia_py.wire import codec
+from persia_py.wire.rpc import create_channel
+from persia_py.wire.security import ENV_AUTH_TOKEN, ENV_INSECURE_TOKEN, TransportSecurity
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.ps_client import PSClient, configure_request
 
@@ -226,7 +226,7 @@ def test_a_token_file_others_can_use_is_refused_unless_insecure_token(tmp_path,
     path.chmod(0o400)
     assert TransportSecurity.from_common(config, {}).token
 
-    from persia_py import security
+    from persia_py.wire import security
 
     def status(uid: int, mode: int):
         return os.stat_result((0o100000 | mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))

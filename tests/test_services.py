@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import RoleProcess, launcher_command, start_server, token_channel
 
-from persia_py import codec
 from persia_py.config import CommonConfig
+from persia_py.ids.routing import replica_of
 from persia_py.proto import (
     common_pb2,
     data_loader_pb2,
@@ -23,8 +23,8 @@ from persia_py.proto import (
     parameter_server_pb2,
     parameter_server_pb2_grpc,
 )
-from persia_py.routing import replica_of
 from persia_py.servers.initializer import initial_rows
+from persia_py.wire import codec
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.ps_client import PSClient, configure_request
 

@@ -11,8 +11,8 @@ import pytest
 from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command
 
 from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, SlotConfig
-from persia_py.rpc import FailedPrecondition
 from persia_py.servers.parameter_server import ParameterServer
+from persia_py.wire.rpc import FailedPrecondition
 
 sys.path.insert(0, str(EXAMPLE))
 from data_generator import SLOT_NAMES, make_batches  # noqa: E402
@@ -127,8 +127,8 @@ def _rows_of(replicas: list[ParameterServer], table: str) -> dict[str, np.ndarra
 
 def test_a_serving_replica_following_increments_converges_to_the_training_rows(
         tmp_path: Path) -> None:
-    from persia_py import checkpoint_format as fmt
-    from persia_py.routing import replica_of
+    from persia_py.checkpoint import layout as fmt
+    from persia_py.ids.routing import replica_of
     from persia_py.servers.checkpoint import dump_replica, load_replica
     from persia_py.servers.increments import (
         IncrementalExporter,

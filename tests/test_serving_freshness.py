@@ -19,15 +19,7 @@ import torch
 from conftest import ROOT, RoleProcess, launcher_command, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from persia_py import checkpoint_format as fmt
-from persia_py.config import (
-    CheckpointConfig,
-    CommonConfig,
-    EmbeddingTablesConfig,
-    GlobalConfig,
-    SlotConfig,
-)
-from persia_py.dense_export import (
+from persia_py.checkpoint.dense_export import (
     KEEP_VERSIONS,
     DenseFollower,
     DenseModelSlot,
@@ -35,6 +27,14 @@ from persia_py.dense_export import (
     read_dense_version,
     write_dense_version,
 )
+from persia_py.config import (
+    CheckpointConfig,
+    CommonConfig,
+    EmbeddingTablesConfig,
+    GlobalConfig,
+    SlotConfig,
+)
+from persia_py.ops import safe_files
 from persia_py.servers.parameter_server import ParameterServer
 
 sys.path.insert(0, str(ROOT / "tests" / "serving_job"))
@@ -50,7 +50,7 @@ def _rows(ps: ParameterServer, table: str) -> dict[str, np.ndarray]:
 
 
 def test_a_following_replica_forgets_what_training_expired_or_evicted(tmp_path: Path) -> None:
-    from persia_py.routing import replica_of
+    from persia_py.ids.routing import replica_of
     from persia_py.servers.increments import IncrementalExporter, IncrementFollower
 
     embedding = EmbeddingTablesConfig(slots_config={
@@ -80,7 +80,7 @@ def test_a_following_replica_forgets_what_training_expired_or_evicted(tmp_path: 
     # stays pending and goes out with the next one.
     inc.rename(tmp_path / "away")
     inc.write_text("not a folder")
-    with pytest.raises(fmt.CheckpointError, match="is not a folder"):
+    with pytest.raises(safe_files.CheckpointError, match="is not a folder"):
         exporter.export_now()
     inc.unlink()
     (tmp_path / "away").rename(inc)
@@ -163,7 +163,7 @@ def test_a_dense_version_is_checked_whole_before_it_is_swapped_in(tmp_path: Path
                 "NaN": "'out.bias': NaN or infinite", "missing": r"missing \['out.bias'\]"}
     for what, tensors in bad.items():
         folder = write_dense_version(tmp_path / what, 1, tensors, step=1)
-        with pytest.raises(fmt.CheckpointError, match=messages[what]):
+        with pytest.raises(safe_files.CheckpointError, match=messages[what]):
             read_dense_version(folder, Tower().state_dict())
 
     # A follower swaps in only a whole, checked, newer version; a bad one is retried and

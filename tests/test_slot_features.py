@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from persia_py import codec
 from persia_py.config import ConfigError, GlobalConfig, embedding_config_from_dict
+from persia_py.ids.routing import hash_stack
 from persia_py.proto import embedding_worker_pb2
-from persia_py.routing import hash_stack
 from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.service import configure_args
+from persia_py.wire import codec
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds
 from persia_py.workers.embedding_worker_service import _decode_rows, _encode_rows
 from persia_py.workers.nn_worker import pool_slot

@@ -19,7 +19,7 @@ import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
 
 from persia_py.launcher.local import LocalCluster, Role
-from persia_py.start_checks import CONFIG_EXIT_CODE
+from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 
 pytestmark = pytest.mark.processes
 

@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from persia_py.hashing import HASH_STACK_SALT, inverse_mix64, mix64
-from persia_py.routing import RESERVED_ID
+from persia_py.ids.hashing import HASH_STACK_SALT, inverse_mix64, mix64
+from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers import memory
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows

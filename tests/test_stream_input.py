@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from persia_py.data_readers import BadRecordError, CsvColumn, CsvReader, CsvReaderConfig
-from persia_py.reader_share import ReaderShare
-from persia_py.stream_reader import CsvFormat, StreamPosition, StreamReader
+from persia_py.input.reader_share import ReaderShare
+from persia_py.input.readers import BadRecordError, CsvColumn, CsvReader, CsvReaderConfig
+from persia_py.input.stream_reader import CsvFormat, StreamPosition, StreamReader
 
 COLUMNS = (CsvColumn(name="sid", kind="int"), CsvColumn(name="x", kind="float"),
            CsvColumn(name="tags", kind="ids"), CsvColumn(name="city", kind="skip"))
@@ -187,7 +187,7 @@ def test_a_parquet_file_is_not_opened_through_a_link(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")  # in the test extra; the skip only names a bare install
     import pyarrow.parquet as pq
 
-    from persia_py.stream_reader import ParquetFormat
+    from persia_py.input.stream_reader import ParquetFormat
 
     pq.write_table(pa.table({"sid": pa.array([1, 2], pa.int64())}), tmp_path / "real.parquet")
     folder = tmp_path / "stream"
@@ -264,7 +264,7 @@ def test_an_int_default_must_be_a_whole_number() -> None:
 def test_numbers_parse_as_csv_reader_parses_them(tmp_path: Path, monkeypatch) -> None:
     """The array parser's shortcut for plain decimals (and numpy's cast for the rest)
     gives exactly the values of ``CsvReader`` (Python's ``int`` and ``float``)."""
-    from persia_py import csv_parse
+    from persia_py.input import csv_parse
 
     shortcuts = []
     plain_decimals = csv_parse._plain_decimals
@@ -305,7 +305,7 @@ def test_numbers_parse_as_csv_reader_parses_them(tmp_path: Path, monkeypatch) ->
 
 
 def test_parquet_refuses_the_options_it_cannot_honour() -> None:
-    from persia_py.stream_reader import ParquetFormat
+    from persia_py.input.stream_reader import ParquetFormat
 
     for column in (CsvColumn(name="city", kind="category"),
                    CsvColumn(name="n", kind="int", default=0)):
@@ -320,7 +320,7 @@ def test_parquet_refuses_the_options_it_cannot_honour() -> None:
     ("ids", ["18446744073709551614", "1111111111111111111", "0", "42"]),
 ])
 def test_plain_decimals_at_their_limits_parse_as_python_does(kind: str, texts: list) -> None:
-    from persia_py.csv_parse import parse_csv_lines
+    from persia_py.input.csv_parse import parse_csv_lines
 
     config = CsvReaderConfig(columns=(CsvColumn(name="v", kind=kind),))
     for cut in range(len(texts)):  # each value alone (one matrix width) and all together
@@ -335,7 +335,7 @@ def test_plain_decimals_at_their_limits_parse_as_python_does(kind: str, texts: l
 @pytest.mark.parametrize("kind, text", [("float", "."), ("float", "1.2.3"), ("int", "1 2"),
                                         ("int", "9223372036854775808"), ("ids", "1.5")])
 def test_not_quite_plain_decimals_are_errors(tmp_path: Path, kind: str, text: str) -> None:
-    from persia_py.csv_parse import parse_csv_lines
+    from persia_py.input.csv_parse import parse_csv_lines
 
     config = CsvReaderConfig(columns=(CsvColumn(name="v", kind=kind),), id_separator=";")
     with pytest.raises(BadRecordError, match=r"a: row 2: column 'v'"):

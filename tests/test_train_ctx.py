@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import start_server
 
-from persia_py import checkpoint_format as fmt
-from persia_py.checkpoint import Checkpointer
+from persia_py.checkpoint import layout as fmt
+from persia_py.checkpoint.coordinator import Checkpointer
 from persia_py.config import (
     CheckpointConfig,
     CommonConfig,
@@ -379,7 +379,7 @@ def test_a_stop_at_a_periodic_step_keeps_two_distinct_checkpoints(cluster, caplo
     model = Model()
     env = PersiaEnv(embedding_worker_addrs=(cluster.embedding_worker,), ps_addrs=(cluster.ps,),
                     data_loader_addrs=(f"127.0.0.1:{data_ctx.port}",))
-    with caplog.at_level("INFO", logger="persia_py.checkpoint"), TrainCtx(
+    with caplog.at_level("INFO", logger="persia_py.checkpoint.coordinator"), TrainCtx(
             model=model, embedding_optimizer=SGD(lr=0.1), global_config=config, env=env,
             dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             stop_on_signal=True) as ctx:

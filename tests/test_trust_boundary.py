@@ -68,15 +68,16 @@ from conftest import (
     token_channel,
 )
 
-from persia_py import checkpoint_format as fmt
-from persia_py import codec
+from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig, GlobalConfig, embedding_config_from_dict
-from persia_py.hashing import HASH_STACK_SALT, inverse_mix64
+from persia_py.ids.hashing import HASH_STACK_SALT, inverse_mix64
+from persia_py.ops import safe_files
 from persia_py.proto import checkpoint_pb2 as ckpt_pb
 from persia_py.proto import checkpoint_pb2_grpc, common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as ps_pb
-from persia_py.security import ENV_AUTH_TOKEN
 from persia_py.servers.initializer import initial_rows
+from persia_py.wire import codec
+from persia_py.wire.security import ENV_AUTH_TOKEN
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.ps_client import PSClient, UpdateNotApplied, configure_request
@@ -163,7 +164,7 @@ class Cluster:
         folder = self.root / name
         folder.mkdir()
         self.ckpt.Dump(ckpt_pb.DumpRequest(checkpoint=name), timeout=30)
-        fmt.save_json(folder / fmt.MANIFEST, {"format": fmt.FORMAT, "version": fmt.VERSION,
+        safe_files.save_json(folder / fmt.MANIFEST, {"format": fmt.FORMAT, "version": fmt.VERSION,
                                               "step": 1, "num_ps_replicas": 1})
         return folder
 
@@ -600,7 +601,7 @@ def _memory_mib(pid: int) -> dict[str, float]:
 def _peak_rise_mib(pid: int, fn) -> float:
     """How far the resident memory of process ``pid`` peaks above its current level while
     ``fn()`` runs. (Memory a call freed is kept for the next one, in the malloc arenas the server
-    threads share (persia_py.allocator), so each call is measured from where it starts.)"""
+    threads share (persia_py.ops.allocator), so each call is measured from where it starts.)"""
     with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current VmRSS
     idle = _memory_mib(pid)["VmRSS"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from persia_py import checkpoint_format as fmt
+from persia_py.checkpoint import layout as fmt
 from persia_py.config import (
     EmbeddingTablesConfig,
     GlobalConfig,

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from persia_py.checks import WrongType, check_number
-from persia_py.table_policy import check_init_bounds, check_weight_bound
+from persia_py.config.checks import WrongType, check_number
+from persia_py.config.table_policy import check_init_bounds, check_weight_bound
 
 
 @dataclass(kw_only=True, frozen=True)
 class EmbeddingConfig:
     """Table-wide embedding settings, sent with the optimizer (as PERSIA's ``EmbeddingConfig``).
 
-    Checked by the same rules as the servers apply (:mod:`persia_py.table_policy`).
+    Checked by the same rules as the servers apply (:mod:`persia_py.config.table_policy`).
     """
 
     emb_initialization: tuple[float, float] = (-0.01, 0.01)

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from persia_py.checks import check_type
+from persia_py.config.checks import check_type
 from persia_py.ids import as_ids
 
 MAX_BATCH_SIZE = 1 << 24

@@ -1,7 +1,7 @@
 """Embedding optimizers, applied on the parameter servers (as PERSIA's ``persia.embedding.optim``).
 
 Each class takes PERSIA's arguments in PERSIA's order and checks them at once, against
-the one schema the servers use (:mod:`persia_py.optimizer_config`, where the defaults
+the one schema the servers use (:mod:`persia_py.config.optimizer`, where the defaults
 are declared): every hyper-parameter is honoured or rejected, never ignored.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from persia_py.optimizer_config import (
+from persia_py.config.optimizer import (
     AdagradConfig,
     AdamConfig,
     OptimizerConfig,

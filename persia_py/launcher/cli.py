@@ -9,8 +9,8 @@ import sys
 
 from persia_py.config import ConfigError
 from persia_py.launcher.job_token import add_insecure_flag, add_insecure_token_flag
-from persia_py.security import ENV_INSECURE_TOKEN
-from persia_py.start_checks import CONFIG_EXIT_CODE
+from persia_py.ops.start_checks import CONFIG_EXIT_CODE
+from persia_py.wire.security import ENV_INSECURE_TOKEN
 
 _NEEDS_TOKEN = ("embedding-parameter-server", "embedding-worker", "nn-worker", "data-loader",
                 "serve")
@@ -260,13 +260,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from persia_py.serving import run_serve  # imports torch: only this command pays for it
+    from persia_py.launcher.serve import run_serve  # imports torch: only this command pays for it
 
     return run_serve(args)
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from persia_py.plot import plot_training_log
+    from persia_py.launcher.plot import plot_training_log
 
     plot_training_log(args.log, args.output)
     print(f"wrote {args.output}")

@@ -1,6 +1,6 @@
 """The job token as the launcher handles it: required by every role unless ``--insecure``.
 
-:mod:`persia_py.security` checks the token on every call; this module decides, before a
+:mod:`persia_py.wire.security` checks the token on every call; this module decides, before a
 role starts, whether it has one. A role started by hand must be given one (the global
 config's ``common_config.auth_token_file``, else ``$PERSIA_AUTH_TOKEN``) or be told
 ``--insecure``; ``persia-launcher local`` makes a new one per run when none is given and
@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 from persia_py.config import load_global_config
 from persia_py.env import ENV_GLOBAL_CONFIG
-from persia_py.private_files import write_private_file
-from persia_py.security import ENV_AUTH_TOKEN, ENV_INSECURE_TOKEN, TransportSecurity
+from persia_py.ops.private_files import write_private_file
+from persia_py.wire.security import ENV_AUTH_TOKEN, ENV_INSECURE_TOKEN, TransportSecurity
 
 logger = logging.getLogger("persia_py.launcher")
 
@@ -45,7 +45,7 @@ def add_insecure_flag(p: argparse.ArgumentParser, what: str, default: str | None
 
 def add_insecure_token_flag(p: argparse.ArgumentParser) -> None:
     """``--insecure-token``: the explicit opt-out of the token checks (see
-    :mod:`persia_py.security`), handed on to every process started below by environment."""
+    :mod:`persia_py.wire.security`), handed on to every process started below by environment."""
     p.add_argument("--insecure-token", action="store_true",
                    help="accept a job token that is easy to guess (short, a string repeated, "
                         "little randomness) or a token file that group or others may read or "

@@ -42,12 +42,12 @@ import sys
 
 import yaml
 
-from persia_py import allocator
 from persia_py.config import load_embedding_config, load_global_config
 from persia_py.env import job_env
 from persia_py.launcher import job_token
-from persia_py.monitoring import ENV_METRICS_PORT
-from persia_py.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
+from persia_py.ops import allocator
+from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
+from persia_py.telemetry.monitoring import ENV_METRICS_PORT
 
 logger = logging.getLogger("persia_py.launcher")
 
@@ -430,7 +430,7 @@ def _nn_worker_job(args: argparse.Namespace) -> list[dict]:
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{name}-0.{name}:{args.rdzv_port}",
         "--rdzv-id", args.job_name, "--metrics-port", str(args.metrics_port),
         # A dead rank: torchrun restarts the ranks, which rewind the data loaders and
-        # embedding workers to their last checkpoint (persia_py/rewind.py); their
+        # embedding workers to their last checkpoint (persia_py/checkpoint/rewind.py); their
         # StatefulSets start them again. A lost pod still fails the Job.
         "--max-restarts", str(NN_MAX_RESTARTS),
         args.nn_worker, *shlex.split(args.nn_worker_args))
@@ -443,7 +443,7 @@ def _nn_worker_job(args: argparse.Namespace) -> list[dict]:
             "completions": nodes,
             "parallelism": nodes,
             "backoffLimit": 0,
-            # A config error (persia_py.start_checks) is final: the Job fails, naming it.
+            # A config error (persia_py.ops.start_checks) is final: the Job fails, naming it.
             "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
                 "containerName": "nn-worker", "operator": "In",
                 "values": [CONFIG_EXIT_CODE]}}]},

@@ -18,7 +18,7 @@ alone, on the same port (its handover log says where it left off). Only an NN ra
 death rolls the training back to its last checkpoint (persia_py/launcher/recovery.py).
 Past the limit, or when a server exits cleanly before training ended, everything stops;
 so does a role that stopped on a config error (exit code 78,
-:data:`persia_py.start_checks.CONFIG_EXIT_CODE`), which is never restarted.
+:data:`persia_py.ops.start_checks.CONFIG_EXIT_CODE`), which is never restarted.
 
 Both config files are validated before any process starts, the checkpoint folders
 against the checkpoint root included. Every role gets the job
@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from persia_py import allocator, rewind
+from persia_py.checkpoint import rewind
 from persia_py.config import load_global_config
 from persia_py.env import job_env
 from persia_py.launcher import job_token
@@ -59,10 +59,11 @@ from persia_py.launcher.recovery import (
 )
 from persia_py.launcher.roles import validate_configs
 from persia_py.launcher.run_folder import make_run_folder, remove_update_logs, update_log_folder
-from persia_py.monitoring import LauncherMetrics, serve_metrics
-from persia_py.progress import ENV_TRAIN_LOG
-from persia_py.security import ENV_AUTH_TOKEN
-from persia_py.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
+from persia_py.ops import allocator
+from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
+from persia_py.telemetry.monitoring import LauncherMetrics, serve_metrics
+from persia_py.telemetry.progress import ENV_TRAIN_LOG
+from persia_py.wire.security import ENV_AUTH_TOKEN
 
 _STOP_GRACE_SEC = 10.0
 GRACEFUL_STOP_SEC = 300.0
@@ -183,7 +184,7 @@ class LocalCluster:
         if role.restart is None:
             return self.restart_training is not None and self.restart_training(role, how)
         # Asked to exit by NN ranks that torchrun restarted (Restart, Rewind:
-        # persia_py/rewind.py). Counted like a death: any caller with the job token may
+        # persia_py/checkpoint/rewind.py). Counted like a death: any caller with the job token may
         # ask, and must not keep the job restarting without end.
         asked = code == rewind.EXIT_CODE and role.kind in ("embedding-worker", "data-loader")
         if role.num_restarts >= self.max_restarts:

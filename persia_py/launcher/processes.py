@@ -82,7 +82,7 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     torchrun, SIGTERM to its ranks (to torchrun before they start).
 
     A rank that fails writes why into ``$PERSIA_RANK_FAILED_FILE``
-    (``persia_py.process_group.report_failure``). torchrun then records the failure in
+    (``persia_py.dense.process_group.report_failure``). torchrun then records the failure in
     its rendezvous store; when that store sits behind a dead link, the kernel retries
     the connection for many minutes and torchrun with it. So once a rank has failed and
     torchrun has had no rank running for ``grace_sec``, it is stopped, and the rank's

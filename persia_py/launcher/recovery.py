@@ -26,23 +26,24 @@ import threading
 import time
 from collections.abc import Callable
 
-from persia_py.data_position import ENV_DATA_POSITIONS
 from persia_py.env import ENV_GLOBAL_CONFIG
-from persia_py.private_files import append_private
+from persia_py.ids.positions import ENV_DATA_POSITIONS
+from persia_py.ops import safe_files
+from persia_py.ops.private_files import append_private
 
 
 def resume_env(path: str) -> dict[str, str]:
     """Environment that makes a job continue from the checkpoint ``path`` names: the NN
     workers load it, each data loader skips the batches of its own it holds as trained."""
-    from persia_py import checkpoint_format
-    from persia_py.checkpoint import ENV_RESUME_DIR, data_positions
-    from persia_py.data_position import DataPositions
+    from persia_py.checkpoint import layout as checkpoint_format
+    from persia_py.checkpoint.coordinator import ENV_RESUME_DIR, data_positions
+    from persia_py.ids.positions import DataPositions
 
     try:
         folder = checkpoint_format.resolve(path)
-    except checkpoint_format.CheckpointError as exc:
+    except safe_files.CheckpointError as exc:
         raise SystemExit(f"--resume: {exc}") from None
-    manifest = checkpoint_format.load_json(folder / checkpoint_format.MANIFEST)
+    manifest = safe_files.load_json(folder / checkpoint_format.MANIFEST)
     positions = DataPositions.from_json(data_positions(manifest), f"{folder} data_positions")
     print(f"[launcher] resuming from {folder} ({manifest['step']} batches trained)",
           flush=True)
@@ -59,7 +60,7 @@ def checkpoint_root(args: argparse.Namespace, env: dict[str, str]) -> str | None
 
 def latest_checkpoint(root: str | None) -> str | None:
     """The newest complete checkpoint under ``root`` (None: there is none yet)."""
-    from persia_py import checkpoint_format
+    from persia_py.checkpoint import layout as checkpoint_format
 
     found = checkpoint_format.latest(root) if root is not None else None
     return None if found is None else str(found)
@@ -101,7 +102,7 @@ class TrainingRecovery:
         if latest is None:
             self.cluster.stop(self.servers)
             restarted = self.servers + restarted
-        from persia_py.checkpoint import ENV_RESUME_DIR
+        from persia_py.checkpoint.coordinator import ENV_RESUME_DIR
 
         env = self.cluster.env
         for key in (ENV_RESUME_DIR, ENV_DATA_POSITIONS):  # the newest checkpoint decides
@@ -139,7 +140,7 @@ class BatchCounts:
     _SENT = re.compile(r"data loader (\d+) sent (\d+) batches \((\d+) skipped")
     _RESENT = "putting its ID features on embedding worker"
     _DEDUPLICATED = "had applied its update already"
-    _REWOUND = "NN ranks restarted by torchrun"  # rank 0's line (persia_py/rewind.py)
+    _REWOUND = "NN ranks restarted by torchrun"  # rank 0's line (persia_py/checkpoint/rewind.py)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 
-from persia_py import allocator
 from persia_py.config import (
     EmbeddingTablesConfig,
     GlobalConfig,
@@ -32,9 +31,10 @@ from persia_py.env import (
 from persia_py.launcher import job_token
 from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
-from persia_py.monitoring import ENV_METRICS_PORT, serve_metrics
-from persia_py.progress import ENV_TRAIN_LOG
-from persia_py.start_checks import check_checkpoint_paths
+from persia_py.ops import allocator
+from persia_py.ops.start_checks import check_checkpoint_paths
+from persia_py.telemetry.monitoring import ENV_METRICS_PORT, serve_metrics
+from persia_py.telemetry.progress import ENV_TRAIN_LOG
 
 logger = logging.getLogger("persia_py.launcher")
 
@@ -88,7 +88,7 @@ def _serve(args: argparse.Namespace, server, port: int, registry, what: str) -> 
 
 
 def run_parameter_server(args: argparse.Namespace) -> int:
-    from persia_py.monitoring import ParameterServerMetrics
+    from persia_py.servers.metrics import ParameterServerMetrics
     from persia_py.servers.parameter_server import ParameterServer
     from persia_py.servers.service import create_ps_server
 
@@ -130,7 +130,7 @@ def run_parameter_server(args: argparse.Namespace) -> int:
     if args.follow_increments:
         if not inference:
             raise SystemExit("--follow-increments needs --inference (a serving replica)")
-        from persia_py.monitoring import register_freshness
+        from persia_py.telemetry.monitoring import register_freshness
 
         after = base_increment_seqs(args.load_checkpoint) if args.load_checkpoint else {}
         # Behind once the newest applied increment is older than 2 export intervals.
@@ -175,7 +175,7 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
     clients = [PSClient(a, global_config.common_config) for a in ps_addrs]
     for c in clients:
         c.wait_ready()
-    from persia_py.monitoring import EmbeddingWorkerMetrics
+    from persia_py.workers.metrics import EmbeddingWorkerMetrics
 
     worker = EmbeddingWorker(global_config, embedding_config, clients,
                              index=args.replica_index)
@@ -206,7 +206,7 @@ def _user_env(args: argparse.Namespace) -> dict[str, str]:
     """This process's environment plus the config paths, for a user script; both config
     files are validated first, checkpoint folders included, so a bad key stops the role
     before the script starts. The
-    script starts with persia_py's malloc settings (:mod:`persia_py.allocator`)."""
+    script starts with persia_py's malloc settings (:mod:`persia_py.ops.allocator`)."""
     env = allocator.with_tunables(dict(os.environ))
     global_path, embedding_path = _config_paths(args)
     validate_configs(global_path, embedding_path)

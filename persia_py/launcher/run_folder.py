@@ -2,7 +2,7 @@
 
 It holds the job token, the training log and the logs a restart inside the job trusts.
 :func:`make_run_folder` makes it private before anything is started there
-(persia_py/private_files.py); :func:`remove_update_logs` deletes the parameter servers'
+(persia_py/ops/private_files.py); :func:`remove_update_logs` deletes the parameter servers'
 update logs once the job has ended, since a new launch never replays them.
 """
 
@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Callable
 from datetime import datetime
 
-from persia_py.private_files import UnsafeFolderError, private_folder
+from persia_py.ops.private_files import UnsafeFolderError, private_folder
 
 
 def make_run_folder(args: argparse.Namespace) -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""Dump and load the tables of one parameter-server replica (see ``persia_py.checkpoint_format``).
+"""Dump and load the tables of one parameter-server replica (see ``persia_py.checkpoint.layout``).
 
 A replica writes ``ps-<r>.json`` (its index, the replica count, the optimizer settings,
 each table's dim, state width, row count and files, the exactly-once window) and four
@@ -31,12 +31,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from persia_py import checkpoint_format as fmt
+from persia_py.checkpoint import layout as fmt
+from persia_py.ids.routing import replica_of
+from persia_py.ops import safe_files
 from persia_py.proto import checkpoint_pb2 as pb
 from persia_py.proto import checkpoint_pb2_grpc
-from persia_py.routing import replica_of
-from persia_py.rpc import FailedPrecondition, grpc_method
 from persia_py.servers.parameter_server import ParameterServer, ReplicaState, Rows
+from persia_py.wire.rpc import FailedPrecondition, grpc_method
 
 logger = logging.getLogger(__name__)
 
@@ -55,18 +56,18 @@ class CheckpointRoot:
     """The folder a server's checkpoint calls name things in (created if missing)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = fmt.configured_root(path)
+        self.path = safe_files.configured_root(path)
         self.path.mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
     def open(self, *names: tuple[str, str]) -> Iterator[int]:
         """A descriptor of ``ROOT/name/...`` for ``(name, field)`` pairs, each checked as a
         plain name (InvalidName names ``field``) and opened without following a link."""
-        checked = [fmt.check_name(value, field) for value, field in names]
+        checked = [safe_files.check_name(value, field) for value, field in names]
         with contextlib.ExitStack() as stack:
-            fd = stack.enter_context(fmt.opened_dir(None, self.path))
+            fd = stack.enter_context(safe_files.opened_dir(None, self.path))
             for name in checked:
-                fd = stack.enter_context(fmt.opened_dir(fd, name))
+                fd = stack.enter_context(safe_files.opened_dir(fd, name))
             yield fd
 
 
@@ -76,7 +77,7 @@ def _folder(directory: int | str | os.PathLike) -> Iterator[int]:
     if isinstance(directory, int):
         yield directory
     else:
-        with fmt.opened_dir(None, directory) as fd:
+        with safe_files.opened_dir(None, directory) as fd:
             yield fd
 
 
@@ -94,7 +95,7 @@ def write_replica(dir_fd: int, state: ReplicaState, replica_index: int,
         files = {}
         for key in _ARRAYS:
             files[key] = f"ps-{r}-t{t}-{key}.npy"
-            num_bytes += fmt.save_array_at(dir_fd, files[key], rows[key])
+            num_bytes += safe_files.save_array_at(dir_fd, files[key], rows[key])
             names.append(files[key])
         n = int(rows["ids"].shape[0])
         num_rows += n
@@ -106,10 +107,10 @@ def write_replica(dir_fd: int, state: ReplicaState, replica_index: int,
     seen = []
     for k, (worker_id, sequences) in enumerate(state.seen.items()):
         file = f"ps-{r}-seen{k}.npy"
-        num_bytes += fmt.save_array_at(dir_fd, file, sequences)
+        num_bytes += safe_files.save_array_at(dir_fd, file, sequences)
         names.append(file)
         seen.append([worker_id, file])
-    fmt.save_json_at(dir_fd, replica_file(r), {
+    safe_files.save_json_at(dir_fd, replica_file(r), {
         "replica_index": r, "replica_size": replica_size, "settings": state.settings,
         "tables": tables, "seen": seen, "increment_seq": int(state.increment_seq)})
     names.append(replica_file(r))
@@ -141,10 +142,10 @@ def dump_replica(ps: ParameterServer, directory: int | str | os.PathLike, *,
             # exactly-once window too, so a replay from this checkpoint skips it.
             ps.update_log.begin("cut", Path(path).absolute())
         state = ps.state_dict()
-        with fmt.private_dir(fd) as private:
+        with safe_files.private_dir(fd) as private:
             names, num_rows, num_bytes = write_replica(private, state, ps.replica_index,
                                                        ps.replica_size)
-            fmt.move_into(private, fd, names)
+            safe_files.move_into(private, fd, names)
     logger.info("replica %d dumped %d rows (%.1f MB) in %.2fs", ps.replica_index, num_rows,
                 num_bytes / 1e6, time.perf_counter() - started)
     return num_rows, num_bytes
@@ -166,7 +167,7 @@ def _value(data: object, key: str, kind: type | tuple[type, ...], where: str) ->
     """``data[key]`` if ``data`` is a mapping holding a ``kind`` there; CheckpointError if not."""
     value = data.get(key) if isinstance(data, dict) else None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise fmt.CheckpointError(f"{where}: {key!r} is missing or not a "
+        raise safe_files.CheckpointError(f"{where}: {key!r} is missing or not a "
                                   f"{getattr(kind, '__name__', kind)}")
     return value
 
@@ -174,7 +175,7 @@ def _value(data: object, key: str, kind: type | tuple[type, ...], where: str) ->
 def _int(data: object, key: str, where: str, low: int, high: int) -> int:
     value = _value(data, key, int, where)
     if not low <= value <= high:
-        raise fmt.CheckpointError(f"{where}: {key!r} = {value} is not in [{low}, {high}]")
+        raise safe_files.CheckpointError(f"{where}: {key!r} = {value} is not in [{low}, {high}]")
     return value
 
 
@@ -182,20 +183,20 @@ def read_replica(dir_fd: int, index: int, replica_size: int | None = None) -> di
     """The description ``ps-<index>.json`` in ``dir_fd``, its structure checked (file
     names are plain names; CheckpointError says what is wrong)."""
     where = replica_file(index)
-    entry = fmt.load_json_at(dir_fd, where)
+    entry = safe_files.load_json_at(dir_fd, where)
     if _int(entry, "replica_index", where, 0, MAX_REPLICAS) != index:
-        raise fmt.CheckpointError(f"{where}: says it is replica {entry['replica_index']}")
+        raise safe_files.CheckpointError(f"{where}: says it is replica {entry['replica_index']}")
     if replica_size is not None and _int(entry, "replica_size", where, 1,
                                          MAX_REPLICAS) != replica_size:
-        raise fmt.CheckpointError(f"{where}: taken with {entry['replica_size']} replicas, "
+        raise safe_files.CheckpointError(f"{where}: taken with {entry['replica_size']} replicas, "
                                   f"the manifest says {replica_size}")
     for name, table in _value(entry, "tables", dict, where).items():
         at = f"{where}: table {name!r}"
         files = _value(table, "files", dict, at)
         if set(files) != set(_ARRAYS):
-            raise fmt.CheckpointError(f"{at}: files must be exactly {sorted(_ARRAYS)}")
+            raise safe_files.CheckpointError(f"{at}: files must be exactly {sorted(_ARRAYS)}")
         for key, file in files.items():
-            fmt.check_name(file, f"{at}: files.{key}")
+            safe_files.check_name(file, f"{at}: files.{key}")
         _int(table, "dim", at, 1, 2**20)
         _int(table, "state_width", at, 0, 2**21)
         _int(table, "num_rows", at, 0, 2**62)
@@ -205,9 +206,9 @@ def read_replica(dir_fd: int, index: int, replica_size: int | None = None) -> di
         seen = sorted(seen.items())
     if not isinstance(seen, list) or not all(
             isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in seen):
-        raise fmt.CheckpointError(f"{where}: 'seen' must list [worker id, file] pairs")
+        raise safe_files.CheckpointError(f"{where}: 'seen' must list [worker id, file] pairs")
     for worker_id, file in seen:
-        fmt.check_name(file, f"{where}: seen file of {worker_id[:128]!r}")
+        safe_files.check_name(file, f"{where}: seen file of {worker_id[:128]!r}")
     entry["seen"] = seen
     return entry
 
@@ -220,9 +221,9 @@ def read_rows(dir_fd: int, table: dict, where: str, keep: tuple[int, int] | None
     shapes = {"ids": (n,), "weights": (n, dim), "state": (n, width), "last_access": (n,)}
     arrays = {}
     for key, dtype in _ARRAYS.items():
-        array = fmt.load_array_at(dir_fd, table["files"][key], mmap=True)
+        array = safe_files.load_array_at(dir_fd, table["files"][key], mmap=True)
         if array.dtype != dtype or array.shape != shapes[key]:
-            raise fmt.CheckpointError(
+            raise safe_files.CheckpointError(
                 f"{where}: {table['files'][key]} holds {array.dtype} {array.shape}, the "
                 f"description says {np.dtype(dtype).name} {shapes[key]}")
         arrays[key] = array
@@ -243,12 +244,12 @@ def _concat(parts: list[Rows]) -> Rows:
 def read_state(dir_fd: int, replica_index: int, replica_size: int) -> tuple[ReplicaState, int]:
     """The state of replica ``replica_index`` of ``replica_size`` in the complete checkpoint
     folder ``dir_fd`` (rows of every replica that route to it), and the bytes read."""
-    manifest = fmt.check_manifest(fmt.load_json_at(dir_fd, fmt.MANIFEST), fmt.MANIFEST)
+    manifest = fmt.check_manifest(safe_files.load_json_at(dir_fd, fmt.MANIFEST), fmt.MANIFEST)
     num_replicas = _int(manifest, "num_ps_replicas", fmt.MANIFEST, 1, MAX_REPLICAS)
     entries = [read_replica(dir_fd, i, num_replicas) for i in range(num_replicas)]
     settings = entries[0].get("settings")
     if any(e.get("settings") != settings for e in entries):
-        raise fmt.CheckpointError("the replicas' optimizer settings differ")
+        raise safe_files.CheckpointError("the replicas' optimizer settings differ")
     parts: dict[str, list[Rows]] = {}
     windows: dict[str, list[np.ndarray]] = {}
     for i, entry in enumerate(entries):
@@ -259,12 +260,12 @@ def read_state(dir_fd: int, replica_index: int, replica_size: int) -> tuple[Repl
         # Sequence numbers are unique per worker across replicas: the union is safe after
         # re-sharding too.
         for worker_id, file in entry["seen"]:
-            windows.setdefault(worker_id, []).append(fmt.load_array_at(dir_fd, file))
+            windows.setdefault(worker_id, []).append(safe_files.load_array_at(dir_fd, file))
     tables = {name: _concat(p) for name, p in parts.items()}
     seen = {}
     for worker_id, arrays in windows.items():
         if any(a.ndim != 1 or a.dtype not in (np.uint64, np.int64) for a in arrays):
-            raise fmt.CheckpointError(f"the window of worker {worker_id[:128]!r} is not a 1-D "
+            raise safe_files.CheckpointError(f"the window of worker {worker_id[:128]!r} is not a 1-D "
                                       "integer array")
         seen[worker_id] = np.unique(np.concatenate([a.astype(np.uint64) for a in arrays]))
     num_bytes = sum(a.nbytes for rows in tables.values() for k, a in rows.items()
@@ -287,7 +288,7 @@ def load_replica(ps: ParameterServer, checkpoint: int | str | os.PathLike, *,
     try:
         num_rows = ps.load_state_dict(state)
     except ValueError as exc:
-        raise fmt.CheckpointError(f"checkpoint does not fit: {exc}") from None
+        raise safe_files.CheckpointError(f"checkpoint does not fit: {exc}") from None
     if ps.update_log is not None and path is not None:
         # What the log held before is another timeline now.
         ps.update_log.begin("load", Path(path).absolute())

@@ -8,7 +8,7 @@ without a per-slot occupancy array. Each call first hashes the whole batch and o
 then probes, so the independent cache misses of the probe loop can overlap instead of
 waiting behind hash arithmetic.
 
-The home slot of an id is its keyed hash (:mod:`persia_py.hashing`) under a key secret to
+The home slot of an id is its keyed hash (:mod:`persia_py.ids.hashing`) under a key secret to
 this index: ids are chosen by whoever sends them, and under a public hash they could be
 chosen to share one home slot, which makes linear probing quadratic (a flood of such ids
 held the shard lock for seconds and left the index slow for good). The key is redrawn
@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from persia_py.hashing import HashKey, keyed_hash_one
-from persia_py.routing import RESERVED_ID
+from persia_py.ids.hashing import HashKey, keyed_hash_one
+from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers import memory
 from persia_py.servers.kernels import PREFETCH_AHEAD, prefetch_item, prefetch_row
 

@@ -47,9 +47,10 @@ from pathlib import Path
 
 import numpy as np
 
-from persia_py import checkpoint_format as fmt
-from persia_py.background import BackgroundWorker, Follower, LagWarning, Outage
-from persia_py.routing import RESERVED_ID, replica_of
+from persia_py.checkpoint import layout as fmt
+from persia_py.ids.routing import RESERVED_ID, replica_of
+from persia_py.ops import safe_files
+from persia_py.ops.background import BackgroundWorker, Follower, LagWarning, Outage
 from persia_py.servers.checkpoint import read_replica, read_rows, write_replica
 from persia_py.servers.parameter_server import ParameterServer, ReplicaState, Rows
 
@@ -93,16 +94,16 @@ def write_increment(directory: str | Path, replica_index: int, replica_size: int
     state = ReplicaState(settings=None, tables=tables, increment_seq=seq)
     removed = {name: ids for name, ids in (removed or {}).items() if ids.shape[0]}
     final = f"inc-{r:04d}-{seq:012d}-{uuid.uuid4().hex[:8]}"
-    with fmt.opened_dir(None, directory) as dir_fd:
-        name, fd = fmt.new_dir_at(dir_fd, mode=0o750)
+    with safe_files.opened_dir(None, directory) as dir_fd:
+        name, fd = safe_files.new_dir_at(dir_fd, mode=0o750)
         try:
             _, num_rows, _ = write_replica(fd, state, r, replica_size)
             removed_files = {}
             for k, (table, ids) in enumerate(sorted(removed.items())):
                 file = _removed_file(r, k)
-                fmt.save_array_at(fd, file, np.ascontiguousarray(ids, dtype=np.uint64))
+                safe_files.save_array_at(fd, file, np.ascontiguousarray(ids, dtype=np.uint64))
                 removed_files[table] = {"file": file, "num_ids": int(ids.shape[0])}
-            fmt.save_json_at(fd, fmt.MANIFEST, {
+            safe_files.save_json_at(fd, fmt.MANIFEST, {
                 "format": INCREMENT_FORMAT, "version": fmt.VERSION, "replica_index": r,
                 "seq": seq, "num_rows": num_rows, "created_unix": time.time(),
                 "num_updates": int(num_updates), "removed": removed_files})
@@ -110,7 +111,7 @@ def write_increment(directory: str | Path, replica_index: int, replica_size: int
             os.rename(name, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             os.fsync(dir_fd)
         except BaseException:
-            fmt.remove_flat_dir(dir_fd, name, fd)
+            safe_files.remove_flat_dir(dir_fd, name, fd)
             raise
         os.close(fd)
     return Path(directory) / final
@@ -123,23 +124,23 @@ def _read_removed(fd: int, manifest: dict, where: str, tables: set[str],
     that route to replica ``keep[0]`` of ``keep[1]``. Older increments have none."""
     entries = manifest.get("removed", {})
     if not isinstance(entries, dict):
-        raise fmt.CheckpointError(f"{where}: 'removed' must map table names to files")
+        raise safe_files.CheckpointError(f"{where}: 'removed' must map table names to files")
     out = {}
     for table, entry in entries.items():
         if table not in tables:
-            raise fmt.CheckpointError(f"{where}: removed ids of table {table!r}, which is "
+            raise safe_files.CheckpointError(f"{where}: removed ids of table {table!r}, which is "
                                       f"not on this server ({sorted(tables)})")
         at = f"{where}: removed ids of table {table!r}"
         if not isinstance(entry, dict) or not isinstance(entry.get("num_ids"), int):
-            raise fmt.CheckpointError(f"{at}: expected {{'file': name, 'num_ids': n}}")
-        file = fmt.check_name(entry.get("file"), f"{at}: file")
-        ids = fmt.load_array_at(fd, file, mmap=True)  # nothing read before the checks
+            raise safe_files.CheckpointError(f"{at}: expected {{'file': name, 'num_ids': n}}")
+        file = safe_files.check_name(entry.get("file"), f"{at}: file")
+        ids = safe_files.load_array_at(fd, file, mmap=True)  # nothing read before the checks
         if ids.dtype != np.uint64 or ids.shape != (entry["num_ids"],):
-            raise fmt.CheckpointError(f"{at}: {file} holds {ids.dtype} {ids.shape}, the "
+            raise safe_files.CheckpointError(f"{at}: {file} holds {ids.dtype} {ids.shape}, the "
                                       f"manifest says uint64 ({entry['num_ids']},)")
         ids = np.array(ids)
         if bool((ids == RESERVED_ID).any()):
-            raise fmt.CheckpointError(f"{at}: {file} holds the reserved id 2**64-1")
+            raise safe_files.CheckpointError(f"{at}: {file} holds the reserved id 2**64-1")
         if keep[1] > 1:
             ids = ids[replica_of(ids, keep[1]) == keep[0]]
         out[table] = ids
@@ -151,8 +152,8 @@ def apply_increment(ps: ParameterServer, folder: str | Path, replica: int) -> tu
     and remove the rows it says the training side removed; every file is read and
     checked before any row is stored. Returns (rows stored, the increment's manifest)."""
     where = f"{folder}"
-    with fmt.opened_dir(None, folder) as fd:
-        manifest = fmt.check_manifest(fmt.load_json_at(fd, fmt.MANIFEST), where,
+    with safe_files.opened_dir(None, folder) as fd:
+        manifest = fmt.check_manifest(safe_files.load_json_at(fd, fmt.MANIFEST), where,
                                       INCREMENT_FORMAT)
         entry = read_replica(fd, replica)
         keep = (ps.replica_index, ps.replica_size)
@@ -162,7 +163,7 @@ def apply_increment(ps: ParameterServer, folder: str | Path, replica: int) -> tu
     created = manifest.get("created_unix")
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(
             created):
-        raise fmt.CheckpointError(f"{where}: 'created_unix' must be a finite number")
+        raise safe_files.CheckpointError(f"{where}: 'created_unix' must be a finite number")
     # Rows and removed ids are disjoint (taken together under each shard's lock); removing
     # first makes room, as eviction did on the training side. A retry after a failure
     # removes and stores the same again.
@@ -220,7 +221,7 @@ class IncrementalExporter(BackgroundWorker):
             raise ValueError("set every_updates or every_sec (> 0)")
         super().__init__(f"incremental-exporter-{ps.replica_index}")
         if root is not None:
-            fmt.names_in_root(fmt.configured_root(root), directory,
+            fmt.names_in_root(safe_files.configured_root(root), directory,
                               "checkpoint_config.incremental_dir")
         self.ps, self.directory = ps, Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -337,8 +338,8 @@ class IncrementFollower(Follower):
 def base_increment_seqs(checkpoint: str | Path) -> dict[int, int]:
     """Per replica, the last increment exported before checkpoint ``checkpoint`` was taken."""
     folder = fmt.resolve(checkpoint)
-    with fmt.opened_dir(None, folder) as fd:
-        manifest = fmt.load_json_at(fd, fmt.MANIFEST)
+    with safe_files.opened_dir(None, folder) as fd:
+        manifest = safe_files.load_json_at(fd, fmt.MANIFEST)
         return {r: int(read_replica(fd, r).get("increment_seq", 0))
                 for r in range(int(manifest["num_ps_replicas"]))}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from persia_py.hashing import INIT_COLUMN_SALT, mix64
+from persia_py.ids.hashing import INIT_COLUMN_SALT, mix64
 from persia_py.servers.kernels import initial_rows_into
 
 _U64 = (1 << 64) - 1

@@ -18,8 +18,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from persia_py.dedup import rows_in_order
-from persia_py.hashing import mix64_one
+from persia_py.ids.dedup import rows_in_order
+from persia_py.ids.hashing import mix64_one
 
 PREFETCH_AHEAD = 8
 """Ids between a prefetch and the use of its row: far enough for the miss to resolve,

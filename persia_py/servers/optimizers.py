@@ -1,7 +1,7 @@
 """Row-wise embedding optimizers on the servers: state layout and the vectorized update.
 
 The hyper-parameter schemas (``SGDConfig``, ``AdagradConfig``, ``AdamConfig``) live in
-:mod:`persia_py.optimizer_config`, shared with the user API and the config files.
+:mod:`persia_py.config.optimizer`, shared with the user API and the config files.
 
 Optimizer state lives next to the weights as extra float32 columns per row, so the
 table can update weights and state with the same row numbers. The table runs the fused
@@ -23,7 +23,7 @@ import numpy as np
 
 # The schemas are shared with the user API and the config files; re-exported here for
 # the server code that names them next to the kernels.
-from persia_py.optimizer_config import (  # noqa: F401 - re-exported
+from persia_py.config.optimizer import (  # noqa: F401 - re-exported
     AdagradConfig,
     AdamConfig,
     OptimizerConfig,

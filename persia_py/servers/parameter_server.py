@@ -36,13 +36,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
-from persia_py.routing import RESERVED_ID, replica_of
-from persia_py.rpc import FailedPrecondition
+from persia_py.config.table_policy import check_init_bounds, check_weight_bound
+from persia_py.ids.routing import RESERVED_ID, replica_of
 from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict, state_width
 from persia_py.servers.sizing import TableSize, capacity_warning, memory_limit, row_bytes
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.servers.swap_lock import SwapLock
-from persia_py.table_policy import check_init_bounds, check_weight_bound
+from persia_py.wire.rpc import FailedPrecondition
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from persia_py import checkpoint_format as fmt
+from persia_py.checkpoint import layout as fmt
 from persia_py.servers.checkpoint import load_replica
 from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.update_log import (

@@ -7,13 +7,15 @@ import os
 
 import grpc
 
-from persia_py import codec, rewind, wire_rpc
-from persia_py.monitoring import ParameterServerMetrics
+from persia_py.checkpoint import rewind
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
-from persia_py.rpc import create_server, grpc_method
 from persia_py.servers.checkpoint import CheckpointRoot, add_checkpoint_service
+from persia_py.servers.metrics import ParameterServerMetrics
 from persia_py.servers.parameter_server import ParameterServer
+from persia_py.wire import codec
+from persia_py.wire import raw_methods as wire_rpc
+from persia_py.wire.rpc import create_server, grpc_method
 
 
 def configure_args(request: common_pb2.ConfigureRequest) -> dict:

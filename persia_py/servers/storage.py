@@ -28,10 +28,10 @@ from typing import Self
 
 import numpy as np
 
-from persia_py.codec import cast_float
-from persia_py.dedup import unique_in_order
-from persia_py.hashing import ADMIT_SALT, HashKey, keyed_buckets, mix64
-from persia_py.routing import RESERVED_ID, split_by
+from persia_py.config.table_policy import TablePolicy, check_init_bounds, check_weight_bound
+from persia_py.ids.dedup import unique_in_order
+from persia_py.ids.hashing import ADMIT_SALT, HashKey, keyed_buckets, mix64
+from persia_py.ids.routing import RESERVED_ID, split_by
 from persia_py.servers import kernels, memory
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
@@ -43,7 +43,7 @@ from persia_py.servers.optimizers import (
     initial_state,
     state_width,
 )
-from persia_py.table_policy import TablePolicy, check_init_bounds, check_weight_bound
+from persia_py.wire.codec import cast_float
 
 _INITIAL_ROWS = 1024
 MAX_CLOCK = 2**62

@@ -57,8 +57,9 @@ from pathlib import Path
 
 import numpy as np
 
-from persia_py import checkpoint_format as fmt
-from persia_py.private_files import open_private
+from persia_py.checkpoint import layout as fmt
+from persia_py.ops import safe_files
+from persia_py.ops.private_files import open_private
 from persia_py.servers.block_append import BLOCK, FRAME, BlockAppender, padded
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class UpdateLog:
                           "replica_index": self.replica_index, "block": BLOCK}
                 out.append(_payload(json.dumps(header).encode(), []))
                 os.fsync(fd)
-                fmt.fsync_dir(self.folder)
+                safe_files.fsync_dir(self.folder)
             except BaseException:
                 out.close()
                 os.close(fd)

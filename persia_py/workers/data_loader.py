@@ -18,16 +18,22 @@ from collections.abc import Callable
 
 import grpc
 
-from persia_py import codec, rewind
-from persia_py.checks import check_type
+from persia_py.checkpoint import rewind
 from persia_py.config import GlobalConfig, load_global_config
-from persia_py.data_position import SEQ_BITS, DataPositions, Position, batch_id
+from persia_py.config.checks import check_type
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
-from persia_py.monitoring import DataLoaderMetrics, MetricsServer, metrics_port_from_env, serve_metrics
+from persia_py.ids.positions import SEQ_BITS, DataPositions, Position, batch_id
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
-from persia_py.rpc import FailedPrecondition, NotFound, Overloaded, create_server, grpc_method
+from persia_py.telemetry.monitoring import (
+    DataLoaderMetrics,
+    MetricsServer,
+    metrics_port_from_env,
+    serve_metrics,
+)
+from persia_py.wire import codec
+from persia_py.wire.rpc import FailedPrecondition, NotFound, Overloaded, create_server, grpc_method
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.handover_log import Handover, HandoverLog, Handovers, take_rewind
 from persia_py.workers.kept_batches import KeptBatches
@@ -178,7 +184,7 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
 
     @grpc_method
     def Rewind(self, request, context):
-        """Go back to a restarted training's checkpoint (see persia_py/rewind.py)."""
+        """Go back to a restarted training's checkpoint (see persia_py/checkpoint/rewind.py)."""
         log = self.batches.log
         if log is None:
             raise FailedPrecondition(
@@ -233,7 +239,7 @@ class DataCtx:
         # Resumed from a checkpoint: the batches of this loader trained before it.
         self._done = self.env.data_positions.of(index)
         log_path = self.env.data_loader_handover_log
-        # Rewound by a restarted training (persia_py/rewind.py): its checkpoint's positions
+        # Rewound by a restarted training (persia_py/checkpoint/rewind.py): its checkpoint's positions
         # win, and the handover log starts again (it belongs to the stream before).
         rewound = None if log_path is None else take_rewind(
             log_path, replayed=self.env.data_loader_replay, index=index)

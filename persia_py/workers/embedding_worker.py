@@ -39,10 +39,10 @@ import grpc
 import numpy as np
 
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
-from persia_py.dedup import unique_in_order
+from persia_py.ids.dedup import unique_in_order
+from persia_py.ids.routing import RESERVED_ID, hash_stack
 from persia_py.proto import common_pb2
-from persia_py.routing import RESERVED_ID, hash_stack
-from persia_py.rpc import NotFound, Overloaded
+from persia_py.wire.rpc import NotFound, Overloaded
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.ps_client import PSClient, UpdateNotApplied
 from persia_py.workers.routing_plan import RoutingPlan

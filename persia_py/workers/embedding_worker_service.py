@@ -7,10 +7,12 @@ import logging
 import grpc
 import numpy as np
 
-from persia_py import codec, rewind, wire_rpc
+from persia_py.checkpoint import rewind
 from persia_py.proto import common_pb2, embedding_worker_pb2_grpc
 from persia_py.proto import embedding_worker_pb2 as pb
-from persia_py.rpc import ServiceClient, create_server, grpc_method
+from persia_py.wire import codec
+from persia_py.wire import raw_methods as wire_rpc
+from persia_py.wire.rpc import ServiceClient, create_server, grpc_method
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds, SlotRows
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
     @grpc_method
     def Restart(self, request, context):
-        """Exit, to come back empty: a restarted training rewinds (persia_py/rewind.py)."""
+        """Exit, to come back empty: a restarted training rewinds (persia_py/checkpoint/rewind.py)."""
         logger.warning("embedding worker: asked to restart (%s)", request.reason[:200])
         rewind.exit_after_answer(context, "embedding worker")
         return common_pb2.RestartResponse(instance=rewind.INSTANCE)
@@ -121,7 +123,7 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 def create_embedding_worker_server(worker: EmbeddingWorker, address: str) -> tuple[grpc.Server, int]:
     """A started gRPC server for ``worker`` on ``address``; returns (server, port)."""
     server, port = create_server(address, worker.global_config.common_config, max_workers=32)
-    # Big messages skip protobuf's copies (persia_py.wire_rpc).
+    # Big messages skip protobuf's copies (persia_py.wire.raw_methods).
     wire_rpc.add_servicer(
         embedding_worker_pb2_grpc.add_EmbeddingWorkerServicer_to_server,
         EmbeddingWorkerServicer(worker), server,

@@ -35,10 +35,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from persia_py import rewind
-from persia_py.checkpoint_format import fsync_dir
-from persia_py.data_position import Position
-from persia_py.private_files import open_private
+from persia_py.checkpoint import rewind
+from persia_py.ids.positions import Position
+from persia_py.ops.private_files import open_private
+from persia_py.ops.safe_files import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def read_handovers(path: str | os.PathLike) -> Handovers:
 
 def take_rewind(path: str | os.PathLike, *, replayed: bool, index: int) -> Position | None:
     """Loader ``index``'s positions that a ``Rewind`` left beside its handover log
-    ``path`` (persia_py/rewind.py), or None. Only a restart (``replayed``) takes them, and
+    ``path`` (persia_py/checkpoint/rewind.py), or None. Only a restart (``replayed``) takes them, and
     only when they name the stream of that log; any other file is removed unread."""
     if not rewind.rewind_file(path).exists():
         return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from persia_py.embedding.data import PersiaBatch
-from persia_py.rpc import NotFound, Overloaded
+from persia_py.wire.rpc import NotFound, Overloaded
 
 
 class KeptBatches:

@@ -29,12 +29,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from persia_py import codec
 from persia_py.config import CommonConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.proto import data_loader_pb2_grpc
-from persia_py.rpc import OutageLog, call, create_channel, wait_for_ready
+from persia_py.wire import codec
+from persia_py.wire.rpc import OutageLog, call, create_channel, wait_for_ready
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.embedding_worker import SlotRows
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
@@ -129,7 +129,7 @@ class TrainingBatch:
     ref: int = 0
     embedding_worker: int = 0
     batch_id: int | None = None
-    """The data loader's id of this batch (see persia_py.data_position); None when the
+    """The data loader's id of this batch (see persia_py.ids.positions); None when the
     batch was made in this process."""
     staleness: int = 0
     """Batches of this NN worker whose embedding updates were not yet applied when this

@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 
-from persia_py import codec
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
-from persia_py.rpc import FailedPrecondition, ServiceClient
+from persia_py.wire import codec
+from persia_py.wire.rpc import FailedPrecondition, ServiceClient
 
 
 class UpdateNotApplied(FailedPrecondition):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from persia_py.dedup import unique_in_order
-from persia_py.routing import replica_of, split_by
+from persia_py.ids.dedup import unique_in_order
+from persia_py.ids.routing import replica_of, split_by
 
 Positions = np.ndarray | slice
 """Positions into a table's ids: an int64 array, or ``slice(None)`` for all (no copy)."""

@@ -57,10 +57,11 @@ sys.path.insert(0, str(EXAMPLE))
 from data_generator import SLOT_NAMES, make_batches  # noqa: E402
 from model import DLRM  # noqa: E402
 
-from persia_py import checkpoint_format as fmt  # noqa: E402
+from persia_py.checkpoint import layout as fmt  # noqa: E402
 from persia_py.config import load_global_config  # noqa: E402
 from persia_py.ctx import TrainCtx  # noqa: E402
 from persia_py.data import DataLoader, IterableDataset  # noqa: E402
+from persia_py.dense.process_group import init_process_group  # noqa: E402
 from persia_py.distributed import DDPOption, FSDPOption, build_on_meta  # noqa: E402
 from persia_py.embedding.data import (  # noqa: E402
     IDTypeFeatureWithSingleID,
@@ -70,7 +71,6 @@ from persia_py.embedding.data import (  # noqa: E402
 )
 from persia_py.embedding.optim import Adagrad  # noqa: E402
 from persia_py.env import PersiaEnv  # noqa: E402
-from persia_py.process_group import init_process_group  # noqa: E402
 
 BATCH = 64
 STEPS = 30

@@ -15,10 +15,10 @@ import os
 import numpy as np
 
 from persia_py.ctx import DataCtx
-from persia_py.data_readers import CsvColumn, CsvReader, CsvReaderConfig
 from persia_py.embedding.data import IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
 from persia_py.env import PersiaEnv
-from persia_py.stream_reader import CsvFormat, StreamReader
+from persia_py.input.readers import CsvColumn, CsvReader, CsvReaderConfig
+from persia_py.input.stream_reader import CsvFormat, StreamReader
 from persia_py.stream_source import follow
 
 COLUMNS = (CsvColumn(name="sid", kind="int"), CsvColumn(name="label", kind="float"),

@@ -1,0 +1,493 @@
+"""The two config files, ``global_config.yml`` and ``embedding_config.yml``, read strictly.
+
+Key names follow PERSIA's. Unlike PERSIA, an unknown or misspelled key, a wrong type or
+an out-of-range value stops the process with a :class:`ConfigError` naming the file, the
+key path, what was expected and, for a misspelling, the closest valid key. Each section
+is a keyword-only dataclass; its field docstrings are the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from persia_py.config.checks import check_number
+from persia_py.config.optimizer import optimizer_from_dict
+from persia_py.config.table_policy import TablePolicy
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the key path."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CommonConfig:
+    job_type: Literal["Train", "Infer"] = "Train"
+    """``Train`` or ``Infer``."""
+    max_message_bytes: int = 512 * 1024 * 1024
+    """Largest gRPC message sent or received, on every channel and server; also the most
+    bytes a received request may decompress to (lz4 payloads, checked before decoding)."""
+    max_control_message_bytes: int = 1024 * 1024
+    """Largest request a server accepts for a call that carries no arrays (Configure,
+    Stats, Health, checkpoint calls, a lookup by ref); checked before parsing."""
+    rpc_timeout_sec: float = 120.0
+    """Deadline of every RPC; idempotent calls are retried until it passes."""
+    startup_timeout_sec: float = 300.0
+    """How long a role waits for the services it depends on to come up."""
+    embedding_fp16: bool = False
+    """Embeddings and their gradients travel as float16 (half the bytes; the servers
+    keep and update float32)."""
+    lz4_compression: bool = False
+    """Embedding and gradient payloads travel lz4-compressed."""
+    tls_cert_file: str | None = None
+    """PEM certificate this role presents, as a server and as a client (mutual TLS). With
+    ``tls_key_file`` and ``tls_ca_file`` set, every server refuses plaintext connections
+    and peers without a certificate signed by the CA. Set all three or none."""
+    tls_key_file: str | None = None
+    """PEM private key of ``tls_cert_file``."""
+    tls_ca_file: str | None = None
+    """PEM certificate of the CA that signed every role's certificate; peers are checked
+    against it."""
+    auth_token_file: str | None = None
+    """File holding the job's shared token (one line, at least 16 printable characters).
+    Unset: the token comes from the environment variable ``PERSIA_AUTH_TOKEN``, if set.
+    With a token, every server refuses calls that do not carry it (UNAUTHENTICATED)."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "max_message_bytes", 4 * 1024 * 1024, 2**31 - 1)
+        _check_range(self, "max_control_message_bytes", 64 * 1024, 2**31 - 1)
+        _check_range(self, "rpc_timeout_sec", 0.1, 86400.0)
+        _check_range(self, "startup_timeout_sec", 1.0, 86400.0)
+        tls = ("tls_cert_file", "tls_key_file", "tls_ca_file")
+        given = [name for name in tls if getattr(self, name) is not None]
+        if given and len(given) != len(tls):
+            raise ConfigError(f"{', '.join(given)}: TLS needs all of {', '.join(tls)} (every "
+                              f"role is a server and a client), or none")
+        for name in (*tls, "auth_token_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{name}: {path!r} is not a readable file")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParameterServerConfig:
+    capacity: int = 1_000_000_000
+    """Most rows one parameter-server replica holds per table; beyond it the least
+    recently used rows are evicted. A slot's own ``capacity`` takes precedence."""
+    num_hashmap_internal_shards: int = 1
+    """Internal shards per table; shards are locked and served independently."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "capacity", 1, 2**62)
+        _check_range(self, "num_hashmap_internal_shards", 1, 4096)
+
+
+@dataclass(kw_only=True, frozen=True)
+class EmbeddingWorkerConfig:
+    forward_buffer_size: int = 1000
+    """Batches an embedding worker holds (received from data loaders, or looked up and
+    awaiting gradients). When full, data loaders wait; nothing is dropped."""
+
+    max_buffer_bytes: int = 1 << 30
+    """Bytes of ID features an embedding worker holds for batches not yet trained; when
+    full, data loaders wait."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "forward_buffer_size", 1, 1_000_000)
+        _check_range(self, "max_buffer_bytes", 1, 2**50)
+
+
+@dataclass(kw_only=True, frozen=True)
+class NNWorkerConfig:
+    max_buffer_bytes: int = 1 << 30
+    """Bytes an NN worker holds for batches looked up but not yet trained and for
+    embedding gradients not yet acknowledged; when full, lookups wait."""
+    fsdp_max_unsharded_bytes: int | None = None
+    """Under ``FSDPOption``: most bytes of gathered dense parameters alive at once on a
+    rank (the rate limiter), when the option sets no ``max_unsharded_bytes`` of its own
+    (the option wins: the training script knows its tower). Here so that the job's
+    config can size it per deployment without editing the script; None: no bound."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "max_buffer_bytes", 1, 2**50)
+        if self.fsdp_max_unsharded_bytes is not None:
+            _check_range(self, "fsdp_max_unsharded_bytes", 1, 2**50)
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    root: str | None = None
+    """The folder every checkpoint and incremental export of the job lives in. Each
+    parameter server reads and writes only inside it (checkpoint calls name folders in
+    it, never paths); ``dir``, ``incremental_dir`` and the folders given to
+    ``dump_checkpoint`` / ``load_checkpoint`` must be it or lie directly in it. Unset:
+    the current directory of each process (``persia-launcher local`` starts every role
+    in the directory it was started in)."""
+    dir: str | None = None
+    """Checkpoint root that ``TrainCtx`` writes periodic and final checkpoints to and
+    resumes from (none: off); ``root`` or a folder directly in it."""
+    every_steps: int = 0
+    """Checkpoint after every this many steps of the job (0: never)."""
+    incremental_dir: str | None = None
+    """Folder each training parameter server writes incremental exports to (the rows
+    inserted or updated since its last export), for serving replicas that follow them;
+    a folder in ``root``."""
+    incremental_every_updates: int = 0
+    """Export after this many applied updates (requests) of a replica (0: not by count)."""
+    incremental_every_sec: float = 0.0
+    """Export once this many seconds have passed since a replica's last export (0: not
+    by time). A serving replica following the exports warns when its newest applied one
+    is older than twice this."""
+    dense_export_dir: str | None = None
+    """Folder rank 0 of a training job writes versions of the dense model to, for
+    serving processes that follow them (``serve --follow-dense``)."""
+    dense_export_every_steps: int = 0
+    """Export the dense model after every this many training steps (0: not by steps)."""
+    dense_export_every_sec: float = 0.0
+    """Export the dense model once this many seconds have passed since the last version
+    (0: not by time). A serving process following them warns when its model is older
+    than twice this."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "every_steps", 0, 2**40)
+        if self.every_steps and not self.dir:
+            raise ConfigError("dir: required when every_steps > 0")
+        _check_range(self, "incremental_every_updates", 0, 2**40)
+        _check_range(self, "incremental_every_sec", 0.0, 86400.0 * 365)
+        if (self.incremental_every_updates or self.incremental_every_sec) and (
+                not self.incremental_dir):
+            raise ConfigError("incremental_dir: required when incremental_every_updates or "
+                              "incremental_every_sec > 0")
+        _check_range(self, "dense_export_every_steps", 0, 2**40)
+        _check_range(self, "dense_export_every_sec", 0.0, 86400.0 * 365)
+        if (self.dense_export_every_steps or self.dense_export_every_sec) and (
+                not self.dense_export_dir):
+            raise ConfigError("dense_export_dir: required when dense_export_every_steps or "
+                              "dense_export_every_sec > 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class GlobalConfig:
+    common_config: CommonConfig = field(default_factory=CommonConfig)
+    """Settings every role reads."""
+    embedding_parameter_server_config: ParameterServerConfig = field(
+        default_factory=ParameterServerConfig
+    )
+    """Settings of the embedding parameter servers."""
+    embedding_worker_config: EmbeddingWorkerConfig = field(default_factory=EmbeddingWorkerConfig)
+    """Settings of the embedding workers."""
+    nn_worker_config: NNWorkerConfig = field(default_factory=NNWorkerConfig)
+    """Settings of the NN workers."""
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Periodic checkpoints of training (``TrainCtx.dump_checkpoint``)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class HashStackConfig:
+    hash_stack_rounds: int = 0
+    """Hash each raw id this many times (0: off); its embedding is the sum of the rows of
+    the ``hash_stack_rounds`` buckets, so the slot's table holds at most
+    ``hash_stack_rounds * embedding_size`` rows however many distinct ids arrive."""
+    embedding_size: int = 0
+    """Buckets per round (required when ``hash_stack_rounds`` > 0)."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "hash_stack_rounds", 0, 64)
+        _check_range(self, "embedding_size", 0, 2**40)
+        if self.hash_stack_rounds and not self.embedding_size:
+            raise ConfigError("embedding_size: required (>= 1) when hash_stack_rounds > 0")
+        if self.embedding_size and not self.hash_stack_rounds:
+            raise ConfigError("hash_stack_rounds: 0 (off), but embedding_size is set; set both "
+                              "or neither")
+
+    @property
+    def rounds(self) -> int:
+        """Rows summed per id: ``hash_stack_rounds``, or 1 when hash stacking is off."""
+        return self.hash_stack_rounds or 1
+
+
+@dataclass(kw_only=True, frozen=True)
+class SlotConfig:
+    dim: int
+    """Embedding dimension of the slot (required)."""
+    embedding_summation: bool = True
+    """Pool a sample's ids into one vector (``true``) or hand the model the raw sequence
+    ``[batch, sample_fixed_size, dim]`` (``false``)."""
+    pooling: Literal["sum", "mean"] = "sum"
+    """How ids are pooled when ``embedding_summation`` is true."""
+    sqrt_scaling: bool = False
+    """Divide a pooled sum by the square root of the sample's id count."""
+    sample_fixed_size: int = 10
+    """Padded length of a raw sequence. A longer sample is an error, never truncated."""
+    capacity: int | None = None
+    """Most rows of this slot per parameter-server replica (default: the global one)."""
+    admit_probability: float = 1.0
+    """In (0, 1]: each time a training lookup meets an id the table lacks, the id is stored
+    with this probability (a hash of the id, the seed and the table's step, so reruns
+    choose alike); an id not stored reads as zeros and its gradient is dropped (PERSIA)."""
+    min_occurrences: int = 1
+    """Store a new id only from the training lookup that sees it for this many times
+    (1 to 255; counted in a count-min sketch per shard, so collisions may admit a rare
+    id a little early); before that it reads as zeros and its gradient is dropped."""
+    expire_after_steps: int | None = None
+    """Remove rows neither looked up nor updated during this many lookup calls on the
+    table (default: never)."""
+    expire_after_seconds: float | None = None
+    """Remove rows neither looked up nor updated for this many seconds (default: never)."""
+    optimizer: dict[str, Any] | None = None
+    """This slot's embedding optimizer, overriding the one ``TrainCtx`` sends, e.g.
+    ``{type: adam, lr: 0.001}`` (keys of ``SGD``/``Adagrad``/``Adam``; default: that one)."""
+    hash_stack_config: HashStackConfig = field(default_factory=HashStackConfig)
+    """PERSIA's hash stacking: many raw ids share a few rows (default: off)."""
+
+    def __post_init__(self) -> None:
+        _check_range(self, "dim", 1, 65536)
+        _check_range(self, "sample_fixed_size", 1, 1_000_000)
+        try:
+            TablePolicy(capacity=self.capacity, admit_probability=self.admit_probability,
+                        min_occurrences=self.min_occurrences,
+                        expire_after_steps=self.expire_after_steps,
+                        expire_after_seconds=self.expire_after_seconds)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.optimizer is not None:
+            try:
+                optimizer_from_dict(self.optimizer)
+            except ValueError as exc:
+                raise ConfigError(f"optimizer: {exc}") from None
+
+    @property
+    def pooling_mode(self) -> str:
+        """``sum``, ``mean`` or ``raw``."""
+        return self.pooling if self.embedding_summation else "raw"
+
+
+@dataclass(kw_only=True, frozen=True)
+class EmbeddingTablesConfig:
+    """``embedding_config.yml``: the slots and the tables that hold them. (The user's
+    :class:`persia_py.embedding.EmbeddingConfig`, as in PERSIA, is another thing: the
+    initialization and weight bound a training job sends.)"""
+
+    slots_config: dict[str, SlotConfig]
+    """One entry per ID-type feature (slot), by name."""
+    feature_index_prefix_bit: int = 0
+    """High bits of every id replaced by the 1-based index of the slot's feature group
+    (groups of ``feature_groups`` first, then every other slot as a group of its own, in
+    file order), so equal raw ids of different groups never collide; 0 disables it."""
+    feature_groups: dict[str, list[str]] = field(default_factory=dict)
+    """Group name -> slots. The slots of a group share one table (named after the group)
+    and one id prefix, so an id means the same row in each of them; they must have equal
+    ``dim`` and ``capacity``. A slot is in at most one group; a slot in none is a group of
+    its own, named after the slot."""
+
+    def __post_init__(self) -> None:
+        if not self.slots_config:
+            raise ConfigError("slots_config: at least one slot is required")
+        _check_range(self, "feature_index_prefix_bit", 0, 16)
+        self._check_feature_groups()
+        num_groups = len(self.tables)
+        if self.feature_index_prefix_bit and num_groups >= 2**self.feature_index_prefix_bit:
+            raise ConfigError(
+                f"feature_index_prefix_bit: {self.feature_index_prefix_bit} bits cannot number "
+                f"{num_groups} feature groups (every slot outside feature_groups is one)"
+            )
+
+    def _check_feature_groups(self) -> None:
+        group_of: dict[str, str] = {}
+        for group, slots in self.feature_groups.items():
+            if not slots:
+                raise ConfigError(f"feature_groups.{group}: a group needs at least one slot")
+            for name in slots:
+                if name not in self.slots_config:
+                    close = difflib.get_close_matches(name, list(self.slots_config), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise ConfigError(f"feature_groups.{group}: unknown slot {name!r} (slots: "
+                                      f"{sorted(self.slots_config)}){hint}")
+                if name in group_of:
+                    where = ("twice in this group" if group_of[name] == group
+                             else f"also in group {group_of[name]!r}")
+                    raise ConfigError(f"feature_groups.{group}: slot {name!r} is {where}; a "
+                                      "slot belongs to at most one group")
+                group_of[name] = group
+            for key in _TABLE_KEYS:
+                values = {name: getattr(self.slots_config[name], key) for name in slots}
+                if any(v != values[slots[0]] for v in values.values()):  # may be unhashable
+                    raise ConfigError(
+                        f"feature_groups.{group}: slots {slots} share one table, so their {key} "
+                        f"must be equal; got {values}"
+                    )
+        for name in self.slots_config:
+            if name not in group_of and name in self.feature_groups:
+                raise ConfigError(f"feature_groups.{name}: the group is named like slot {name!r}, "
+                                  "which is not in it (that slot's own table has this name)")
+            group_of.setdefault(name, name)
+        # Frozen dataclass: cache the derived mappings once, here.
+        tables = {g: list(s) for g, s in self.feature_groups.items()}
+        for name, group in group_of.items():
+            tables.setdefault(group, [name])
+        object.__setattr__(self, "_group_of", group_of)
+        object.__setattr__(self, "_tables", tables)
+
+    @property
+    def tables(self) -> dict[str, list[str]]:
+        """Table name -> its slots: each feature group, then each slot outside the groups."""
+        return self._tables
+
+    def table_of(self, slot: str) -> str:
+        """Name of the parameter-server table that holds slot ``slot``'s rows."""
+        self.slot(slot)
+        return self._group_of[slot]
+
+    def slot(self, name: str) -> SlotConfig:
+        """The config of slot ``name``; ValueError naming the known slots if absent."""
+        try:
+            return self.slots_config[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown slot {name!r}; embedding_config has {sorted(self.slots_config)}"
+            ) from None
+
+    def slot_prefix(self, name: str) -> int:
+        """The prefix value of slot ``name``: its feature group's 1-based index (0: off)."""
+        if not self.feature_index_prefix_bit:
+            return 0
+        return list(self.tables).index(self.table_of(name)) + 1
+
+
+_TABLE_KEYS = ("dim", "capacity", "admit_probability", "min_occurrences", "expire_after_steps",
+               "expire_after_seconds", "optimizer")
+"""SlotConfig keys that describe the table itself: equal across the slots of a group."""
+
+
+def _check_range(obj: Any, name: str, low: float, high: float) -> None:
+    try:
+        check_number(name, getattr(obj, name), low=low, high=high)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if origin is dict:
+        return "a mapping"
+    if origin is list:
+        return "a list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; build nested dataclasses."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for arg in typing.get_args(tp):
+            if arg is type(None) and value is None:
+                return None
+            try:
+                return _convert(arg, value, path)
+            except ConfigError:
+                continue
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_tp, val_tp = typing.get_args(tp)
+            return {
+                _convert(key_tp, k, f"{path}.{k}"): _convert(val_tp, v, f"{path}.{k}")
+                for k, v in value.items()
+            }
+    elif origin is list:
+        if isinstance(value, list):
+            (item_tp,) = typing.get_args(tp)
+            return [_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or '<top level>'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    prefix = f"{path}." if path else ""
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{prefix}{key}: unknown key (valid keys here: {sorted(fields)}){hint}"
+            )
+        kwargs[key] = _convert(hints[key], value, f"{prefix}{key}")
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and (
+            f.default_factory is dataclasses.MISSING
+        ):
+            raise ConfigError(f"{prefix}{name}: required key is missing")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}{exc}") from None
+
+
+def _load(cls: type, path: str | os.PathLike) -> Any:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return _build(cls, data, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def load_global_config(path: str | os.PathLike | None) -> GlobalConfig:
+    """Read ``global_config.yml``; ``None`` gives every default."""
+    return GlobalConfig() if path is None else _load(GlobalConfig, path)
+
+
+def load_embedding_config(path: str | os.PathLike) -> EmbeddingTablesConfig:
+    """Read ``embedding_config.yml``."""
+    return _load(EmbeddingTablesConfig, path)
+
+
+def global_config_from_dict(data: dict) -> GlobalConfig:
+    """Build a GlobalConfig from a mapping, with the same checks as a file."""
+    return _build(GlobalConfig, data, "")
+
+
+def embedding_config_from_dict(data: dict) -> EmbeddingTablesConfig:
+    """Build an EmbeddingTablesConfig from a mapping, with the same checks as a file."""
+    return _build(EmbeddingTablesConfig, data, "")

@@ -1,0 +1,72 @@
+"""Deduplication of ids (and row numbers) in order of first position, with a keyed hash set.
+
+Shared by the embedding worker (distinct ids of a batch) and the parameter server
+(distinct new ids, distinct rows of an update). O(n) with a scratch open-addressing set,
+unlike ``numpy.unique``'s sort. The set is hashed with a secret key drawn once per
+process (:class:`persia_py.ids.hashing.HashKey`): its input comes from the wire, and with a
+public hash ids that all share one slot could be computed offline, making the linear
+probing quadratic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from persia_py.ids.hashing import HashKey, keyed_hash_one
+
+_KEY = HashKey.random()
+"""This process's dedup key (an immutable secret, not state carried between calls)."""
+_ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _group_in_order(values: np.ndarray, words: np.ndarray, skip_all_ones: bool
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """``(unique, inverse)`` with ``values[i] == unique[inverse[i]]``; with
+    ``skip_all_ones``, values equal to 2**64-1 get ``inverse`` -1 and no group."""
+    n = values.shape[0]
+    slots = 16
+    while slots < 2 * n:
+        slots *= 2
+    mask = np.uint64(slots - 1)
+    table = np.full(slots, -1, np.int64)  # slot -> group number
+    inverse = np.empty(n, np.int64)
+    unique = np.empty(n, np.uint64)
+    num_unique = 0
+    for i in range(n):
+        value = values[i]
+        if skip_all_ones and value == _ALL_ONES:
+            inverse[i] = -1
+            continue
+        s = np.int64(keyed_hash_one(value, words) & mask)
+        while True:
+            j = table[s]
+            if j < 0:
+                table[s] = num_unique
+                unique[num_unique] = value
+                inverse[i] = num_unique
+                num_unique += 1
+                break
+            if unique[j] == value:
+                inverse[i] = j
+                break
+            s = (s + 1) & np.int64(mask)
+    return unique[:num_unique].copy(), inverse
+
+
+def unique_in_order(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(unique, inverse)``: distinct ids in order of first position, ``ids == unique[inverse]``.
+
+    ``ids``: 1-D uint64 (every value allowed); ``inverse`` is int64.
+    """
+    ids = np.ascontiguousarray(ids, dtype=np.uint64)
+    return _group_in_order(ids, _KEY.words, False)
+
+
+def rows_in_order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`unique_in_order` of int64 row numbers, where row -1 (not stored) is dropped:
+    ``inverse`` is -1 there; ``unique`` is int64."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    unique, inverse = _group_in_order(rows.view(np.uint64), _KEY.words, True)
+    return unique.view(np.int64), inverse

@@ -1,0 +1,69 @@
+"""A parameter server's Prometheus metrics (served by :mod:`persia_py.telemetry.monitoring`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from persia_py.telemetry.monitoring import LATENCY_BUCKETS, StateCollector
+
+if TYPE_CHECKING:
+    from persia_py.servers.parameter_server import ParameterServer
+
+
+class ParameterServerMetrics:
+    """Entries, bytes, lookup/update latency, index miss ratio and evictions of one PS."""
+
+    def __init__(self, ps: ParameterServer) -> None:
+        self.registry = CollectorRegistry()
+        self._ps = ps
+        self.lookup_seconds = Histogram(
+            "persia_ps_lookup_seconds", "Time to serve one lookup request (all its slots)",
+            registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.update_seconds = Histogram(
+            "persia_ps_update_seconds", "Time to apply one gradient update request",
+            registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.lookup_ids = Counter("persia_ps_lookup_ids", "Ids looked up",
+                                  registry=self.registry)
+        self.update_ids = Counter("persia_ps_update_ids", "Ids whose rows were updated",
+                                  registry=self.registry)
+        self.increment_failures = Counter(
+            "persia_ps_increment_failures",
+            "Failed attempts to write (kind=export) or apply (kind=apply) an incremental "
+            "export; each is retried", ["kind"], registry=self.registry)
+        self.registry.register(StateCollector(self._tables))
+
+    def _tables(self) -> Iterator:
+        stats = self._ps.stats()
+        label = ["table"]
+        families = {
+            "entries": GaugeMetricFamily("persia_ps_entries", "Rows held, per table", labels=label),
+            "bytes": GaugeMetricFamily("persia_ps_bytes",
+                                       "Bytes of the row arrays (embeddings and optimizer "
+                                       "state), per table", labels=label),
+            "miss": GaugeMetricFamily("persia_ps_index_miss_ratio",
+                                      "Share of looked-up ids not yet in the table, per table",
+                                      labels=label),
+            "evicted": CounterMetricFamily("persia_ps_evictions",
+                                           "Rows evicted (least recently used), per table",
+                                           labels=label),
+            "inserted": CounterMetricFamily("persia_ps_insertions", "Rows inserted, per table",
+                                            labels=label),
+        }
+        for table, s in stats.items():
+            families["entries"].add_metric([table], s["entries"])
+            families["bytes"].add_metric([table], s["bytes"])
+            looked_up = s["hits"] + s["misses"]
+            families["miss"].add_metric([table], s["misses"] / looked_up if looked_up else 0.0)
+            families["evicted"].add_metric([table], s["evicted"])
+            families["inserted"].add_metric([table], s["inserted"])
+        yield from families.values()
+        yield GaugeMetricFamily("persia_ps_entries_total", "Rows held, all slots",
+                                value=sum(s["entries"] for s in stats.values()))
+        yield GaugeMetricFamily("persia_ps_bytes_total", "Bytes of the row arrays, all slots",
+                                value=sum(s["bytes"] for s in stats.values()))
+        yield CounterMetricFamily("persia_ps_update_requests", "Update requests applied",
+                                  value=self._ps.num_updates)

@@ -1,0 +1,1 @@
+"""What a job reports: Prometheus metrics per role and the training log's records."""
