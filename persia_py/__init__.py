@@ -5,3 +5,5 @@ Importing the package itself loads nothing heavy; import the submodules you use
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -17,6 +17,8 @@ from persia_py.ctx import current_ctx
 from persia_py.embedding.data import PersiaBatch
 from persia_py.workers.nn_worker import TrainingBatch
 
+__all__ = ["DataLoader", "IterableDataset", "StreamingDataset"]
+
 
 class IterableDataset:
     """Base of datasets made in the NN-worker process; subclasses implement ``__iter__``.

@@ -29,6 +29,8 @@ from torch import nn
 from persia_py.dense.fsdp_limiter import UnshardedBytesMeter, floor_bytes, unit_bytes
 from persia_py.dense.parallel import DenseParallel, FSDPParallel
 
+__all__ = ["DDPOption", "FSDPOption", "build_on_meta", "is_deferred", "materialize"]
+
 logger = logging.getLogger(__name__)
 
 _DDP_OWN_ARGS = {"self", "module", "device_ids", "output_device", "process_group"}

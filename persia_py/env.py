@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from persia_py.ids.positions import ENV_DATA_POSITIONS, DataPositions
 
+__all__ = ["PersiaEnv", "get_local_rank", "get_rank", "get_world_size"]
+
 ENV_GLOBAL_CONFIG = "PERSIA_GLOBAL_CONFIG"
 ENV_EMBEDDING_CONFIG = "PERSIA_EMBEDDING_CONFIG"
 ENV_PS_ADDRS = "PERSIA_PS_ADDRS"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+__all__ = ["get_default_logger"]
+
 DEFAULT_LOGGER_NAME = "persia_py"
 FORMAT = "%(asctime)s %(levelname)-8s [%(filename)s:%(lineno)d] %(message)s"
 

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from persia_py.dense.collectives import all_gather_arrays
 
+__all__ = ["BinaryStats", "distributed_gauc", "gauc", "log_loss", "normalized_entropy", "roc_auc"]
+
 _EPS = 1e-7
 """Scores are clipped to [eps, 1 - eps] in log losses (a score of exactly 0 or 1)."""
 

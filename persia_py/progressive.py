@@ -32,6 +32,8 @@ from torch.distributed.algorithms.join import JoinHook
 from persia_py.dense.collectives import WorldJoinable, all_gather_arrays
 from persia_py.metrics import BinaryStats, gauc
 
+__all__ = ["ProgressiveValidation"]
+
 
 class ProgressiveValidation(WorldJoinable):
     """Running AUC, log loss and NE of each batch's pre-update scores (see the module doc).

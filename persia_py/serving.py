@@ -36,6 +36,8 @@ from persia_py.proto import serving_pb2_grpc
 from persia_py.wire import codec
 from persia_py.wire.rpc import ServiceClient, create_server, grpc_method
 
+__all__ = ["ServingClient", "build_model", "load_dense_model", "load_factory"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -44,6 +44,8 @@ from persia_py.input.stream_reader import StreamBatch, StreamPosition, StreamRea
 from persia_py.ops.private_files import open_private
 from persia_py.workers.data_loader import DataCtx
 
+__all__ = ["PositionLog", "follow"]
+
 
 class PositionLog:
     """Append-only, crash-safe record of each batch's stream range (see the module doc)."""

@@ -9,6 +9,8 @@ import torch
 
 from persia_py.config.checks import check_number
 
+__all__ = ["setup_seed"]
+
 
 def setup_seed(seed: int) -> None:
     """Seed Python's ``random``, NumPy's global generator and torch (CPU and every CUDA

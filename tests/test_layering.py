@@ -9,6 +9,7 @@ modules together)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -271,3 +272,12 @@ def test_no_cycle_between_packages() -> None:
         graph.setdefault(unit_of(name), set()).update(
             unit_of(t) for t in targets if unit_of(t) != unit_of(name))
     assert import_cycles(graph) == []
+
+
+def test_the_architecture_page_draws_these_layers() -> None:
+    """docs/architecture.md's layer table lists the same packages, layer by layer."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    table = page.split("| layer | packages and modules |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.strip().splitlines()[1:]]
+    drawn = [(layer.strip(), tuple(re.findall(r"`([\w.]+)`", cell))) for layer, cell in rows]
+    assert drawn == LAYERS

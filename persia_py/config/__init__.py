@@ -21,6 +21,13 @@ from persia_py.config.checks import check_number
 from persia_py.config.optimizer import optimizer_from_dict
 from persia_py.config.table_policy import TablePolicy
 
+__all__ = [
+    "CheckpointConfig", "CommonConfig", "ConfigError", "EmbeddingTablesConfig",
+    "EmbeddingWorkerConfig", "GlobalConfig", "HashStackConfig", "NNWorkerConfig",
+    "ParameterServerConfig", "SlotConfig", "embedding_config_from_dict",
+    "global_config_from_dict", "load_embedding_config", "load_global_config",
+]
+
 
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and the key path."""

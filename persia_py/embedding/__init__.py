@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from persia_py.config.checks import WrongType, check_number
 from persia_py.config.table_policy import check_init_bounds, check_weight_bound
 
+__all__ = ["EmbeddingConfig"]
+
 
 @dataclass(kw_only=True, frozen=True)
 class EmbeddingConfig:

@@ -14,6 +14,11 @@ import numpy as np
 from persia_py.config.checks import check_type
 from persia_py.ids import as_ids
 
+__all__ = [
+    "IDTypeFeature", "IDTypeFeatureWithSingleID", "Label", "NdarrayDataBase",
+    "NonIDTypeFeature", "PersiaBatch",
+]
+
 MAX_BATCH_SIZE = 1 << 24
 
 _NDARRAY_DTYPES = frozenset(

@@ -17,6 +17,8 @@ from persia_py.config.optimizer import (
     optimizer_to_dict,
 )
 
+__all__ = ["Adagrad", "Adam", "Optimizer", "SGD"]
+
 
 class Optimizer:
     """Base of the embedding optimizers: a checked optimizer config."""
