@@ -41,6 +41,7 @@ from persia_py.ids.positions import DataPositions, Position
 from persia_py.ops import safe_files
 from persia_py.ops.private_files import open_private
 from persia_py.proto import common_pb2, data_loader_pb2_grpc, embedding_worker_pb2_grpc
+from persia_py.telemetry.events import Event, emit
 from persia_py.wire.rpc import call, create_channel
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ def rewind_after_restart(*, periodic_dir: str | None, loaders: list[str],
         logger.warning("NN ranks restarted by torchrun (restart %s): going back to checkpoint "
                        "%s; rewinding %d data loaders and restarting %d embedding workers",
                        count, folder, len(loaders), len(embedding_workers))
+        emit(Event.TRAINING_REWOUND, restart=count, checkpoint=str(folder))
         rewind_roles(loaders=loaders, embedding_workers=embedding_workers, positions=positions,
                      common=common, reason=f"torchrun restart {count}: back to {folder}")
     return str(folder)

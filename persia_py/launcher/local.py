@@ -61,8 +61,8 @@ from persia_py.launcher.roles import validate_configs
 from persia_py.launcher.run_folder import make_run_folder, remove_update_logs, update_log_folder
 from persia_py.ops import allocator
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
+from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import LauncherMetrics, serve_metrics
-from persia_py.telemetry.progress import ENV_TRAIN_LOG
 from persia_py.wire.security import ENV_AUTH_TOKEN
 
 _STOP_GRACE_SEC = 10.0
@@ -120,8 +120,6 @@ class LocalCluster:
         self._lifeline: Lifeline | None = None
         self.metrics: LauncherMetrics | None = None
         """Restarts counted as ``persia_restarts_total{role}`` (when serving metrics)."""
-        self.on_line: Callable[[str], None] | None = None
-        """Called with every output line of every role (the job's batch counts)."""
         self.restart_training: Callable[[Role, str], bool] | None = None
         """Called with a role without ``restart`` that died and how; True: it restarted
         the job's training (see persia_py.launcher.recovery); None: the job stops."""
@@ -133,8 +131,6 @@ class LocalCluster:
             with self._print_lock:
                 sys.stdout.write(f"[{role.name}] {text}")
                 sys.stdout.flush()
-            if self.on_line is not None:
-                self.on_line(text)
         role.process.wait()
         self._exited.set()
 
@@ -464,8 +460,7 @@ def run_local(args: argparse.Namespace) -> int:
                                 root=root, train_log=train_log,
                                 max_restarts=args.max_restarts, log=cluster.log)
     cluster.restart_training = recovery
-    counts = BatchCounts()
-    cluster.on_line = counts.see
+    counts = BatchCounts(train_log)
     metrics_server = None
     if not args.no_metrics:
         cluster.metrics = LauncherMetrics()

@@ -20,16 +20,13 @@ training log.
 from __future__ import annotations
 
 import argparse
-import json
-import re
-import threading
-import time
+import os
 from collections.abc import Callable
 
 from persia_py.env import ENV_GLOBAL_CONFIG
 from persia_py.ids.positions import ENV_DATA_POSITIONS
 from persia_py.ops import safe_files
-from persia_py.ops.private_files import append_private
+from persia_py.telemetry.events import Event, emit, read_events
 
 
 def resume_env(path: str) -> dict[str, str]:
@@ -114,11 +111,7 @@ class TrainingRecovery:
         return True
 
     def _record(self, name: str, how: str, checkpoint: str | None) -> None:
-        """One line in the training log (JSON lines, as rank 0 writes them)."""
-        record = {"event": "restart", "role": name, "reason": how,
-                  "checkpoint": checkpoint, "time": time.time()}
-        with append_private(self.train_log) as f:  # one write: appends do not interleave
-            f.write(json.dumps(record) + "\n")
+        emit(Event.RESTART, to=self.train_log, role=name, reason=how, checkpoint=checkpoint)
 
     def summary(self) -> str | None:
         if not self.restarts:
@@ -131,47 +124,34 @@ class TrainingRecovery:
 
 
 class BatchCounts:
-    """What the job's batches went through, from its roles' output lines: each loader's
-    last run (batches sent, and skipped as trained before the checkpoint it resumed or
-    handed over by its predecessor), batches re-sent to restarted embedding workers, and
-    updates the parameter servers had applied already (not applied again).
-    ``persia-launcher local`` ends with it."""
+    """What the job's batches went through, from the events its roles wrote to the
+    training log (:mod:`persia_py.telemetry.events`): each loader's last run (batches sent,
+    and skipped as trained before the checkpoint it resumed or handed over by its
+    predecessor), batches re-sent to restarted embedding workers, updates the parameter
+    servers had applied already (not applied again), and torchrun's restarts of the NN
+    ranks. ``persia-launcher local`` ends with it."""
 
-    _SENT = re.compile(r"data loader (\d+) sent (\d+) batches \((\d+) skipped")
-    _RESENT = "putting its ID features on embedding worker"
-    _DEDUPLICATED = "had applied its update already"
-    _REWOUND = "NN ranks restarted by torchrun"  # rank 0's line (persia_py/checkpoint/rewind.py)
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.sent: dict[int, tuple[int, int]] = {}
-        self.resent = 0
-        self.deduplicated = 0
-        self.rewinds = 0
-
-    def see(self, line: str) -> None:
-        if self._RESENT in line:
-            with self._lock:
-                self.resent += 1
-        elif self._DEDUPLICATED in line:
-            with self._lock:
-                self.deduplicated += 1
-        elif self._REWOUND in line:
-            with self._lock:
-                self.rewinds += 1
-        elif (found := self._SENT.search(line)) is not None:
-            with self._lock:  # a restarted loader's last run replaces its earlier one
-                self.sent[int(found[1])] = (int(found[2]), int(found[3]))
+    def __init__(self, train_log: str | os.PathLike) -> None:
+        self.train_log = train_log
 
     def summary(self) -> str | None:
-        with self._lock:
-            if not self.sent:
-                return None
-            sent = sum(s for s, _ in self.sent.values())
-            skipped = sum(k for _, k in self.sent.values())
-            return (f"batches: {sent} sent by the data loaders' last runs ({skipped} skipped: "
-                    "trained before the checkpoint they resumed, or handed over before they "
-                    f"restarted), {self.resent} re-sent to restarted embedding workers, "
-                    f"{self.deduplicated} updates the parameter servers had applied already"
-                    + (f"; torchrun restarts of the NN ranks: {self.rewinds} (each went back "
-                       "to its checkpoint)" if self.rewinds else ""))
+        sent: dict[int, tuple[int, int]] = {}
+        counts = dict.fromkeys((Event.BATCH_RESENT, Event.UPDATE_DEDUPLICATED,
+                                Event.TRAINING_REWOUND), 0)
+        for record in read_events(self.train_log):
+            kind = record["event"]
+            if kind == Event.LOADER_FINISHED:  # a restarted loader's last run replaces one
+                sent[int(record["loader"])] = (int(record["sent"]), int(record["skipped"]))
+            elif kind in counts:
+                counts[kind] += 1
+        if not sent:
+            return None
+        rewinds = counts[Event.TRAINING_REWOUND]
+        return (f"batches: {sum(s for s, _ in sent.values())} sent by the data loaders' last "
+                f"runs ({sum(k for _, k in sent.values())} skipped: trained before the "
+                "checkpoint they resumed, or handed over before they restarted), "
+                f"{counts[Event.BATCH_RESENT]} re-sent to restarted embedding workers, "
+                f"{counts[Event.UPDATE_DEDUPLICATED]} updates the parameter servers had "
+                "applied already"
+                + (f"; torchrun restarts of the NN ranks: {rewinds} (each went back to its "
+                   "checkpoint)" if rewinds else ""))

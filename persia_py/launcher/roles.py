@@ -33,8 +33,8 @@ from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
 from persia_py.ops import allocator
 from persia_py.ops.start_checks import check_checkpoint_paths
+from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import ENV_METRICS_PORT, serve_metrics
-from persia_py.telemetry.progress import ENV_TRAIN_LOG
 
 logger = logging.getLogger("persia_py.launcher")
 

@@ -26,6 +26,7 @@ from typing import TextIO
 
 from persia_py.env import PersiaEnv
 from persia_py.ops.private_files import append_private
+from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import (
     MetricsServer,
     NNWorkerMetrics,
@@ -33,8 +34,6 @@ from persia_py.telemetry.monitoring import (
     serve_metrics,
 )
 
-ENV_TRAIN_LOG = "PERSIA_TRAIN_LOG"
-"""Path of the JSON-lines training log rank 0 writes (``persia-launcher`` sets it)."""
 ENV_LOG_EVERY = "PERSIA_LOG_EVERY"
 """Steps between two progress lines when stdout is not a terminal (default 100)."""
 

@@ -26,6 +26,7 @@ from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
 from persia_py.ids.positions import SEQ_BITS, DataPositions, Position, batch_id
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
+from persia_py.telemetry.events import Event, emit
 from persia_py.telemetry.monitoring import (
     DataLoaderMetrics,
     MetricsServer,
@@ -415,6 +416,7 @@ class DataCtx:
         worker_index, batch = self.kept.get(id_)
         logger.warning("batch %d: putting its ID features on embedding worker %d again (it "
                        "restarted)", id_, worker_index)
+        emit(Event.BATCH_RESENT, batch=id_, embedding_worker=worker_index)
         return worker_index, self._put_ids(self._workers[worker_index], batch, id_)
 
     def _wait(self, what: str, attempt, timeout: float = 10.0):
@@ -455,6 +457,8 @@ class DataCtx:
                             "to restarted embedding workers)",
                             self.env.data_loader_replica_index, self.num_sent,
                             self.num_skipped, self.kept.num_resent)
+                emit(Event.LOADER_FINISHED, loader=self.env.data_loader_replica_index,
+                     sent=self.num_sent, skipped=self.num_skipped, resent=self.kept.num_resent)
         finally:
             if self._server is not None:
                 self._server.stop(grace=1.0).wait(5.0)

@@ -42,6 +42,7 @@ from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.ids.dedup import unique_in_order
 from persia_py.ids.routing import RESERVED_ID, hash_stack
 from persia_py.proto import common_pb2
+from persia_py.telemetry.events import Event, emit
 from persia_py.wire.rpc import NotFound, Overloaded
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.ps_client import PSClient, UpdateNotApplied
@@ -470,6 +471,8 @@ class EmbeddingWorker:
                 logger.warning("batch %d of stream %s: parameter server %d had applied its "
                                "update already; not applied again", sequence,
                                batch.identity[0], r)
+                emit(Event.UPDATE_DEDUPLICATED, stream=batch.identity[0], batch=sequence,
+                     replica=r)
                 return 0
             # The replica had the pair from another sender: a later attempt takes a new
             # sequence, so that it is applied (or refused again), never acknowledged unapplied.
