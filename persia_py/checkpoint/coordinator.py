@@ -19,11 +19,10 @@ values, so whether they are in the checkpoint or not changes nothing.
 ``load_checkpoint`` must lie there; the calls carry the names that lead to the folder.
 
 **Resume.** ``persia-launcher local --resume DIR`` sets ``PERSIA_RESUME_DIR`` for the NN
-workers (``TrainCtx`` loads the checkpoint on entry) and ``PERSIA_SKIP_BATCHES`` (the
-batches already trained) for the data loaders (``DataCtx.send_data`` drops that many of
-its first batches, each loader its share). That is exact with one data loader, as in
-``reproducible`` mode; with several, which loader's batches were trained depends on
-timing, and each loader skips an equal share.
+workers (``TrainCtx`` loads the checkpoint on entry) and ``PERSIA_DATA_POSITIONS`` for the
+data loaders: each loader's position in the checkpoint (its first batch not trained, and
+any later ones trained already; :mod:`persia_py.ids.positions`), so that it skips exactly
+the batches the checkpoint holds as trained.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from persia_py.config.checks import load_json
 
 SEQ_BITS = 40
 """Low bits of a batch id that hold the loader's sequence number."""
+_SEQ_MASK = (1 << SEQ_BITS) - 1
 
 MAX_LOADERS = 1 << (64 - SEQ_BITS)
 """Loader indexes a batch id can hold."""
@@ -39,11 +40,21 @@ def batch_id(loader: int, seq: int) -> int:
     return (loader << SEQ_BITS) | seq
 
 
+def loader_of(batch: int) -> int:
+    """The data loader of batch id ``batch``."""
+    return batch >> SEQ_BITS
+
+
+def seq_of(batch: int) -> int:
+    """The sequence number of batch id ``batch`` within its loader."""
+    return batch & _SEQ_MASK
+
+
 def split_batch_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(loader, sequence) of each batch id."""
     ids = np.asarray(ids, dtype=np.uint64)
     return (ids >> np.uint64(SEQ_BITS)).astype(np.int64), \
-        (ids & np.uint64((1 << SEQ_BITS) - 1)).astype(np.int64)
+        (ids & np.uint64(_SEQ_MASK)).astype(np.int64)
 
 
 @dataclass

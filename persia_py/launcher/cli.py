@@ -9,11 +9,11 @@ import sys
 
 from persia_py.config import ConfigError
 from persia_py.launcher.job_token import add_insecure_flag, add_insecure_token_flag
+from persia_py.launcher.role_kinds import ROLE_KINDS
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 from persia_py.wire.security import ENV_INSECURE_TOKEN
 
-_NEEDS_TOKEN = ("embedding-parameter-server", "embedding-worker", "nn-worker", "data-loader",
-                "serve")
+_NEEDS_TOKEN = (*(kind.command for kind in ROLE_KINDS), "serve")
 """Subcommands that refuse to start without a job token unless ``--insecure``."""
 
 

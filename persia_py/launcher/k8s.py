@@ -45,6 +45,7 @@ import yaml
 from persia_py.config import load_embedding_config, load_global_config
 from persia_py.env import job_env
 from persia_py.launcher import job_token
+from persia_py.launcher.role_kinds import ROLE_KINDS
 from persia_py.ops import allocator
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
 from persia_py.telemetry.monitoring import ENV_METRICS_PORT
@@ -64,12 +65,7 @@ KUBERNETES_VERSION = "1.35"
 """The Kubernetes release whose API schemas the manifests are validated against (tests)."""
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # Service names must start with a letter
-_ROLES = {  # role -> short name in object names
-    "embedding-parameter-server": "ps",
-    "embedding-worker": "embedding-worker",
-    "data-loader": "data-loader",
-    "nn-worker": "nn-worker",
-}
+_ROLES = {kind.command: kind.short for kind in ROLE_KINDS}  # role -> short name in object names
 MAX_STATEFUL_SET_NAME = 52
 """A StatefulSet labels its pods ``controller-revision-hash: <name>-<hash of up to 10
 characters>``, and a label value has at most 63 characters."""

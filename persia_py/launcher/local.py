@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from persia_py.checkpoint import rewind
 from persia_py.config import load_global_config
@@ -56,6 +56,13 @@ from persia_py.launcher.recovery import (
     checkpoint_root,
     latest_checkpoint,
     resume_env,
+)
+from persia_py.launcher.role_kinds import (
+    DATA_LOADER,
+    EMBEDDING_WORKER,
+    NN_WORKER,
+    PARAMETER_SERVER,
+    RoleKind,
 )
 from persia_py.launcher.roles import validate_configs
 from persia_py.launcher.run_folder import make_run_folder, remove_update_logs, update_log_folder
@@ -71,14 +78,13 @@ GRACEFUL_STOP_SEC = 300.0
 of large tables takes a while); a second SIGTERM stops everything at once."""
 
 
-_WRAPPERS = ("data-loader", "nn-worker")
-"""Role kinds whose process starts the user's script (and torchrun) below it."""
 
 
 class GracefulStop(Exception):
     """The launcher got SIGTERM: stop the training cleanly, then the other roles."""
-MAX_PS_RESTARTS = 3
-"""Restarts of the training (persia_py.launcher.recovery) each other role may cause."""
+MAX_RESTARTS = 3
+"""Restarts each role may make (``--max-restarts``): alone, or of the training
+(persia_py.launcher.recovery)."""
 
 
 def free_ports(count: int, host: str) -> list[int]:
@@ -101,7 +107,7 @@ class Role:
     command: list[str]
     process: subprocess.Popen | None = None
     reader: threading.Thread | None = None
-    kind: str = field(default="server")  # "server", "data-loader" or "nn-worker"
+    kind: RoleKind = PARAMETER_SERVER
     restart: Callable[[], list[str]] | None = None
     """The command that starts this role again after it died (None: its death ends the job)."""
     num_restarts: int = 0
@@ -111,7 +117,7 @@ class LocalCluster:
     """Starts, watches and stops the processes of one local job."""
 
     def __init__(self, roles: list[Role], env: dict[str, str], *,
-                 max_restarts: int = MAX_PS_RESTARTS) -> None:
+                 max_restarts: int = MAX_RESTARTS) -> None:
         self.roles = roles
         self.env = env
         self.max_restarts = max_restarts
@@ -143,11 +149,11 @@ class LocalCluster:
         thread that outlives it (the main thread): a server gets SIGKILL when the thread
         that started it exits (persia_py/launcher/lifeline.py)."""
         env = allocator.with_tunables(self.env)
-        if role.kind != "nn-worker" and "OMP_NUM_THREADS" not in env:
+        if role.kind is not NN_WORKER and "OMP_NUM_THREADS" not in env:
             # Servers and loaders run on threads of their own; an OpenMP pool in each of
             # them only fights the NN worker's for the same cores.
             env = {**env, "OMP_NUM_THREADS": "1"}
-        if role.kind == "nn-worker" and "OMP_WAIT_POLICY" not in env:
+        if role.kind is NN_WORKER and "OMP_WAIT_POLICY" not in env:
             # On one machine the NN worker shares its cores with the servers: OpenMP threads
             # that spin while idle take CPU the servers need (docs/benchmarks.md).
             env = {**env, "OMP_WAIT_POLICY": "PASSIVE"}
@@ -162,7 +168,7 @@ class LocalCluster:
             command, env=self._lifeline.child_env(env), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             pass_fds=(self._lifeline.read_fd,),
-            preexec_fn=None if role.kind in _WRAPPERS else die_with_parent(),
+            preexec_fn=None if role.kind.runs_script else die_with_parent(),
         )
         role.reader = threading.Thread(target=self._pump, args=(role,), daemon=True)
         role.reader.start()
@@ -182,7 +188,7 @@ class LocalCluster:
         # Asked to exit by NN ranks that torchrun restarted (Restart, Rewind:
         # persia_py/checkpoint/rewind.py). Counted like a death: any caller with the job token may
         # ask, and must not keep the job restarting without end.
-        asked = code == rewind.EXIT_CODE and role.kind in ("embedding-worker", "data-loader")
+        asked = code == rewind.EXIT_CODE and role.kind in (EMBEDDING_WORKER, DATA_LOADER)
         if role.num_restarts >= self.max_restarts:
             self.log(f"{role.name} {'exited to be started again' if asked else 'died'} "
                      f"({how}) after {role.num_restarts} restarts, the limit; stopping the job")
@@ -198,9 +204,9 @@ class LocalCluster:
             return True
         source = command[command.index("--load-checkpoint") + 1] if (
             "--load-checkpoint" in command) else None
-        if role.kind == "embedding-worker":
+        if role.kind is EMBEDDING_WORKER:
             detail = "its batches are put there again by their data loaders"
-        elif role.kind == "data-loader":
+        elif role.kind is DATA_LOADER:
             detail = "it goes on after the batches it had handed over"
         elif "--replay-update-log" in command:
             detail = ("its update log applied again to the checkpoint it starts from"
@@ -238,7 +244,7 @@ class LocalCluster:
         while True:
             self._exited.wait(timeout=1.0)
             self._exited.clear()
-            nn = [r for r in self.roles if r.kind == "nn-worker"]
+            nn = [r for r in self.roles if r.kind is NN_WORKER]
             for role in self.roles:
                 code = role.process.poll()
                 if code is None:
@@ -248,7 +254,7 @@ class LocalCluster:
                         continue
                     self.log(f"{role.name} exited with code {code}; stopping the job")
                     return code
-                if role.kind in ("server", "embedding-worker"):
+                if role.kind in (PARAMETER_SERVER, EMBEDDING_WORKER):
                     self.log(f"{role.name} exited before training ended; stopping the job")
                     return 1
             if all(r.process.poll() == 0 for r in nn):
@@ -261,7 +267,7 @@ class LocalCluster:
         that checkpoint reads). Returns the NN workers' exit code."""
         self.log("SIGTERM: stopping the NN workers after their current step (a final "
                  "checkpoint follows); then every other role")
-        nn = [r for r in self.roles if r.kind == "nn-worker" and r.process is not None]
+        nn = [r for r in self.roles if r.kind is NN_WORKER and r.process is not None]
         for role in nn:
             if role.process.poll() is None:
                 os.kill(role.process.pid, signal.SIGTERM)
@@ -301,7 +307,7 @@ class LocalCluster:
     def _finish(self) -> int:
         deadline = time.monotonic() + 60.0
         for role in self.roles:
-            if role.kind == "data-loader":
+            if role.kind is DATA_LOADER:
                 try:
                     code = role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -361,33 +367,33 @@ def _job_roles(args: argparse.Namespace, *, run_dir: str, root: str | None,
     ps_ports, ew_ports, dl_ports = ports
     num_ps, num_ew, num_dl = len(ps_ports), len(ew_ports), len(dl_ports)
     roles = [
-        Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
+        Role(f"{PARAMETER_SERVER.short}-{i}", [*launcher, PARAMETER_SERVER.command, "--port", str(p),
                          "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
                          "--update-log", update_log_folder(run_dir, i), *role_flags])
         for i, p in enumerate(ps_ports)
     ]
     roles += [
-        Role(f"embedding-worker-{i}", [*launcher, "embedding-worker", "--port", str(p),
+        Role(f"{EMBEDDING_WORKER.short}-{i}", [*launcher, EMBEDDING_WORKER.command, "--port", str(p),
                                        "--bind", host, "--replica-index", str(i),
                                        "--replica-size", str(num_ew), *role_flags],
-             kind="embedding-worker")
+             kind=EMBEDDING_WORKER)
         for i, p in enumerate(ew_ports)
     ]
     roles += [
-        Role(f"data-loader-{i}", [*launcher, "data-loader", "--port", str(p),
+        Role(f"{DATA_LOADER.short}-{i}", [*launcher, DATA_LOADER.command, "--port", str(p),
                                   "--replica-index", str(i), "--replica-size", str(num_dl),
                                   "--handover-log",
                                   os.path.join(run_dir, f"data-loader-{i}-handovers.log"),
                                   *role_flags, args.data_loader, *shlex.split(args.data_loader_args)],
-             kind="data-loader")
+             kind=DATA_LOADER)
         for i, p in enumerate(dl_ports)
     ]
-    roles.append(Role("nn-worker", [*launcher, "nn-worker",
+    roles.append(Role(NN_WORKER.short, [*launcher, NN_WORKER.command,
                                     "--nproc-per-node", str(args.nproc_per_node),
                                     *(["--max-restarts", str(args.max_restarts)]
                                       if args.nn_restarts == "torchrun" else []),
                                     *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
-                      kind="nn-worker"))
+                      kind=NN_WORKER))
 
     def ps_restart(command: list[str]) -> Callable[[], list[str]]:
         def restart() -> list[str]:

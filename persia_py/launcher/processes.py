@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from persia_py.env import ENV_DATA_LOADER_REPLICA_INDEX, ENV_RANK_FAILED_FILE
+from persia_py.launcher import role_kinds
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -137,7 +138,8 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
             os.unlink(failed_file)
 
 
-ROLE_KINDS = ("parameter server", "embedding worker", "data loader", "NN worker")
+ROLE_KINDS = tuple(kind.title for kind in role_kinds.ROLE_KINDS)
+"""The kinds :func:`role_pid` finds, by title."""
 
 
 def _argv_env(pid: int) -> tuple[list[str], dict[str, str]]:
@@ -167,8 +169,7 @@ def role_pid(root: int, kind: str, index: int, *, loader_script: str,
     of role ``kind`` (one of :data:`ROLE_KINDS`): for data loaders and NN ranks the user's
     script (``loader_script``/``train_script``, matched by path suffix), not the wrapper
     or torchrun that started it. What a chaos test or the recovery benchmark kills."""
-    if kind not in ROLE_KINDS:
-        raise ValueError(f"kind {kind!r} is not one of {ROLE_KINDS}")
+    role = role_kinds.kind_titled(kind)
     found = []
     for pid in descendants(root):
         try:
@@ -176,10 +177,9 @@ def role_pid(root: int, kind: str, index: int, *, loader_script: str,
         except OSError:  # exited meanwhile
             continue
         wrapper = is_wrapper(argv)
-        flag = "embedding-parameter-server" if kind == "parameter server" else "embedding-worker"
-        if kind in ("parameter server", "embedding worker"):
-            hit = flag in argv and argv[argv.index("--replica-index") + 1] == str(index)
-        elif kind == "data loader":
+        if not role.runs_script:
+            hit = role.command in argv and argv[argv.index("--replica-index") + 1] == str(index)
+        elif role is role_kinds.DATA_LOADER:
             hit = not wrapper and any(a.endswith(loader_script) for a in argv) and \
                 env.get(ENV_DATA_LOADER_REPLICA_INDEX) == str(index)
         else:

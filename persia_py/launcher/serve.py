@@ -19,6 +19,7 @@ from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.dense_export import DenseFollower, DenseModelSlot
 from persia_py.config import CommonConfig, load_global_config
 from persia_py.ctx import InferCtx
+from persia_py.launcher.role_kinds import EMBEDDING_WORKER, PARAMETER_SERVER
 from persia_py.ops import safe_files
 from persia_py.serving import (
     build_model,
@@ -118,15 +119,16 @@ def run_serve(args: argparse.Namespace) -> int:
     insecure = ["--insecure"] if args.insecure else []  # the servers have no token either
     if args.metrics_port is not None:  # each replica prints its endpoint (freshness, load)
         insecure.extend(["--metrics-port", "0"])
-    roles = [Role(f"ps-{i}", [*launcher, "embedding-parameter-server", "--port", str(p),
-                              "--bind", host, "--replica-index", str(i),
-                              "--replica-size", str(args.num_ps), "--inference", *insecure,
-                              "--load-checkpoint", str(folder), *follow])
+    roles = [Role(f"{PARAMETER_SERVER.short}-{i}",
+                  [*launcher, PARAMETER_SERVER.command, "--port", str(p), "--bind", host,
+                   "--replica-index", str(i), "--replica-size", str(args.num_ps),
+                   "--inference", *insecure, "--load-checkpoint", str(folder), *follow])
              for i, p in enumerate(ps_ports)]
     for role in roles:  # a replica that dies comes back from the same checkpoint
         role.restart = (lambda command: lambda: command)(role.command)
-    roles.append(Role("embedding-worker-0", [*launcher, "embedding-worker", "--port",
-                                             str(ew_port), "--bind", host, *insecure]))
+    roles.append(Role(f"{EMBEDDING_WORKER.short}-0", [*launcher, EMBEDDING_WORKER.command,
+                                                   "--port", str(ew_port), "--bind", host,
+                                                   *insecure], kind=EMBEDDING_WORKER))
     cluster = LocalCluster(roles, env)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -23,7 +23,7 @@ from persia_py.config import GlobalConfig, load_global_config
 from persia_py.config.checks import check_type
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
-from persia_py.ids.positions import SEQ_BITS, DataPositions, Position, batch_id
+from persia_py.ids.positions import DataPositions, Position, batch_id, loader_of, seq_of
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.telemetry.events import Event, emit
@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 _POLL_SEC = 0.5
 """How long NextBatch holds a request open waiting for a batch (long poll)."""
-_SEQ_MASK = (1 << SEQ_BITS) - 1
 
 
 class BatchQueue:
@@ -117,7 +116,7 @@ class BatchQueue:
                 return self._last[rank][2]
             answer = self._answer(rank, wait)
             if self.log is not None and answer.has_batch:  # before it leaves
-                self.log.handed(Handover(answer.batch.batch_id & _SEQ_MASK, rank, consumer,
+                self.log.handed(Handover(seq_of(answer.batch.batch_id), rank, consumer,
                                          request_seq))
             self._last[rank] = (consumer, request_seq, answer)
             return answer
@@ -163,10 +162,10 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
     def NextBatch(self, request, context):
         # Only this loader's batch ids: another loader's, cut to a sequence number, could
         # mark one of ours finished in the handover log.
-        done = [b for b in request.done if b >> SEQ_BITS == self.loader_index]
+        done = [b for b in request.done if loader_of(b) == self.loader_index]
         self.kept.done(done)
         if self.batches.log is not None:
-            self.batches.log.done([b & _SEQ_MASK for b in done])
+            self.batches.log.done([seq_of(b) for b in done])
         if request.only_done:
             return pb.NextBatchResponse()
         return self.batches.next(request.rank, _POLL_SEC, request.consumer, request.request_seq)

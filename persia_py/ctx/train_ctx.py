@@ -1,0 +1,548 @@
+"""``TrainCtx``: the context of an NN-worker rank that trains (see :mod:`persia_py.ctx`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from persia_py.checkpoint.coordinator import Checkpointer
+from persia_py.checkpoint.dense_export import DenseExporter, dense_exporter_for
+from persia_py.checkpoint.rewind import restart_count, rewind_after_restart
+from persia_py.checkpoint.stateful import Stateful, TrainState
+from persia_py.checkpoint.torchscript import torchscript, torchscript_sharded
+from persia_py.config import ConfigError, GlobalConfig
+from persia_py.config.checks import check_type
+from persia_py.ctx.dense_step import DenseStep
+from persia_py.ctx.embedding_ctx import (
+    EmbeddingCtx,
+    check_looked_up,
+)
+from persia_py.dense.graceful_stop import StopOnSignal
+from persia_py.dense.grad_control import GradControl
+from persia_py.dense.process_group import (
+    PeerFailure,
+    init_process_group,
+    naming_peers,
+    report_failure,
+)
+from persia_py.distributed import (
+    DDPOption,
+    DenseParallel,
+    FSDPOption,
+    is_deferred,
+    materialize,
+)
+from persia_py.embedding import EmbeddingConfig
+from persia_py.embedding.data import PersiaBatch
+from persia_py.embedding.optim import Optimizer
+from persia_py.env import PersiaEnv
+from persia_py.ops.safe_files import check_name
+from persia_py.ops.start_checks import check_checkpoint_paths
+from persia_py.progressive import ProgressiveValidation
+from persia_py.telemetry.progress import StepReporter
+from persia_py.workers.nn_worker import (
+    BatchStream,
+    DataLoaderSource,
+    GradientSender,
+    TrainingBatch,
+)
+from persia_py.workers.ps_client import configure_request
+
+logger = logging.getLogger(__name__)
+
+
+class TrainCtx(EmbeddingCtx):
+    """Context of a training NN worker (as PERSIA's ``TrainCtx``).
+
+    Args:
+        model: the dense tower; called as ``model(non_id_tensors, embedding_tensors)``.
+            One from :func:`persia_py.distributed.build_on_meta` (parameters on the meta
+            device) is materialized on entry, unit by unit under ``FSDPOption``.
+        embedding_optimizer: :mod:`persia_py.embedding.optim` optimizer, run on the servers.
+        dense_optimizer: a ``torch.optim`` optimizer over ``model``'s parameters.
+        embedding_config: initialization bounds, weight bound and seed of new rows.
+        device_id: CUDA device; None: ``cuda:LOCAL_RANK`` where CUDA is available, else
+            the CPU (see :func:`persia_py.dense.device.pick_device`).
+        mixed_precision: run the model under autocast: float16 with a gradient scaler on
+            CUDA, bfloat16 on CPU. Embedding rows stay float32 on the servers.
+        distributed_option: how the ranks share the dense tower:
+            :class:`~persia_py.distributed.DDPOption` (default; a replica per rank) or
+            :class:`~persia_py.distributed.FSDPOption` (sharded, with a bound on the
+            unsharded bytes alive at once: its own, else the config's
+            ``nn_worker_config.fsdp_max_unsharded_bytes``).
+        stop_on_signal: online training: SIGTERM ends the data loaders' endless stream
+            after a step every rank agrees on; the embedding updates are flushed and a
+            final checkpoint is written to ``checkpoint_config.dir`` (required) before the
+            loop ends (see :mod:`persia_py.dense.graceful_stop`). With that folder set, a
+            stream that ends by itself (the loaders' scripts end, ``idle_timeout_sec``)
+            ends with a final checkpoint there too.
+        progressive_validation: a :class:`~persia_py.progressive.ProgressiveValidation`:
+            each training batch's outputs (scored before its update) give a running AUC,
+            log loss and NE (and GAUC) in the training log.
+        grad_clip_norm: clip the dense gradients to this total L2 norm before each dense
+            step (None: no clipping); embedding gradients are not clipped.
+        grad_accumulation_steps: batches per dense optimizer step, on the mean of their
+            dense gradients (1: every batch, as PERSIA); DDP allreduces once per step.
+            Embedding gradients still go to the servers with every batch. Not with
+            ``FSDPOption`` on several ranks. See :mod:`persia_py.dense.grad_control`.
+    """
+
+    _training = True
+    _usage = "TrainCtx(...)"
+
+    def __init__(self, *, model: torch.nn.Module, embedding_optimizer: Optimizer,
+                 dense_optimizer: torch.optim.Optimizer,
+                 embedding_config: EmbeddingConfig | None = None,
+                 device_id: int | None = None, mixed_precision: bool = False,
+                 global_config: GlobalConfig | None = None, env: PersiaEnv | None = None,
+                 distributed_option: DDPOption | FSDPOption | None = None,
+                 stop_on_signal: bool = False, grad_clip_norm: float | None = None,
+                 grad_accumulation_steps: int = 1,
+                 progressive_validation: ProgressiveValidation | None = None) -> None:
+        # Every argument's type first, before any file or environment is read.
+        check_type("TrainCtx(model=...)", model, torch.nn.Module,
+                   "a torch.nn.Module (the dense tower)")
+        check_type("TrainCtx(embedding_optimizer=...)", embedding_optimizer, Optimizer,
+                   "an optimizer from persia_py.embedding.optim (SGD, Adagrad or Adam)")
+        check_type("TrainCtx(dense_optimizer=...)", dense_optimizer, torch.optim.Optimizer,
+                   "a torch.optim optimizer over model.parameters()")
+        check_type("TrainCtx(embedding_config=...)", embedding_config, EmbeddingConfig,
+                   "a persia_py.embedding.EmbeddingConfig or None", optional=True)
+        check_type("TrainCtx(mixed_precision=...)", mixed_precision, bool, "a bool")
+        check_type("TrainCtx(stop_on_signal=...)", stop_on_signal, bool, "a bool")
+        check_type("TrainCtx(progressive_validation=...)", progressive_validation,
+                   ProgressiveValidation, "a persia_py.progressive.ProgressiveValidation or None",
+                   optional=True)
+        check_type("TrainCtx(distributed_option=...)", distributed_option,
+                   (DDPOption, FSDPOption), "a persia_py.distributed.DDPOption or FSDPOption",
+                   optional=True)
+        self.grad_control = GradControl(grad_clip_norm=grad_clip_norm,
+                                        grad_accumulation_steps=grad_accumulation_steps)
+        """Clipping and accumulation of the dense gradients (see persia_py.dense.grad_control)."""
+        super().__init__(model=model, global_config=global_config, device_id=device_id, env=env)
+        self._check_checkpoint_config(stop_on_signal)
+        self.distributed_option = distributed_option or DDPOption()
+        if isinstance(self.distributed_option, FSDPOption):
+            self.distributed_option = self.distributed_option.with_config_bound(
+                self.global_config.nn_worker_config.fsdp_max_unsharded_bytes)
+        # A bound below one unit's need is refused here, before any process starts.
+        self.distributed_option.check(model, self.env.world_size)
+        self.dense: DenseParallel = DenseParallel(model, model)
+        """The dense tower as the ranks share it (DDP, FSDP, or whole with one rank)."""
+        self.mixed_precision = mixed_precision
+        self.dense_step = DenseStep(
+            dense_optimizer, self.grad_control, rank=self.env.rank,
+            scaler=(torch.amp.GradScaler("cuda")
+                    if mixed_precision and self.device.type == "cuda" else None))
+        """Backward and the dense optimizer step (see persia_py.ctx.dense_step)."""
+        self.dense_step.dense = self.dense
+        self.embedding_optimizer = embedding_optimizer
+        self.dense_optimizer = dense_optimizer
+        self.embedding_config = embedding_config or EmbeddingConfig()
+        self.ddp_model: torch.nn.Module = model
+        self._sender: GradientSender | None = None
+        self._pending: tuple[TrainingBatch, list[torch.Tensor]] | None = None
+        self._owns_process_group = False
+        self._rank_addresses: list[str] = []
+        self._peer_failed = False
+        self.staleness: int = 0
+        """Staleness of the batch of the current step (see ``TrainingBatch.staleness``)."""
+        self._staleness_sum = 0
+        self._staleness_max = 0
+        self._num_steps = 0  # in this context, for the staleness figures
+        self.train_state = TrainState()
+        """Batches this rank has trained, counting those before a resumed checkpoint."""
+        self.checkpointer: Checkpointer | None = None
+        self.dense_exporter: DenseExporter | None = None
+        """Rank 0's writer of dense versions for serving (``checkpoint_config.dense_export_*``)."""
+        self.reporter: StepReporter | None = None
+        """Progress line, training log and metrics of this rank (see persia_py.telemetry.progress)."""
+        self.stop: StopOnSignal | None = StopOnSignal(self.device) if stop_on_signal else None
+        """With ``stop_on_signal``: the stop request and the ranks' agreement on it."""
+        self._steps_checked = 0
+        self.progressive = progressive_validation
+        if self.progressive is not None:  # its reports go to the log at the job's step
+            self.progressive.bind(self.device, lambda report: self.reporter.log(
+                self.train_state.job_step, **report))
+
+    def _check_checkpoint_config(self, stop_on_signal: bool) -> None:
+        """Config errors now, not at the first checkpoint or the end (start_checks)."""
+        checkpoints = self.global_config.checkpoint_config
+        check_checkpoint_paths(checkpoints)
+        if stop_on_signal and not checkpoints.dir:
+            raise ConfigError("checkpoint_config.dir: required with TrainCtx(stop_on_signal="
+                              "True): the training ends with a checkpoint there, which the job "
+                              "started again goes on from")
+        self.grad_control.check_checkpoint_period(checkpoints.every_steps)
+
+    def __enter__(self) -> TrainCtx:
+        super().__enter__()
+        if self.stop is not None:
+            self.stop.install()
+        self.reporter = StepReporter.from_environ(self.env)
+        if not is_deferred(self.model):  # a build_on_meta model is materialized by wrap
+            self.model.to(self.device)
+        elif self.env.world_size == 1:
+            materialize(self.model, self.dense_optimizer, self.device)
+        if self.env.world_size > 1:
+            if not dist.is_initialized():
+                backend = self.distributed_option.backend or (
+                    "nccl" if self.device.type == "cuda" else "gloo")
+                self._rank_addresses = init_process_group(backend, self.common)
+                self._owns_process_group = True
+            self.dense = self.distributed_option.wrap(
+                self.model, self.dense_optimizer, self.device, shadow_step=self._shadow_step,
+                registry=self.reporter.metrics.registry)
+            self.ddp_model = self.dense.module
+            self.dense_step.dense = self.dense
+            if self.dense_step.scaler is not None and self.dense.sharded:
+                # Each rank holds other gradient shards: the ranks must agree on skipping.
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self.dense_step.scaler = ShardedGradScaler("cuda")
+            if self.dense.sharded and self.grad_control.grad_accumulation_steps > 1:
+                raise ValueError(
+                    "TrainCtx(grad_accumulation_steps=...) > 1 is not supported with "
+                    "FSDPOption on several ranks; use DDPOption or a larger batch")
+        # Before the embedding workers are configured: a rewind restarts them.
+        back_to = rewind_after_restart(
+            periodic_dir=self.global_config.checkpoint_config.dir,
+            loaders=list(self.env.data_loader_addrs),
+            embedding_workers=list(self.env.embedding_worker_addrs), common=self.common,
+            rank=self.env.rank)
+        if back_to is not None:
+            count = restart_count()
+            self.reporter.metrics.restarts.labels(role="nn-worker").inc(count)
+            self.reporter.event(event="restart", role="nn-worker", reason="torchrun restart "
+                                f"{count}", checkpoint=back_to)
+            if dist.is_initialized():
+                dist.barrier()  # no rank pulls a batch before every loader is rewound
+        cfg = self.embedding_config
+        request = configure_request(
+            self.embedding_optimizer.to_dict(), init_lower=cfg.emb_initialization[0],
+            init_upper=cfg.emb_initialization[1], weight_bound=cfg.weight_bound, seed=cfg.seed,
+        )
+        for w in self.workers:
+            w.configure(request)
+        self._sender = GradientSender(self.workers, max_in_flight=8)
+        self.checkpointer = Checkpointer(
+            self.state_dict(), flush=self.flush, ps_addrs=self.env.ps_addrs, common=self.common,
+            config=self.global_config.checkpoint_config, device=self.device,
+            sharded_dense=self.dense.sharded)
+        if (resumed := self.checkpointer.resume_if_asked(back_to)) is not None:
+            self._resumed(resumed)
+        self.dense_exporter = dense_exporter_for(self.global_config.checkpoint_config,
+                                                 rank=self.env.rank,
+                                                 sharded=self.dense.sharded)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and not isinstance(exc, KeyboardInterrupt):
+            report_failure(self.env.rank, exc)
+        if self._num_steps:
+            logger.info("rank %d: %d steps, embedding staleness mean %.2f max %d, peak buffer "
+                        "%d bytes", self.env.rank, self._num_steps,
+                        self.mean_staleness, self._staleness_max,
+                        self.budget.peak)
+        if self.dense.summary():
+            logger.info("rank %d: %s", self.env.rank, self.dense.summary())
+        try:
+            if self._sender is not None:
+                if exc_type is None:
+                    self._sender.flush(self.common.rpc_timeout_sec)
+                self._sender.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            if self.dense_exporter is not None:
+                if exc_type is None:  # serving gets the final model too
+                    self.dense_exporter.export(self.model)
+                self.dense_exporter.close()
+        finally:
+            if self.stop is not None:
+                self.stop.restore()
+            if self.reporter is not None:
+                self.reporter.close()
+            if self._owns_process_group and dist.is_initialized() and not self._peer_failed:
+                # After a peer failed, tearing the group down would wait on the store
+                # behind the same dead link; exiting releases it anyway.
+                dist.destroy_process_group()
+            super().__exit__(exc_type, exc, tb)
+
+    @property
+    def num_dense_steps_skipped(self) -> int:
+        """Dense optimizer steps skipped for non-finite gradients (without a gradient
+        scaler; with one, the scaler skips and lowers its scale)."""
+        return self.dense_step.num_skipped
+
+    @property
+    def mean_staleness(self) -> float:
+        """Mean staleness of the batches trained so far in this context."""
+        return self._staleness_sum / self._num_steps if self._num_steps else 0.0
+
+    def flush(self) -> None:
+        """Wait until the servers have acknowledged every embedding update sent so far."""
+        self._require_active("ctx.flush")
+        self._sender.flush(self.common.rpc_timeout_sec)
+
+    def state_dict(self) -> dict[str, Stateful]:
+        """This rank's part of a checkpoint, as ``torch.distributed.checkpoint`` takes it:
+        ``model`` (the dense model), ``dense_optimizer`` and ``train_state``
+        (:class:`~persia_py.checkpoint.stateful.TrainState`), each a Stateful object read and
+        restored in place. The embeddings live on the servers (see :meth:`dump_checkpoint`)."""
+        return {"model": self.model, "dense_optimizer": self.dense_optimizer,
+                "train_state": self.train_state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict`'s parts' ``state_dict()`` returned, given as
+        plain mappings under the same keys; every key is required."""
+        parts = self.state_dict()
+        if set(state_dict) != set(parts):
+            raise ValueError(f"state_dict: expected the keys {sorted(parts)}, got "
+                             f"{sorted(state_dict)}")
+        for key, part in parts.items():
+            part.load_state_dict(state_dict[key])
+
+    def dump_checkpoint(self, dst_dir: str, *, with_jit_model: bool = False,
+                        jit_dense_filename: str = "jit_dense.pt",
+                        blocking: bool = True) -> Path | None:
+        """Checkpoint embeddings with optimizer state, the dense model and optimizer, and
+        the batches trained into ``dst_dir`` (see :mod:`persia_py.checkpoint.coordinator`); every rank
+        calls it at the same step. Returns the checkpoint folder on rank 0, else None.
+
+        With ``with_jit_model`` (as PERSIA) the folder also holds the dense model compiled
+        by ``torch.jit.script`` as ``jit_dense_filename`` (load it with ``torch.jit.load``);
+        a model TorchScript cannot compile is a ``ValueError`` before anything is written.
+        Under ``FSDPOption`` the shards are gathered onto rank 0 and a plain copy of the
+        whole tower is compiled there, on the CPU (every rank calls this, as always).
+        Dumps always block (``blocking=False`` is refused): a checkpoint is a cut that
+        every rank waits for.
+        """
+        if not blocking:
+            raise ValueError("blocking=False is not supported: every rank waits for the "
+                             "checkpoint's consistent cut; call dump_checkpoint(dst_dir)")
+        self._require_active("ctx.dump_checkpoint")
+        extra_files = {}
+        if with_jit_model:
+            check_name(jit_dense_filename, "jit_dense_filename")
+            if not jit_dense_filename.endswith(".pt"):
+                raise ValueError(f"jit_dense_filename: {jit_dense_filename!r} must end with "
+                                 "'.pt'")
+            if not self.dense.sharded:
+                extra_files[jit_dense_filename] = torchscript(self.model)
+            elif (scripted := torchscript_sharded(self.model)) is not None:  # rank 0
+                extra_files[jit_dense_filename] = scripted
+        return self.checkpointer.dump(dst_dir, extra_files=extra_files)
+
+    def load_checkpoint(self, src_dir: str) -> None:
+        """Load a checkpoint written by :meth:`dump_checkpoint` (a root or one folder)."""
+        self._require_active("ctx.load_checkpoint")
+        self.checkpointer.load(src_dir)
+        self._resumed(self.checkpointer.last_cut[1])
+
+    def _resumed(self, folder: Path) -> None:
+        """The training log and progressive validation count on from a loaded checkpoint."""
+        state = self.train_state
+        self.reporter.resumed(step=state.job_step, samples=state.samples, checkpoint=str(folder))
+        if self.progressive is not None:
+            self.progressive.start_at(state.job_step)
+
+    def log(self, **values: float) -> None:
+        """Record numbers of this step (e.g. ``ctx.log(test_auc=auc)``) in the training log."""
+        self._require_active("ctx.log")
+        self.reporter.log(**values)
+
+    def prepare(self, batch: PersiaBatch) -> TrainingBatch:
+        """Look up one evaluation batch (see :meth:`EmbeddingCtx.prepare`)."""
+        check_type("ctx.prepare(batch)", batch, PersiaBatch,
+                   "a persia_py.embedding.data.PersiaBatch")
+        if batch.requires_grad:
+            raise ValueError(
+                "ctx.prepare looks up one evaluation batch (requires_grad=False); a training "
+                "batch made in this process goes through "
+                "persia_py.data.DataLoader(IterableDataset), which bounds its embedding "
+                "staleness and bytes as for the data loaders' batches")
+        return super().prepare(batch)
+
+    def stream_local(self, batches: Iterable[PersiaBatch], *, buffer_size: int,
+                     reproducible: bool, embedding_staleness: int) -> Iterator[TrainingBatch]:
+        """Batches made in this process (see :meth:`EmbeddingCtx.stream_local`). Each rank
+        reads its own dataset, and their lengths may differ: as with the data loaders'
+        stream, a rank out of batches joins the others' steps until all are done."""
+        with self._joined():
+            yield from super().stream_local(batches, buffer_size=buffer_size,
+                                            reproducible=reproducible,
+                                            embedding_staleness=embedding_staleness)
+        self.dense_step.finish(self.train_state.steps, self.device, self._naming_peers)
+        self._report_last_window()
+
+    def _joined(self):
+        """``torch.distributed.algorithms.Join`` over the dense tower (a rank out of
+        batches shadows the others' collectives: DDP's allreduce, FSDP's gathers) and
+        the checkpointer (its hook keeps periodic checkpoints from waiting for that
+        rank); nothing with one rank."""
+        if self.dense.joinable is None:
+            return nullcontext()
+        joinables = [self.dense.joinable, self.checkpointer]  # in the order of their collectives
+        if self.progressive is not None:
+            joinables.append(self.progressive)
+        if self.stop is not None:
+            joinables.append(self.stop)
+        return torch.distributed.algorithms.Join(joinables)
+
+    def stream_from_loaders(self, *, buffer_size: int, reproducible: bool,
+                            embedding_staleness: int) -> Iterator[TrainingBatch]:
+        if reproducible and (embedding_staleness != 1 or self.env.world_size != 1):
+            raise ValueError(
+                "reproducible=True needs embedding_staleness=1 and one NN-worker rank "
+                f"(got staleness {embedding_staleness}, {self.env.world_size} ranks): with more, "
+                "the order in which updates reach the servers depends on timing")
+        source = DataLoaderSource(rank=self.env.rank,
+                                  data_loader_addrs=self.env.data_loader_addrs,
+                                  common=self.common, reproducible=reproducible)
+        stream = BatchStream(source=source, workers=self.workers, staleness=embedding_staleness,
+                             buffer_size=buffer_size, reproducible=reproducible,
+                             budget=self.budget)
+        try:
+            # Ranks may receive different numbers of batches: Join lets the ranks that run
+            # out shadow the others' collectives, so every batch is trained.
+            # Asked to stop while no batch comes (an idle stream), a rank leaves the loop
+            # as at the stream's end: Join then completes the others' step in progress.
+            interrupted = None if self.stop is None else (lambda: self.stop.requested)
+            with self._joined():
+                for batch in stream.batches(interrupted):
+                    yield batch
+                    if self._stop_agreed():
+                        break
+            self.dense_step.finish(self.train_state.steps, self.device, self._naming_peers)
+            self.flush()
+            if dist.is_initialized():
+                # After this, every rank's embedding updates are on the servers.
+                with self._naming_peers("the end-of-stream barrier"):
+                    dist.barrier()
+            # Every rank is here: one more agreement covers ranks that left the loop on
+            # their own request without one (every rank idle, say).
+            signalled = self.stop is not None and self._agree_to_stop()
+            self._report_last_window()
+            if self.checkpointer.periodic_dir:  # however it ends: the restart goes on there
+                self.checkpointer.final("a signal" if signalled else "the end of the stream")
+        finally:
+            stream.close()
+
+    def _stop_agreed(self) -> bool:
+        """After a training step, with ``stop_on_signal``: whether every rank stops now."""
+        if self.stop is None or self._num_steps == self._steps_checked:
+            return False  # no training step since the last check: nothing to agree after
+        self._steps_checked = self._num_steps
+        return self._agree_to_stop()
+
+    def _agree_to_stop(self) -> bool:
+        with self._naming_peers("the agreement to stop"):
+            return self.stop.agreed()
+
+    def _report_last_window(self) -> None:
+        """Every rank, when training ends: progressive validation's last, shorter window."""
+        if self.progressive is not None:
+            self.progressive.report_partial()
+
+    def forward(self, batch: TrainingBatch):
+        """Forward ``batch``; training batches keep what ``backward`` needs."""
+        check_looked_up(batch)
+        self._require_active("ctx.forward")
+        if not batch.requires_grad:
+            if batch.batch_id is not None:  # a loader's evaluation batch is done once seen
+                self.train_state.new_batch_ids.append(batch.batch_id)
+            return super().forward(batch)
+        self._sender.raise_if_failed()
+        if self._pending is not None:
+            raise RuntimeError("ctx.forward called twice without ctx.backward in between; "
+                               "call ctx.backward(loss) after each training forward")
+        self.reporter.forward_started()
+        rows, embeddings = self._embedding_tensors(batch, requires_grad=True)
+        dense = [t.to(self.device) for t in batch.non_id_type_features]
+        # DDP's forward may sync buffers with the other ranks: a collective too.
+        # Inside an accumulation window, DDP must know at forward that this backward
+        # does not allreduce (no_sync).
+        self.dense.set_gradient_sync(self.grad_control.steps_at(self.train_state.steps + 1))
+        with self._autocast(), self._naming_peers("the dense model's forward"):
+            self.dense.before_forward(dense, embeddings)
+            output = self.ddp_model(dense, embeddings)
+        self._pending = (batch, rows)
+        self.staleness = batch.staleness
+        self._staleness_sum += batch.staleness
+        self._staleness_max = max(self._staleness_max, batch.staleness)
+        self._num_steps += 1
+        self.train_state.trained(batch.batch_id, batch.batch_size)
+        self.reporter.forward_done()
+        labels = [t.to(self.device) for t in batch.labels]
+        if self.progressive is not None:  # scored before this batch's update: unseen data
+            self.progressive.observe(batch, output, labels)
+        return output, labels
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward, dense optimizer step, and embedding gradients sent to the servers.
+        With ``grad_accumulation_steps=k`` the dense step is taken after every k-th
+        batch; with ``grad_clip_norm`` the dense gradients are clipped first. A dense step
+        whose gradients are not all finite is skipped on every rank (counted in
+        ``num_dense_steps_skipped``); the embedding worker skips non-finite embedding
+        gradients per slot."""
+        check_type("ctx.backward(loss)", loss, torch.Tensor, "the loss, a torch.Tensor")
+        self._require_active("ctx.backward")
+        if self._pending is None:
+            raise RuntimeError("ctx.backward called without a training ctx.forward before it; "
+                               "call output, labels = ctx.forward(batch) first, once per "
+                               "backward")
+        batch, rows = self._pending
+        self._pending = None
+        started = time.perf_counter()
+        try:
+            with self._naming_peers("the dense gradients' allreduce"):
+                unscale = self.dense_step.backward(loss, self.train_state.steps)
+        except BaseException:
+            batch.release()
+            raise
+        # An overflowed scaled gradient stays non-finite after unscaling; the embedding
+        # worker skips (and counts) it per slot, as the scaler skips the dense step.
+        grads = []
+        for s, r in zip(batch.slots, rows):
+            if r.grad is None:  # the model did not use this slot
+                grads.append((s.slot, np.zeros(tuple(r.shape), np.float32)))
+                continue
+            g = r.grad.detach().float().cpu().numpy()
+            grads.append((s.slot, g if unscale is None else g * unscale))
+        self._sender.submit(batch, grads)
+        self.checkpointer.after_step()
+        self.reporter.backward_done(started=started, batch_size=batch.batch_size,
+                                    loss=float(loss.detach()), staleness=batch.staleness)
+        if self.progressive is not None:
+            self.progressive.after_step()  # a report is due: into the log (bind)
+        if self.dense_exporter is not None:  # rank 0 pushes the dense model to serving
+            self.dense_exporter.after_step(self.model)
+        return loss
+
+    @contextmanager
+    def _naming_peers(self, what: str) -> Iterator[None]:
+        try:
+            with naming_peers(what, self._rank_addresses, self.env.rank, self.common):
+                yield
+        except PeerFailure:
+            self._peer_failed = True
+            raise
+
+    def _shadow_step(self, dense: list[torch.Tensor], embeddings: list[torch.Tensor]) -> None:
+        """A step of a rank out of batches while the others train on (FSDP): a batch's
+        inputs again (its last, or another rank's if it had none), with a zero loss, so
+        that it takes part in every all-gather and reduce-scatter (contributing zero
+        gradients) and steps its optimizer shard."""
+        with self._autocast(), self._naming_peers("the dense model's shadow step"):
+            output = self.ddp_model(dense, embeddings)
+            outputs = output if isinstance(output, (list, tuple)) else [output]
+            self.dense_step.backward(sum(o.float().sum() for o in outputs) * 0.0,
+                                     self.train_state.steps)
