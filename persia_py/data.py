@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from persia_py.config.checks import check_type
 from persia_py.ctx import current_ctx
 from persia_py.embedding.data import PersiaBatch
-from persia_py.workers.nn_worker import TrainingBatch
+from persia_py.workers.batches import TrainingBatch
 
 __all__ = ["DataLoader", "IterableDataset", "StreamingDataset"]
 

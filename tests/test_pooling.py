@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from persia_py.workers import nn_worker
+from persia_py.workers import pooling as pooling_module
 from persia_py.workers.embedding_worker import SlotRows
-from persia_py.workers.nn_worker import pool_slot
+from persia_py.workers.pooling import pool_slot
 
 ROWS = np.arange(12, dtype=np.float32).reshape(4, 3)  # 4 distinct ids, dim 3
 INDEX = np.array([0, 1, 1, 3, 2, 0], np.int64)  # id occurrences -> rows
@@ -69,7 +69,7 @@ def test_backward_matches_embedding_bag_autograd(pooling: str, sqrt_scaling: boo
                                                  rounds: int, native_up_to: int,
                                                  monkeypatch) -> None:
     # Both backward paths: the scatter of _Bag and torch's own.
-    monkeypatch.setattr(nn_worker, "_NATIVE_BACKWARD_MAX_ENTRIES", native_up_to)
+    monkeypatch.setattr(pooling_module, "_NATIVE_BACKWARD_MAX_ENTRIES", native_up_to)
     index = np.repeat(INDEX, rounds) if rounds > 1 else INDEX
     slot = SlotRows("s", ROWS, index, LENGTHS, pooling, sqrt_scaling, 3, rounds)
     upstream = torch.linspace(-1, 1, 12).reshape(4, 3)

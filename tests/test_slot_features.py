@@ -18,7 +18,7 @@ from persia_py.servers.service import configure_args
 from persia_py.wire import codec
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds
 from persia_py.workers.embedding_worker_service import _decode_rows, _encode_rows
-from persia_py.workers.nn_worker import pool_slot
+from persia_py.workers.pooling import pool_slot
 from persia_py.workers.ps_client import configure_request
 
 LR = 0.5

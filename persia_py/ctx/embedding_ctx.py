@@ -18,15 +18,11 @@ from persia_py.config.checks import check_type
 from persia_py.dense.device import device_of_this_process
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
+from persia_py.workers.batches import TrainingBatch
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
-from persia_py.workers.nn_worker import (
-    BatchStream,
-    LocalSource,
-    TrainingBatch,
-    look_up,
-    pool_slot,
-)
+from persia_py.workers.nn_worker import BatchStream, LocalSource, look_up
+from persia_py.workers.pooling import pool_slot
 
 _current: contextvars.ContextVar[EmbeddingCtx | None] = contextvars.ContextVar(
     "persia_py_ctx", default=None

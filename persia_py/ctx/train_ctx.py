@@ -48,12 +48,9 @@ from persia_py.ops.safe_files import check_name
 from persia_py.ops.start_checks import check_checkpoint_paths
 from persia_py.progressive import ProgressiveValidation
 from persia_py.telemetry.progress import StepReporter
-from persia_py.workers.nn_worker import (
-    BatchStream,
-    DataLoaderSource,
-    GradientSender,
-    TrainingBatch,
-)
+from persia_py.workers.batches import TrainingBatch
+from persia_py.workers.gradient_sender import GradientSender
+from persia_py.workers.nn_worker import BatchStream, DataLoaderSource
 from persia_py.workers.ps_client import configure_request
 
 logger = logging.getLogger(__name__)

@@ -5,11 +5,12 @@
   the ``embedding_staleness`` semaphore: taken before a lookup, released when the
   parameter servers have acknowledged that batch's embedding update. A byte budget
   bounds the memory held by looked-up batches and their not-yet-acknowledged gradients.
-* :class:`GradientSender` sends a step's embedding gradients in the background and
-  surfaces any failure at the next call instead of losing it.
-* :func:`pool_slot` turns a slot's distinct rows into the tensor the model sees
-  (sum / mean / raw sequence) with one vectorized op, so backward gives one gradient
-  per distinct id.
+* :func:`look_up` makes a :class:`~persia_py.workers.batches.TrainingBatch` of a batch:
+  its embeddings looked up through the embedding worker that holds its ids.
+
+Beside it: :mod:`persia_py.workers.gradient_sender` sends a step's embedding gradients in
+the background, and :mod:`persia_py.workers.pooling` turns a slot's distinct rows into the
+tensor the model sees.
 """
 
 from __future__ import annotations
@@ -21,13 +22,9 @@ import queue
 import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from persia_py.config import CommonConfig
 from persia_py.embedding.data import PersiaBatch
@@ -35,118 +32,11 @@ from persia_py.proto import data_loader_pb2 as pb
 from persia_py.proto import data_loader_pb2_grpc
 from persia_py.wire import codec
 from persia_py.wire.rpc import OutageLog, call, create_channel, wait_for_ready
+from persia_py.workers.batches import LoaderBatch, LoaderLink, TrainingBatch, ref_gone
 from persia_py.workers.budget import ByteBudget
-from persia_py.workers.embedding_worker import SlotRows
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 
 logger = logging.getLogger(__name__)
-
-
-def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
-    """The model-facing tensor of one slot: ``[batch, dim]`` pooled or ``[batch, L, dim]`` raw.
-
-    A hash-stacked id has ``hash_stack_rounds`` consecutive index entries whose rows are
-    summed into its embedding; pooling, ``sqrt_scaling`` and raw positions count ids.
-    """
-    lengths = torch.from_numpy(slot.lengths.astype(np.int64))
-    index = torch.from_numpy(slot.index)
-    batch_size = lengths.numel()
-    rounds = slot.hash_stack_rounds
-    entries = lengths * rounds  # index entries per sample
-    if slot.pooling == "raw":
-        fixed = slot.sample_fixed_size
-        sample = torch.repeat_interleave(torch.arange(batch_size), entries)
-        starts = torch.cumsum(entries, 0) - entries
-        position = torch.div(torch.arange(index.numel()) - starts[sample], rounds,
-                             rounding_mode="floor")
-        flat = rows.new_zeros(batch_size * fixed, rows.shape[1])
-        flat = flat.index_add(0, sample * fixed + position, rows[index])
-        return flat.view(batch_size, fixed, rows.shape[1])
-    if rounds == 1 and index.numel() == batch_size and bool((lengths == 1).all()):
-        # One id per sample: sum, mean and sqrt scaling all give its row, and
-        # index_select's backward (one index_add) is cheaper than embedding_bag's.
-        return rows.index_select(0, index)
-    offsets = torch.cumsum(entries, 0) - entries
-    mode = slot.pooling
-    bag = (_Bag.apply if index.numel() > _NATIVE_BACKWARD_MAX_ENTRIES * max(batch_size, 1)
-           else _native_bag)
-    if not slot.sqrt_scaling and (mode == "sum" or rounds == 1):
-        return bag(rows, index, offsets, entries, mode, None)
-    # A per-entry weight of the sample: 1/sqrt(n) for sqrt_scaling, 1/n for mean.
-    count = lengths.clamp(min=1).to(rows.dtype)
-    scale = count.rsqrt() if slot.sqrt_scaling else torch.ones_like(count)
-    if mode == "mean":
-        scale = scale / count
-    weights = torch.repeat_interleave(scale, entries)
-    return bag(rows, index, offsets, entries, "sum", weights)
-
-
-_NATIVE_BACKWARD_MAX_ENTRIES = 4
-"""Up to this many index entries per sample, pooling keeps torch's own backward: with
-few entries :class:`_Bag`'s gain is small, and its backward runs Python code that must
-win the GIL from the worker's lookup and gradient threads, which costs more than it
-saves (docs/benchmarks.md)."""
-
-
-def _native_bag(rows, index, offsets, entries, mode, weights):
-    return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
-
-
-class _Bag(torch.autograd.Function):
-    """``F.embedding_bag`` whose backward scatters each entry's gradient onto its row with
-    one ``index_add_``: the built-in dense backward sorts the index and adds row by row,
-    several times slower with many entries per sample (docs/benchmarks.md)."""
-
-    @staticmethod
-    def forward(ctx, rows, index, offsets, entries, mode, weights):
-        ctx.save_for_backward(index, entries, weights)
-        ctx.mode, ctx.num_rows = mode, rows.shape[0]
-        return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
-
-    @staticmethod
-    def backward(ctx, grad):
-        index, entries, weights = ctx.saved_tensors
-        sample = torch.repeat_interleave(torch.arange(entries.numel()), entries)
-        per_entry = grad.index_select(0, sample)  # each entry gets its sample's gradient
-        if weights is not None:
-            per_entry = per_entry * weights.unsqueeze(1)
-        elif ctx.mode == "mean":
-            per_entry = per_entry / entries.clamp(min=1).to(grad.dtype)[sample].unsqueeze(1)
-        rows_grad = per_entry.new_zeros(ctx.num_rows, per_entry.shape[1])
-        return rows_grad.index_add_(0, index, per_entry), None, None, None, None, None
-
-
-@dataclass
-class TrainingBatch:
-    """A batch ready for ``ctx.forward``: embeddings looked up, tensors built."""
-
-    non_id_type_features: list[torch.Tensor]
-    labels: list[torch.Tensor]
-    slots: list[SlotRows]
-    requires_grad: bool
-    batch_size: int
-    meta: bytes = b""
-    ref: int = 0
-    embedding_worker: int = 0
-    batch_id: int | None = None
-    """The data loader's id of this batch (see persia_py.ids.positions); None when the
-    batch was made in this process."""
-    staleness: int = 0
-    """Batches of this NN worker whose embedding updates were not yet applied when this
-    batch's embeddings were looked up."""
-    release: Callable[[], None] = field(default=lambda: None)
-    """Called once the batch's gradients are acknowledged (or at once without grads)."""
-    loader: LoaderLink | None = None
-    """The data loader that made it (which keeps its ID features until told it is done)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this batch holds now plus the gradients it will produce."""
-        rows = sum(s.rows.nbytes for s in self.slots)
-        other = sum(s.index.nbytes + s.lengths.nbytes for s in self.slots)
-        dense = sum(t.numel() * t.element_size()
-                    for t in [*self.non_id_type_features, *self.labels])
-        return 2 * rows + other + dense
 
 
 def tensors_from_named(named) -> list[torch.Tensor]:
@@ -155,104 +45,6 @@ def tensors_from_named(named) -> list[torch.Tensor]:
 
 ONLY_EVALUATES = ("this context only evaluates; build the batch with requires_grad=False, "
                   "or train inside TrainCtx")
-
-
-class LoaderLink:
-    """An NN worker's side of one data loader: the batch ids it finished training, told to
-    the loader with its next NextBatch (the loader then forgets their ID features), and
-    a way to have a batch put on its embedding worker again when that worker restarted
-    and lost it (see kept_batches.KeptBatches)."""
-
-    def __init__(self, stub, address: str, common: CommonConfig, outages: OutageLog) -> None:
-        self.stub, self.address = stub, address
-        self._common, self._outages = common, outages
-        self._done: list[int] = []
-        self._in_training: set[int] = set()  # batches handed to this worker, not finished
-        self._changed = threading.Condition()
-
-    def handed(self, batch_id: int) -> None:
-        with self._changed:
-            self._in_training.add(batch_id)
-
-    def finished(self, batch_id: int) -> None:
-        """The batch's training is over (its update acknowledged, or none was due)."""
-        with self._changed:
-            self._done.append(batch_id)
-            self._in_training.discard(batch_id)
-            self._changed.notify_all()
-
-    def _wait_settled(self, timeout: float) -> bool:
-        """Whether every batch handed over is finished (waits up to ``timeout``)."""
-        with self._changed:
-            return self._changed.wait_for(lambda: not self._in_training, timeout)
-
-    def settle(self, stop: threading.Event) -> None:
-        """After the end of this loader's stream: tell it which batches finished, until
-        none it handed over is in training (it keeps them for a resend until then)."""
-        while not stop.is_set():
-            settled = self._wait_settled(0.5)
-            # Retried while the loader restarts: it keeps what it has not been told.
-            if not self._tell(self.take_done(), retry=True) or settled:
-                return
-
-    def abandon(self) -> None:
-        """Tell the loader it may forget every batch handed over, finished or not (the
-        stream is closing: nothing will ask for them again)."""
-        with self._changed:
-            done = self._done + sorted(self._in_training)
-            self._done, self._in_training = [], set()
-        self._tell(done)
-
-    def _tell(self, done: list[int], retry: bool = False) -> bool:
-        """Send ``done`` alone (a request that takes no batch; telling twice is harmless),
-        with ``retry`` until ``rpc_timeout_sec`` passed. Best effort: a loader that
-        stopped waiting forgets them anyway. False if the loader did not answer."""
-        if not done:
-            return True
-        request = pb.NextBatchRequest(done=done, only_done=True)
-        try:
-            if retry:
-                call(self.stub.NextBatch, request, timeout=self._common.rpc_timeout_sec,
-                     idempotent=True, what=f"data loader {self.address}",
-                     outages=self._outages)
-            else:
-                self.stub.NextBatch(request, timeout=5.0)
-        except grpc.RpcError as exc:
-            logger.info("data loader %s: finished batches not told (%s)", self.address,
-                        exc.code().name)
-            return False
-        return True
-
-    def take_done(self) -> list[int]:
-        with self._changed:
-            done, self._done = self._done, []
-        return done
-
-    def resend(self, batch_id: int, num_workers: int) -> tuple[int, int]:
-        """(embedding worker index, new ref) of ``batch_id`` put again by its loader."""
-        logger.warning("batch %d is gone from its embedding worker (restarted); asking data "
-                       "loader %s to put it there again", batch_id, self.address)
-        # Safe to retry: a repeated put of a pending batch answers the same ref.
-        answer = call(self.stub.ResendBatch, pb.ResendBatchRequest(batch_id=batch_id),
-                      timeout=self._common.rpc_timeout_sec, idempotent=True,
-                      what=f"data loader {self.address}", outages=self._outages)
-        if not 0 <= answer.embedding_worker < num_workers:
-            raise ValueError(f"data loader {self.address} put batch {batch_id} on embedding "
-                             f"worker {answer.embedding_worker}, only {num_workers} known")
-        return answer.embedding_worker, answer.ref
-
-
-@dataclass
-class LoaderBatch:
-    """A batch as a data loader answered it, and that loader."""
-
-    batch: pb.Batch
-    loader: LoaderLink
-
-
-def _gone(exc: BaseException) -> bool:
-    """Whether an embedding worker answered that it does not hold the ref (it restarted)."""
-    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
 
 
 def look_up(item: PersiaBatch | LoaderBatch, workers: Sequence[EmbeddingWorkerClient], *,
@@ -288,7 +80,7 @@ def look_up(item: PersiaBatch | LoaderBatch, workers: Sequence[EmbeddingWorkerCl
         try:
             slots = workers[index].lookup(ref)
         except grpc.RpcError as exc:
-            if loader is None or not _gone(exc):
+            if loader is None or not ref_gone(exc):
                 raise
             index, ref = loader.resend(item.batch_id, len(workers))
             slots = workers[index].lookup(ref)
@@ -299,60 +91,6 @@ def look_up(item: PersiaBatch | LoaderBatch, workers: Sequence[EmbeddingWorkerCl
                          requires_grad=item.requires_grad, batch_size=item.batch_size,
                          meta=meta, ref=ref, embedding_worker=index, staleness=staleness,
                          batch_id=batch_id, loader=loader)
-
-
-class GradientSender:
-    """Sends embedding gradients in the background; the first failure is raised on the next call."""
-
-    def __init__(self, workers: list[EmbeddingWorkerClient], max_in_flight: int) -> None:
-        self._workers = workers
-        self._pool = ThreadPoolExecutor(max_workers=max(1, max_in_flight),
-                                        thread_name_prefix="grad-send")
-        self._futures: set[Future] = set()
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-
-    def submit(self, batch: TrainingBatch, grads: list[tuple[str, np.ndarray]]) -> None:
-        self.raise_if_failed()
-        future = self._pool.submit(self._send, batch, grads)
-        with self._lock:
-            self._futures.add(future)
-        future.add_done_callback(self._done)
-
-    def _send(self, batch: TrainingBatch, grads: list[tuple[str, np.ndarray]]) -> None:
-        try:
-            try:
-                self._workers[batch.embedding_worker].update_gradients(batch.ref, grads)
-            except grpc.RpcError as exc:
-                if batch.loader is None or not _gone(exc):
-                    raise
-                # Its worker restarted after the lookup: routed again from the loader's
-                # copy; replicas that applied it before acknowledge it only.
-                index, ref = batch.loader.resend(batch.batch_id, len(self._workers))
-                self._workers[index].update_gradients(ref, grads, rerouted=True)
-        finally:
-            batch.release()
-
-    def _done(self, future: Future) -> None:
-        with self._lock:
-            self._futures.discard(future)
-            if future.exception() is not None and self._error is None:
-                self._error = future.exception()
-
-    def raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"sending embedding gradients failed: {self._error}") from self._error
-
-    def flush(self, timeout: float) -> None:
-        """Wait until every submitted update is acknowledged."""
-        with self._lock:
-            pending = list(self._futures)
-        for f in pending:
-            f.exception(timeout=timeout)
-        self.raise_if_failed()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 _END = object()

@@ -1,0 +1,87 @@
+"""Pooling a slot's looked-up rows into what the model sees (sum / mean / raw sequence):
+one vectorized op over the batch's distinct rows, so that backward gives one gradient per
+distinct id (the gradient the parameter servers apply)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from persia_py.workers.embedding_worker import SlotRows
+
+__all__ = ["pool_slot"]
+
+
+def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
+    """The model-facing tensor of one slot: ``[batch, dim]`` pooled or ``[batch, L, dim]`` raw.
+
+    A hash-stacked id has ``hash_stack_rounds`` consecutive index entries whose rows are
+    summed into its embedding; pooling, ``sqrt_scaling`` and raw positions count ids.
+    """
+    lengths = torch.from_numpy(slot.lengths.astype(np.int64))
+    index = torch.from_numpy(slot.index)
+    batch_size = lengths.numel()
+    rounds = slot.hash_stack_rounds
+    entries = lengths * rounds  # index entries per sample
+    if slot.pooling == "raw":
+        fixed = slot.sample_fixed_size
+        sample = torch.repeat_interleave(torch.arange(batch_size), entries)
+        starts = torch.cumsum(entries, 0) - entries
+        position = torch.div(torch.arange(index.numel()) - starts[sample], rounds,
+                             rounding_mode="floor")
+        flat = rows.new_zeros(batch_size * fixed, rows.shape[1])
+        flat = flat.index_add(0, sample * fixed + position, rows[index])
+        return flat.view(batch_size, fixed, rows.shape[1])
+    if rounds == 1 and index.numel() == batch_size and bool((lengths == 1).all()):
+        # One id per sample: sum, mean and sqrt scaling all give its row, and
+        # index_select's backward (one index_add) is cheaper than embedding_bag's.
+        return rows.index_select(0, index)
+    offsets = torch.cumsum(entries, 0) - entries
+    mode = slot.pooling
+    bag = (_Bag.apply if index.numel() > _NATIVE_BACKWARD_MAX_ENTRIES * max(batch_size, 1)
+           else _native_bag)
+    if not slot.sqrt_scaling and (mode == "sum" or rounds == 1):
+        return bag(rows, index, offsets, entries, mode, None)
+    # A per-entry weight of the sample: 1/sqrt(n) for sqrt_scaling, 1/n for mean.
+    count = lengths.clamp(min=1).to(rows.dtype)
+    scale = count.rsqrt() if slot.sqrt_scaling else torch.ones_like(count)
+    if mode == "mean":
+        scale = scale / count
+    weights = torch.repeat_interleave(scale, entries)
+    return bag(rows, index, offsets, entries, "sum", weights)
+
+
+_NATIVE_BACKWARD_MAX_ENTRIES = 4
+"""Up to this many index entries per sample, pooling keeps torch's own backward: with
+few entries :class:`_Bag`'s gain is small, and its backward runs Python code that must
+win the GIL from the worker's lookup and gradient threads, which costs more than it
+saves (docs/benchmarks.md)."""
+
+
+def _native_bag(rows, index, offsets, entries, mode, weights):
+    return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
+
+
+class _Bag(torch.autograd.Function):
+    """``F.embedding_bag`` whose backward scatters each entry's gradient onto its row with
+    one ``index_add_``: the built-in dense backward sorts the index and adds row by row,
+    several times slower with many entries per sample (docs/benchmarks.md)."""
+
+    @staticmethod
+    def forward(ctx, rows, index, offsets, entries, mode, weights):
+        ctx.save_for_backward(index, entries, weights)
+        ctx.mode, ctx.num_rows = mode, rows.shape[0]
+        return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, entries, weights = ctx.saved_tensors
+        sample = torch.repeat_interleave(torch.arange(entries.numel()), entries)
+        per_entry = grad.index_select(0, sample)  # each entry gets its sample's gradient
+        if weights is not None:
+            per_entry = per_entry * weights.unsqueeze(1)
+        elif ctx.mode == "mean":
+            per_entry = per_entry / entries.clamp(min=1).to(grad.dtype)[sample].unsqueeze(1)
+        rows_grad = per_entry.new_zeros(ctx.num_rows, per_entry.shape[1])
+        return rows_grad.index_add_(0, index, per_entry), None, None, None, None, None
