@@ -11,8 +11,8 @@ import pytest
 from persia_py.ids.positions import Position, batch_id
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.wire.rpc import Overloaded
-from persia_py.workers.data_loader import BatchQueue, DataLoaderServicer
 from persia_py.workers.handover_log import Handover, HandoverLog, read_handovers
+from persia_py.workers.loader_service import BatchQueue, DataLoaderServicer
 
 
 def test_the_log_says_what_was_finished_in_training_and_last_per_rank(tmp_path: Path) -> None:
@@ -193,7 +193,7 @@ def test_a_loader_counts_the_batches_made_before_it_started(tmp_path: Path) -> N
 
     def loader(**env) -> DataCtx:
         return DataCtx(env=PersiaEnv(embedding_worker_addrs=("127.0.0.1:1",), **env),
-                       global_config=GlobalConfig())
+                       global_config=GlobalConfig()).recover()
 
     assert loader().num_made == 0
     resumed = loader(data_positions=DataPositions({0: Position(5, frozenset({8}))}))

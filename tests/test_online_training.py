@@ -362,7 +362,7 @@ def test_a_loader_waits_out_an_embedding_worker_outage_for_rpc_timeout_sec(caplo
 
     worker._put_batch = put_batch
     ctx = DataCtx(port=0, env=PersiaEnv(embedding_worker_addrs=(worker.address,)),
-                  global_config=GlobalConfig(common_config=common))
+                  global_config=GlobalConfig(common_config=common)).recover()
     batch = PersiaBatch([IDTypeFeatureWithSingleID("user", np.arange(4, dtype=np.uint64))],
                         requires_grad=False)
     try:

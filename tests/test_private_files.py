@@ -134,12 +134,12 @@ def _loader(log: Path, *, replay: bool):
 
     env = PersiaEnv(embedding_worker_addrs=("127.0.0.1:1",), data_loader_handover_log=str(log),
                     data_loader_replay=replay)
-    return DataCtx(env=env, global_config=GlobalConfig())  # serves nothing until `with`
+    return DataCtx(env=env, global_config=GlobalConfig()).recover()  # serves nothing until `with`
 
 
 def test_a_planted_rewind_is_not_honoured_only_the_jobs_own(tmp_path) -> None:
     from persia_py.proto import common_pb2
-    from persia_py.workers.data_loader import DataLoaderServicer
+    from persia_py.workers.loader_service import DataLoaderServicer
 
     log = tmp_path / "data-loader-0-handovers.log"
     planted = rewind.rewind_file(log)

@@ -1,4 +1,5 @@
-"""The data-loader runtime: ``DataCtx().send_data(batch)`` and the service NN workers pull from.
+"""The data-loader runtime: ``DataCtx().send_data(batch)`` (the service NN workers pull
+from is :mod:`persia_py.workers.loader_service`).
 
 ``send_data`` stores the batch's ID features on an embedding worker (round robin), then
 queues the rest (dense features, labels, the embedding worker's ref) for the NN workers.
@@ -12,9 +13,7 @@ import logging
 import os
 import queue
 import secrets
-import threading
 import time
-from collections.abc import Callable
 
 import grpc
 
@@ -23,7 +22,7 @@ from persia_py.config import GlobalConfig, load_global_config
 from persia_py.config.checks import check_type
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
-from persia_py.ids.positions import DataPositions, Position, batch_id, loader_of, seq_of
+from persia_py.ids.positions import Position, batch_id
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.telemetry.events import Event, emit
@@ -34,172 +33,13 @@ from persia_py.telemetry.monitoring import (
     serve_metrics,
 )
 from persia_py.wire import codec
-from persia_py.wire.rpc import FailedPrecondition, NotFound, Overloaded, create_server, grpc_method
+from persia_py.wire.rpc import create_server
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
-from persia_py.workers.handover_log import Handover, HandoverLog, Handovers, take_rewind
+from persia_py.workers.handover_log import HandoverLog, Handovers, take_rewind
 from persia_py.workers.kept_batches import KeptBatches
+from persia_py.workers.loader_service import BatchQueue, DataLoaderServicer
 
 logger = logging.getLogger(__name__)
-
-_POLL_SEC = 0.5
-"""How long NextBatch holds a request open waiting for a batch (long poll)."""
-
-
-class BatchQueue:
-    """Batches waiting for NN workers, and which ranks have seen the end of the stream.
-
-    ``next`` answers a repeated request (same consumer and request sequence) with the
-    answer the first one got: a reply lost on the wire is asked for again and loses no
-    batch. A rank's requests are answered one at a time, so a retry that arrives while
-    the first attempt is still waiting for a batch gets that attempt's answer."""
-
-    _MAX_CONSUMER_BYTES = 64
-
-    def __init__(self, maxsize: int, num_consumers: int, log: HandoverLog | None = None) -> None:
-        self._queue: queue.Queue[pb.Batch] = queue.Queue(maxsize=maxsize)
-        self._finished = threading.Event()
-        self._ended_ranks: set[int] = set()
-        self._all_ended = threading.Event()
-        self.num_consumers = num_consumers
-        self._lock = threading.Lock()
-        self._rank_locks = [threading.Lock() for _ in range(num_consumers)]
-        self._last: dict[int, tuple[bytes, int, pb.NextBatchResponse | None]] = {}
-        self._rebuilt: dict[int, Callable[[], pb.NextBatchResponse]] = {}
-        self._ready = threading.Event()
-        self._ready.set()
-        self.log = log
-        self.num_repeated = 0
-        """Answers given again to a retried request."""
-
-    def recover(self, handovers: Handovers) -> None:
-        """A restart after a crash (see workers/handover_log.py): the ranks told the end
-        already count as ended, and each rank's last request, retried, gets its batch
-        again once :meth:`rebuilt` made it. Batches wait until :meth:`ready`."""
-        self._ready.clear()
-        for rank in handovers.ended:
-            self._end(rank)
-        for rank, handover in handovers.last.items():
-            # A finished batch's request is never retried: its rank asked again since.
-            if 0 <= rank < self.num_consumers and handover.seq in handovers.in_training:
-                self._last[rank] = (handover.consumer, handover.request_seq, None)
-
-    def rebuilt(self, rank: int, answer: Callable[[], pb.NextBatchResponse]) -> None:
-        """How to answer ``rank``'s last request again (its batch, made again)."""
-        self._rebuilt[rank] = answer
-
-    def ready(self) -> None:
-        """Every batch handed over before the crash is made again: answer requests."""
-        self._ready.set()
-
-    def put(self, batch: pb.Batch, timeout: float | None = None) -> None:
-        self._queue.put(batch, timeout=timeout)
-
-    def finish(self) -> None:
-        self._finished.set()
-
-    def next(self, rank: int, wait: float, consumer: bytes = b"",
-             request_seq: int = 0) -> pb.NextBatchResponse:
-        if not 0 <= rank < self.num_consumers:
-            raise ValueError(f"rank {rank} not in [0, {self.num_consumers})")
-        if len(consumer) > self._MAX_CONSUMER_BYTES:
-            raise ValueError(f"consumer: {len(consumer)} bytes, at most "
-                             f"{self._MAX_CONSUMER_BYTES}")
-        if not self._ready.wait(wait):
-            raise Overloaded("this data loader restarted and is making again the batches it "
-                             "had handed over; retry")
-        with self._rank_locks[rank]:
-            last = self._last.get(rank) if consumer else None  # no consumer: no retries
-            if last is not None and last[:2] == (consumer, request_seq):
-                self.num_repeated += 1
-                if last[2] is None:  # handed over before a restart: made again
-                    self._last[rank] = (consumer, request_seq, self._rebuilt.pop(rank)())
-                return self._last[rank][2]
-            answer = self._answer(rank, wait)
-            if self.log is not None and answer.has_batch:  # before it leaves
-                self.log.handed(Handover(seq_of(answer.batch.batch_id), rank, consumer,
-                                         request_seq))
-            self._last[rank] = (consumer, request_seq, answer)
-            return answer
-
-    def _answer(self, rank: int, wait: float) -> pb.NextBatchResponse:
-        # Once finished, no batch can arrive: an empty queue is the end, answered at once.
-        if not self._finished.is_set() or not self._queue.empty():
-            try:
-                return pb.NextBatchResponse(batch=self._queue.get(timeout=wait), has_batch=True)
-            except queue.Empty:
-                pass
-        if self._finished.is_set() and self._queue.empty():
-            if self.log is not None and rank not in self._ended_ranks:
-                self.log.ended(rank)
-            self._end(rank)
-            return pb.NextBatchResponse(end_of_stream=True)
-        return pb.NextBatchResponse()
-
-    def _end(self, rank: int) -> None:
-        with self._lock:
-            self._ended_ranks.add(rank)
-            if len(self._ended_ranks) == self.num_consumers:
-                self._all_ended.set()
-
-    def wait_all_ended(self, timeout: float) -> bool:
-        return self._all_ended.wait(timeout)
-
-
-class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
-    """``num_made()``: how many batches this loader's stream has made (every sequence
-    number below it); a ``Rewind`` may name no other."""
-
-    def __init__(self, batches: BatchQueue, kept: KeptBatches | None = None,
-                 resend: Callable[[int], tuple[int, int]] | None = None, *,
-                 loader_index: int = 0, num_made: Callable[[], int] = lambda: 0) -> None:
-        self.batches = batches
-        self.kept = kept if kept is not None else KeptBatches()
-        self.resend = resend
-        self.loader_index = loader_index
-        self.num_made = num_made
-
-    @grpc_method
-    def NextBatch(self, request, context):
-        # Only this loader's batch ids: another loader's, cut to a sequence number, could
-        # mark one of ours finished in the handover log.
-        done = [b for b in request.done if loader_of(b) == self.loader_index]
-        self.kept.done(done)
-        if self.batches.log is not None:
-            self.batches.log.done([seq_of(b) for b in done])
-        if request.only_done:
-            return pb.NextBatchResponse()
-        return self.batches.next(request.rank, _POLL_SEC, request.consumer, request.request_seq)
-
-    @grpc_method
-    def ResendBatch(self, request, context):
-        if self.resend is None:
-            raise NotFound("this data loader does not resend batches")
-        worker_index, ref = self.resend(request.batch_id)
-        return pb.ResendBatchResponse(embedding_worker=worker_index, ref=ref)
-
-    @grpc_method
-    def Health(self, request, context):
-        return common_pb2.HealthResponse(role="data-loader", configured=True,
-                                         instance=rewind.INSTANCE)
-
-    @grpc_method
-    def Rewind(self, request, context):
-        """Go back to a restarted training's checkpoint (see persia_py/checkpoint/rewind.py)."""
-        log = self.batches.log
-        if log is None:
-            raise FailedPrecondition(
-                f"data loader {self.loader_index} keeps no handover log (--handover-log), "
-                "where a rewind leaves its positions: it cannot be rewound")
-        # Checked whole before anything is written (ValueError: INVALID_ARGUMENT).
-        positions = DataPositions.from_env(request.positions, "RestartRequest.positions")
-        rewind.check_made(positions.of(self.loader_index), self.loader_index, self.num_made())
-        rewind.write_rewind(log.path, positions, log.recorded_stream)
-        logger.warning("data loader %d: asked to rewind (%s): batches below %d trained",
-                       self.loader_index, request.reason[:200],
-                       positions.of(self.loader_index).next)
-        rewind.exit_after_answer(context, f"data loader {self.loader_index}")
-        return common_pb2.RestartResponse(instance=rewind.INSTANCE)
-
 
 class DataCtx:
     """Context of a data-loader process (as PERSIA's ``persia.ctx.DataCtx``).
@@ -235,20 +75,10 @@ class DataCtx:
                               else load_global_config(self.env.global_config))
         self.common = self.global_config.common_config
         self.port = port if port is not None else self.env.data_loader_port
-        index = self.env.data_loader_replica_index
-        # Resumed from a checkpoint: the batches of this loader trained before it.
-        self._done = self.env.data_positions.of(index)
-        log_path = self.env.data_loader_handover_log
-        # Rewound by a restarted training (persia_py/checkpoint/rewind.py): its checkpoint's positions
-        # win, and the handover log starts again (it belongs to the stream before).
-        rewound = None if log_path is None else take_rewind(
-            log_path, replayed=self.env.data_loader_replay, index=index)
-        if rewound is not None:
-            self._done = rewound
-        replay = self.env.data_loader_replay and rewound is None
-        self.log = (None if log_path is None else
-                    HandoverLog(log_path, replay=replay, trained=self._done))
-        self.batches = BatchQueue(buffer_size, self.env.nn_world_size, self.log)
+        self.buffer_size = buffer_size
+        self.log: HandoverLog | None = None
+        """This loader's handover log (opened by :meth:`recover`)."""
+        self.batches: BatchQueue | None = None
         self.next_seq = 0
         """Sequence number of the next batch the script makes (skipped ones count too)."""
         self._workers: list[EmbeddingWorkerClient] = []
@@ -256,6 +86,30 @@ class DataCtx:
         self.num_sent = 0
         self.num_skipped = 0
         self.kept = KeptBatches()
+        self.metrics = DataLoaderMetrics()
+        self._metrics_server: MetricsServer | None = None
+
+    def recover(self) -> DataCtx:
+        """Where this loader starts: the batches trained before the checkpoint the job
+        resumed (or was rewound to), and, restarted alone, what its handover log says the
+        NN workers finished or hold. Reads (and replays) the log; ``with DataCtx()`` calls
+        it on entry, once. Returns the context."""
+        if self.batches is not None:
+            return self
+        index = self.env.data_loader_replica_index
+        # Resumed from a checkpoint: the batches of this loader trained before it.
+        self._done = self.env.data_positions.of(index)
+        log_path = self.env.data_loader_handover_log
+        # Rewound by a restarted training (persia_py/checkpoint/rewind.py): its checkpoint's
+        # positions win, and the handover log starts again (it belongs to the stream before).
+        rewound = None if log_path is None else take_rewind(
+            log_path, replayed=self.env.data_loader_replay, index=index)
+        if rewound is not None:
+            self._done = rewound
+        replay = self.env.data_loader_replay and rewound is None
+        self.log = (None if log_path is None else
+                    HandoverLog(log_path, replay=replay, trained=self._done))
+        self.batches = BatchQueue(self.buffer_size, self.env.nn_world_size, self.log)
         recovered = Handovers(finished=self._done) if self.log is None else self.log.recovered
         # The identity of this loader's batches at the embedding workers and parameter
         # servers: random per start of the training, never one an earlier run's updates
@@ -281,10 +135,10 @@ class DataCtx:
                                index, self._done.next, len(self._done.also),
                                len(self._in_training))
         self._check_ready()
-        self.metrics = DataLoaderMetrics()
-        self._metrics_server: MetricsServer | None = None
+        return self
 
     def __enter__(self) -> DataCtx:
+        self.recover()
         self._workers = [EmbeddingWorkerClient(a, self.common)
                          for a in self.env.embedding_worker_addrs]
         for w in self._workers:

@@ -129,7 +129,7 @@ class DataLoaderSource:
     def _fetch(self, loaders: list, put: Put, stop: threading.Event) -> None:
         active = list(loaders)
         # NextBatch is idempotent per (consumer, request_seq): a retry after a lost reply
-        # gets the same batch again (see data_loader.BatchQueue).
+        # gets the same batch again (see loader_service.BatchQueue).
         consumer = secrets.token_bytes(16)
         request_seq = itertools.count()
         while active and not stop.is_set():
