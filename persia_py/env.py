@@ -109,7 +109,8 @@ class PersiaEnv:
             data_loader_replay=env.get(ENV_DATA_LOADER_REPLAY) == "1",
             nn_world_size=_int(env, ENV_NN_WORLD_SIZE, 1),
             bind_host=env.get(ENV_BIND_HOST) or "127.0.0.1",
-            data_positions=DataPositions.from_env(env.get(ENV_DATA_POSITIONS)),
+            data_positions=DataPositions.from_text(env.get(ENV_DATA_POSITIONS),
+                                                   f"${ENV_DATA_POSITIONS}"),
         )
 
     def require(self, field: str, variable: str) -> None:

@@ -27,10 +27,10 @@ def test_positions_by_loader_round_trip_json_and_env() -> None:
     ids = [batch_id(0, s) for s in (0, 1, 3)] + [batch_id(1, s) for s in (0, 1, 2)]
     positions = DataPositions().advanced(ids)
     assert positions.to_json() == {"0": {"next": 2, "also": [3]}, "1": {"next": 3, "also": []}}
-    again = DataPositions.from_env(positions.to_env())
+    again = DataPositions.from_text(positions.to_text(), "test")
     assert again.to_json() == positions.to_json()
     assert again.of(5) == Position()  # a loader never seen has done nothing
-    assert DataPositions.from_env(None).to_json() == {}
+    assert DataPositions.from_text(None, "test").to_json() == {}
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -48,4 +48,4 @@ def test_malformed_positions_are_refused_naming_where(data, message) -> None:
 
 def test_a_malformed_environment_variable_is_named() -> None:
     with pytest.raises(ValueError, match=r"\$PERSIA_DATA_POSITIONS: not JSON"):
-        DataPositions.from_env("{")
+        DataPositions.from_text("{", "$PERSIA_DATA_POSITIONS")

@@ -115,7 +115,7 @@ def test_a_rewind_leaves_the_positions_beside_the_log_then_exits(tmp_path: Path)
     from persia_py.proto import common_pb2
 
     positions = DataPositions({0: Position(7, frozenset({9})), 1: Position(4)})
-    request = common_pb2.RestartRequest(reason="test", positions=positions.to_env())
+    request = common_pb2.RestartRequest(reason="test", positions=positions.to_text())
     without_log = DataLoaderServicer(BatchQueue(4, 1), loader_index=1)
     with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: .*keeps no handover log"):
         without_log.Rewind(request, _Context())

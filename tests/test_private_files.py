@@ -145,14 +145,14 @@ def test_a_planted_rewind_is_not_honoured_only_the_jobs_own(tmp_path) -> None:
     planted = rewind.rewind_file(log)
     trained = DataPositions({0: Position(50)})
     # Left by another run (the old format too), or planted: a first start removes it.
-    for text in (trained.to_env(), json.dumps({"stream": "loader0-0123456789abcdef",
-                                               "positions": trained.to_env()})):
+    for text in (trained.to_text(), json.dumps({"stream": "loader0-0123456789abcdef",
+                                               "positions": trained.to_text()})):
         planted.write_text(text)
         first = _loader(log, replay=False)
         first.log.close()
         assert first._done.next == 0 and not planted.exists()
     # A restart replays the log: positions naming another stream are not its.
-    planted.write_text(json.dumps({"stream": "loader0-planted", "positions": trained.to_env()}))
+    planted.write_text(json.dumps({"stream": "loader0-planted", "positions": trained.to_text()}))
     again = _loader(log, replay=True)
     again.log.close()
     assert again._done.next == 0 and not planted.exists()
@@ -162,7 +162,7 @@ def test_a_planted_rewind_is_not_honoured_only_the_jobs_own(tmp_path) -> None:
     running = _loader(log, replay=True)
     # As if it had made 50 batches: a Rewind names only batches made (rewind.check_made).
     servicer = DataLoaderServicer(running.batches, loader_index=0, num_made=lambda: 50)
-    request = common_pb2.RestartRequest(reason="test", positions=trained.to_env())
+    request = common_pb2.RestartRequest(reason="test", positions=trained.to_text())
     servicer.Rewind(request, _Context())
     running.log.close()
     rewound = _loader(log, replay=True)

@@ -77,7 +77,7 @@ def write_rewind(handover_log: str | os.PathLike, positions: DataPositions,
     tmp = path.with_name(path.name + ".tmp")
     fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        os.write(fd, json.dumps({"stream": stream, "positions": positions.to_env()}).encode())
+        os.write(fd, json.dumps({"stream": stream, "positions": positions.to_text()}).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -104,7 +104,7 @@ def read_rewind(handover_log: str | os.PathLike, *, stream: str | None) -> DataP
                        "not honoured", path, stream or "none: a first start")
         path.unlink(missing_ok=True)
         return None
-    return DataPositions.from_env(positions, str(path))
+    return DataPositions.from_text(positions, str(path))
 
 
 def check_made(position: Position, loader: int, num_made: int) -> None:
@@ -141,7 +141,7 @@ def exit_after_answer(context: grpc.ServicerContext, what: str) -> None:
 def rewind_roles(*, loaders: list[str], embedding_workers: list[str], positions: DataPositions,
                  common: CommonConfig, reason: str) -> None:
     """Steps 1-3 of the module docstring, from rank 0 of a restarted training."""
-    request = common_pb2.RestartRequest(reason=reason, positions=positions.to_env())
+    request = common_pb2.RestartRequest(reason=reason, positions=positions.to_text())
     channels = {a: create_channel(a, common) for a in [*loaders, *embedding_workers]}
     targets = ([("data loader", a, data_loader_pb2_grpc.DataLoaderStub(channels[a]), "Rewind")
                 for a in loaders]

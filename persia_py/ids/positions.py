@@ -26,7 +26,7 @@ _SEQ_MASK = (1 << SEQ_BITS) - 1
 MAX_LOADERS = 1 << (64 - SEQ_BITS)
 """Loader indexes a batch id can hold."""
 MAX_POSITIONS_BYTES = 1 << 20
-"""Largest positions text (:meth:`DataPositions.to_env`) read from the environment, a
+"""Largest positions text (:meth:`DataPositions.to_text`) read from the environment, a
 rewind file or a ``Rewind`` call."""
 _POSITIONS_DEPTH = 3  # {loader: {"next": n, "also": [...]}}
 
@@ -138,12 +138,15 @@ class DataPositions:
             positions[int(key)] = Position.from_json(value, f"{where}[{key}]")
         return cls(positions)
 
-    def to_env(self) -> str:
+    def to_text(self) -> str:
+        """Compact JSON: how positions travel (``$PERSIA_DATA_POSITIONS``, a rewind file,
+        a ``Restart`` call)."""
         return json.dumps(self.to_json(), separators=(",", ":"))
 
     @classmethod
-    def from_env(cls, text: str | None, where: str = f"${ENV_DATA_POSITIONS}") -> DataPositions:
-        """Positions from their :meth:`to_env` text (``where`` names its source in errors)."""
+    def from_text(cls, text: str | None, where: str) -> DataPositions:
+        """Positions from their :meth:`to_text` form, bounded in bytes and depth before
+        parsing (``where`` names its source in errors); empty or None: no positions."""
         if not text:
             return cls()
         return cls.from_json(load_json(text, where, max_bytes=MAX_POSITIONS_BYTES,

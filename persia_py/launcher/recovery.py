@@ -44,7 +44,7 @@ def resume_env(path: str) -> dict[str, str]:
     positions = DataPositions.from_json(data_positions(manifest), f"{folder} data_positions")
     print(f"[launcher] resuming from {folder} ({manifest['step']} batches trained)",
           flush=True)
-    return {ENV_RESUME_DIR: str(folder), ENV_DATA_POSITIONS: positions.to_env()}
+    return {ENV_RESUME_DIR: str(folder), ENV_DATA_POSITIONS: positions.to_text()}
 
 
 def checkpoint_root(args: argparse.Namespace, env: dict[str, str]) -> str | None:

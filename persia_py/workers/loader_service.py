@@ -172,7 +172,7 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
                 f"data loader {self.loader_index} keeps no handover log (--handover-log), "
                 "where a rewind leaves its positions: it cannot be rewound")
         # Checked whole before anything is written (ValueError: INVALID_ARGUMENT).
-        positions = DataPositions.from_env(request.positions, "RestartRequest.positions")
+        positions = DataPositions.from_text(request.positions, "RestartRequest.positions")
         rewind.check_made(positions.of(self.loader_index), self.loader_index, self.num_made())
         rewind.write_rewind(log.path, positions, log.recorded_stream)
         logger.warning("data loader %d: asked to rewind (%s): batches below %d trained",
