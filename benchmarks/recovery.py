@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from persia_py.launcher.processes import role_pid
+from benchmarks.role_processes import role_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "criteo_synthetic"

@@ -16,7 +16,8 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from persia_py.launcher.processes import descendants, is_wrapper
+from benchmarks.role_processes import is_wrapper
+from persia_py.launcher.processes import descendants
 
 ROLES = ("parameter_server", "embedding_worker", "data_loader", "nn_worker", "launcher")
 _TICK = os.sysconf("SC_CLK_TCK")

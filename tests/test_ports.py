@@ -136,7 +136,7 @@ def test_one_node_meets_on_loopback_and_several_as_torch_does(monkeypatch) -> No
 def test_torchrun_on_loopback_is_told_apart_from_the_ranks_it_starts(monkeypatch) -> None:
     """What the chaos tests kill and the CPU benchmark counts per role: torchrun's agent
     is a wrapper of the training script, not a rank, though the script is in its argv."""
-    from persia_py.launcher.processes import is_wrapper
+    from benchmarks.role_processes import is_wrapper
 
     command, _ = _nn_worker(monkeypatch)
     assert "train.py" in command and is_wrapper(command)

@@ -17,7 +17,7 @@ class RoleKind:
     short: str
     """Prefix of its processes' and objects' names."""
     title: str
-    """In messages (and :func:`persia_py.launcher.processes.role_pid`)."""
+    """In messages (and ``benchmarks.role_processes.role_pid``)."""
     runs_script: bool
     """Whether its process starts the user's script (and torchrun) below it."""
 
