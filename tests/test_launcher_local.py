@@ -16,6 +16,7 @@ from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_mark
 
 from persia_py.checkpoint import rewind
 from persia_py.launcher.local import LocalCluster, Role
+from persia_py.launcher.role_kinds import DATA_LOADER, EMBEDDING_WORKER
 from persia_py.telemetry.monitoring import LauncherMetrics
 
 pytestmark = pytest.mark.processes
@@ -150,13 +151,13 @@ def test_bad_counts_are_refused(flag: str) -> None:
     assert "must be >= 1" in job.output()
 
 
-@pytest.mark.parametrize("kind", ["embedding-worker", "data-loader"])
+@pytest.mark.parametrize("kind", [EMBEDDING_WORKER, DATA_LOADER], ids=lambda k: k.short)
 def test_exits_asked_for_by_restart_requests_count_against_max_restarts(kind, capsys) -> None:
     """Restart and Rewind make a role exit with rewind.EXIT_CODE to be started again; any
     caller with the job token may send them, so they are counted like deaths: a role
     that keeps being asked is started again --max-restarts times, then the job stops."""
     asked_to_exit = [sys.executable, "-c", f"raise SystemExit({rewind.EXIT_CODE})"]
-    role = Role(f"{kind}-0", asked_to_exit, kind=kind,
+    role = Role(f"{kind.short}-0", asked_to_exit, kind=kind,
                 restart=functools.partial(list, asked_to_exit))
     cluster = LocalCluster([role], dict(os.environ), max_restarts=2)
     cluster.metrics = LauncherMetrics()
@@ -175,5 +176,5 @@ def test_exits_asked_for_by_restart_requests_count_against_max_restarts(kind, ca
     assert role.num_restarts == 2
     assert cluster.metrics.restarts.labels(role=role.name)._value.get() == 2
     out = capsys.readouterr().out
-    assert out.count(f"{kind}-0 exited to be started again (code 75)") == 3, out
+    assert out.count(f"{kind.short}-0 exited to be started again (code 75)") == 3, out
     assert "after 2 restarts, the limit; stopping the job" in out, out

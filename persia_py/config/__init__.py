@@ -162,21 +162,19 @@ class CheckpointConfig:
     than twice this."""
 
     def __post_init__(self) -> None:
-        _check_range(self, "every_steps", 0, 2**40)
-        if self.every_steps and not self.dir:
-            raise ConfigError("dir: required when every_steps > 0")
-        _check_range(self, "incremental_every_updates", 0, 2**40)
-        _check_range(self, "incremental_every_sec", 0.0, 86400.0 * 365)
-        if (self.incremental_every_updates or self.incremental_every_sec) and (
-                not self.incremental_dir):
-            raise ConfigError("incremental_dir: required when incremental_every_updates or "
-                              "incremental_every_sec > 0")
-        _check_range(self, "dense_export_every_steps", 0, 2**40)
-        _check_range(self, "dense_export_every_sec", 0.0, 86400.0 * 365)
-        if (self.dense_export_every_steps or self.dense_export_every_sec) and (
-                not self.dense_export_dir):
-            raise ConfigError("dense_export_dir: required when dense_export_every_steps or "
-                              "dense_export_every_sec > 0")
+        for key in ("every_steps", "incremental_every_updates", "dense_export_every_steps"):
+            _check_range(self, key, 0, 2**40)
+        for key in ("incremental_every_sec", "dense_export_every_sec"):
+            _check_range(self, key, 0.0, 86400.0 * 365)
+        _folder_for(self, "dir", "every_steps")
+        _folder_for(self, "incremental_dir", "incremental_every_updates", "incremental_every_sec")
+        _folder_for(self, "dense_export_dir", "dense_export_every_steps", "dense_export_every_sec")
+
+
+def _folder_for(config: object, folder: str, *periods: str) -> None:
+    """The folder key is required when any period that writes into it is set."""
+    if any(getattr(config, p) for p in periods) and not getattr(config, folder):
+        raise ConfigError(f"{folder}: required when {' or '.join(periods)} > 0")
 
 
 @dataclass(kw_only=True, frozen=True)
