@@ -129,6 +129,7 @@ WRITER = textwrap.dedent("""
     import sys
     import numpy as np
     from persia_py.checkpoint import layout as fmt
+    from persia_py.ops import safe_files
     root = sys.argv[1]
     ids = np.arange(1, 400_001, dtype=np.uint64)
     for step in range(1, 1000):

@@ -19,6 +19,7 @@ import pytest
 from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
 
 from persia_py.launcher.local import LocalCluster, Role
+from persia_py.launcher.role_kinds import NN_WORKER
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 
 pytestmark = pytest.mark.processes
@@ -84,7 +85,7 @@ def test_a_role_stopped_by_a_config_error_is_not_restarted(capsys) -> None:
     ps = Role("ps-0", stopped_by_config)
     restarts = []
     ps.restart = lambda: restarts.append(1) or stopped_by_config
-    cluster = LocalCluster([ps, Role("nn-worker", waiting, kind="nn-worker")],
+    cluster = LocalCluster([ps, Role("nn-worker", waiting, kind=NN_WORKER)],
                            dict(os.environ))
     cluster.restart_training = lambda role, how: restarts.append(role) or True
     cluster.start()
