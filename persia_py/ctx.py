@@ -46,6 +46,7 @@ from persia_py.graceful_stop import StopOnSignal
 from persia_py.grad_control import GradControl, clip_grads_, scale_grads_, sum_over_ranks_
 from persia_py.process_group import (
     PeerFailure,
+    config_errors_are_final,
     init_process_group,
     naming_peers,
     report_failure,
@@ -160,6 +161,7 @@ class TrainCtx(EmbeddingCtx):
     _training = True
     _usage = "TrainCtx(...)"
 
+    @config_errors_are_final
     def __init__(self, *, model: torch.nn.Module, embedding_optimizer: Optimizer,
                  dense_optimizer: torch.optim.Optimizer,
                  embedding_config: EmbeddingConfig | None = None,
