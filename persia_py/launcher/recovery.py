@@ -132,29 +132,23 @@ class TrainingRecovery:
 class BatchCounts:
     """What the job's batches went through, from its roles' output lines: each loader's
     last run (batches sent, and skipped as trained before the checkpoint it resumed or
-    handed over by its predecessor), batches re-sent to restarted embedding workers, and
-    updates the parameter servers had applied already (not applied again).
+    handed over by its predecessor) and batches re-sent to restarted embedding workers.
     ``persia-launcher local`` ends with it."""
 
     _SENT = re.compile(r"data loader (\d+) sent (\d+) batches \((\d+) skipped")
     _RESENT = "putting its ID features on embedding worker"
-    _DEDUPLICATED = "had applied its update already"
     _REWOUND = "NN ranks restarted by torchrun"  # rank 0's line (persia_py/rewind.py)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.sent: dict[int, tuple[int, int]] = {}
         self.resent = 0
-        self.deduplicated = 0
         self.rewinds = 0
 
     def see(self, line: str) -> None:
         if self._RESENT in line:
             with self._lock:
                 self.resent += 1
-        elif self._DEDUPLICATED in line:
-            with self._lock:
-                self.deduplicated += 1
         elif self._REWOUND in line:
             with self._lock:
                 self.rewinds += 1
@@ -170,7 +164,6 @@ class BatchCounts:
             skipped = sum(k for _, k in self.sent.values())
             return (f"batches: {sent} sent by the data loaders' last runs ({skipped} skipped: "
                     "trained before the checkpoint they resumed, or handed over before they "
-                    f"restarted), {self.resent} re-sent to restarted embedding workers, "
-                    f"{self.deduplicated} updates the parameter servers had applied already"
+                    f"restarted), {self.resent} re-sent to restarted embedding workers"
                     + (f"; torchrun restarts of the NN ranks: {self.rewinds} (each went back "
                        "to its checkpoint)" if self.rewinds else ""))
