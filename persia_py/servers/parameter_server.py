@@ -323,8 +323,9 @@ class ParameterServer:
         if worker_id:
             check_worker_id(worker_id)
         tables = [self._table(name) for name, _, _ in requests]
-        call_memory.check_update([(ids.size, g.size, g.dtype.name) for _, ids, g in requests],
-                                 self.global_config.common_config.max_message_bytes)
+        if not replayed:  # accepted when it came
+            call_memory.check_update([(ids.size, g.size, g.dtype.name) for _, ids, g in requests],
+                                     self.global_config.common_config.max_message_bytes)
         checked = []
         for (name, ids, grads), table in zip(requests, tables):
             self._check_ids(name, ids)
