@@ -11,8 +11,8 @@ window is bounded per worker id and never forgets a live one for a new one
 (``servers/update_window.py``; embedding workers take a random id per process start, so a
 restarted one never reuses a window).
 
-A call's memory is bounded before anything is allocated for it (:mod:`.call_memory`): the
-arrays it decoded plus what applying it takes, and its answer, each within
+A call's memory is bounded before anything is allocated for it (:mod:`.call_memory`): its
+arrays plus what serving it takes within 1.5 x ``max_message_bytes``, its answer within
 ``max_message_bytes``.
 
 The replica's state (optimizer settings, every table's rows, the exactly-once window)
@@ -479,4 +479,3 @@ class ParameterServer:
     def close(self) -> None:
         for table in self._tables.values():
             table.close()
-
