@@ -78,7 +78,7 @@ def main() -> None:
             plain.append(_apply(ps, stream))
             ps.close()
             ps = _server(args.dim)
-            open_update_log(ps, Path(tmp, f"log{r}"), replay=False, checkpoint=None)
+            open_update_log(ps, Path(tmp, f"log{r}"), replay=False, checkpoint=None, root=tmp)
             ps.configure(optimizer=ADAGRAD)
             logged.append(_apply(ps, stream))
             ps.update_log.close()
@@ -88,7 +88,7 @@ def main() -> None:
         for r in range(args.rounds):
             ps = _server(args.dim)
             started = time.perf_counter()
-            open_update_log(ps, Path(tmp, f"log{r}"), replay=True, checkpoint=None)
+            open_update_log(ps, Path(tmp, f"log{r}"), replay=True, checkpoint=None, root=tmp)
             replays.append(time.perf_counter() - started)
             ps.update_log.close()
             ps.close()

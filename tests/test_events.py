@@ -22,14 +22,12 @@ def test_the_summary_counts_events_not_words(tmp_path, monkeypatch) -> None:
     emit(Event.LOADER_FINISHED, loader=1, sent=5, skipped=0, resent=1)
     emit(Event.LOADER_FINISHED, loader=0, sent=9, skipped=2, resent=0)  # its restart's run
     emit(Event.BATCH_RESENT, batch=3, embedding_worker=0)
-    emit(Event.UPDATE_DEDUPLICATED, stream="s", batch=3, replica=1)
-    emit(Event.UPDATE_DEDUPLICATED, stream="s", batch=4, replica=1)
     emit(Event.TRAINING_REWOUND, restart=1, checkpoint="c")
     assert BatchCounts(log).summary() == (
         "batches: 14 sent by the data loaders' last runs (2 skipped: trained before the "
         "checkpoint they resumed, or handed over before they restarted), 1 re-sent to "
-        "restarted embedding workers, 2 updates the parameter servers had applied already; "
-        "torchrun restarts of the NN ranks: 1 (each went back to its checkpoint)")
+        "restarted embedding workers; torchrun restarts of the NN ranks: 1 (each went back "
+        "to its checkpoint)")
 
 
 def test_no_log_no_event_and_no_summary(tmp_path, monkeypatch) -> None:

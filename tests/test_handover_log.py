@@ -4,6 +4,7 @@ how a request retried after the crash gets its batch again."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,12 @@ import pytest
 from persia_py.ids.positions import Position, batch_id
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.wire.rpc import Overloaded
-from persia_py.workers.handover_log import Handover, HandoverLog, read_handovers
+from persia_py.workers.handover_log import (
+    Handover,
+    HandoverLog,
+    HandoverLogError,
+    read_handovers,
+)
 from persia_py.workers.loader_service import BatchQueue, DataLoaderServicer
 
 
@@ -246,3 +252,30 @@ def test_a_rewind_refuses_deep_or_large_json_as_invalid_argument(tmp_path: Path,
     finally:
         channel.close()
         server.stop(None)
+
+
+@pytest.mark.parametrize("line", [
+    b'{"handed":5,"rank":0}',  # keys missing
+    b'{"handed":5,"rank":0,"consumer":"zz","request":1}',  # not hex
+    b'{"handed":"5","rank":0,"consumer":"00","request":1}',
+    b'{"done":"12"}',
+    b'{"ended":-1}',
+    b'{"stream":7}',
+    b'{"finished":{"next":3}}',
+    b'{"stream":"s","extra":1}',
+    b'[1,2]',
+    b'5',
+])
+def test_a_record_a_loader_never_writes_stops_the_start_naming_file_and_offset(
+        tmp_path: Path, line: bytes) -> None:
+    path = tmp_path / "handovers.log"
+    log = HandoverLog(path, replay=False)
+    log.stream("loader0-abc")
+    log.handed(Handover(1, 0, b"c" * 16, 3))
+    log.close()
+    offset = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(line + b"\n" + b'{"done":[1]}\n')
+    where = re.escape(f"{path} line 3 (byte {offset})")
+    with pytest.raises(HandoverLogError, match=where):
+        HandoverLog(path, replay=True)  # what a restarted loader's DataCtx opens

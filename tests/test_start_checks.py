@@ -6,6 +6,8 @@
   78; so do the roles it starts, ``embedding-parameter-server`` and ``nn-worker`` (before
   torchrun).
 * ``LocalCluster`` takes a role's exit code 78 as final: no restart, the job stops with it.
+* A config error ``TrainCtx`` finds as the user's script starts does the same: the node's
+  launcher stops torchrun and exits 78.
 """
 
 from __future__ import annotations
@@ -93,3 +95,48 @@ def test_a_role_stopped_by_a_config_error_is_not_restarted(capsys) -> None:
     assert restarts == [] and ps.num_restarts == 0
     assert "ps-0 stopped on a config error (code 78; its message is above); not restarting " \
            "it" in capsys.readouterr().out
+
+
+_SCRIPT = """
+import torch
+from persia_py.ctx import TrainCtx
+from persia_py.embedding.optim import SGD
+
+model = torch.nn.Linear(2, 1)
+with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+              dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1), {}):
+    raise AssertionError("TrainCtx started")
+"""
+
+
+@pytest.mark.parametrize("argument,refusal", [
+    # A rule TrainCtx checks against the global config (no checkpoint_config.dir).
+    ("stop_on_signal=True", r"ConfigError: checkpoint_config.dir: required with "
+                            r"TrainCtx\(stop_on_signal=True\)"),
+    # The embedding settings given as a mapping of keys, not an EmbeddingConfig.
+    ("embedding_config={'seed': 1}", r"TypeError: TrainCtx\(embedding_config=...\): expected "
+                                     r"a persia_py.embedding.EmbeddingConfig or None, got dict"),
+])
+def test_a_config_error_found_by_train_ctx_stops_the_job_with_the_config_exit_code(
+        tmp_path, argument: str, refusal: str) -> None:
+    """Refused by TrainCtx as the script starts: the rank reports it, the node's launcher
+    stops torchrun (which would restart the ranks into it) with code 78, and `local`
+    stops the job with it, restarting nothing."""
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT.format(argument))
+    job = RoleProcess(launcher_command(
+        "local", "--nn-worker", str(script),
+        "--data-loader", str(EXAMPLE / "data_loader.py"),
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+        "--run-dir", str(tmp_path / "run"), "--no-metrics"))
+    try:
+        assert job.wait(timeout=180) == CONFIG_EXIT_CODE, job.output()
+        out = job.output()
+        assert re.search(r"\[nn-worker\] rank 0: stopped on a config error: " + refusal, out), out
+        assert "nn-worker stopped on a config error (code 78; its message is above); not " \
+               "restarting it" in out, out
+        assert out.count("stopped on a config error: ") == 1, out  # one start of the ranks
+        assert "AssertionError: TrainCtx started" not in out and "(restart " not in out, out
+        assert processes_with_marker(job.marker) == []
+    finally:
+        job.stop()

@@ -11,6 +11,7 @@ memory or make it read outside its folder.
   position names that point outside the folder.
 * The streaming parser honours every column option as ``CsvReader`` does (``default``,
   ``category``, ``salt``, a float32's range).
+* With ``header=True`` a file's first line must be the header naming the columns.
 """
 
 from __future__ import annotations
@@ -340,3 +341,26 @@ def test_not_quite_plain_decimals_are_errors(tmp_path: Path, kind: str, text: st
     config = CsvReaderConfig(columns=(CsvColumn(name="v", kind=kind),), id_separator=";")
     with pytest.raises(BadRecordError, match=r"a: row 2: column 'v'"):
         parse_csv_lines(f"1\n{text}\n".encode(), config, "a", 1)
+
+
+@pytest.mark.parametrize("first_line", [
+    "0,0.5,1 2,paris",  # a record: the file has no header
+    "sid,x,tags",  # a column missing
+    "sid,y,tags,city",  # a column named otherwise
+])
+def test_a_first_line_that_is_not_the_header_is_an_error(tmp_path: Path, first_line) -> None:
+    """With ``header=True`` every file's first line is checked before it is skipped, in
+    the stream and in ``CsvReader``: a file without one would lose its first record."""
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    (stream / "000.csv").write_text("sid,x,tags,town\n" + "".join(_rows(3)))
+    (stream / "001.csv").write_text(first_line + "\n" + "".join(_rows(3)))
+    reader = _reader(stream, "*.csv", header=True).batches(10)
+    assert next(reader).records.num_records == 3  # 'city' is skipped: any name will do
+    expected = rf"{stream / '001.csv'}: row 1: CsvReaderConfig\(header=True\), but the first"
+    with pytest.raises(BadRecordError, match=expected):
+        next(reader)
+    config = CsvReaderConfig(columns=COLUMNS, header=True, skip_bad_rows=True)
+    assert CsvReader(stream / "000.csv", config).read_all().num_records == 3
+    with pytest.raises(BadRecordError, match=expected):  # never skipped as a bad row
+        CsvReader(stream / "001.csv", config).read_all()

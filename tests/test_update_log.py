@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 
@@ -69,14 +70,15 @@ def _same(a: ParameterServer, b: ParameterServer) -> None:
 def _logged(folder: Path) -> ParameterServer:
     """A new replica logging into ``folder``, configured (Adagrad, seed 7)."""
     ps = _ps()
-    open_update_log(ps, folder, replay=False, checkpoint=None)
+    open_update_log(ps, folder, replay=False, checkpoint=None, root=folder.parent)
     ps.configure(optimizer=ADAGRAD, seed=7)
     return ps
 
 
 def _restart_holds_the_same(live: ParameterServer, log: Path, *, num_updates: int) -> None:
     restarted = _ps()
-    assert open_update_log(restarted, log, replay=True, checkpoint=None).endswith(
+    assert open_update_log(restarted, log, replay=True, checkpoint=None,
+                           root=log.parent).endswith(
         f"and {num_updates} updates replayed from its update log")
     _same(live, restarted)
 
@@ -92,7 +94,7 @@ def _checkpoint(ps: ParameterServer, root: Path, step: int, *, complete: bool = 
 def test_a_restarted_replica_holds_every_update_its_predecessor_applied(tmp_path: Path) -> None:
     log, root = tmp_path / "log", tmp_path / "ckpt"
     live = _ps()
-    assert open_update_log(live, log, replay=True, checkpoint=None) == "a new update log"
+    assert open_update_log(live, log, replay=True, checkpoint=None, root=tmp_path) == "a new update log"
     live.configure(optimizer=ADAGRAD, seed=7)
     trainer = _Trainer()
     trainer.steps(live, 5)
@@ -102,7 +104,7 @@ def test_a_restarted_replica_holds_every_update_its_predecessor_applied(tmp_path
     trainer.steps(live, 3)
     # The process dies here: nothing is closed, the log holds what was written.
     restarted = _ps()
-    what = open_update_log(restarted, log, replay=True, checkpoint=None)
+    what = open_update_log(restarted, log, replay=True, checkpoint=None, root=tmp_path)
     assert what.endswith("and 7 updates replayed from its update log"), what
     assert "checkpoint " + str(root) in what
     _same(live, restarted)
@@ -114,7 +116,7 @@ def test_a_restarted_replica_holds_every_update_its_predecessor_applied(tmp_path
     # It goes on logging where it left off; a second restart has both parts.
     trainer.steps(restarted, 2)
     again = _ps()
-    open_update_log(again, log, replay=True, checkpoint=None)
+    open_update_log(again, log, replay=True, checkpoint=None, root=tmp_path)
     _same(restarted, again)
 
 
@@ -141,11 +143,11 @@ def test_float16_gradients_are_logged_as_they_arrived_and_replay_bit_identical(t
 
 def test_without_any_checkpoint_the_log_configures_and_replays_from_empty(tmp_path) -> None:
     live = _ps()
-    open_update_log(live, tmp_path, replay=False, checkpoint=None)
+    open_update_log(live, tmp_path, replay=False, checkpoint=None, root=tmp_path)
     live.configure(optimizer=ADAGRAD, seed=3)
     _Trainer(1).steps(live, 3)
     restarted = _ps()
-    assert open_update_log(restarted, tmp_path, replay=True, checkpoint=None) == (
+    assert open_update_log(restarted, tmp_path, replay=True, checkpoint=None, root=tmp_path) == (
         "0 rows from no checkpoint and 3 updates replayed from its update log")
     assert restarted.configured
     _same(live, restarted)
@@ -175,7 +177,7 @@ def test_a_record_cut_short_is_dropped_and_its_retry_makes_the_replica_whole(tmp
     torn = segment.stat().st_size - BLOCK - 10
     os.truncate(segment, torn)
     restarted = _ps()
-    assert open_update_log(restarted, tmp_path, replay=True, checkpoint=None).endswith(
+    assert open_update_log(restarted, tmp_path, replay=True, checkpoint=None, root=tmp_path).endswith(
         "and 2 updates replayed from its update log")
     assert segment.stat().st_size < torn  # the torn record is gone
     # That update was never acknowledged: the embedding worker sends it again.
@@ -185,7 +187,7 @@ def test_a_record_cut_short_is_dropped_and_its_retry_makes_the_replica_whole(tmp
     assert restarted.update(requests, worker_id="ew-1", sequence=trainer.sequence)[1] is False
     _same(live, restarted)
     replayed = _ps()
-    open_update_log(replayed, tmp_path, replay=True, checkpoint=None)
+    open_update_log(replayed, tmp_path, replay=True, checkpoint=None, root=tmp_path)
     _same(live, replayed)
 
 
@@ -198,7 +200,7 @@ def test_a_failed_append_deletes_the_log_and_the_next_cut_starts_one(tmp_path, c
     os.close(live.update_log._fd)  # the disk fails under it
     trainer.steps(live, 1)
     assert "the log is deleted and logging stops until the next checkpoint" in caplog.text
-    assert read_segments(log) == [] and replay_plan(log) == []
+    assert read_segments(log) == [] and replay_plan(log, tmp_path) == []
     trainer.steps(live, 1)
     _checkpoint(live, root, 4)  # logging resumes from this cut
     trainer.steps(live, 2)
@@ -207,7 +209,7 @@ def test_a_failed_append_deletes_the_log_and_the_next_cut_starts_one(tmp_path, c
 
 def test_a_log_no_checkpoint_cuts_stops_at_its_size_limit(tmp_path, caplog) -> None:
     live = _ps()
-    open_update_log(live, tmp_path / "log", replay=False, checkpoint=None, max_bytes=200_000)
+    open_update_log(live, tmp_path / "log", replay=False, checkpoint=None, root=tmp_path, max_bytes=200_000)
     live.configure(optimizer=ADAGRAD, seed=7)
     trainer = _Trainer()
     trainer.steps(live, 10)
@@ -223,7 +225,8 @@ def test_with_an_empty_log_a_restart_loads_the_checkpoint_it_is_given(tmp_path) 
     _Trainer().steps(live, 2)
     checkpoint = _checkpoint(live, tmp_path / "ckpt", 2)
     restarted = _ps()
-    what = open_update_log(restarted, tmp_path / "log", replay=True, checkpoint=tmp_path / "ckpt")
+    what = open_update_log(restarted, tmp_path / "log", replay=True, checkpoint=tmp_path / "ckpt",
+                           root=tmp_path)
     num_rows = sum(rows["ids"].size for rows in live.state_dict().tables.values())
     assert what == f"{num_rows} rows from checkpoint {checkpoint}, a new update log"
     assert [s.kind for s in read_segments(tmp_path / "log")] == ["load"]
@@ -240,14 +243,15 @@ def test_a_new_start_deletes_what_the_log_held(tmp_path: Path) -> None:
     live = _logged(tmp_path)
     _Trainer().steps(live, 2)
     fresh = _ps()
-    assert open_update_log(fresh, tmp_path, replay=False, checkpoint=None) == "a new update log"
+    assert open_update_log(fresh, tmp_path, replay=False, checkpoint=None,
+                           root=tmp_path) == "a new update log"
     assert not fresh.configured and [s.kind for s in read_segments(tmp_path)] == ["start"]
 
 
 def test_a_serving_replica_refuses_an_update_log(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="keeps no update log"):
         open_update_log(ParameterServer(GLOBAL, EMBEDDING, inference=True), tmp_path,
-                        replay=False, checkpoint=None)
+                        replay=False, checkpoint=None, root=tmp_path)
 
 
 def test_records_are_whole_blocks_and_a_zeroed_tail_is_a_torn_record(tmp_path) -> None:
@@ -281,14 +285,14 @@ def test_a_segment_written_before_padding_is_replayed_and_appended_to_unpadded(t
     segment.path.write_bytes(bytes(old))
     assert read_segments(log)[-1].block == 1
     restarted = _ps()
-    assert open_update_log(restarted, log, replay=True, checkpoint=None).endswith(
+    assert open_update_log(restarted, log, replay=True, checkpoint=None, root=tmp_path).endswith(
         "and 2 updates replayed from its update log")
     _same(live, restarted)
     trainer = _Trainer(seed=5, worker_id="ew-2")
     trainer.steps(restarted, 1)  # appended unpadded to the old segment
     assert segment.path.stat().st_size % BLOCK != 0
     again = _ps()
-    open_update_log(again, log, replay=True, checkpoint=None)
+    open_update_log(again, log, replay=True, checkpoint=None, root=tmp_path)
     _same(restarted, again)
 
 
@@ -296,3 +300,37 @@ def _raw_records(path: Path):
     with open(path, "rb") as f:
         for meta, data, _ in _records(f, path, tolerate_tail=False):
             yield meta, data
+
+
+def _rewrite_header(segment: Path, **changes: object) -> None:
+    """``segment`` with its header record's fields changed (checksum and padding kept right)."""
+    records = list(_raw_records(segment))
+    meta, data = records[0]
+    meta.update(changes)
+    payload = b"".join(bytes(p) for p in _payload(json.dumps(meta).encode(),
+                                                   [np.frombuffer(data, np.uint8)]))
+    header = FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+    rest = segment.read_bytes()[BLOCK:]
+    segment.write_bytes(header + bytes(BLOCK - len(header)) + rest)
+
+
+@pytest.mark.parametrize("base", ["outside/ckpt", "root/../outside/ckpt", "root", "relative"])
+def test_a_header_naming_a_checkpoint_outside_the_root_stops_the_start(tmp_path, base) -> None:
+    """A header is read from a file: one naming a checkpoint outside the checkpoint root
+    (or the root itself, or a relative path) stops the restart with an error naming the
+    segment and offset, before that checkpoint is opened; the replica stays empty."""
+    root, log = tmp_path / "root", tmp_path / "log"
+    root.mkdir()
+    elsewhere = _logged(tmp_path / "other")
+    _Trainer(seed=3).steps(elsewhere, 1)
+    outside = _checkpoint(elsewhere, tmp_path / "outside", 1)  # complete, loadable
+    (tmp_path / "outside" / "ckpt").symlink_to(outside)
+    live = _logged(log)
+    _Trainer().steps(live, 2)
+    segment = read_segments(log)[-1].path
+    named = base if base == "relative" else str(tmp_path / base)
+    _rewrite_header(segment, kind="load", base=named)
+    restarted = _ps()
+    with pytest.raises(ValueError, match=rf"{re.escape(str(segment))} at byte 0: the header"):
+        open_update_log(restarted, log, replay=True, checkpoint=None, root=root)
+    assert not restarted.configured and restarted.export_seen() == {}

@@ -29,6 +29,7 @@ from persia_py.dense.graceful_stop import StopOnSignal
 from persia_py.dense.grad_control import GradControl
 from persia_py.dense.process_group import (
     PeerFailure,
+    config_errors_are_final,
     init_process_group,
     naming_peers,
     report_failure,
@@ -95,6 +96,7 @@ class TrainCtx(EmbeddingCtx):
     _training = True
     _usage = "TrainCtx(...)"
 
+    @config_errors_are_final
     def __init__(self, *, model: torch.nn.Module, embedding_optimizer: Optimizer,
                  dense_optimizer: torch.optim.Optimizer,
                  embedding_config: EmbeddingConfig | None = None,

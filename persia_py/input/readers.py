@@ -53,6 +53,23 @@ def record_too_long(limit: int, num_bytes: int | None = None) -> str:
             "CsvReaderConfig(max_record_bytes=...) if such records are meant")
 
 
+def check_header(config: CsvReaderConfig, fields: list[str], path: str) -> None:
+    """BadRecordError (row 1) unless ``fields``, a file's first line split, are a header
+    naming ``config``'s columns: as many fields, each column's name where the column is
+    (any name for a ``skip`` column). A first line skipped unchecked would drop a record
+    of a file without a header, or read a file whose columns are not the configured ones."""
+    expected = [c.name for c in config.columns]
+    if len(fields) == len(expected) and all(
+            c.kind == "skip" or f.strip() == c.name for c, f in zip(config.columns, fields)):
+        return
+    shown = repr(fields) if len(repr(fields)) <= 200 else repr(fields)[:200] + "..."
+    raise BadRecordError(path, 1, f"CsvReaderConfig(header=True), but the first line's "
+                                  f"fields {shown} are not the header naming the columns "
+                                  f"{expected} (a 'skip' column's field may have any name); "
+                                  "name the columns as the file's header does, or set "
+                                  "header=False if the files have none")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CsvColumn:
     name: str
@@ -95,7 +112,8 @@ class CsvReaderConfig:
     id_separator: str = " "
     """Separator of the ids inside an ``ids`` field."""
     header: bool = False
-    """The first line names the columns and is skipped."""
+    """The first line of every file names the columns and is skipped, once checked: it
+    must have a field per column, each the column's name (any for a ``skip`` column)."""
     skip_bad_rows: bool = False
     """Skip and count malformed rows instead of stopping at the first one."""
     max_record_bytes: int = 1 << 20
@@ -194,6 +212,7 @@ class CsvReader:
                 row = lines_before + reader.line_num
                 if first and cfg.header:
                     first = False
+                    check_header(cfg, fields, self.path)
                     continue
                 first = False
                 if not fields:

@@ -29,6 +29,7 @@ Parquet through ``pyarrow`` (``pip install persia_py[parquet]``).
 
 from __future__ import annotations
 
+import csv
 import errno
 import fnmatch
 import os
@@ -43,7 +44,14 @@ import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.input.csv_parse import check_line_lengths, parse_csv_lines
-from persia_py.input.readers import BadRecordError, CsvBatch, CsvColumn, CsvReaderConfig, record_too_long
+from persia_py.input.readers import (
+    BadRecordError,
+    CsvBatch,
+    CsvColumn,
+    CsvReaderConfig,
+    check_header,
+    record_too_long,
+)
 
 _FIRST_CHUNK, _READ_CHUNK = 1 << 16, 1 << 20  # a scan reads 64 KiB, then doubles to 1 MiB
 _OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -369,6 +377,9 @@ class StreamReader:
         first_line = start.row + 1
         if self.fmt.config.header and start.row == 0:
             cut = data.find(b"\n") + 1
+            line = data[:cut].decode("utf-8", errors="replace").rstrip("\r\n")
+            check_header(self.fmt.config, next(csv.reader(
+                [line], delimiter=self.fmt.config.delimiter), []), path)
             data, first_line = data[cut:], 2
         return parse_csv_lines(data, self.fmt.config, path, first_line)
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from persia_py.env import ENV_RANK_FAILED_FILE
+from persia_py.ops.start_checks import CONFIG_EXIT_CODE, RANK_CONFIG_ERROR
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -86,7 +87,9 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     its rendezvous store; when that store sits behind a dead link, the kernel retries
     the connection for many minutes and torchrun with it. So once a rank has failed and
     torchrun has had no rank running for ``grace_sec``, it is stopped, and the rank's
-    reason is printed: the node ends with an error naming the peer it lost.
+    reason is printed: the node ends with an error naming the peer it lost. A rank that
+    stopped on a config error at start (``TrainCtx``) stops torchrun at once, which would
+    restart the ranks into the same error, and the code is ``CONFIG_EXIT_CODE``.
     """
     fd, failed_file = tempfile.mkstemp(prefix="persia-rank-failed-")
     os.close(fd)
@@ -112,26 +115,47 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     try:
         while True:
             try:
-                return child.wait(timeout=1.0)
+                code = child.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
-                pass
-            if not os.path.exists(failed_file) or children(child.pid):
+                code = None
+            reason = _failure(failed_file)
+            if reason is not None and RANK_CONFIG_ERROR in reason:
+                # torchrun would restart the ranks into the same error.
+                print(f"[nn-worker] {reason.splitlines()[0]}; not restarting the ranks",
+                      flush=True)
+                _kill_tree(child)
+                return CONFIG_EXIT_CODE
+            if code is not None:
+                return code
+            if reason is None or children(child.pid):
                 idle_since = None
                 continue
             idle_since = idle_since or time.monotonic()
             if time.monotonic() - idle_since >= grace_sec:
-                with open(failed_file, errors="replace") as f:
-                    reason = f.read().strip()
                 print(f"[nn-worker] a rank failed and torchrun did not exit within "
                       f"{grace_sec:.0f} s (its rendezvous store is unreachable); stopping "
                       f"it. The rank's error: {reason}", flush=True)
-                for pid in [child.pid, *descendants(child.pid)]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                child.wait()
+                _kill_tree(child)
                 return 1
     finally:
         if os.path.exists(failed_file):
             os.unlink(failed_file)
+
+
+def _failure(path: str) -> str | None:
+    """What the ranks wrote into the failure file ``path`` (None: nothing yet)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _kill_tree(child: subprocess.Popen) -> None:
+    """SIGKILL ``child`` and every process below it; wait for ``child``."""
+    for pid in [child.pid, *descendants(child.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    child.wait()

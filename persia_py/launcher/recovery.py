@@ -127,17 +127,15 @@ class BatchCounts:
     """What the job's batches went through, from the events its roles wrote to the
     training log (:mod:`persia_py.telemetry.events`): each loader's last run (batches sent,
     and skipped as trained before the checkpoint it resumed or handed over by its
-    predecessor), batches re-sent to restarted embedding workers, updates the parameter
-    servers had applied already (not applied again), and torchrun's restarts of the NN
-    ranks. ``persia-launcher local`` ends with it."""
+    predecessor), batches re-sent to restarted embedding workers, and torchrun's restarts
+    of the NN ranks. ``persia-launcher local`` ends with it."""
 
     def __init__(self, train_log: str | os.PathLike) -> None:
         self.train_log = train_log
 
     def summary(self) -> str | None:
         sent: dict[int, tuple[int, int]] = {}
-        counts = dict.fromkeys((Event.BATCH_RESENT, Event.UPDATE_DEDUPLICATED,
-                                Event.TRAINING_REWOUND), 0)
+        counts = dict.fromkeys((Event.BATCH_RESENT, Event.TRAINING_REWOUND), 0)
         for record in read_events(self.train_log):
             kind = record["event"]
             if kind == Event.LOADER_FINISHED:  # a restarted loader's last run replaces one
@@ -150,8 +148,6 @@ class BatchCounts:
         return (f"batches: {sum(s for s, _ in sent.values())} sent by the data loaders' last "
                 f"runs ({sum(k for _, k in sent.values())} skipped: trained before the "
                 "checkpoint they resumed, or handed over before they restarted), "
-                f"{counts[Event.BATCH_RESENT]} re-sent to restarted embedding workers, "
-                f"{counts[Event.UPDATE_DEDUPLICATED]} updates the parameter servers had "
-                "applied already"
+                f"{counts[Event.BATCH_RESENT]} re-sent to restarted embedding workers"
                 + (f"; torchrun restarts of the NN ranks: {rewinds} (each went back to its "
                    "checkpoint)" if rewinds else ""))

@@ -107,6 +107,7 @@ def run_parameter_server(args: argparse.Namespace) -> int:
         try:
             what = open_update_log(ps, args.update_log, replay=args.replay_update_log,
                                    checkpoint=args.load_checkpoint,
+                                   root=args.checkpoint_root or global_config.checkpoint_config.root,
                                    max_bytes=args.update_log_max_bytes)
         except ValueError as exc:  # a serving replica, or a log no restart can start from
             raise SystemExit(f"--update-log {args.update_log}: {exc}") from None

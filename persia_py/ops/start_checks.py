@@ -23,11 +23,16 @@ from pathlib import Path, PurePosixPath
 from persia_py.config import CheckpointConfig, ConfigError
 from persia_py.ops import safe_files
 
-__all__ = ["CONFIG_EXIT_CODE", "check_checkpoint_paths"]
+__all__ = ["CONFIG_EXIT_CODE", "RANK_CONFIG_ERROR", "check_checkpoint_paths"]
 
 CONFIG_EXIT_CODE = 78
 """Exit code of a role that stopped on a config error (``EX_CONFIG`` of sysexits.h):
 final, never restarted."""
+RANK_CONFIG_ERROR = "stopped on a config error"
+"""What an NN-worker rank's line in ``$PERSIA_RANK_FAILED_FILE`` says when ``TrainCtx``
+refused its arguments or config at start; ``persia-launcher nn-worker`` then stops
+torchrun (which would restart the ranks into the same error) and exits
+:data:`CONFIG_EXIT_CODE`."""
 
 _RULES = {
     # key -> (allowed depths below the root, the rule in words)

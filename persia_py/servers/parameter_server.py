@@ -7,10 +7,13 @@ when the embedding optimizer arrives (``configure``), because a row's optimizer 
 laid out by the optimizer. Updates carry ``(worker_id, sequence)``; a pair seen before is
 acknowledged without being applied again, so a retried update is applied once. An update
 that carries no ids is refused (it would mark a pair as applied and nothing else). The
-window remembers the last ``SEEN_PER_WORKER`` sequence numbers of at most
-``MAX_UPDATE_WORKERS`` worker ids; past that, the worker id that updated least recently
-is forgotten first (embedding workers take a random id per process start, so a restarted
-one never reuses a window).
+window is bounded per worker id and never forgets a live one for a new one
+(``servers/update_window.py``; embedding workers take a random id per process start, so a
+restarted one never reuses a window).
+
+A call's memory is bounded before anything is allocated for it (:mod:`.call_memory`): its
+arrays plus what serving it takes within 1.5 x ``max_message_bytes``, its answer within
+``max_message_bytes``.
 
 The replica's state (optimizer settings, every table's rows, the exactly-once window)
 goes in and out through :meth:`ParameterServer.state_dict` and
@@ -25,12 +28,11 @@ checkpoint or applying an incremental export. Its tables never expire rows.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
-import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,38 +40,27 @@ import numpy as np
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.config.table_policy import check_init_bounds, check_weight_bound
 from persia_py.ids.routing import RESERVED_ID, replica_of
+from persia_py.servers import call_memory
+from persia_py.servers.call_memory import LookupAnswer
 from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict, state_width
 from persia_py.servers.sizing import TableSize, capacity_warning, memory_limit, row_bytes
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.servers.swap_lock import SwapLock
+from persia_py.servers.update_window import (
+    UpdateWindow,
+    check_worker_id,
+    checked_window,
+)
 from persia_py.wire.rpc import FailedPrecondition
 
 logger = logging.getLogger(__name__)
 
-SEEN_PER_WORKER = 65536
-"""How many recent sequence numbers per worker are remembered for exactly-once updates."""
-MAX_UPDATE_WORKERS = 128
-"""How many worker ids the exactly-once window remembers (the least recently updating
-one is forgotten first): bounds its memory at about 128 x 65536 sequence numbers."""
-MAX_WORKER_ID_CHARS = 128
-_WORKER_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
 _SETTINGS_KEYS = ("optimizer", "init_lower", "init_upper", "weight_bound", "seed")
 _ROW_KEYS = ("ids", "weights", "state", "last_access", "clock")
 Rows = dict
 """One table's rows as plain arrays: ``ids`` (uint64 [n]), ``weights`` (float32 [n, dim]),
 ``state`` (float32 [n, state width]), ``last_access`` (int64 [n]) and ``clock`` (int),
 as :meth:`EmbeddingTable.export_rows` gives them."""
-
-
-def check_worker_id(worker_id: object, field: str = "worker_id") -> str:
-    """``worker_id`` if it is 1 to 128 characters out of letters, digits and ``_.:-`` (not
-    starting with ``.``, ``:`` or ``-``); ValueError naming ``field`` otherwise."""
-    if (not isinstance(worker_id, str) or not 0 < len(worker_id) <= MAX_WORKER_ID_CHARS
-            or not _WORKER_ID.fullmatch(worker_id)):
-        shown = worker_id[:MAX_WORKER_ID_CHARS] if isinstance(worker_id, str) else worker_id
-        raise ValueError(f"{field}: {shown!r} is not a worker id (1 to {MAX_WORKER_ID_CHARS} "
-                         "letters, digits, '_', '.', ':' or '-')")
-    return worker_id
 
 
 @dataclass(kw_only=True)
@@ -145,9 +136,8 @@ class ParameterServer:
         self._lock = threading.Lock()
         self._settings: TableSettings | None = None
         self._tables: dict[str, EmbeddingTable] = {}
-        self._seen: collections.OrderedDict[str, collections.OrderedDict[int, None]] = (
-            collections.OrderedDict())
-        self._seen_lock = threading.Lock()
+        self._window = UpdateWindow()
+        self._count_lock = threading.Lock()
         self._increments = SwapLock()
         """Lookups share it, :meth:`apply_increment` holds it alone."""
         self.num_updates = 0
@@ -280,11 +270,16 @@ class ParameterServer:
                 )
 
     def lookup(self, requests: list[tuple[str, np.ndarray]], *, training: bool,
-               answer_itemsize: int = 4) -> list[np.ndarray]:
+               answer: LookupAnswer | None = None, out: Callable[[list[tuple[int, int]]],
+                                                                 list[np.ndarray]] | None = None,
+               ) -> list[np.ndarray]:
         """Embeddings ``[n, dim]`` for each ``(table, ids)``; training lookups insert new ids.
 
-        A request whose answer (``answer_itemsize`` bytes per value) would not fit in
-        ``max_message_bytes`` is refused before anything is inserted.
+        ``answer``: how the rows travel back (default float32, uncompressed). A lookup
+        whose answer would not fit in ``max_message_bytes``, or that would take too much
+        memory to serve (:mod:`persia_py.servers.call_memory`), is refused before anything
+        is inserted or allocated. ``out``: called with each answer's shape once every
+        check passed; returns the float32 arrays to write the rows to (default: new ones).
         """
         if training and self.inference:
             raise FailedPrecondition("this parameter server is in inference mode (read-only): "
@@ -292,13 +287,13 @@ class ParameterServer:
         tables = [self._table(name) for name, _ in requests]
         for name, ids in requests:
             self._check_ids(name, ids)
-        answer_bytes = sum(ids.size * t.dim * answer_itemsize for t, (_, ids) in zip(tables, requests))
-        limit = self.global_config.common_config.max_message_bytes
-        if answer_bytes > limit:
-            raise ValueError(f"the answer would carry {answer_bytes} bytes of embeddings, over "
-                             f"max_message_bytes {limit}; look up fewer ids per call")
+        shapes = [(ids.size, t.dim) for t, (_, ids) in zip(tables, requests)]
+        (answer or LookupAnswer()).check([ids for _, ids in requests], shapes,
+                                         self.global_config.common_config.max_message_bytes)
+        outs = out(shapes) if out is not None else [None] * len(shapes)
         with self._increments.shared():
-            answers = [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
+            answers = [t.lookup(ids, insert=training, out=o)
+                       for t, (_, ids), o in zip(tables, requests, outs)]
         if training and self.update_log is not None:  # the rows it inserted, for a restart
             self.update_log.lookup(requests)
         return answers
@@ -309,12 +304,15 @@ class ParameterServer:
         *,
         worker_id: str = "",
         sequence: int = 0,
+        replayed: bool = False,
     ) -> tuple[int, bool]:
         """Apply gradients ``(table, ids, grads)``; returns (rows updated, was duplicate).
 
         The whole request is validated before any table changes, so a bad request
-        changes nothing; a request without ids is refused. ``worker_id`` (see
-        :func:`check_worker_id`; empty: no exactly-once) and ``sequence`` identify it.
+        changes nothing; a request without ids is refused, and so is one that would take
+        too much memory to apply (:mod:`persia_py.servers.call_memory`). ``worker_id``
+        (see :func:`check_worker_id`; empty: no exactly-once) and ``sequence`` identify
+        it; ``replayed``: an update from the update log, accepted when it first came.
         """
         if self.inference:
             raise FailedPrecondition("this parameter server is in inference mode (read-only): "
@@ -325,6 +323,9 @@ class ParameterServer:
         if worker_id:
             check_worker_id(worker_id)
         tables = [self._table(name) for name, _, _ in requests]
+        if not replayed:  # accepted when it came
+            call_memory.check_update([(ids.size, g.size, g.dtype.name) for _, ids, g in requests],
+                                     self.global_config.common_config.max_message_bytes)
         checked = []
         for (name, ids, grads), table in zip(requests, tables):
             self._check_ids(name, ids)
@@ -332,51 +333,28 @@ class ParameterServer:
                 checked.append(table.check_update(ids, grads))
             except ValueError as exc:
                 raise ValueError(f"table {name!r}: {exc}") from None
-        if worker_id and self._seen_before(worker_id, sequence):
+        if worker_id and self._window.seen_before(worker_id, sequence, replayed=replayed):
             return 0, True
         try:
             num_updated = sum(table.apply_update(ids, grads)
                               for (ids, grads), table in zip(checked, tables))
         except BaseException:
             if worker_id:  # not applied: a retry must not be taken for a duplicate
-                self._forget(worker_id, sequence)
+                self._window.forget(worker_id, sequence)
             raise
         if self.update_log is not None:  # before the caller hears of it: see update_log
             # float16 gradients as they arrived (half the bytes), others as applied
             self.update_log.update([(name, ids, raw if raw.dtype == np.float16 else grads)
                                     for (name, _, raw), (ids, grads) in zip(requests, checked)],
                                    worker_id, sequence)
-        with self._seen_lock:
+        with self._count_lock:
             self.num_updates += 1
         return num_updated, False
-
-    def _seen_before(self, worker_id: str, sequence: int) -> bool:
-        """Whether ``(worker_id, sequence)`` is in the window; remembers it if not."""
-        with self._seen_lock:
-            seen = self._seen.get(worker_id)
-            if seen is None:
-                seen = self._seen[worker_id] = collections.OrderedDict()
-                while len(self._seen) > MAX_UPDATE_WORKERS:
-                    self._seen.popitem(last=False)
-            else:
-                self._seen.move_to_end(worker_id)
-            if sequence in seen:
-                return True
-            seen[sequence] = None
-            if len(seen) > SEEN_PER_WORKER:
-                seen.popitem(last=False)
-            return False
-
-    def _forget(self, worker_id: str, sequence: int) -> None:
-        with self._seen_lock:
-            self._seen.get(worker_id, {}).pop(sequence, None)
 
     def export_seen(self) -> dict[str, np.ndarray]:
         """The exactly-once window: worker id -> its remembered sequence numbers (uint64),
         oldest first; the least recently updating worker first."""
-        with self._seen_lock:
-            return {w: np.fromiter(seen, dtype=np.uint64, count=len(seen))
-                    for w, seen in self._seen.items()}
+        return self._window.export()
 
     # -- state: checkpoints and incremental exports ---------------------------------
 
@@ -411,7 +389,7 @@ class ParameterServer:
         if unknown:
             raise ValueError(f"tables {unknown} are not in the embedding config "
                              f"({sorted(self.embedding_config.tables)})")
-        seen = _checked_window(state.seen)
+        seen = checked_window(state.seen)
         tables = self._build_tables(settings)
         try:
             num_rows = self._import(tables, state.tables)
@@ -422,8 +400,7 @@ class ParameterServer:
                     for table in tables.values():
                         table.track_changes()
                 old, self._tables, self._settings = self._tables, tables, settings
-                with self._seen_lock:
-                    self._seen = seen
+                self._window.replace(seen)
         except BaseException:
             for table in tables.values():
                 table.close()
@@ -502,28 +479,3 @@ class ParameterServer:
     def close(self) -> None:
         for table in self._tables.values():
             table.close()
-
-
-def _checked_window(windows: object) -> collections.OrderedDict:
-    """The exactly-once window ``windows`` describes (worker id -> sequence numbers),
-    checked: valid worker ids, at most ``MAX_UPDATE_WORKERS`` of them, each with at most
-    ``SEEN_PER_WORKER`` distinct non-negative integer sequence numbers."""
-    if not isinstance(windows, dict):
-        raise ValueError(f"seen: expected a mapping of worker ids, got {type(windows).__name__}")
-    if len(windows) > MAX_UPDATE_WORKERS:
-        raise ValueError(f"seen: {len(windows)} worker ids, over the {MAX_UPDATE_WORKERS} "
-                         "a replica remembers")
-    out: collections.OrderedDict = collections.OrderedDict()
-    for worker_id, sequences in windows.items():
-        check_worker_id(worker_id, "seen: worker id")
-        if (not isinstance(sequences, np.ndarray) or sequences.ndim != 1
-                or sequences.dtype not in (np.uint64, np.int64)):
-            raise ValueError(f"seen[{worker_id!r}]: expected a 1-D uint64 or int64 array")
-        if sequences.dtype == np.int64 and bool((sequences < 0).any()):
-            raise ValueError(f"seen[{worker_id!r}]: negative sequence numbers")
-        unique = np.unique(sequences.astype(np.uint64))
-        if unique.size != sequences.size or unique.size > SEEN_PER_WORKER:
-            raise ValueError(f"seen[{worker_id!r}]: {sequences.size} sequence numbers, "
-                             f"{unique.size} distinct; at most {SEEN_PER_WORKER}, all distinct")
-        out[worker_id] = collections.OrderedDict.fromkeys(unique.tolist())
-    return out

@@ -5,8 +5,10 @@ starts from, then the log applied again). See ``persia_py.servers.update_log``."
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from persia_py.checkpoint import layout as fmt
+from persia_py.ops import safe_files
 from persia_py.servers.checkpoint import load_replica
 from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.update_log import (
@@ -19,7 +21,7 @@ from persia_py.servers.update_log import (
 
 
 def open_update_log(ps: ParameterServer, folder: str | os.PathLike, *, replay: bool,
-                    checkpoint: str | os.PathLike | None,
+                    checkpoint: str | os.PathLike | None, root: str | os.PathLike,
                     max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     """Give ``ps`` (new, nothing loaded) its update log in ``folder``; returns a line
     saying what it did.
@@ -28,12 +30,15 @@ def open_update_log(ps: ParameterServer, folder: str | os.PathLike, *, replay: b
     checkpoint the log starts from, apply the logged updates again and go on appending
     to the last segment; ``checkpoint`` is not used. Otherwise (a new start, or nothing
     logged yet): delete what ``folder`` holds, load ``checkpoint`` if given, and begin a
-    new segment there."""
+    new segment there. The checkpoints a log names must lie inside the checkpoint
+    ``root`` (or be ``checkpoint``, which the operator gave): ValueError naming the
+    segment otherwise, before anything is loaded."""
     if ps.inference:
         raise ValueError("a serving (inference) replica keeps no update log: it applies no "
                          "updates")
     log = UpdateLog(folder, ps.replica_index, max_bytes=max_bytes)
-    plan = replay_plan(folder) if replay else []
+    trusted = None if checkpoint is None else Path(os.path.realpath(checkpoint))
+    plan = replay_plan(folder, safe_files.configured_root(root), trusted) if replay else []
     if not plan:  # begin() deletes what the folder held once the new segment is in place
         if checkpoint is None:
             log.begin("start", None)
@@ -55,7 +60,7 @@ def open_update_log(ps: ParameterServer, folder: str | os.PathLike, *, replay: b
                     ps.lookup(record["requests"], training=True)
                 else:
                     ps.update(record["requests"], worker_id=record["worker_id"],
-                              sequence=record["sequence"])
+                              sequence=record["sequence"], replayed=True)
                     num_updates += 1
         log.resume(plan[-1])
         what = (f"{num_rows} rows from " + (f"checkpoint {base}" if base else "no checkpoint")

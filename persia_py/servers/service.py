@@ -6,10 +6,13 @@ import json
 import os
 
 import grpc
+import numpy as np
 
 from persia_py.checkpoint import rewind
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
+from persia_py.servers import call_memory
+from persia_py.servers.call_memory import LookupAnswer
 from persia_py.servers.checkpoint import CheckpointRoot, add_checkpoint_service
 from persia_py.servers.metrics import ParameterServerMetrics
 from persia_py.servers.parameter_server import ParameterServer
@@ -37,6 +40,23 @@ def configure_args(request: common_pb2.ConfigureRequest) -> dict:
     )
 
 
+def _answer(embeddings: list[np.ndarray], answer: list[codec.TensorFields],
+            wire: LookupAnswer) -> bytes:
+    """The serialized LookupResponse of ``embeddings``: the rows are in ``answer``'s
+    bytes already (float32), or are written into a message built once (float16), or
+    are compressed piece by piece (lz4). ``embeddings`` is emptied: a view of the message
+    left alive would make it be copied."""
+    if not answer and not wire.lz4:
+        answer.append(codec.TensorFields(1, [(wire.dtype, e.shape) for e in embeddings]))
+        for rows, into in zip(embeddings, answer[0].arrays):
+            codec.cast_float(rows, wire.dtype, out=into)
+    if answer:
+        embeddings.clear()
+        return answer[0].finish()
+    return codec.join([piece for e in embeddings for piece in codec.tensor_field(
+        1, e, fp16=wire.fp16, compress=True)])  # LookupResponse.embeddings
+
+
 class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer):
     def __init__(self, ps: ParameterServer, metrics: ParameterServerMetrics | None = None) -> None:
         self.ps = ps
@@ -53,17 +73,25 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             (t.table, codec.decode(t.ids, name=f"tables[{i}].ids", dtypes=("uint64",), ndim=1))
             for i, t in enumerate(request.tables)
         ]
+        wire = LookupAnswer(fp16=request.fp16, lz4=request.lz4)
+        answer: list[codec.TensorFields] = []
+
+        def in_answer(shapes: list[tuple[int, int]]) -> list[np.ndarray]:
+            answer.append(codec.TensorFields(1, [("float32", s) for s in shapes]))
+            return answer[0].arrays
+
         with self.metrics.lookup_seconds.time():
-            embeddings = self.ps.lookup(tables, training=request.training,
-                                        answer_itemsize=2 if request.fp16 else 4)
+            embeddings = self.ps.lookup(tables, training=request.training, answer=wire,
+                                        out=in_answer if wire.in_place() else None)
         self.metrics.lookup_ids.inc(sum(ids.size for _, ids in tables))
-        # Serialized here: the rows are copied once, into the bytes gRPC sends, where
-        # building and serializing a LookupResponse would copy them three times.
-        return codec.join([piece for e in embeddings for piece in codec.tensor_field(
-            1, e, fp16=request.fp16, compress=request.lz4)])  # LookupResponse.embeddings
+        return _answer(embeddings, answer, wire)
 
     @grpc_method
     def Update(self, request, context):
+        # What the arrays claim, checked before they are decoded.
+        call_memory.check_update(
+            [(codec.claimed_elements(t.ids), codec.claimed_elements(t.grads), t.grads.dtype)
+             for t in request.tables], self.ps.global_config.common_config.max_message_bytes)
         tables = [
             (
                 t.table,

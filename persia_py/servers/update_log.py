@@ -334,10 +334,32 @@ def _can_start(segment: Segment) -> bool:
                                        and complete_checkpoint(segment.base) is not None)
 
 
-def replay_plan(folder: str | os.PathLike) -> list[Segment]:
+def _check_base(segment: Segment, root: Path, trusted: Path | None) -> None:
+    """ValueError naming the segment's file and offset unless its ``base`` lies inside
+    ``root`` or is (inside) ``trusted``, links resolved and nothing opened: a header is
+    read from a file, and a restart opens the checkpoint it names."""
+    if segment.base is None:
+        return
+    if not isinstance(segment.base, str) or not os.path.isabs(segment.base):
+        raise ValueError(f"{segment.path} at byte 0: the header's checkpoint {segment.base!r} "
+                         "is not an absolute path")
+    real = Path(os.path.realpath(segment.base))
+    if not ((real.is_relative_to(root) and real != root)
+            or (trusted is not None and real.is_relative_to(trusted))):
+        raise ValueError(f"{segment.path} at byte 0: the header names checkpoint "
+                         f"{segment.base!r}, outside the checkpoint root {root}; a restart "
+                         "opens no checkpoint outside it")
+
+
+def replay_plan(folder: str | os.PathLike, root: Path,
+                trusted: Path | None = None) -> list[Segment]:
     """The segments a restart loads and replays: from the newest one a restart can begin
-    with (see :func:`_can_start`) to the last. Empty when the folder holds none."""
+    with (see :func:`_can_start`) to the last. Empty when the folder holds none. Every
+    segment's checkpoint must lie inside the checkpoint ``root`` or be the ``trusted``
+    one (real paths; see :func:`_check_base`), checked before any of them is opened."""
     segments = read_segments(folder)
+    for segment in segments:
+        _check_base(segment, root, trusted)
     for i in range(len(segments) - 1, -1, -1):
         if _can_start(segments[i]):
             return segments[i:]

@@ -39,9 +39,6 @@ class Event:
     BATCH_RESENT = "batch_resent"
     """A data loader put a kept batch's ID features on a restarted embedding worker
     again: ``batch``, ``embedding_worker``."""
-    UPDATE_DEDUPLICATED = "update_deduplicated"
-    """A parameter server had applied a batch's update already (the batch's first
-    training did): not applied again. ``stream``, ``batch``, ``replica``."""
     TRAINING_REWOUND = "training_rewound"
     """torchrun restarted the NN ranks and rank 0 took the job back to a checkpoint:
     ``restart``, ``checkpoint``."""

@@ -13,6 +13,8 @@ builds).
 
 from __future__ import annotations
 
+import ctypes
+import io
 import warnings
 from collections.abc import Iterator
 from functools import cache
@@ -126,13 +128,11 @@ def decode(
         if expected_bytes > _LZ4_MAX_RATIO * len(data) + 64:
             raise CodecError(f"{name}: {len(data)} lz4 bytes cannot decompress to the "
                              f"{expected_bytes} bytes shape {shape} of {tensor.dtype} needs")
-        try:
-            data = lz4.block.decompress(data, uncompressed_size=expected_bytes)
-        except lz4.block.LZ4BlockError as exc:
-            raise CodecError(f"{name}: lz4 payload does not decompress: {exc}") from None
-        if len(data) != expected_bytes:
-            raise CodecError(f"{name}: lz4 payload decompresses to {len(data)} bytes, shape "
-                             f"{shape} of {tensor.dtype} needs {expected_bytes}")
+        # Fresh memory of its own: no copy needed (none on a little-endian machine).
+        array = _decompress(data, np.empty(shape, dtype), name)
+        if as_float32 and dtype.name == "float16":
+            return cast_float(array, "float32")
+        return array.astype(dtype.newbyteorder("="), copy=False)
     if len(data) != expected_bytes:
         raise CodecError(
             f"{name}: shape {shape} of {tensor.dtype} needs {expected_bytes} bytes, got {len(data)}"
@@ -141,6 +141,47 @@ def decode(
     if as_float32 and dtype.name == "float16":
         return cast_float(array, "float32")  # a new array already
     return array.astype(dtype.newbyteorder("="), copy=copy)
+
+
+@cache
+def _lz4_decompress_into() -> Any:
+    """liblz4's ``LZ4_decompress_safe`` (as the lz4 package links it), or None if that
+    build does not export it."""
+    try:
+        function = ctypes.CDLL(lz4.block._block.__file__).LZ4_decompress_safe
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _decompress(data: Any, out: np.ndarray, name: str) -> np.ndarray:
+    """Decompress the lz4 block ``data`` into ``out``, which it must fill exactly.
+
+    ``lz4.block.decompress`` decompresses into a buffer of its own and copies that into
+    the ``bytes`` it returns, so a payload would take twice its decoded size at once (and
+    a third time as an array); liblz4 writes straight into ``out``, and never past it.
+    """
+    function = _lz4_decompress_into()
+    source = np.frombuffer(data, np.uint8)
+    if function is None or source.size >= 2**31 or out.nbytes >= 2**31:
+        try:
+            decoded = lz4.block.decompress(data, uncompressed_size=out.nbytes)
+        except lz4.block.LZ4BlockError as exc:
+            raise CodecError(f"{name}: lz4 payload does not decompress: {exc}") from None
+        size = len(decoded)
+        if size == out.nbytes:
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(decoded, np.uint8)
+    else:
+        size = function(source.ctypes.data, out.ctypes.data, source.size, out.nbytes)
+        if size < 0:
+            raise CodecError(f"{name}: lz4 payload does not decompress (corrupt, or larger "
+                             f"than the {out.nbytes} bytes its shape and dtype need)")
+    if size != out.nbytes:
+        raise CodecError(f"{name}: lz4 payload decompresses to {size} bytes, its shape "
+                         f"{out.shape} of {out.dtype.name} needs {out.nbytes}")
+    return out
 
 
 def check_decoded_size(message: Any, wire_bytes: int, limit: int, *, what: str) -> None:
@@ -162,11 +203,18 @@ def check_decoded_size(message: Any, wire_bytes: int, limit: int, *, what: str) 
 
 def _claimed_bytes(tensor: Any) -> int:
     """Bytes ``tensor`` would decode to by its shape and dtype (0 for what decode refuses)."""
-    if tensor.dtype not in WIRE_DTYPES or any(s < 0 for s in tensor.shape):
+    if tensor.dtype not in WIRE_DTYPES:
+        return 0
+    return min(claimed_elements(tensor) * np.dtype(tensor.dtype).itemsize, 2**62)
+
+
+def claimed_elements(tensor: Any) -> int:
+    """Elements ``tensor`` claims by its shape (0 for a negative dimension, which
+    :func:`decode` refuses), before anything is decoded."""
+    if any(s < 0 for s in tensor.shape):
         return 0
     # float64: an absurd shape gives inf instead of a huge exact product
-    size = float(np.prod(tensor.shape, dtype=np.float64)) * np.dtype(tensor.dtype).itemsize
-    return int(min(size, 2**62))
+    return int(min(float(np.prod(tensor.shape, dtype=np.float64)), 2**62))
 
 
 def _lz4_tensors(message: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -258,6 +306,62 @@ def tensor_field(field_number: int, array: np.ndarray, *, fp16: bool = False,
         compress = False
     header = _tensor_header(array.dtype.name, array.shape, len(data), compress)
     return [_key(field_number) + _varint(len(header) + len(data)) + header, data]
+
+
+def tensor_field_size(field_number: int, dtype_name: str, shape: tuple[int, ...],
+                      num_data_bytes: int, compressed: bool = False) -> int:
+    """Serialized size of a :func:`tensor_field` whose data take ``num_data_bytes``."""
+    size = len(_tensor_header(dtype_name, shape, num_data_bytes, compressed)) + num_data_bytes
+    return len(_key(field_number)) + len(_varint(size)) + size
+
+
+def lz4_bound(num_bytes: int) -> int:
+    """Most bytes lz4 compresses ``num_bytes`` to (``LZ4_compressBound``)."""
+    return num_bytes + num_bytes // 255 + 16
+
+
+class TensorFields:
+    """A message of one repeated Tensor field, written in place into the ``bytes`` that
+    are sent: :attr:`arrays` are writable views of where each array's data go, and
+    :meth:`finish` returns the message without copying it.
+
+    :func:`join` of :func:`tensor_field` pieces would hold the arrays and their copy at
+    once (twice the message). A ``BytesIO`` keeps its contents in a ``bytes`` object that
+    ``getvalue`` hands out uncopied once no view of it is left, so the arrays are
+    dropped (and their views released) before it is called.
+    """
+
+    def __init__(self, field_number: int, specs: list[tuple[str, tuple[int, ...]]]) -> None:
+        """``specs``: each array's wire dtype name and shape, in field order."""
+        layout, offset = [], 0
+        for dtype_name, shape in specs:
+            num_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype_name).itemsize
+            header = _tensor_header(dtype_name, shape, num_bytes)
+            prefix = _key(field_number) + _varint(len(header) + num_bytes) + header
+            layout.append((prefix, offset, dtype_name, shape))
+            offset += len(prefix) + num_bytes
+        self.size = offset
+        """Bytes of the message."""
+        self._buffer = io.BytesIO()
+        if offset:
+            self._buffer.seek(offset - 1)
+            self._buffer.write(b"\0")  # the whole message, allocated once
+        self._view = self._buffer.getbuffer()
+        self.arrays: list[np.ndarray] = []
+        for prefix, start, dtype_name, shape in layout:
+            self._view[start:start + len(prefix)] = prefix
+            self.arrays.append(np.frombuffer(self._view, np.dtype(dtype_name).newbyteorder("<"),
+                                             count=int(np.prod(shape, dtype=np.int64)),
+                                             offset=start + len(prefix)).reshape(shape))
+
+    def finish(self) -> bytes:
+        """The serialized message (a copy only if a view of :attr:`arrays` is still held)."""
+        self.arrays = []
+        try:
+            self._view.release()
+        except BufferError:  # someone still holds an array: getvalue copies
+            pass
+        return self._buffer.getvalue()
 
 
 def message_field(field_number: int, pieces: list) -> list:

@@ -41,6 +41,15 @@ from persia_py.workers.loader_service import BatchQueue, DataLoaderServicer
 
 logger = logging.getLogger(__name__)
 
+
+def new_stream(index: int) -> str:
+    """A new identity for loader ``index``'s batches at the embedding workers and parameter
+    servers: random per start of the training (128 bits), so never one an earlier run's
+    updates used, and not one a caller could guess to pre-mark a batch's update as applied
+    (the parameter servers would then acknowledge the real one without applying it)."""
+    return f"loader{index}-{secrets.token_hex(16)}"
+
+
 class DataCtx:
     """Context of a data-loader process (as PERSIA's ``persia.ctx.DataCtx``).
 
@@ -111,10 +120,8 @@ class DataCtx:
                     HandoverLog(log_path, replay=replay, trained=self._done))
         self.batches = BatchQueue(self.buffer_size, self.env.nn_world_size, self.log)
         recovered = Handovers(finished=self._done) if self.log is None else self.log.recovered
-        # The identity of this loader's batches at the embedding workers and parameter
-        # servers: random per start of the training, never one an earlier run's updates
-        # used; kept by a loader restarted alone (see workers/handover_log.py).
-        self.stream = recovered.stream or f"loader{index}-{secrets.token_hex(8)}"
+        # Kept by a loader restarted alone (see workers/handover_log.py).
+        self.stream = recovered.stream or new_stream(index)
         # Restarted alone: skip what the NN workers finished, make again what they hold.
         self._done = recovered.finished
         self._in_training = recovered.in_training

@@ -42,7 +42,6 @@ from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.ids.dedup import unique_in_order
 from persia_py.ids.routing import RESERVED_ID, hash_stack
 from persia_py.proto import common_pb2
-from persia_py.telemetry.events import Event, emit
 from persia_py.wire.rpc import NotFound, Overloaded
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.ps_client import PSClient, UpdateNotApplied
@@ -144,8 +143,6 @@ class EmbeddingWorker:
         self._next_ref = itertools.count((secrets.randbits(46) << 16) + 1)
         self._refs_by_identity: dict[tuple[str, int], int] = {}
         """(stream, batch id) -> ref of the pending batches put with an identity."""
-        self.num_deduplicated = 0
-        """Updates the parameter servers had applied already (a batch trained twice)."""
         self._sequence = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(ps_clients)),
                                         thread_name_prefix="ps-call")
@@ -463,17 +460,18 @@ class EmbeddingWorker:
         try:
             return self._on_replica(r, lambda c: c.update(
                 slots, worker_id=worker_id, sequence=sequence, resend=resend))
-        except UpdateNotApplied:
+        except UpdateNotApplied as exc:
             if batch.identity is not None:
-                # The pair names one batch of one stream: it was applied before, by this
-                # batch's first training. Applying it again would train it twice.
-                self.num_deduplicated += 1
-                logger.warning("batch %d of stream %s: parameter server %d had applied its "
-                               "update already; not applied again", sequence,
-                               batch.identity[0], r)
-                emit(Event.UPDATE_DEDUPLICATED, stream=batch.identity[0], batch=sequence,
-                     replica=r)
-                return 0
+                # Nothing of this worker sent the pair before (a rerouted batch is sent as
+                # `resend`), so another sender took it: the gradients were not applied, and
+                # taking the answer for success would lose them. Every attempt says so; the
+                # pair cannot change (it is what applies a rerouted batch once).
+                batch.sent[r] = False
+                raise UpdateNotApplied(
+                    f"batch {sequence} of data loader stream {batch.identity[0][:12]}...: "
+                    f"{exc}; its gradients are not applied (a stream's identity is random "
+                    "per training start, so this is a forged update or a reused stream)"
+                ) from None
             # The replica had the pair from another sender: a later attempt takes a new
             # sequence, so that it is applied (or refused again), never acknowledged unapplied.
             batch.sequences[r], batch.sent[r] = next(self._sequence), False

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,8 +174,56 @@ def _handed_record(h: Handover) -> dict:
             "request": h.request_seq}
 
 
+class HandoverLogError(ValueError):
+    """A handover log holds a record a loader never writes; the message names the file,
+    the line and its byte offset."""
+
+
+_KINDS = {"stream": {"stream"}, "finished": {"finished"},
+          "handed": {"handed", "rank", "consumer", "request"}, "done": {"done"},
+          "ended": {"ended"}}
+"""Each record kind (its first key) and the keys it has, exactly."""
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
+def _checked(record: object, where: str) -> tuple[str, dict]:
+    """``(kind, record)`` of one decoded line, each field checked; HandoverLogError naming
+    ``where`` otherwise (a log a loader wrote never has one)."""
+    kind = next((k for k in _KINDS if isinstance(record, dict) and k in record), None)
+    if kind is None or set(record) != _KINDS[kind]:
+        raise HandoverLogError(f"{where}: not a handover record ({_shown(record)}); expected "
+                               f"one of {[sorted(keys) for keys in _KINDS.values()]}")
+    if kind == "stream":
+        ok = isinstance(record["stream"], str) and 0 < len(record["stream"]) <= 64
+    elif kind == "handed":
+        consumer = record["consumer"]
+        ok = (all(_number(record[k]) for k in ("handed", "rank", "request"))
+              and isinstance(consumer, str) and len(consumer) <= 128
+              and re.fullmatch(r"(?:[0-9a-f]{2})*", consumer) is not None)
+    elif kind == "done":
+        ok = isinstance(record["done"], list) and all(_number(s) for s in record["done"])
+    elif kind == "ended":
+        ok = _number(record["ended"])
+    else:  # finished: Position.from_json checks it
+        ok = True
+    if not ok:
+        raise HandoverLogError(f"{where}: a {kind!r} record with fields of the wrong type or "
+                               f"range ({_shown(record)})")
+    return kind, record
+
+
+def _shown(record: object) -> str:
+    text = repr(record)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def read_handovers(path: str | os.PathLike) -> Handovers:
-    """The state a handover log describes (empty if there is none)."""
+    """The state a handover log describes (empty if there is none). A line cut short is
+    skipped; a whole line that is not a record a loader writes raises HandoverLogError
+    naming the file, line and byte offset."""
     state = Handovers()
     try:
         text = Path(path).read_bytes()
@@ -182,26 +231,32 @@ def read_handovers(path: str | os.PathLike) -> Handovers:
         return state
     handed: dict[int, Handover] = {}
     done: list[int] = []
+    offset = 0
     for number, raw in enumerate(text.split(b"\n"), 1):
+        where, offset = f"{path} line {number} (byte {offset})", offset + len(raw) + 1
         if not raw:
             continue
         try:
             record = json.loads(raw)
         except ValueError:
-            logger.info("%s line %d: cut short; ignored", path, number)
+            logger.info("%s: cut short; ignored", where)
             continue
-        if "stream" in record:
+        kind, record = _checked(record, where)
+        if kind == "stream":
             state.stream = record["stream"]
-        elif "finished" in record:  # a compacted log's start
-            state.finished = Position.from_json(record["finished"], f"{path} line {number}")
-        elif "handed" in record:
+        elif kind == "finished":  # a compacted log's start
+            try:
+                state.finished = Position.from_json(record["finished"], where)
+            except ValueError as exc:
+                raise HandoverLogError(str(exc)) from None
+        elif kind == "handed":
             h = Handover(record["handed"], record["rank"], bytes.fromhex(record["consumer"]),
                          record["request"])
             handed[h.seq] = h
             state.last[h.rank] = h
-        elif "done" in record:
+        elif kind == "done":
             done.extend(record["done"])
-        elif "ended" in record:
+        else:
             state.ended.add(record["ended"])
     state.finished = state.finished.advanced(set(done) & handed.keys())
     state.in_training = {s: h for s, h in handed.items() if not state.finished.done(s)}
@@ -225,4 +280,5 @@ def take_rewind(path: str | os.PathLike, *, replayed: bool, index: int) -> Posit
     return done
 
 
-__all__ = ["Handover", "HandoverLog", "Handovers", "read_handovers", "take_rewind"]
+__all__ = ["Handover", "HandoverLog", "HandoverLogError", "Handovers", "read_handovers",
+           "take_rewind"]
