@@ -21,13 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from persia_py.servers.access_clock import STAMP_DTYPE
 from persia_py.servers.hash_index import index_bytes
+from persia_py.servers.memory import HUGE_PAGE
+from persia_py.servers.storage import row_dtypes
 
 FLOAT_BYTES = 4
-ID_AND_STAMP_BYTES = np.dtype(np.uint64).itemsize + STAMP_DTYPE.itemsize
+ID_AND_STAMP_BYTES = row_dtypes()["ids"].itemsize + row_dtypes()["last_access"].itemsize
 """``ids`` (uint64) and ``last_access`` (uint32 stamps) per row."""
 INDEX_BYTES_PER_ROW = 10
 """Hash-index slots (4-byte row numbers) per row, rounded up from the 9.2 of a doubling
@@ -42,11 +41,39 @@ def row_bytes(dim: int, state_width: int) -> int:
     return FLOAT_BYTES * (dim + state_width) + ID_AND_STAMP_BYTES + INDEX_BYTES_PER_ROW
 
 
-def shard_bytes(rows: int, dim: int, state_width: int) -> int:
-    """Resident bytes of one internal shard holding ``rows`` rows: the row arrays and the
-    index's slot array exactly as the shard allocates them (what the planner adds up)."""
-    per_row = FLOAT_BYTES * (dim + state_width) + ID_AND_STAMP_BYTES
-    return rows * per_row + index_bytes(rows)
+@dataclass(frozen=True)
+class TableBytes:
+    """Resident bytes of one table's arrays on one replica, by part."""
+
+    weights: int
+    state: int
+    ids_and_stamps: int
+    index: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.state + self.ids_and_stamps + self.index
+
+
+def table_bytes(rows: int, dim: int, state_width: int, *, num_shards: int = 1,
+                weight_bytes: int = FLOAT_BYTES) -> TableBytes:
+    """Bytes of a table holding ``rows`` rows over ``num_shards`` internal shards (the
+    keyed hash spreads rows evenly), from the element types the shards allocate with and
+    the slot count their indexes reach: what :mod:`persia_py.launcher.plan` adds up."""
+    dtypes = row_dtypes()
+    per_shard = -(-rows // num_shards)
+    return TableBytes(
+        weights=rows * dim * weight_bytes,
+        state=rows * state_width * dtypes["state"].itemsize,
+        ids_and_stamps=rows * (dtypes["ids"].itemsize + dtypes["last_access"].itemsize),
+        index=num_shards * index_bytes(per_shard),
+    )
+
+
+def huge_page_slack(num_shards: int) -> int:
+    """Resident bytes past the rows in ``num_shards`` shards' reserved arrays: each of
+    the four is backed by 2 MiB huge pages, and its last one is half full on average."""
+    return num_shards * 4 * HUGE_PAGE // 2
 
 
 @dataclass(frozen=True)

@@ -698,6 +698,11 @@ _DTYPES = {"ids": np.uint64, "weights": np.float32, "state": np.float32,
            "last_access": STAMP_DTYPE}
 """Element types of a shard's row arrays."""
 
+
+def row_dtypes() -> dict[str, np.dtype]:
+    """Element types of a shard's row arrays, by array name (for sizing)."""
+    return {name: np.dtype(dtype) for name, dtype in _DTYPES.items()}
+
 STAT_KEYS = ("entries", "bytes", "hits", "misses", "inserted", "evicted", "admitted",
              "rejected", "expired")
 """Keys of :meth:`EmbeddingTable.stats`, in the order of the ``TableStats`` message."""
