@@ -23,6 +23,7 @@ import numpy as np
 
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.servers import sizing
+from persia_py.servers.hash_index import max_entries_of_narrow_slots
 from persia_py.servers.optimizers import optimizer_from_dict, state_width
 
 WEIGHT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -218,6 +219,7 @@ def make_plan(tables: list[TableDemand], *, weight_bytes: int, machine: Machine,
     checkpoint = sum(rows_per_replica(t, num_servers) * checkpoint_row_bytes(
         t.dim, t.state_width, weight_bytes) for t in tables)
     nodes = math.ceil(workload.num_nn_workers / workload.nn_workers_per_node)
+    notes = _index_notes(tables, num_servers, workload.num_internal_shards)
     params = sum(t.distinct_ids * t.dim for t in tables)
     return {
         "parameter_servers": num_servers,
@@ -230,6 +232,7 @@ def make_plan(tables: list[TableDemand], *, weight_bytes: int, machine: Machine,
         "tables": [{**asdict(t), "rows_per_server": rows_per_replica(t, num_servers)}
                    for t in tables],
         "tables_evicting": evicting,
+        "notes": notes,
         "embedding_workers": max(1, math.ceil(
             workload.num_nn_workers * EMBEDDING_WORKER_CORES_PER_NN_WORKER)),
         "data_loaders": nodes,
@@ -241,6 +244,20 @@ def make_plan(tables: list[TableDemand], *, weight_bytes: int, machine: Machine,
         },
         "disk_per_data_loader": {"handover_log": HANDOVER_LOG_BYTES},
     }
+
+
+def _index_notes(tables: list[TableDemand], num_servers: int, num_shards: int) -> list[str]:
+    """Tables whose internal shards are too big for 4-byte index slots, and the shard count
+    that would keep them at 4."""
+    notes = []
+    for table in tables:
+        rows = rows_per_replica(table, num_servers)
+        need = math.ceil(rows / max_entries_of_narrow_slots())
+        if need > num_shards:
+            notes.append(f"table {table.name}: {rows:,} rows per server need 8-byte index "
+                         f"slots in {num_shards} internal shard(s); "
+                         f"num_hashmap_internal_shards >= {need} keeps them at 4 bytes")
+    return notes
 
 
 def checkpoint_row_bytes(dim: int, state_width: int, weight_bytes: int) -> int:

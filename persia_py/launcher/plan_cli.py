@@ -177,6 +177,7 @@ def format_plan(plan: dict) -> str:
     if plan["tables_evicting"]:
         lines.append(f"capacity below the ids: {plan['tables_evicting']} will evict rows "
                      f"(raise capacity in the embedding config)")
+    lines += plan["notes"]
     disk = plan["disk_per_server"]
     lines += [
         "",

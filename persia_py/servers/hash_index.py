@@ -192,6 +192,27 @@ def _insert_all_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint
 
 
 @njit(cache=True, nogil=True)
+def _rehash_kernel(old: np.ndarray, old_row_mask: np.uint64, slots: np.ndarray,
+                   row_ids: np.ndarray, row_mask: np.uint64, words: np.ndarray,
+                   tag_shift: int, row_bits: int) -> None:
+    """Insert every entry of the slot array ``old`` into the empty ``slots`` (a growth:
+    the entries are distinct). Works slot by slot with no batch-sized temporaries: a
+    process keeps its peak heap (``persia_py.allocator``), so arrays the size of the
+    index, made at each doubling, would stay resident for good."""
+    mask = slots.shape[0] - 1
+    for i in range(old.shape[0]):
+        v = np.uint64(old[i])
+        if v == 0:
+            continue
+        r = np.int64(v & old_row_mask) - 1
+        h = keyed_hash_one(row_ids[r], words)
+        s = np.int64(h & np.uint64(mask))
+        while slots[s] != 0:
+            s = (s + 1) & mask
+        slots[s] = ((h >> np.uint64(tag_shift)) << np.uint64(row_bits)) | np.uint64(r + 1)
+
+
+@njit(cache=True, nogil=True)
 def _longest_run(slots: np.ndarray) -> int:
     """Longest run of occupied slots, wrapping around (the slot array is never full)."""
     n = slots.shape[0]
@@ -226,6 +247,12 @@ def slot_dtype(slots: int, row_limit: int = 0) -> np.dtype:
     uint32 while that leaves ``MIN_TAG_BITS`` tag bits, else uint64."""
     return np.dtype(np.uint32 if _row_bits(slots, row_limit) <= 32 - MIN_TAG_BITS
                     else np.uint64)
+
+
+def max_entries_of_narrow_slots() -> int:
+    """Most rows an index keeps in uint32 slots (more: uint64 slots, twice the bytes)."""
+    num, den = MAX_LOAD
+    return (1 << (32 - MIN_TAG_BITS)) * num // den
 
 
 def index_bytes(entries: int) -> int:
@@ -356,14 +383,10 @@ class HashIndex:
             self._grow(self.slots * 2, self._row_limit)
 
     def _grow(self, slots: int, row_limit: int) -> None:
-        occupied = self._slots[self._slots != 0].astype(np.uint64)
-        rows = (occupied & self._row_mask).astype(np.int64) - 1
-        count = self._count
+        old, old_row_mask, count = self._slots, self._row_mask, self._count
         self._reset(slots, row_limit)
-        ids = self.row_ids[rows]
-        dup = _insert_all_kernel(self._slots, self.row_ids, self._row_mask, ids,
-                                 *self._homes(ids), rows)
-        assert dup < 0, "hash index held a duplicate key"
+        _rehash_kernel(old, old_row_mask, self._slots, self.row_ids, self._row_mask,
+                       self._key.words, self._tag_shift, self._row_bits)
         self._count = count
 
     def rebuild(self, ids: np.ndarray, rows: np.ndarray, room: int = 0) -> None:
