@@ -41,10 +41,10 @@ EMBEDDING_WORKER_CORES_PER_NN_WORKER = 0.15
 """CPU a parameter server / embedding worker spent per NN worker in the dense-heavy
 training benchmark (docs/sizing.md, docs/benchmarks.md#training-throughput);
 embedding-heavy jobs need more."""
-PROCESS_BYTES = 200 << 20
+PROCESS_BYTES = 185 << 20
 """Resident memory of a parameter server besides its tables and messages: Python, numpy,
 numba's kernels and gRPC (about 175 MiB idle: ``python -m benchmarks.density`` prints
-it) and the work arrays of its calls."""
+it) and the work arrays of its calls (docs/benchmarks.md#parameter-server-density)."""
 GRPC_WORKERS = 16
 """Calls a parameter server works on at once (``persia_py.rpc.create_server``)."""
 ROUTING_SIGMAS = 4
