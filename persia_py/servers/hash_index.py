@@ -40,7 +40,7 @@ MAX_LOAD = (3, 5)
 """Most entries per slot (numerator, denominator) before the slot array doubles."""
 MIN_TAG_BITS = 4
 """Fewest tag bits of a uint32 slot; a shard whose row numbers leave fewer gets uint64
-slots (past ~200M rows in one internal shard)."""
+slots (past about 161M rows in one internal shard: 2**28 slots at the load bound)."""
 
 
 @njit(cache=True, nogil=True)
