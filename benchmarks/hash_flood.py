@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from persia_py.ids.hashing import HASH_STACK_SALT, REPLICA_SALT, HashKey, inverse_mix64, mix64
-from persia_py.servers.hash_index import HashIndex
+from persia_py.servers.hash_index import HashIndex, _insert_all_kernel
 from persia_py.servers.optimizers import SGDConfig
 from persia_py.servers.storage import EmbeddingTable
 
@@ -58,9 +58,22 @@ DEFAULT = {"ids": 40_000, "repeats": 5}
 class PublicHashIndex(HashIndex):
     """The index as it was before keying: home slot ``mix64(id, HASH_STACK_SALT)``."""
 
-    def _home_slots(self, ids: np.ndarray, start: int = 0) -> np.ndarray:
-        mask = np.uint64(self.slots - 1)
-        return (mix64(ids[start:], OLD_INDEX_SALT) & mask).astype(np.int64)
+    def _homes(self, ids: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        hashed = mix64(ids[start:], OLD_INDEX_SALT)
+        home = (hashed & np.uint64(self.slots - 1)).astype(np.int64)
+        return home, (hashed >> np.uint64(self._tag_shift)) << np.uint64(self._row_bits)
+
+    def _grow(self, slots: int, row_limit: int) -> None:
+        # Today's growth rehashes with the keyed hash inside one kernel; re-insert by
+        # the public home slots instead.
+        occupied = self._slots[self._slots != 0].astype(np.uint64)
+        rows = (occupied & self._row_mask).astype(np.int64) - 1
+        count = self._count
+        self._reset(slots, row_limit)
+        ids = self.row_ids[rows]
+        _insert_all_kernel(self._slots, self.row_ids, self._row_mask, ids, *self._homes(ids),
+                           rows)
+        self._count = count
 
 
 def colliding(count: int, offset: int, salt: int) -> np.ndarray:

@@ -26,10 +26,10 @@ ADAM = {"type": "adam", "lr": 0.01}
 
 def test_row_bytes_by_dim_and_optimizer() -> None:
     adagrad = optimizer_from_dict({"type": "adagrad", "lr": 0.01})
-    # dim 32: weights 128 B, id + stamp 16 B, index 32 B; Adagrad adds 128 B.
-    assert row_bytes(32, 0) == 176
-    assert row_bytes(32, state_width(adagrad, 32)) == 304
-    assert row_bytes(32, state_width(optimizer_from_dict(ADAM), 32)) == 4 * (32 + 65) + 48
+    # dim 32: weights 128 B, id + stamp 12 B, index 10 B; Adagrad adds 128 B.
+    assert row_bytes(32, 0) == 150
+    assert row_bytes(32, state_width(adagrad, 32)) == 278
+    assert row_bytes(32, state_width(optimizer_from_dict(ADAM), 32)) == 4 * (32 + 65) + 22
 
 
 def _write(path, text: str) -> None:
@@ -80,8 +80,8 @@ def test_parameter_server_warns_at_start_and_at_configure(caplog) -> None:
     available = memory_limit()
     if available is None:
         pytest.fail("no memory figure on this machine: /proc/meminfo is unreadable")
-    # Rows of 176 + 80 bytes (weights and index): a capacity just above what fits.
-    too_many = available.bytes // (176 + 80) + 1
+    # Rows of 150 + 54 bytes (weights and index): a capacity just above what fits.
+    too_many = available.bytes // (150 + 54) + 1
     with caplog.at_level(logging.WARNING, logger="persia_py.servers.parameter_server"):
         server = _server(too_many)
     start = [r.getMessage() for r in caplog.records]
@@ -109,7 +109,7 @@ def test_a_parameter_server_process_prints_the_warning_at_start(tmp_path) -> Non
                          "--global-config", str(tmp_path / "global_config.yml"))
     try:
         output = ps.output()
-        assert "1,000,000,000,000 rows x 176 B = 163,912.8 GiB" in output, output
+        assert "1,000,000,000,000 rows x 150 B = 139,698.4 GiB" in output, output
         assert "it can get (" in output and "lower embedding_parameter_server_config" in output
     finally:
         ps.stop()

@@ -53,7 +53,7 @@ def test_hash_index_insert_find_grow_rebuild() -> None:
     np.testing.assert_array_equal(rows[:1000], np.arange(4010, 5010))
     np.testing.assert_array_equal(rows[1000:], np.arange(5010, 20010))
     np.testing.assert_array_equal(is_new, np.arange(16000) >= 1000)
-    assert len(index) == 20000 and index.slots >= 40000
+    assert len(index) == 20000 and index.slots >= 20000 * 5 // 3  # load <= 3/5
     np.testing.assert_array_equal(index.find(ids), np.arange(10, 20010))
     assert (index.find(_ids(1, 2, 3)) == -1).all()
     index.rebuild(ids[::2].copy(), np.arange(10000))
@@ -66,7 +66,7 @@ def test_hash_index_insert_find_grow_rebuild() -> None:
         index.find(np.array([1, RESERVED_ID], dtype=np.uint64))
     with pytest.raises(ValueError, match="uint64"):
         index.find(np.array([1, 2], dtype=np.int64))
-    assert index.nbytes == index.slots * 16
+    assert index.nbytes == index.slots * 4
 
 
 def _old_hash_collisions(count: int, salt: int) -> np.ndarray:

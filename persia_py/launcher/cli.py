@@ -220,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_k8s_flags(p)
 
+    p = sub.add_parser("plan", help="size a job: parameter servers, memory, workers, disk")
+    from persia_py.launcher.plan_cli import add_plan_flags
+
+    add_plan_flags(p)
+
     p = sub.add_parser("plot", help="draw loss, AUC and throughput from a training log")
     p.add_argument("log", help="JSON-lines training log (train_log.jsonl)")
     p.add_argument("-o", "--output", default="curves.png", help="PNG to write")
@@ -245,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": _run_serve,
         "k8s": k8s.run_k8s,
         "plot": _run_plot,
+        "plan": _run_plan,
     }[args.command]
     if getattr(args, "insecure_token", False):
         # Read by every token check in this process and in those it starts.
@@ -263,6 +269,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     from persia_py.launcher.serve import run_serve  # imports torch: only this command pays for it
 
     return run_serve(args)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from persia_py.launcher.plan_cli import run_plan
+
+    return run_plan(args)
 
 
 def _run_plot(args: argparse.Namespace) -> int:

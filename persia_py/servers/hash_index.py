@@ -1,17 +1,25 @@
-"""Open-addressing hash map from uint64 id to int64 row number, for one internal shard.
+"""Open-addressing hash index from uint64 id to int64 row number, for one internal shard.
 
-Linear probing over a power-of-two slot array. A slot holds the id's complement
-(``~id``), so an all-zero slot is empty and fresh zeroed memory is an empty index with no
-fill pass; ``RESERVED_ID`` (all ones) would complement to zero, so it can never be
-stored. The load factor is kept at or below one half, which keeps probe sequences short
-without a per-slot occupancy array. Each call first hashes the whole batch and only
-then probes, so the independent cache misses of the probe loop can overlap instead of
-waiting behind hash arithmetic.
+The index holds row numbers only, not ids: the id of a row lives once, in the table's
+``row_ids`` array (row -> id), and a probe that meets a candidate row compares its id
+there. Each slot is one uint32 (uint64 for shards too big for that, see below): the row
+number plus one in its low ``row_bits`` bits (0: an empty slot, so fresh zeroed memory
+is an empty index with no fill pass) and a tag, more bits of the id's hash, in the bits
+above. A probe reads ``row_ids`` only where the tag matches, so absent ids (the common
+case of an insert) are answered from the slot array alone, and present ones cost one
+read of their id, which the lookup kernels prefetch together with the row's weights.
 
-The home slot of an id is its keyed hash (:mod:`persia_py.ids.hashing`) under a key secret to
+Linear probing over a power-of-two slot array kept at most 3/5 full: a row costs 6.7 to
+13.3 bytes of index (at the load bound / just after doubling; 9.2 on average over a
+doubling) instead of the 32 to 64 of a ``(key, row)`` pair at half load, and sixteen
+slots share a cache line. Fuller arrays were tried: at 4/5 the longest runs of occupied
+slots reach hundreds of slots (what a crafted-id test bounds), and probes starting at a
+bucket's first slot halved in-cache find throughput for the scanning they add.
+
+The home slot and tag are a keyed hash (:mod:`persia_py.ids.hashing`) under a key secret to
 this index: ids are chosen by whoever sends them, and under a public hash they could be
-chosen to share one home slot, which makes linear probing quadratic (a flood of such ids
-held the shard lock for seconds and left the index slow for good). The key is redrawn
+chosen to share one home, which makes linear probing quadratic (a flood of such ids held
+the shard lock for seconds and left the index slow for good). The key is redrawn
 whenever the slot array is rebuilt (growth, eviction), so it never lives long enough to
 be learned from timings. ``probe_bound`` reports the longest probe any lookup can make.
 """
@@ -26,78 +34,102 @@ from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers import memory
 from persia_py.servers.kernels import PREFETCH_AHEAD, prefetch_item, prefetch_row
 
-_EMPTY = np.uint64(0)
-"""A free slot's key: the complement of ``RESERVED_ID``."""
-_FLIP = np.uint64(RESERVED_ID)
-"""``key ^ _FLIP`` turns an id into its stored form and back."""
+MIN_SLOTS = 16
+"""Fewest slots of an index: one cache line of uint32 slots."""
+MAX_LOAD = (3, 5)
+"""Most entries per slot (numerator, denominator) before the slot array doubles."""
+MIN_TAG_BITS = 4
+"""Fewest tag bits of a uint32 slot; a shard whose row numbers leave fewer gets uint64
+slots (past about 161M rows in one internal shard: 2**28 slots at the load bound)."""
 
 
 @njit(cache=True, nogil=True)
-def _keyed_slots(ids: np.ndarray, start: int, mask: int, words: np.ndarray) -> np.ndarray:
-    """Keyed hash of every id in ``ids[start:]``, reduced to a slot number."""
+def _homes_and_tags(ids: np.ndarray, start: int, mask: int, words: np.ndarray,
+                    tag_shift: int, row_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Home slot of every id in ``ids[start:]``, and its tag shifted into place (the slot
+    value of the id, less its row). The tag is the hash's top bits, the home its low ones:
+    independent."""
     n = ids.shape[0] - start
     home = np.empty(n, np.int64)
+    tags = np.empty(n, np.uint64)
     umask = np.uint64(mask)
     for i in range(n):
-        home[i] = np.int64(keyed_hash_one(ids[start + i], words) & umask)
-    return home
+        h = keyed_hash_one(ids[start + i], words)
+        home[i] = np.int64(h & umask)
+        tags[i] = (h >> np.uint64(tag_shift)) << np.uint64(row_bits)
+    return home, tags
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _probe(keys: np.ndarray, key: np.uint64, s: int) -> int:
-    """The slot holding ``key``, or the empty slot where its probe ends."""
-    mask = keys.shape[0] - 1
+def _candidate(slots: np.ndarray, tag: np.uint64, row_mask: np.uint64, s: int
+               ) -> tuple[int, int]:
+    """``(slot, row)`` of the first slot from ``s`` on whose tag is ``tag``, or of the
+    empty slot that ends the probe (row -1). Reads no id."""
+    mask = slots.shape[0] - 1
     while True:
-        k = keys[s]
-        if k == key or k == _EMPTY:
-            return s
+        v = np.uint64(slots[s])
+        if v == 0:
+            return s, -1
+        if v & ~row_mask == tag:
+            return s, np.int64(v & row_mask) - 1
         s = (s + 1) & mask
 
 
-@njit(cache=True, nogil=True)
-def _find_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, home: np.ndarray
-                 ) -> np.ndarray:
-    n = ids.shape[0]
-    rows = np.empty(n, np.int64)
-    for i in range(n):
-        if i + PREFETCH_AHEAD < n:
-            prefetch_item(keys, home[i + PREFETCH_AHEAD])
-        s = _probe(keys, ids[i] ^ _FLIP, home[i])
-        rows[i] = -1 if keys[s] == _EMPTY else vals[s]
-    return rows
+@njit(cache=True, nogil=True, inline="always")
+def _probe(slots: np.ndarray, row_ids: np.ndarray, key: np.uint64, tag: np.uint64,
+           row_mask: np.uint64, s: int) -> tuple[int, int]:
+    """``(slot, row)`` of ``key`` from slot ``s`` on, or of the empty slot where its probe
+    ends (row -1)."""
+    mask = slots.shape[0] - 1
+    while True:
+        s, r = _candidate(slots, tag, row_mask, s)
+        if r < 0 or row_ids[r] == key:
+            return s, r
+        s = (s + 1) & mask
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _find_gather_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
-                        home: np.ndarray, weights: np.ndarray, out: np.ndarray,
-                        positions: np.ndarray, stamps: np.ndarray, tick: int) -> np.ndarray:
-    """:func:`_find_kernel` and ``kernels.gather_rows_at`` in one pipelined pass.
+def _find_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
+                 ids: np.ndarray, home: np.ndarray, tags: np.ndarray, weights: np.ndarray,
+                 out: np.ndarray, positions: np.ndarray, stamps: np.ndarray, tick: int
+                 ) -> np.ndarray:
+    """Row of every id (-1: absent), in a three-stage pipeline.
 
-    At step ``i`` the slot of id ``i + 2A`` is prefetched, id ``i + A`` (its slot now
-    in cache) is probed and its row prefetched, and row ``i`` (in cache by now) is
-    copied to ``out[positions[i]]`` (``out[i]`` when ``positions`` is empty), so index
-    and row misses of nearby ids overlap. Returns the rows.
+    At step ``i`` the home slot of id ``i + 2A`` is prefetched; id ``i + A``'s slots
+    (in cache by now) yields its candidate row, whose id and weights are prefetched; id
+    ``i``'s candidate is checked against ``row_ids`` (a tag collision probes on) and,
+    when ``out`` has rows, its weights are copied to ``out[positions[i]]`` (``out[i]``
+    when ``positions`` is empty) and its stamp set to ``tick``. Index, id and row misses
+    of nearby ids overlap.
     """
+    gather = out.shape[0] > 0
     scatter = positions.shape[0] > 0
     n = ids.shape[0]
     dim = weights.shape[1]
+    mask = slots.shape[0] - 1
     rows = np.empty(n, np.int64)
-    for i in range(-PREFETCH_AHEAD, n):
+    at = np.empty(n, np.int64)
+    for i in range(-2 * PREFETCH_AHEAD, n):
         if i + 2 * PREFETCH_AHEAD < n:
-            prefetch_item(keys, home[i + 2 * PREFETCH_AHEAD])
+            prefetch_item(slots, home[i + 2 * PREFETCH_AHEAD])
         j = i + PREFETCH_AHEAD
-        if j < n:
-            s = _probe(keys, ids[j] ^ _FLIP, home[j])
-            if keys[s] == _EMPTY:
-                rows[j] = -1
-            else:
-                r = np.int64(vals[s])
-                rows[j] = r
-                prefetch_row(weights, r)
-                prefetch_item(stamps, r)
+        if 0 <= j < n:
+            s, c = _candidate(slots, tags[j], row_mask, home[j])
+            at[j] = s
+            rows[j] = c
+            if c >= 0:
+                prefetch_item(row_ids, c)
+                if gather:
+                    prefetch_row(weights, c)
+                    prefetch_item(stamps, c)
         if i < 0:
             continue
         r = rows[i]
+        if r >= 0 and row_ids[r] != ids[i]:
+            r = _probe(slots, row_ids, ids[i], tags[i], row_mask, (at[i] + 1) & mask)[1]
+            rows[i] = r
+        if not gather:
+            continue
         p = positions[i] if scatter else i
         if r < 0:
             for d in range(dim):
@@ -110,38 +142,30 @@ def _find_gather_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
 
 
 @njit(cache=True, nogil=True)
-def _find_or_insert_kernel(
-    keys: np.ndarray,
-    vals: np.ndarray,
-    ids: np.ndarray,
-    home: np.ndarray,
-    start: int,
-    rows: np.ndarray,
-    is_new: np.ndarray,
-    next_row: int,
-    count: int,
-    max_count: int,
-) -> tuple[int, int, int]:
-    """Fill ``rows``/``is_new`` from ``start`` on (``home``: slots of ``ids[start:]``);
-    stop before exceeding ``max_count``.
+def _find_or_insert_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
+                           ids: np.ndarray, home: np.ndarray, tags: np.ndarray, start: int,
+                           rows: np.ndarray, is_new: np.ndarray, next_row: int, count: int,
+                           max_count: int) -> tuple[int, int, int]:
+    """Fill ``rows``/``is_new`` from ``start`` on (``home``/``tags``: of ``ids[start:]``);
+    a new id gets row ``next_row`` and is written to ``row_ids`` there. Stops before
+    exceeding ``max_count``.
 
     Returns ``(stopped_at, count, next_row)``; ``stopped_at < len(ids)`` means the
-    caller must grow the slot arrays and call again from there.
+    caller must grow the slot array and call again from there.
     """
     n = home.shape[0]
     for j in range(n):
         if j + PREFETCH_AHEAD < n:
-            prefetch_item(keys, home[j + PREFETCH_AHEAD])
+            prefetch_item(slots, home[j + PREFETCH_AHEAD])
         i = start + j
-        key = ids[i] ^ _FLIP
-        s = _probe(keys, key, home[j])
-        if keys[s] == key:
-            rows[i] = vals[s]
+        s, r = _probe(slots, row_ids, ids[i], tags[j], row_mask, home[j])
+        if r >= 0:
+            rows[i] = r
             continue
         if count >= max_count:
             return i, count, next_row
-        keys[s] = key
-        vals[s] = next_row
+        slots[s] = tags[j] | np.uint64(next_row + 1)
+        row_ids[next_row] = ids[i]
         rows[i] = next_row
         is_new[i] = True
         next_row += 1
@@ -150,32 +174,54 @@ def _find_or_insert_kernel(
 
 
 @njit(cache=True, nogil=True)
-def _insert_all_kernel(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray,
-                       home: np.ndarray, rows: np.ndarray) -> int:
-    """Insert into empty-enough arrays; returns the position of a duplicate id, or -1."""
+def _insert_all_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
+                       ids: np.ndarray, home: np.ndarray, tags: np.ndarray,
+                       rows: np.ndarray) -> int:
+    """Insert ``ids[i] -> rows[i]`` into empty-enough slots, writing ``row_ids``; returns
+    the position of a repeated id, or -1."""
     n = ids.shape[0]
     for i in range(n):
         if i + PREFETCH_AHEAD < n:
-            prefetch_item(keys, home[i + PREFETCH_AHEAD])
-        key = ids[i] ^ _FLIP
-        s = _probe(keys, key, home[i])
-        if keys[s] == key:
+            prefetch_item(slots, home[i + PREFETCH_AHEAD])
+        s, r = _probe(slots, row_ids, ids[i], tags[i], row_mask, home[i])
+        if r >= 0:
             return i
-        keys[s] = key
-        vals[s] = rows[i]
+        slots[s] = tags[i] | np.uint64(rows[i] + 1)
+        row_ids[rows[i]] = ids[i]
     return -1
 
 
 @njit(cache=True, nogil=True)
-def _longest_run(keys: np.ndarray) -> int:
+def _rehash_kernel(old: np.ndarray, old_row_mask: np.uint64, slots: np.ndarray,
+                   row_ids: np.ndarray, row_mask: np.uint64, words: np.ndarray,
+                   tag_shift: int, row_bits: int) -> None:
+    """Insert every entry of the slot array ``old`` into the empty ``slots`` (a growth:
+    the entries are distinct). Works slot by slot with no batch-sized temporaries: a
+    process keeps its peak heap (``persia_py.ops.allocator``), so arrays the size of the
+    index, made at each doubling, would stay resident for good."""
+    mask = slots.shape[0] - 1
+    for i in range(old.shape[0]):
+        v = np.uint64(old[i])
+        if v == 0:
+            continue
+        r = np.int64(v & old_row_mask) - 1
+        h = keyed_hash_one(row_ids[r], words)
+        s = np.int64(h & np.uint64(mask))
+        while slots[s] != 0:
+            s = (s + 1) & mask
+        slots[s] = ((h >> np.uint64(tag_shift)) << np.uint64(row_bits)) | np.uint64(r + 1)
+
+
+@njit(cache=True, nogil=True)
+def _longest_run(slots: np.ndarray) -> int:
     """Longest run of occupied slots, wrapping around (the slot array is never full)."""
-    n = keys.shape[0]
+    n = slots.shape[0]
     first_empty = 0
-    while keys[first_empty] != _EMPTY:
+    while slots[first_empty] != 0:
         first_empty += 1
     longest = run = 0
     for step in range(1, n + 1):
-        if keys[(first_empty + step) % n] == _EMPTY:
+        if slots[(first_empty + step) % n] == 0:
             run = 0
         else:
             run += 1
@@ -183,18 +229,42 @@ def _longest_run(keys: np.ndarray) -> int:
     return longest
 
 
-_NO_POSITIONS = np.zeros(0, np.int64)
+_NO_ROWS = np.zeros(0, np.int64)
+_NO_WEIGHTS = np.zeros((0, 1), np.float32)
+_NO_STAMPS = np.zeros(0, np.uint32)
 
 
-def _slots_for(entries: int, minimum: int) -> int:
-    """Smallest power of two >= ``minimum`` that holds ``entries`` at load <= 1/2."""
-    need = max(minimum, 2 * entries, 2)
+def slots_for(entries: int, minimum: int = MIN_SLOTS) -> int:
+    """Smallest power of two >= ``minimum`` (and ``MIN_SLOTS``) that holds ``entries`` at
+    the load bound."""
+    num, den = MAX_LOAD
+    need = max(minimum, MIN_SLOTS, -(-entries * den // num))
     return 1 << (need - 1).bit_length()
 
 
-def _empty_slots(slots: int) -> np.ndarray:
-    """``(slots, 2)`` uint64: column 0 the stored key (``_EMPTY``: free), column 1 the row."""
-    return memory.zeros((slots, 2), np.uint64)
+def slot_dtype(slots: int, row_limit: int = 0) -> np.dtype:
+    """The slot type of an index of ``slots`` slots whose rows stay below ``row_limit``:
+    uint32 while that leaves ``MIN_TAG_BITS`` tag bits, else uint64."""
+    return np.dtype(np.uint32 if _row_bits(slots, row_limit) <= 32 - MIN_TAG_BITS
+                    else np.uint64)
+
+
+def max_entries_of_narrow_slots() -> int:
+    """Most rows an index keeps in uint32 slots (more: uint64 slots, twice the bytes)."""
+    num, den = MAX_LOAD
+    return (1 << (32 - MIN_TAG_BITS)) * num // den
+
+
+def index_bytes(entries: int) -> int:
+    """Bytes of the slot array of an index holding ``entries`` rows ``0..entries-1`` after
+    the doublings that filled it (the figure :mod:`persia_py.servers.sizing` plans with)."""
+    slots = slots_for(entries)
+    return slots * slot_dtype(slots).itemsize
+
+
+def _row_bits(slots: int, row_limit: int) -> int:
+    """Bits that hold ``row + 1`` of every row below ``max(row_limit, slots - 1)``."""
+    return max(slots - 1, row_limit).bit_length()
 
 
 def _check_ids(ids: np.ndarray, name: str = "ids") -> np.ndarray:
@@ -206,29 +276,48 @@ def _check_ids(ids: np.ndarray, name: str = "ids") -> np.ndarray:
 
 
 class HashIndex:
-    """uint64 id -> int64 row map with linear probing; not thread-safe (callers lock)."""
+    """uint64 id -> int64 row map; not thread-safe (callers lock).
 
-    def __init__(self, initial_slots: int = 1024) -> None:
+    ``row_ids`` is the table's row -> id array, which the index reads to compare ids
+    and writes for every row it stores; the owner sets :attr:`row_ids` again whenever it
+    reallocates that array. Without one, the index keeps its own (standalone use).
+    """
+
+    def __init__(self, initial_slots: int = 1024, row_ids: np.ndarray | None = None) -> None:
         if not isinstance(initial_slots, int) or initial_slots < 1:
             raise ValueError(f"initial_slots must be a positive int, got {initial_slots!r}")
-        self._min_slots = _slots_for(0, initial_slots)
-        self._reset(self._min_slots)
+        self._owns_row_ids = row_ids is None
+        self.row_ids = np.zeros(0, np.uint64) if row_ids is None else row_ids
+        self._min_slots = slots_for(0, initial_slots)
+        self._reset(self._min_slots, 0)
 
-    def _reset(self, slots: int) -> None:
-        self._set_slots(_empty_slots(slots))
+    def _reset(self, slots: int, row_limit: int) -> None:
+        """An empty slot array of ``slots`` for rows below ``row_limit``, under a new key."""
+        self._row_limit = max(row_limit, slots - 1)
+        row_bits = _row_bits(slots, row_limit)
+        dtype = slot_dtype(slots, row_limit)
+        self._slots = memory.zeros(slots, dtype)
+        self._row_mask = np.uint64((1 << row_bits) - 1)
+        self._row_bits = row_bits
+        self._tag_shift = 64 - (8 * dtype.itemsize - row_bits)
+        self._key = HashKey.random()  # every new slot array is filled under a new key
         self._count = 0
 
-    def _set_slots(self, pairs: np.ndarray) -> None:
-        # A slot's key and row sit side by side (one cache line), so a probe that finds
-        # its key has the row too: one random read per id instead of two.
-        self._pairs = pairs
-        self._keys = pairs[:, 0]
-        self._vals = pairs[:, 1].view(np.int64)
-        self._key = HashKey.random()  # every new slot array is filled under a new key
+    def _homes(self, ids: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        return _homes_and_tags(ids, start, self.slots - 1, self._key.words,
+                               self._tag_shift, self._row_bits)
 
-    def _home_slots(self, ids: np.ndarray, start: int = 0) -> np.ndarray:
-        """Home slot of each id in ``ids[start:]`` (int64)."""
-        return _keyed_slots(ids, start, self.slots - 1, self._key.words)
+    def _ensure_rows(self, row_end: int) -> None:
+        """Make room for rows below ``row_end`` in ``row_ids`` (owned) and in the slots."""
+        if self._owns_row_ids and self.row_ids.shape[0] < row_end:
+            grown = np.zeros(max(row_end, 2 * self.row_ids.shape[0]), np.uint64)
+            grown[:self.row_ids.shape[0]] = self.row_ids
+            self.row_ids = grown
+        if self.row_ids.shape[0] < row_end:
+            raise ValueError(f"row {row_end - 1} is past the {self.row_ids.shape[0]} rows "
+                             f"of row_ids")
+        if row_end > self._row_limit:
+            self._grow(self.slots, row_end)
 
     def __len__(self) -> int:
         return self._count
@@ -236,23 +325,22 @@ class HashIndex:
     @property
     def slots(self) -> int:
         """Number of slots currently allocated (a power of two)."""
-        return self._keys.shape[0]
+        return self._slots.shape[0]
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the slot arrays."""
-        return self._keys.nbytes + self._vals.nbytes
+        """Bytes held by the slot array (``row_ids`` belongs to the table)."""
+        return self._slots.nbytes
 
     def probe_bound(self) -> int:
         """Most slots any :meth:`find` reads for one id now: the longest run of occupied
         slots plus the empty slot that ends it. Small (tens) for any input the key was
         not known for; O(slots) to compute, for tests and diagnostics."""
-        return _longest_run(self._keys) + 1
+        return _longest_run(self._slots) + 1
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Row of each id (int64), -1 where the id is absent; duplicates are fine."""
-        ids = _check_ids(ids)
-        return _find_kernel(self._keys, self._vals, ids, self._home_slots(ids))
+        return self.find_gather(ids, _NO_WEIGHTS, _NO_WEIGHTS, _NO_STAMPS, 0)
 
     def find_gather(self, ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
                     stamps: np.ndarray, tick: int,
@@ -261,51 +349,61 @@ class HashIndex:
         ``positions[i]`` of it for id ``i``, or row ``i``; zeros where absent) and setting
         its ``stamps`` entry to ``tick``; returns the rows."""
         ids = _check_ids(ids)
-        positions = _NO_POSITIONS if positions is None else positions
-        return _find_gather_kernel(self._keys, self._vals, ids, self._home_slots(ids),
-                                   weights, out, positions, stamps, tick)
+        home, tags = self._homes(ids)
+        return _find_kernel(self._slots, self.row_ids, self._row_mask, ids, home, tags,
+                            weights, out, _NO_ROWS if positions is None else positions,
+                            stamps, tick)
 
     def find_or_insert(self, ids: np.ndarray, next_row: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``ids``, inserting the absent ones; returns ``(rows, is_new)``.
 
         New ids get rows ``next_row, next_row + 1, ...`` in the order of their first
-        position in ``ids``; callers pass unique ids (a repeat would just get the row of
-        its first occurrence, with ``is_new`` False).
+        position in ``ids`` (and are written to ``row_ids`` there); callers pass unique
+        ids (a repeat would just get the row of its first occurrence, with ``is_new``
+        False).
         """
         ids = _check_ids(ids)
         if next_row < 0:
             raise ValueError(f"next_row must be >= 0, got {next_row}")
         n = ids.shape[0]
+        self._ensure_rows(next_row + n)
         rows = np.empty(n, dtype=np.int64)
         is_new = np.zeros(n, dtype=np.bool_)
         start = 0
+        num, den = MAX_LOAD
         while True:
+            home, tags = self._homes(ids, start)
             start, self._count, next_row = _find_or_insert_kernel(
-                self._keys, self._vals, ids, self._home_slots(ids, start), start, rows,
-                is_new, next_row, self._count, self.slots // 2,
-            )
+                self._slots, self.row_ids, self._row_mask, ids, home, tags, start, rows,
+                is_new, next_row, self._count, self.slots * num // den)
             if start >= n:
                 return rows, is_new
             # Plain doubling (not sizing for the rest of the batch): most of a batch is
             # usually already present, and doubling keeps rehash cost amortized O(1).
-            self._grow(self.slots * 2)
+            self._grow(self.slots * 2, self._row_limit)
 
-    def _grow(self, slots: int) -> None:
-        occupied = self._keys != _EMPTY
-        keys, vals = self._keys[occupied] ^ _FLIP, self._vals[occupied]
-        self._set_slots(_empty_slots(slots))
-        dup = _insert_all_kernel(self._keys, self._vals, keys, self._home_slots(keys), vals)
-        assert dup < 0, "hash index held a duplicate key"
+    def _grow(self, slots: int, row_limit: int) -> None:
+        old, old_row_mask, count = self._slots, self._row_mask, self._count
+        self._reset(slots, row_limit)
+        _rehash_kernel(old, old_row_mask, self._slots, self.row_ids, self._row_mask,
+                       self._key.words, self._tag_shift, self._row_bits)
+        self._count = count
 
-    def rebuild(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Replace the whole content with ``ids[i] -> rows[i]`` (ids must be unique)."""
+    def rebuild(self, ids: np.ndarray, rows: np.ndarray, room: int = 0) -> None:
+        """Replace the whole content with ``ids[i] -> rows[i]`` (ids must be unique), sized
+        for at least ``room`` entries (to keep a shard that refills from growing again)."""
         ids = _check_ids(ids)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         if rows.shape != ids.shape:
             raise ValueError(f"rows must have shape {ids.shape}, got {rows.shape}")
-        self._reset(_slots_for(ids.shape[0], self._min_slots))
-        dup = _insert_all_kernel(self._keys, self._vals, ids, self._home_slots(ids), rows)
+        if rows.size and int(rows.min()) < 0:
+            raise ValueError("rows must be >= 0")
+        row_end = int(rows.max()) + 1 if rows.size else 0
+        self._reset(slots_for(max(ids.shape[0], room), self._min_slots), row_end)
+        self._ensure_rows(row_end)
+        dup = _insert_all_kernel(self._slots, self.row_ids, self._row_mask, ids,
+                                 *self._homes(ids), rows)
         if dup >= 0:
-            self._reset(self._min_slots)
+            self._reset(self._min_slots, 0)
             raise ValueError(f"ids must be unique; id {int(ids[dup])} repeats")
         self._count = ids.shape[0]

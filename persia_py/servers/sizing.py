@@ -9,10 +9,11 @@ again when the optimizer is known (the tables are built).
 
 Bytes of one row (:func:`row_bytes`), from the arrays of ``servers/storage.py`` and
 ``servers/hash_index.py``: the weights and the optimizer's state (float32 each:
-``dim + state_width`` values), the id and the last-access stamp (8 bytes each), and the
-hash index, kept at most half full, of 16-byte slots: 32 bytes a row, up to 64 just after
-it doubles. docs/sizing.md has the table by dim and optimizer and the measured figure it
-is checked against.
+``dim + state_width`` values), the id (8 bytes) and the last-access stamp (4,
+:mod:`persia_py.servers.access_clock`), and the hash index of 4-byte row numbers, kept
+at most 3/5 full: 6.7 bytes a row at that bound, 13.3 just after it doubles, about 10 on
+average (:func:`index_bytes` has the exact figure for a number of rows). docs/sizing.md
+has the table by dim and optimizer and the measured figure it is checked against.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from persia_py.servers.hash_index import index_bytes
+from persia_py.servers.memory import HUGE_PAGE
+from persia_py.servers.storage import row_dtypes
+
 FLOAT_BYTES = 4
-ID_AND_STAMP_BYTES = 16
-"""``ids`` (uint64) and ``last_access`` (int64) per row."""
-INDEX_BYTES_PER_ROW = 32
-"""Hash-index slots (8-byte key, 8-byte row) at the load bound of one half."""
+ID_AND_STAMP_BYTES = row_dtypes()["ids"].itemsize + row_dtypes()["last_access"].itemsize
+"""``ids`` (uint64) and ``last_access`` (uint32 stamps) per row."""
+INDEX_BYTES_PER_ROW = 10
+"""Hash-index slots (4-byte row numbers) per row, rounded up from the 9.2 of a doubling
+cycle's average (6.7 to 13.3)."""
 _UNLIMITED = 1 << 60
 """A cgroup v1 limit at or above this means no limit (the kernel writes ~2**63)."""
 
@@ -33,6 +39,41 @@ def row_bytes(dim: int, state_width: int) -> int:
     """Resident bytes of one full row of width ``dim`` with ``state_width`` optimizer
     state columns (SGD 0, Adagrad ``dim`` or 1, Adam ``2 * dim + 1``)."""
     return FLOAT_BYTES * (dim + state_width) + ID_AND_STAMP_BYTES + INDEX_BYTES_PER_ROW
+
+
+@dataclass(frozen=True)
+class TableBytes:
+    """Resident bytes of one table's arrays on one replica, by part."""
+
+    weights: int
+    state: int
+    ids_and_stamps: int
+    index: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.state + self.ids_and_stamps + self.index
+
+
+def table_bytes(rows: int, dim: int, state_width: int, *, num_shards: int = 1,
+                weight_bytes: int = FLOAT_BYTES) -> TableBytes:
+    """Bytes of a table holding ``rows`` rows over ``num_shards`` internal shards (the
+    keyed hash spreads rows evenly), from the element types the shards allocate with and
+    the slot count their indexes reach: what :mod:`persia_py.launcher.plan` adds up."""
+    dtypes = row_dtypes()
+    per_shard = -(-rows // num_shards)
+    return TableBytes(
+        weights=rows * dim * weight_bytes,
+        state=rows * state_width * dtypes["state"].itemsize,
+        ids_and_stamps=rows * (dtypes["ids"].itemsize + dtypes["last_access"].itemsize),
+        index=num_shards * index_bytes(per_shard),
+    )
+
+
+def huge_page_slack(num_shards: int) -> int:
+    """Resident bytes past the rows in ``num_shards`` shards' reserved arrays: each of
+    the four is backed by 2 MiB huge pages, and its last one is half full on average."""
+    return num_shards * 4 * HUGE_PAGE // 2
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from persia_py.ids.dedup import unique_in_order
 from persia_py.ids.hashing import ADMIT_SALT, HashKey, keyed_buckets, mix64
 from persia_py.ids.routing import RESERVED_ID, split_by
 from persia_py.servers import kernels, memory
+from persia_py.servers.access_clock import STAMP_DTYPE, AccessClock
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
 from persia_py.servers.optimizers import (
@@ -72,7 +73,6 @@ class _Shard:
         self.table = table
         self.share = share
         self.lock = threading.Lock()
-        self.index = HashIndex()
         # The whole share as address space when the OS allows: rows never move to grow.
         shapes = {"ids": (share,), "weights": (share, table.dim),
                   "state": (share, table.state_width), "last_access": (share,)}
@@ -84,6 +84,8 @@ class _Shard:
                       for name, shape in shapes.items()}
         self.ids, self.weights = arrays["ids"], arrays["weights"]
         self.state, self.last_access = arrays["state"], arrays["last_access"]
+        self.index = HashIndex(row_ids=self.ids)
+        self.clock = AccessClock()
         self.high_water = 0
         """Most rows ever in use: with reserved arrays, the rows whose pages are resident."""
         self.size = 0
@@ -116,7 +118,8 @@ class _Shard:
                positions: np.ndarray | None) -> None:
         """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``)."""
         with self.lock:
-            rows = self.index.find_gather(ids, self.weights, out, self.last_access, tick,
+            stamp = self.clock.stamp(tick, self.last_access[:self.size])
+            rows = self.index.find_gather(ids, self.weights, out, self.last_access, stamp,
                                           positions)
             num_missing = int(np.count_nonzero(rows < 0))
             self.hits += ids.shape[0] - num_missing
@@ -125,9 +128,10 @@ class _Shard:
                 # Rows found are copied already (an eviction below never takes them:
                 # they carry this tick); copy the new ones.
                 new = np.flatnonzero(rows < 0)
-                rows = self._insert_missing(ids, rows, tick)
+                rows = self._insert_missing(ids, rows, tick, stamp)
                 at = new if positions is None else positions[new]
-                kernels.gather_rows_at(self.weights, rows[new], at, out, self.last_access, tick)
+                kernels.gather_rows_at(self.weights, rows[new], at, out, self.last_access,
+                                       stamp)
 
     def _admit(self, new_ids: np.ndarray, tick: int) -> np.ndarray:
         """Which of these distinct absent ids may be stored now (bool mask)."""
@@ -146,12 +150,13 @@ class _Shard:
             keep &= unit < table.admit_probability
         return keep
 
-    def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, tick: int) -> np.ndarray:
+    def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, tick: int, stamp: int
+                        ) -> np.ndarray:
         missing = rows < 0
         found = ~missing
         hit_rows = rows[found]
         # Stamping the hits first shields them from the eviction below.
-        self.last_access[hit_rows] = tick
+        self.last_access[hit_rows] = stamp
         new_ids, inverse = unique_in_order(ids[missing])
         keep = self._admit(new_ids, tick)
         admitted = new_ids if keep.all() else new_ids[keep]
@@ -162,18 +167,17 @@ class _Shard:
             return rows
         overflow = self.size + n_new - self.share
         if overflow > 0:
-            remap = self._evict(overflow, n_new, tick)
+            remap = self._evict(overflow, n_new, stamp)
             rows[found] = remap[hit_rows]
         self._reserve(self.size + n_new)
         start, end = self.size, self.size + n_new
         new_rows, is_new = self.index.find_or_insert(admitted, start)
         assert bool(is_new.all()), "an id missing a moment ago was found on insert"
         table = self.table
-        self.ids[start:end] = admitted
         initial_rows(admitted, table.dim, table.init_lower, table.init_upper, table.seed,
                      out=self.weights[start:end])
         self.state[start:end] = initial_state(table.optimizer, 1, table.dim)
-        self.last_access[start:end] = tick
+        self.last_access[start:end] = stamp
         self.size = end
         self.inserted += n_new
         self._log_changes(admitted)
@@ -184,11 +188,11 @@ class _Shard:
         rows[missing] = new_rows[inverse]
         return rows
 
-    def _evict(self, overflow: int, n_new: int, tick: int) -> np.ndarray:
+    def _evict(self, overflow: int, n_new: int, stamp: int) -> np.ndarray:
         """Drop at least ``overflow`` least-recently-used rows; returns old->new rows."""
         size = self.size
         stamps = self.last_access[:size]
-        candidates = int(np.count_nonzero(stamps < tick))
+        candidates = int(np.count_nonzero(stamps < stamp))
         if candidates < overflow:
             raise ValueError(
                 f"one batch needs {n_new} new rows plus {size - candidates} rows it "
@@ -202,7 +206,8 @@ class _Shard:
     def expire(self, cutoff: int) -> None:
         """Remove every row last touched before clock value ``cutoff``."""
         with self.lock:
-            victims = np.flatnonzero(self.last_access[:self.size] < cutoff)
+            victims = np.flatnonzero(self.last_access[:self.size]
+                                     < self.clock.cutoff(cutoff))
             if victims.shape[0]:
                 self.expired += victims.shape[0]
                 self._remove(victims)
@@ -225,7 +230,7 @@ class _Shard:
         remap[victims] = -1
         remap[movers] = holes
         self.size = n_keep
-        self.index.rebuild(self.ids[:n_keep], np.arange(n_keep, dtype=np.int64))
+        self.index.rebuild(self.ids[:n_keep], np.arange(n_keep, dtype=np.int64), room=size)
         if gone is not None:  # deletions travel in increments too
             self._log_removed(gone)
         return remap
@@ -242,6 +247,7 @@ class _Shard:
             new = memory.empty((new_capacity, *old.shape[1:]), old.dtype)
             new[: self.size] = old[: self.size]
             setattr(self, name, new)
+        self.index.row_ids = self.ids
 
     def _log_changes(self, ids: np.ndarray) -> None:
         """Remember ``ids`` as changed (ids no longer stored are dropped on export)."""
@@ -277,7 +283,7 @@ class _Shard:
             rows = rows[rows >= 0]
             removed = removed[self.index.find(removed) < 0]
             return (self.ids[rows], self.weights[rows], self.state[rows],
-                    self.last_access[rows], removed)
+                    self.clock.absolute(self.last_access[rows]), removed)
 
     def remove_ids(self, ids: np.ndarray) -> int:
         """Delete the rows of ``ids`` (distinct) that are stored; returns how many."""
@@ -292,8 +298,9 @@ class _Shard:
         with self.lock:
             self._log_changes(ids)
             rows, grads, _ = kernels.sum_duplicate_rows(self.index.find(ids), grads, self.size)
+            stamp = self.clock.stamp(tick, self.last_access[:self.size])
             return self.table._step(self.weights, self.state, rows, grads,
-                                    self.last_access, tick)
+                                    self.last_access, stamp)
 
 
 def _check_array(name: str, value: object, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
@@ -566,7 +573,8 @@ class EmbeddingTable:
             with shard.lock:
                 n = shard.size
                 parts.append((shard.ids[:n].copy(), shard.weights[:n].copy(),
-                              shard.state[:n].copy(), shard.last_access[:n].copy()))
+                              shard.state[:n].copy(),
+                              shard.clock.absolute(shard.last_access[:n])))
         ids, weights, state, stamps = (np.concatenate(p) for p in zip(*parts))
         with self._clock_lock:
             clock = self._clock
@@ -644,6 +652,7 @@ class EmbeddingTable:
         for shard, pos in parts:  # capacity, for every shard before any row is stored
             with shard.lock:
                 _check_fits(shard, ids[pos], self.capacity)
+        clock = max(clock, self._current_tick())
         for shard, pos in parts:
             with shard.lock:
                 # Checked again under the lock that the store holds: a concurrent insert
@@ -657,7 +666,8 @@ class EmbeddingTable:
                 shard.ids[rows] = ids[pos]
                 kernels.scatter_rows(shard.weights, rows, weights, pos)
                 kernels.scatter_rows(shard.state, rows, state, pos)
-                shard.last_access[rows] = stamps[pos]
+                shard.last_access[rows] = shard.clock.relative(
+                    stamps[pos], clock, shard.last_access[:shard.size])
         with self._clock_lock:
             self._clock = max(self._clock, clock)
 
@@ -685,8 +695,13 @@ class EmbeddingTable:
 
 
 _DTYPES = {"ids": np.uint64, "weights": np.float32, "state": np.float32,
-           "last_access": np.int64}
+           "last_access": STAMP_DTYPE}
 """Element types of a shard's row arrays."""
+
+
+def row_dtypes() -> dict[str, np.dtype]:
+    """Element types of a shard's row arrays, by array name (for sizing)."""
+    return {name: np.dtype(dtype) for name, dtype in _DTYPES.items()}
 
 STAT_KEYS = ("entries", "bytes", "hits", "misses", "inserted", "evicted", "admitted",
              "rejected", "expired")

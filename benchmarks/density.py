@@ -1,0 +1,126 @@
+"""Resident bytes per parameter of a real parameter server, process included, beside the plan.
+
+    python -m benchmarks.density [--rows 10000000] [--dims 16,64]
+                                 [--optimizers adagrad,rowwise-adagrad,sgd]
+                                 [--row-dtypes float32] [--json PATH]
+
+For each configuration, one after another (a table of 10M rows at dim 64 with Adagrad
+takes over 5 GB): a parameter server is started as ``persia-launcher`` starts one (its own
+process, the launcher's malloc settings), configured with the optimizer, filled with
+``--rows`` distinct ids by training lookups, and its resident memory (``VmRSS``) read.
+Bytes per parameter are that over ``rows x dim``; beside each, what ``persia-launcher
+plan`` predicts for the same table and traffic, and the idle server's memory (the plan's
+``PROCESS_BYTES``). JSON keys: ``bytes_per_param_dim<D>_<fp32|fp16|bf16>_<optimizer>``
+(``adagrad``, ``rowwise``, ``sgd``), ``planned_...`` and ``idle_rss_bytes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.ps_process import parameter_server_process
+from persia_py.config import CommonConfig
+from persia_py.ids.routing import mix64
+from persia_py.launcher.plan import (
+    OPTIMIZERS,
+    WEIGHT_BYTES,
+    TableDemand,
+    Workload,
+    server_memory,
+)
+from persia_py.servers.optimizers import optimizer_from_dict, state_width
+from persia_py.workers.ps_client import PSClient, configure_request
+
+SLOT = "density"
+FILL_CHUNK = 100_000
+"""New ids per training lookup while filling."""
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
+          "adagrad": "adagrad", "rowwise-adagrad": "rowwise", "sgd": "sgd", "adam": "adam"}
+
+
+def resident_bytes(pid: int) -> int:
+    """``VmRSS`` of process ``pid`` (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+
+
+def _ids(first: int, end: int) -> np.ndarray:
+    """Ids ``first..end-1`` of the fill, spread like real ids (the hashes see random bits)."""
+    return mix64(np.arange(first, end, dtype=np.uint64), np.uint64(0x5EED))
+
+
+def fill_server(workdir: Path, *, dim: int, optimizer: str, rows: int,
+                chunk: int = FILL_CHUNK) -> dict[str, int]:
+    """Start a parameter server, fill one table with ``rows`` rows, and return its
+    resident memory idle (configured, a few rows stored) and full."""
+    with parameter_server_process(workdir, SLOT, dim, capacity=2 * rows) as (address, pid):
+        client = PSClient(address, CommonConfig())
+        try:
+            client.wait_ready()
+            client.configure(configure_request(OPTIMIZERS[optimizer], init_lower=-0.01,
+                                               init_upper=0.01, weight_bound=None, seed=0))
+            # Every kernel of the fill loaded (numba's cache), a handful of rows stored.
+            client.lookup([(SLOT, _ids(0, min(64, rows)))], training=True)
+            idle = resident_bytes(pid)
+            for first in range(0, rows, chunk):
+                client.lookup([(SLOT, _ids(first, min(first + chunk, rows)))], training=True)
+            stored = {t.table: t for t in client.stats().tables}[SLOT]
+            return {"idle_rss_bytes": idle, "rss_bytes": resident_bytes(pid),
+                    "rows": int(stored.entries), "table_bytes": int(stored.bytes)}
+        finally:
+            client.close()
+
+
+def planned_bytes(*, dim: int, optimizer: str, rows: int, row_dtype: str = "float32",
+                  chunk: int = FILL_CHUNK) -> int:
+    """What the plan says one server holding this table, filled as :func:`fill_server`
+    fills it (one caller, ``chunk`` ids a call), takes."""
+    table = TableDemand(name=SLOT, dim=dim, distinct_ids=rows, capacity=2 * rows,
+                        state_width=state_width(optimizer_from_dict(OPTIMIZERS[optimizer]),
+                                                dim))
+    workload = Workload(batch_size=chunk, staleness=1, num_nn_workers=1)
+    return server_memory([table], 1, WEIGHT_BYTES[row_dtype], workload)["total"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--dims", default="16,64")
+    parser.add_argument("--optimizers", default="adagrad,rowwise-adagrad,sgd")
+    parser.add_argument("--row-dtypes", default="float32",
+                        help="float32 (float16/bfloat16 once the servers store them)")
+    parser.add_argument("--json", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    results: dict[str, float] = {"rows": args.rows}
+    for row_dtype in args.row_dtypes.split(","):
+        for dim in (int(d) for d in args.dims.split(",")):
+            for optimizer in args.optimizers.split(","):
+                with tempfile.TemporaryDirectory(prefix="density-") as tmp:
+                    measured = fill_server(Path(tmp), dim=dim, optimizer=optimizer,
+                                           rows=args.rows)
+                plan = planned_bytes(dim=dim, optimizer=optimizer, rows=args.rows,
+                                     row_dtype=row_dtype)
+                key = f"dim{dim}_{_SHORT[row_dtype]}_{_SHORT[optimizer]}"
+                params = args.rows * dim
+                results[f"bytes_per_param_{key}"] = measured["rss_bytes"] / params
+                results[f"planned_bytes_per_param_{key}"] = plan / params
+                results["idle_rss_bytes"] = measured["idle_rss_bytes"]
+                print(f"dim {dim:>3} {row_dtype:<8} {optimizer:<16} {args.rows:,} rows: "
+                      f"{measured['rss_bytes'] / params:6.2f} B/param resident "
+                      f"(plan {plan / params:6.2f}, {measured['rss_bytes'] / plan:5.3f}x); "
+                      f"idle server {measured['idle_rss_bytes'] / 2**20:,.0f} MiB", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""The flags and the printout of ``persia-launcher plan`` (the model: :mod:`.plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import yaml
+
+from persia_py.config import load_embedding_config, load_global_config
+from persia_py.launcher.plan import (
+    OPTIMIZERS,
+    WEIGHT_BYTES,
+    Machine,
+    Workload,
+    make_plan,
+    tables_from_config,
+)
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+
+
+def parse_bytes(text: str) -> int:
+    """``256GiB``, ``12TB`` (decimal), ``1.5 TiB``, ``4096`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected a size like 256GiB, 12TB or 4096 (units {sorted(_UNITS)[1:]}), "
+            f"got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_count(text: str) -> int:
+    """``1000000``, ``1e9``, ``6.25e12`` -> a whole count >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count like 1000000 or 1e9, got "
+                                         f"{text!r}") from None
+    if not value >= 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole count >= 0, got {text!r}")
+    return int(value)
+
+
+def _slot_count(text: str) -> tuple[str, int]:
+    slot, sep, count = text.partition("=")
+    if not sep or not slot:
+        raise argparse.ArgumentTypeError(f"expected SLOT=N, got {text!r}")
+    return slot, parse_count(count)
+
+
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of ``persia-launcher plan``."""
+    p.add_argument("--embedding-config", required=True,
+                   help="the job's embedding_config.yml (slots, dims, capacities, groups)")
+    p.add_argument("--global-config", default=None,
+                   help="the job's global_config.yml (capacity, num_hashmap_internal_shards, "
+                        "embedding_fp16; default: all defaults)")
+    ids = p.add_argument_group("distinct ids per slot (the whole job's, over all servers)")
+    ids.add_argument("--ids", action="append", type=_slot_count, default=[], metavar="SLOT=N",
+                     help="distinct ids of one slot (repeat per slot)")
+    ids.add_argument("--ids-all", type=parse_count, default=None, metavar="N",
+                     help="distinct ids of every slot not given otherwise")
+    ids.add_argument("--ids-file", default=None, metavar="YAML",
+                     help="a YAML mapping slot -> distinct ids")
+    ids.add_argument("--sample", default=None, metavar="DATA",
+                     help="estimate them from a data sample (CSV with a header whose columns "
+                          "are named like the slots, or Criteo TSV)")
+    ids.add_argument("--sample-format", choices=("csv", "criteo"), default="csv")
+    ids.add_argument("--sample-delimiter", default=",", help="csv field separator")
+    ids.add_argument("--sample-scale", type=float, default=1.0, metavar="K",
+                     help="the training data is K times the sample (distinct ids are "
+                          "extrapolated by the sample's own growth, not K-fold)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad",
+                   help="embedding optimizer of slots without their own (default adagrad)")
+    p.add_argument("--row-dtype", choices=sorted(WEIGHT_BYTES), default="float32",
+                   help="row storage type: bytes per stored weight (default float32)")
+    p.add_argument("--machine-memory", type=parse_bytes, required=True, metavar="SIZE",
+                   help="memory of one parameter-server machine, e.g. 256GiB or 12TB")
+    p.add_argument("--machine-cores", type=int, default=32, help="its CPU cores (default 32)")
+    p.add_argument("--usable-memory", type=float, default=0.9, metavar="FRACTION",
+                   help="share of the memory a parameter server may take (default 0.9)")
+    p.add_argument("--nn-workers", type=int, default=1, help="NN workers (ranks) of the job")
+    p.add_argument("--nn-workers-per-node", type=int, default=1,
+                   help="NN workers per machine (GPUs per node)")
+    p.add_argument("--batch-size", type=int, default=1024, help="samples per batch and rank")
+    p.add_argument("--staleness", type=int, default=2, help="embedding_staleness")
+    p.add_argument("--update-log-max-bytes", type=parse_bytes, default=8 << 30, metavar="SIZE",
+                   help="each parameter server's --update-log-max-bytes (default 8GiB)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _distinct_ids(args: argparse.Namespace, slots: list[str]
+                  ) -> tuple[dict[str, int], dict[str, float]]:
+    counts: dict[str, int] = {}
+    per_sample: dict[str, float] = {}
+    if args.sample:
+        from persia_py.launcher.plan_sample import estimate_distinct_ids
+
+        counts, per_sample = estimate_distinct_ids(
+            args.sample, set(slots), fmt=args.sample_format, scale=args.sample_scale,
+            delimiter=args.sample_delimiter)
+    if args.ids_file:
+        with open(args.ids_file) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"--ids-file {args.ids_file}: expected a mapping slot -> count")
+        counts.update({str(k): parse_count(str(v)) for k, v in data.items()})
+    counts.update(dict(args.ids))
+    if args.ids_all is not None:
+        for slot in slots:
+            counts.setdefault(slot, args.ids_all)
+    return counts, per_sample
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``persia-launcher plan``: print the plan (text, or JSON with ``--json``)."""
+    embedding = load_embedding_config(args.embedding_config)
+    global_config = load_global_config(args.global_config)
+    try:
+        counts, per_sample = _distinct_ids(args, list(embedding.slots_config))
+        tables = tables_from_config(embedding, global_config, counts, args.optimizer,
+                                    per_sample)
+        machine = Machine(memory_bytes=args.machine_memory, cores=args.machine_cores,
+                          usable=args.usable_memory)
+        workload = Workload(
+            num_nn_workers=args.nn_workers, nn_workers_per_node=args.nn_workers_per_node,
+            batch_size=args.batch_size, staleness=args.staleness,
+            wire_bytes=2 if global_config.common_config.embedding_fp16 else 4,
+            num_internal_shards=(
+                global_config.embedding_parameter_server_config.num_hashmap_internal_shards),
+            update_log_max_bytes=args.update_log_max_bytes)
+        plan = make_plan(tables, weight_bytes=WEIGHT_BYTES[args.row_dtype], machine=machine,
+                         workload=workload)
+    except ValueError as exc:
+        raise SystemExit(f"persia-launcher plan: {exc}") from None
+    plan["optimizer"], plan["row_dtype"] = args.optimizer, args.row_dtype
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.1f} {unit}"
+    return f"{num_bytes:,.0f} B"
+
+
+_PARTS = (("weights", "weights"), ("optimizer_state", "optimizer state"),
+          ("ids_and_stamps", "ids + access stamps"), ("index", "hash index"),
+          ("huge_page_slack", "huge-page slack"), ("process", "process"),
+          ("messages_in_flight", "messages in flight"))
+
+
+def format_plan(plan: dict) -> str:
+    """The plan as a person reads it."""
+    memory, machine = plan["memory_per_server"], plan["machine"]
+    usable = machine["memory_bytes"] * machine["usable"]
+    lines = [
+        f"{len(plan['tables'])} table(s), {sum(t['distinct_ids'] for t in plan['tables']):,} "
+        f"distinct ids, {plan['parameters']:,} parameters; {plan['optimizer']}, "
+        f"{plan['row_dtype']} rows",
+        f"machines: {_size(machine['memory_bytes'])} ({machine['usable']:.0%} usable), "
+        f"{machine['cores']} cores",
+        "",
+        f"parameter servers: {plan['parameter_servers']:,} (by memory "
+        f"{plan['servers_by_memory']:,}, by CPU {plan['servers_by_cpu']:,})",
+        "each server holds:",
+        f"  {'rows':<22}{memory['rows']:>16,}",
+        *(f"  {label:<22}{_size(memory[key]):>16}" for key, label in _PARTS),
+        f"  {'total':<22}{_size(memory['total']):>16}   of {_size(usable)} usable",
+        f"bytes per parameter, all servers: {plan['bytes_per_parameter']:.2f}",
+    ]
+    if plan["tables_evicting"]:
+        lines.append(f"capacity below the ids: {plan['tables_evicting']} will evict rows "
+                     f"(raise capacity in the embedding config)")
+    lines += plan["notes"]
+    disk = plan["disk_per_server"]
+    lines += [
+        "",
+        f"for {plan['nn_workers']} NN worker(s): {plan['embedding_workers']} embedding "
+        f"worker(s), {plan['data_loaders']} data loader(s)",
+        f"disk per server: checkpoints {_size(disk['checkpoints'])} (two kept while one is "
+        f"written), update log up to {_size(disk['update_log'])}; per data loader "
+        f"{_size(plan['disk_per_data_loader']['handover_log'])}",
+    ]
+    return "\n".join(lines)
