@@ -55,12 +55,25 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand (one function each below)."""
     parser = argparse.ArgumentParser(
         prog="persia-launcher",
         description="Launch the roles of a persia_py training job.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _parameter_server_parser(sub)
+    _embedding_worker_parser(sub)
+    _nn_worker_parser(sub)
+    _data_loader_parser(sub)
+    _local_parser(sub)
+    _serve_parser(sub)
+    _k8s_parser(sub)
+    _plan_parser(sub)
+    _plot_parser(sub)
+    return parser
 
+
+def _parameter_server_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("embedding-parameter-server", help="serve a shard of the embedding tables")
     _add_server_flags(p)
     p.add_argument("--load-checkpoint", default=None, metavar="DIR",
@@ -90,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --inference: apply the incremental exports in DIR (after those "
                         "--load-checkpoint already holds) as they appear")
 
+
+def _embedding_worker_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("embedding-worker",
                        help="dedup a batch's ids, look them up on the parameter servers that "
                             "own them, and send back their gradients summed per id")
@@ -97,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ps-addrs", default=None,
                    help="comma-separated parameter-server addresses (default: $PERSIA_PS_ADDRS)")
 
+
+def _nn_worker_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("nn-worker", help="run a training script under torchrun")
     p.add_argument("script", help="the training script (each rank runs it)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
@@ -132,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_insecure_flag(p, "the training script")
     add_insecure_token_flag(p)
 
+
+def _data_loader_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data-loader", help="run a data-loader script")
     p.add_argument("script", help="the data-loader script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
@@ -145,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "were finished, rebuild those still in training (kept for a resend, "
                         "and for a request retried after the crash), send the rest")
 
+
+def _local_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="run a whole job on this machine")
     p.add_argument("--nn-worker", required=True, help="training script")
     p.add_argument("--data-loader", required=True, help="data-loader script")
@@ -186,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "restarted ranks rewind the data loaders and embedding workers "
                         "themselves, as on Kubernetes)")
 
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="answer predictions over gRPC from a checkpoint")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="checkpoint root (its LATEST) or one checkpoint folder")
@@ -215,20 +238,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_insecure_flag(p, "the Serving service and its servers")
     add_insecure_token_flag(p)
 
+
+def _k8s_parser(sub) -> None:
     p = sub.add_parser("k8s", help="render Kubernetes manifests for a job")
     from persia_py.launcher.k8s import add_k8s_flags
 
     add_k8s_flags(p)
 
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="size a job: parameter servers, memory, workers, disk")
     from persia_py.launcher.plan_cli import add_plan_flags
 
     add_plan_flags(p)
 
+
+def _plot_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="draw loss, AUC and throughput from a training log")
     p.add_argument("log", help="JSON-lines training log (train_log.jsonl)")
     p.add_argument("-o", "--output", default="curves.png", help="PNG to write")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
