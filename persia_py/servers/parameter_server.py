@@ -39,6 +39,7 @@ from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.routing import RESERVED_ID, replica_of
 from persia_py.rpc import FailedPrecondition
 from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict, state_width
+from persia_py.servers.row_types import bytes_per_weight
 from persia_py.servers.sizing import TableSize, capacity_warning, memory_limit, row_bytes
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.servers.swap_lock import SwapLock
@@ -56,9 +57,10 @@ _WORKER_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
 _SETTINGS_KEYS = ("optimizer", "init_lower", "init_upper", "weight_bound", "seed")
 _ROW_KEYS = ("ids", "weights", "state", "last_access", "clock")
 Rows = dict
-"""One table's rows as plain arrays: ``ids`` (uint64 [n]), ``weights`` (float32 [n, dim]),
-``state`` (float32 [n, state width]), ``last_access`` (int64 [n]) and ``clock`` (int),
-as :meth:`EmbeddingTable.export_rows` gives them."""
+"""One table's rows as plain arrays: ``ids`` (uint64 [n]), ``weights`` ([n, dim], as
+stored), ``state`` (float32 [n, state width]), ``last_access`` (int64 [n]), ``clock``
+(int) and ``row_dtype`` (how ``weights`` are stored; float32 when absent), as
+:meth:`EmbeddingTable.export_rows` gives them."""
 
 
 def check_worker_id(worker_id: object, field: str = "worker_id") -> str:
@@ -212,6 +214,8 @@ class ParameterServer:
                 # A serving replica keeps every row it was given.
                 expire_after_steps=None if self.inference else slot.expire_after_steps,
                 expire_after_seconds=None if self.inference else slot.expire_after_seconds,
+                row_dtype=self.embedding_config.row_dtype_of(name),
+                stochastic_rounding=self.embedding_config.stochastic_rounding,
             )
             if self.tracks_changes:
                 tables[name].track_changes()
@@ -227,8 +231,9 @@ class ParameterServer:
             slot = self.embedding_config.slots_config[slots[0]]
             chosen = slot.optimizer or optimizer
             width = 0 if chosen is None else state_width(optimizer_from_dict(chosen), slot.dim)
+            weight_bytes = bytes_per_weight(self.embedding_config.row_dtype_of(name))
             sizes.append(TableSize(name, slot.capacity or ps_cfg.capacity,
-                                   row_bytes(slot.dim, width)))
+                                   row_bytes(slot.dim, width, weight_bytes)))
         return sizes
 
     def warn_if_too_big(self, optimizer: dict | None) -> str | None:
@@ -284,7 +289,9 @@ class ParameterServer:
         """Embeddings ``[n, dim]`` for each ``(table, ids)``; training lookups insert new ids.
 
         A request whose answer (``answer_itemsize`` bytes per value) would not fit in
-        ``max_message_bytes`` is refused before anything is inserted.
+        ``max_message_bytes`` is refused before anything is inserted. With
+        ``answer_itemsize`` 2 (a float16 wire), float16 tables answer their rows as stored
+        (no conversion); every other answer is float32.
         """
         if training and self.inference:
             raise FailedPrecondition("this parameter server is in inference mode (read-only): "
@@ -298,7 +305,9 @@ class ParameterServer:
             raise ValueError(f"the answer would carry {answer_bytes} bytes of embeddings, over "
                              f"max_message_bytes {limit}; look up fewer ids per call")
         with self._increments.shared():
-            answers = [t.lookup(ids, insert=training) for t, (_, ids) in zip(tables, requests)]
+            answers = [t.lookup(ids, insert=training, dtype=np.float16 if (
+                answer_itemsize == 2 and t.row_dtype == "float16") else np.float32)
+                for t, (_, ids) in zip(tables, requests)]
         if training and self.update_log is not None:  # the rows it inserted, for a restart
             self.update_log.lookup(requests)
         return answers
@@ -484,14 +493,21 @@ class ParameterServer:
     def _import(tables: dict[str, EmbeddingTable], rows: dict[str, Rows]) -> int:
         num_rows = 0
         for name, table_rows in rows.items():
-            if not isinstance(table_rows, dict) or set(table_rows) != set(_ROW_KEYS):
-                raise ValueError(f"table {name!r}: rows need exactly the keys {list(_ROW_KEYS)}")
+            if not isinstance(table_rows, dict) or set(table_rows) - {"row_dtype"} != set(
+                    _ROW_KEYS):
+                raise ValueError(f"table {name!r}: rows need exactly the keys {list(_ROW_KEYS)} "
+                                 "(and row_dtype)")
+            source = table_rows.get("row_dtype", "float32")
             try:
                 tables[name].import_rows(table_rows["ids"], table_rows["weights"],
                                          table_rows["state"], table_rows["last_access"],
-                                         table_rows["clock"])
+                                         table_rows["clock"], source)
             except ValueError as exc:
                 raise ValueError(f"table {name!r}: {exc}") from None
+            if source != tables[name].row_dtype and table_rows["ids"].shape[0]:
+                logger.info("table %r: %d rows stored as %s were converted once to the "
+                            "table's %s", name, table_rows["ids"].shape[0], source,
+                            tables[name].row_dtype)
             num_rows += int(table_rows["ids"].shape[0])
         return num_rows
 
