@@ -30,8 +30,9 @@ ADAGRAD = {"type": "adagrad", "lr": 0.1}
 GLOBAL = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(capacity=100_000))
 
 
-def _ps() -> ParameterServer:
-    return ParameterServer(GLOBAL, EMBEDDING)
+def _ps(row_dtype: str = "float32") -> ParameterServer:
+    return ParameterServer(GLOBAL, EmbeddingTablesConfig(slots_config=EMBEDDING.slots_config,
+                                                         row_dtype=row_dtype))
 
 
 class _Trainer:
@@ -116,6 +117,25 @@ def test_a_restarted_replica_holds_every_update_its_predecessor_applied(tmp_path
     again = _ps()
     open_update_log(again, log, replay=True, checkpoint=None)
     _same(restarted, again)
+
+
+@pytest.mark.parametrize("row_dtype", ["float16", "bfloat16"])
+def test_half_rows_replay_bit_identical_from_a_checkpoint_of_them(tmp_path, row_dtype) -> None:
+    """Stochastic rounding draws from the rows and the updates, not from a generator's
+    state, so a replay on the checkpoint's rows makes the same choices."""
+    log, root = tmp_path / "log", tmp_path / "ckpt"
+    live = _ps(row_dtype)
+    open_update_log(live, log, replay=True, checkpoint=None)
+    live.configure(optimizer=ADAGRAD, seed=7)
+    trainer = _Trainer()
+    trainer.steps(live, 3)
+    _checkpoint(live, root, 3)
+    trainer.steps(live, 3)
+    restarted = _ps(row_dtype)
+    what = open_update_log(restarted, log, replay=True, checkpoint=None)
+    assert what.endswith("and 3 updates replayed from its update log"), what
+    assert live.state_dict().tables["item"]["row_dtype"] == row_dtype
+    _same(live, restarted)
 
 
 def test_float16_gradients_are_logged_as_they_arrived_and_replay_bit_identical(tmp_path) -> None:
