@@ -172,3 +172,34 @@ def test_config_sets_storage_types_per_slot_with_a_default() -> None:
         embedding_config_from_dict({
             "feature_groups": {"g": ["a", "b"]},
             "slots_config": {"a": {"dim": 4}, "b": {"dim": 4, "row_dtype": "float16"}}})
+
+
+def test_float16_rows_go_on_a_float16_wire_without_a_conversion(monkeypatch) -> None:
+    from persia_py import codec
+    from persia_py.config import GlobalConfig
+    from persia_py.proto import parameter_server_pb2 as pb
+    from persia_py.servers.parameter_server import ParameterServer
+    from persia_py.servers.service import ParameterServerServicer
+
+    ps = ParameterServer(GlobalConfig(), embedding_config_from_dict(
+        {"slots_config": {"a": {"dim": 8, "row_dtype": "float16"}, "b": {"dim": 8}}}))
+    ps.configure(optimizer={"type": "sgd", "lr": 0.1})
+    servicer = ParameterServerServicer(ps)
+    ids = np.arange(1, 1001, dtype=np.uint64)
+    casts = []
+    original = codec.cast_float
+    monkeypatch.setattr(codec, "cast_float", lambda *a, **k: casts.append(a[1]) or original(*a, **k))
+
+    def lookup(table: str, fp16: bool) -> np.ndarray:
+        request = pb.LookupRequest(training=True, fp16=fp16, tables=[
+            pb.TableIds(table=table, ids=codec.encode(ids))])
+        (tensor,) = pb.LookupResponse.FromString(servicer.Lookup(request, None)).embeddings
+        return codec.decode(tensor, name="embeddings", ndim=2)
+
+    half = lookup("a", fp16=True)
+    assert half.dtype == np.float16 and casts == []  # as stored: no pass over the rows
+    (stored,) = ps.lookup([("a", ids)], training=False, answer_itemsize=2)
+    assert np.array_equal(half.view(np.uint16), stored.view(np.uint16))
+    assert np.array_equal(lookup("a", fp16=False), half.astype(np.float32))
+    lookup("b", fp16=True)  # float32 rows are narrowed for the wire, as before
+    assert casts == ["float16"]
