@@ -9,16 +9,27 @@ import pytest
 from persia_py.config import ConfigError, embedding_config_from_dict
 from persia_py.optimizer_config import AdagradConfig, AdamConfig, SGDConfig
 from persia_py.servers import row_types
-from persia_py.servers.row_types import BF16, F16, NEAREST, half_to_float, round_bits
+from persia_py.servers.row_types import (
+    NEAREST,
+    bf16_to_float,
+    f16_to_float,
+    float_to_bf16,
+    float_to_f16,
+)
 from persia_py.servers.storage import EmbeddingTable
 
 ALL_RAND = np.arange(1 << 16, dtype=np.uint32)
 
 
-def _rounded(value: float, fmt: int, rands: np.ndarray) -> np.ndarray:
+F16 = (float_to_f16, f16_to_float)
+BF16 = (float_to_bf16, bf16_to_float)
+
+
+def _rounded(value: float, fmt: tuple, rands: np.ndarray) -> np.ndarray:
     """``value`` rounded with each of ``rands``, read back as float64."""
     x = np.float32(value)
-    return np.array([half_to_float(round_bits(x, fmt, r), fmt) for r in rands], np.float64)
+    to_bits, to_float = fmt
+    return np.array([to_float(to_bits(x, r)) for r in rands], np.float64)
 
 
 def test_float16_patterns_decode_exactly_and_round_to_nearest_like_numpy() -> None:
@@ -49,10 +60,10 @@ def test_bfloat16_keeps_the_upper_half_of_float32_and_its_range() -> None:
     assert widened[0, 5] == np.float32(1.0078125)  # a tie rounds away from zero
 
 
-@pytest.mark.parametrize(("fmt", "value"), [
-    (F16, 1.0001), (F16, -0.30001), (F16, 3.1e-6), (F16, 1234.56),  # 3.1e-6: subnormal
+@pytest.mark.parametrize(("fmt", "value"), [  # (F16, 3.1e-6): a float16 subnormal
+    (F16, 1.0001), (F16, -0.30001), (F16, 3.1e-6), (F16, 1234.56),
     (BF16, 1.0001), (BF16, -7.77e-3), (BF16, 3.0e20),
-])
+], ids=str)
 def test_stochastic_rounding_is_exact_on_average(fmt, value) -> None:
     """Over every 16-bit draw, the mean of the rounded values is the value itself (to the
     draw's resolution), where rounding to nearest is off by up to half a unit."""

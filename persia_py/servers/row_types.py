@@ -10,10 +10,11 @@ float16 rows). Its random bits are a hash of (table seed, id, column, table cloc
 gradient's and old value's bits): no generator state, so a rerun with the same calls
 and a replay of the update log make the same choices.
 
-numba has no float16 on the CPU, and numpy has no bfloat16: kernels see both as
-``uint16`` bit patterns (:func:`kernel_view`), and ``fmt`` (``F32``/``F16``/``BF16``)
-says how to read them. float16 rows are numpy ``float16`` arrays (they go on the wire as
-they are); bfloat16 rows are ``uint16`` arrays of the upper half of the float32 bits.
+numba has no float16 on the CPU, and numpy has no bfloat16: kernels see float16 rows as
+``int16`` bit patterns and bfloat16 rows as ``uint16`` ones (:func:`kernel_view`), so
+the element type says how to read them. float16 rows are numpy ``float16`` arrays (they
+go on the wire as they are); bfloat16 rows are ``uint16`` arrays of the upper half of
+the float32 bits.
 
 Overflow: float16 holds magnitudes up to 65504; a step that would pass it saturates
 there (never infinity). bfloat16 has float32's range and 8 bits of precision.
@@ -22,15 +23,14 @@ there (never infinity). bfloat16 has float32's range and 8 bits of precision.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
-from persia_py.hashing import GOLDEN, MIX_M1, mix64_one
+from persia_py.hashing import MIX_M1, mix64_one
 
 ROW_DTYPES = ("float32", "float16", "bfloat16")
 """Names of the storage types a slot may choose (``slots_config.<slot>.row_dtype``)."""
-F32, F16, BF16 = 0, 1, 2
-"""``fmt`` codes of the kernels, in the order of ``ROW_DTYPES``."""
 _NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": np.dtype(np.uint16)}
 NEAREST = np.uint32(0x8000)
@@ -40,8 +40,13 @@ F16_MAX_BITS = 0x7BFF
 """float16's largest finite magnitude (65504), where float16 rows saturate."""
 F16_MAX = 65504.0
 _BF16_MAX_BITS = 0x7F7F
-_S13, _S16, _S29, _S48 = np.uint32(13), np.uint32(16), np.uint64(29), np.uint64(48)
-_TWO_112 = np.float32(2.0**112)
+_S16, _S23 = np.uint32(16), np.uint32(23)
+_GOLDEN32, _MIX32_1 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
+_F16_MAX_F32 = 0x477FE000
+"""float32 bits of 65504, float16's largest finite magnitude."""
+_F16_LEAST_F32 = 0x33800000
+"""float32 bits of 2**-24, float16's least positive value."""
+_TWO_24 = np.float32(2.0**24)
 _RAND_UNIT = np.float32(2.0**-16)
 
 
@@ -57,160 +62,205 @@ def numpy_dtype(row_dtype: str) -> np.dtype:
     return _NUMPY[check_row_dtype(row_dtype)]
 
 
-def fmt_of(row_dtype: str) -> int:
-    """The kernels' ``fmt`` code of ``row_dtype``."""
-    return ROW_DTYPES.index(check_row_dtype(row_dtype))
-
-
 def bytes_per_weight(row_dtype: str) -> int:
     """Bytes of one stored weight: 4 for float32, 2 for float16 and bfloat16."""
     return numpy_dtype(row_dtype).itemsize
 
 
 def kernel_view(array: np.ndarray) -> np.ndarray:
-    """``array`` as the numba kernels take it: float16 as its uint16 bits (no copy)."""
-    return array.view(np.uint16) if array.dtype == np.float16 else array
+    """``array`` as the numba kernels take it (no copy): float16 as ``int16`` bits,
+    bfloat16 (``uint16`` bits) and float32 as they are. The element type alone then
+    picks the conversion, when numba compiles: no per-value branch on the format."""
+    return array.view(np.int16) if array.dtype == np.float16 else array
 
 
 # -- scalar conversions (numba) -----------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
-def half_to_float(bits: np.uint16, fmt: int) -> np.float32:
-    """The float32 value of float16 (``fmt == F16``) or bfloat16 bits (exact)."""
-    b = np.uint32(bits)
-    if fmt == F16:
-        # Exponent and mantissa moved into float32's places read as 2**-112 times the
-        # value, subnormals included; one multiply puts the scale right.
-        moved = ((b & np.uint32(0x8000)) << _S16) | ((b & np.uint32(0x7FFF)) << _S13)
-        return np.uint32(moved).view(np.float32) * _TWO_112
-    return np.uint32(b << _S16).view(np.float32)
+@intrinsic
+def _f16_value(typingctx, bits):
+    """float16 bits (int16) as float32: the CPU's conversion (F16C on x86), exact."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.int16), codegen
 
 
-@njit(cache=True, nogil=True)
-def round_bits(value: np.float32, fmt: int, rand16: np.uint32) -> np.uint16:
-    """``value`` as float16 or bfloat16 bits, rounded away from zero when the dropped
-    fraction plus ``rand16 / 2**16`` reaches one (uniform ``rand16``: stochastic
-    rounding; :data:`NEAREST`: to nearest). Magnitudes past the type's largest finite
-    value saturate there."""
+@intrinsic
+def _f16_bits(typingctx, value):
+    """float32 as float16 bits (int16), rounded to nearest even by the CPU: exact for the
+    values :func:`float_to_f16` hands it, which float16 holds."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.int16(types.float32), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def f16_to_float(bits: np.int16) -> np.float32:
+    """The float32 value of float16 bits (exact)."""
+    return _f16_value(bits)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def bf16_to_float(bits: np.uint16) -> np.float32:
+    """The float32 value of bfloat16 bits (exact: its upper half)."""
+    return np.uint32(np.uint32(bits) << _S16).view(np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def float_to_bf16(value: np.float32, rand16: np.uint32) -> np.uint16:
+    """``value`` as bfloat16 bits, rounded away from zero when the dropped fraction plus
+    ``rand16 / 2**16`` reaches one (uniform ``rand16``: stochastic rounding;
+    :data:`NEAREST`: to nearest). Past the largest finite value: saturated there."""
     bits = np.float32(value).view(np.uint32)
     sign = (bits >> _S16) & np.uint32(0x8000)
-    if fmt == BF16:
-        # The low 16 bits are the fraction dropped: adding rand16 carries into the kept
-        # half exactly when the fraction plus rand16 / 2**16 reaches one.
-        kept = np.uint32(((bits & np.uint32(0x7FFFFFFF)) + rand16) >> _S16)
-        if kept > np.uint32(_BF16_MAX_BITS):
-            kept = np.uint32(_BF16_MAX_BITS)
-        return np.uint16(sign | kept)
-    magnitude = abs(np.float32(value))
-    if not magnitude < np.float32(65536.0):  # also NaN: never stored as such
-        return np.uint16(sign | np.uint32(F16_MAX_BITS))
-    exponent = max(np.int32((bits >> np.uint32(23)) & np.uint32(0xFF)) - 127, -14)
-    # In units of float16's spacing at this exponent (a power of two: exact), the value
-    # is an integer part that float16 keeps and a fraction it drops.
-    scale = np.uint32((137 - exponent) << 23).view(np.float32)
-    units = magnitude * scale
-    whole = np.floor(units)
-    up = (units - whole) + np.float32(rand16) * _RAND_UNIT >= np.float32(1.0)
-    # (exponent + 14) << 10 plus the integer part is the float16 pattern, for subnormals
-    # too, and a carry of the integer part past 2**11 moves into the exponent correctly.
-    kept = np.uint32(((exponent + 14) << 10) + np.int32(whole) + np.int32(up))
-    if kept > np.uint32(F16_MAX_BITS):
-        kept = np.uint32(F16_MAX_BITS)
-    return np.uint16(sign | kept)
+    # The low 16 bits are the fraction dropped: adding rand16 carries into the kept half
+    # exactly when the fraction plus rand16 / 2**16 reaches one.
+    kept = np.uint32(((bits & np.uint32(0x7FFFFFFF)) + rand16) >> _S16)
+    return np.uint16(sign | min(kept, np.uint32(_BF16_MAX_BITS)))
 
 
-@njit(cache=True, nogil=True)
-def draw16(row_key: np.uint64, column: int, grad: np.float32, old: np.uint16) -> np.uint32:
+@njit(cache=True, nogil=True, inline="always")
+def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
+    """``value`` as float16 bits, rounded as :func:`float_to_bf16` says; magnitudes past
+    65504 saturate there."""
+    bits = np.float32(value).view(np.uint32)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    exponent = magnitude >> _S23
+    # float16 keeps 10 of float32's 23 fraction bits, fewer below its normal range (2**-14,
+    # float32 exponent 113): add random bits below the kept ones (a carry with the
+    # probability of the dropped fraction), clear them, and the CPU converts exactly.
+    drop = np.uint32(13) + np.uint32(max(np.int32(113) - np.int32(exponent), 0))
+    drop = min(drop, np.uint32(23))
+    noise = np.uint32(rand16 << _S16) >> (np.uint32(32) - drop)
+    kept = np.uint32(magnitude + noise) & np.uint32(np.uint32(0xFFFFFFFF) << drop)
+    kept = min(kept, np.uint32(_F16_MAX_F32))
+    # Below 2**-24, float16's least step, the choice is between 0 and 2**-24.
+    tiny = np.uint32(magnitude).view(np.float32) * _TWO_24 + np.float32(rand16) * _RAND_UNIT
+    kept = kept if exponent >= np.uint32(103) else (
+        np.uint32(_F16_LEAST_F32) if tiny >= np.float32(1.0) else np.uint32(0))
+    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def draw16(row_key: np.uint32, column: int, grad: np.float32, old: np.uint32) -> np.uint32:
     """16 random bits for rounding column ``column`` of a row: the row's key mixed with
     the column and the bits of the gradient and of the old value (repeated updates of
-    one row within one clock tick draw afresh as long as either differs)."""
-    z = row_key + np.uint64(column) * GOLDEN
-    z ^= (np.uint64(np.float32(grad).view(np.uint32)) << np.uint64(16)) | np.uint64(old)
-    z = (z ^ (z >> _S29)) * MIX_M1
-    z = (z ^ (z >> _S29)) * MIX_M1
-    return np.uint32(z >> _S48)
+    one row within one clock tick draw afresh as long as either differs). One 32-bit
+    multiply, which vectorizes: its top bits depend on every bit below them, and the
+    row's key is a full 64-bit mix already."""
+    z = (row_key ^ np.float32(grad).view(np.uint32) ^ (old << _S16)) + (
+        np.uint32(column) * _GOLDEN32)
+    return np.uint32(z * _MIX32_1) >> _S16
 
 
-# -- per-element access, specialized on the array's element type ---------------------------
+# -- per-element access, specialized on the stored element type -----------------------------
+# Scalars only: a numba function that takes an array is called with the array's whole
+# descriptor, which per element cost more than the conversion itself.
 
 
-def load_weight(weights, r, d, fmt):  # pragma: no cover - replaced by the overload in numba
-    """``weights[r, d]`` as float32 (numba only)."""
+def widen(stored):  # pragma: no cover - replaced by the overload in numba
+    """A stored weight as float32 (numba only)."""
     raise NotImplementedError
 
 
-@overload(load_weight)
-def _load_weight(weights, r, d, fmt):
+@overload(widen, inline="always")
+def _widen(stored):
+    if stored == types.float32:
+        return lambda stored: stored
+    if stored == types.int16:
+        return lambda stored: f16_to_float(stored)
+    return lambda stored: bf16_to_float(stored)
+
+
+def narrow(value, old, row_key, column, grad, stochastic):  # pragma: no cover
+    """float32 ``value`` in the type of the stored ``old`` it replaces (numba only):
+    rounded stochastically with bits drawn from the row's key, ``column``, ``grad`` and
+    ``old`` (``stochastic``), else to nearest."""
+    raise NotImplementedError
+
+
+@overload(narrow, inline="always")
+def _narrow(value, old, row_key, column, grad, stochastic):
+    if old == types.float32:
+        return lambda value, old, row_key, column, grad, stochastic: value
+    to_bits = float_to_f16 if old == types.int16 else float_to_bf16
+
+    def round_half(value, old, row_key, column, grad, stochastic):
+        draw = draw16(row_key, column, grad, np.uint32(np.uint16(old)))
+        return to_bits(value, draw if stochastic else NEAREST)
+    return round_half
+
+
+def work_row(weights, r, buffer):  # pragma: no cover
+    """Row ``r`` of ``weights`` as float32 to compute on (numba only): the row itself for
+    float32 weights, else ``buffer`` filled with it."""
+    raise NotImplementedError
+
+
+@overload(work_row, inline="always")
+def _work_row(weights, r, buffer):
     if weights.dtype == types.float32:
-        return lambda weights, r, d, fmt: weights[r, d]
-    return lambda weights, r, d, fmt: half_to_float(weights[r, d], fmt)
+        return lambda weights, r, buffer: weights[r]
+
+    def widened(weights, r, buffer):
+        for d in range(buffer.shape[0]):
+            buffer[d] = widen(weights[r, d])
+        return buffer
+    return widened
 
 
-def store_weight(weights, r, d, value, fmt, row_key, grad, stochastic):  # pragma: no cover
-    """``weights[r, d] = value``, rounded to the stored type (numba only)."""
+def finish_row(weights, r, row, row_id, tick, sr_key, grads, i,
+               stochastic):  # pragma: no cover
+    """Store ``row`` (from :func:`work_row`) as row ``r`` of ``weights`` (numba only):
+    nothing to do for float32 weights, else rounded (stochastically, keyed by the row's
+    id ``row_id`` and ``tick``, and the gradients ``grads[i]``)."""
     raise NotImplementedError
 
 
-@overload(store_weight)
-def _store_weight(weights, r, d, value, fmt, row_key, grad, stochastic):
+@overload(finish_row, inline="always")
+def _finish_row(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
     if weights.dtype == types.float32:
-        def store_float(weights, r, d, value, fmt, row_key, grad, stochastic):
-            weights[r, d] = value
-        return store_float
+        return lambda weights, r, row, row_id, tick, sr_key, grads, i, stochastic: None
 
-    def store_half(weights, r, d, value, fmt, row_key, grad, stochastic):
-        rand = draw16(row_key, d, grad, weights[r, d]) if stochastic else NEAREST
-        weights[r, d] = round_bits(value, fmt, rand)
-    return store_half
+    def rounded(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
+        key = row_key(weights[r, 0], row_id, tick, sr_key)
+        for d in range(row.shape[0]):
+            weights[r, d] = narrow(row[d], weights[r, d], key, d, grads[i, d], stochastic)
+    return rounded
 
 
-def row_key(weights, row_ids, r, tick, sr_key):  # pragma: no cover
-    """The rounding key of row ``r`` (numba only; 0 for float32 rows, which never round)."""
+def row_key(stored, row_id, tick, sr_key):  # pragma: no cover
+    """The rounding key of a row whose weights are of the type of ``stored``, with id
+    ``row_id`` (numba only; 0 for float32 rows, which never round)."""
     raise NotImplementedError
 
 
-@overload(row_key)
-def _row_key(weights, row_ids, r, tick, sr_key):
-    if weights.dtype == types.float32:
-        return lambda weights, row_ids, r, tick, sr_key: np.uint64(0)
-    return lambda weights, row_ids, r, tick, sr_key: mix64_one(
-        row_ids[r] ^ sr_key ^ (np.uint64(tick) * MIX_M1))
+@overload(row_key, inline="always")
+def _row_key(stored, row_id, tick, sr_key):
+    if stored == types.float32:
+        return lambda stored, row_id, tick, sr_key: np.uint32(0)
 
-
-def copy_value(out, p, weights, r, d, fmt):  # pragma: no cover
-    """``out[p, d] = weights[r, d]``: bits as they are when both have one element type,
-    else converted to float32 (numba only)."""
-    raise NotImplementedError
-
-
-@overload(copy_value)
-def _copy_value(out, p, weights, r, d, fmt):
-    if out.dtype == weights.dtype:
-        def copy_bits(out, p, weights, r, d, fmt):
-            out[p, d] = weights[r, d]
-        return copy_bits
-
-    def copy_float(out, p, weights, r, d, fmt):
-        out[p, d] = load_weight(weights, r, d, fmt)
-    return copy_float
+    def key(stored, row_id, tick, sr_key):
+        z = mix64_one(row_id ^ sr_key ^ (np.uint64(tick) * MIX_M1))
+        return np.uint32(z >> np.uint64(32))
+    return key
 
 
 # -- whole arrays ---------------------------------------------------------------------------
 
 
 @njit(cache=True, nogil=True)
-def _encode(values: np.ndarray, fmt: int, out: np.ndarray) -> None:
+def _encode(values: np.ndarray, out: np.ndarray) -> None:
     for i in range(values.shape[0]):
         for d in range(values.shape[1]):
-            out[i, d] = round_bits(values[i, d], fmt, NEAREST)
+            out[i, d] = narrow(values[i, d], out[i, d], np.uint32(0), d, np.float32(0.0), False)
 
 
 @njit(cache=True, nogil=True)
-def _decode(bits: np.ndarray, fmt: int, out: np.ndarray) -> None:
+def _decode(bits: np.ndarray, out: np.ndarray) -> None:
     for i in range(bits.shape[0]):
         for d in range(bits.shape[1]):
-            out[i, d] = half_to_float(bits[i, d], fmt)
+            out[i, d] = widen(bits[i, d])
 
 
 def to_stored(values: np.ndarray, row_dtype: str, out: np.ndarray | None = None
@@ -224,7 +274,7 @@ def to_stored(values: np.ndarray, row_dtype: str, out: np.ndarray | None = None
     if row_dtype == "float32":
         out[...] = values
     else:
-        _encode(values, fmt_of(row_dtype), kernel_view(out))
+        _encode(values, kernel_view(out))
     return out
 
 
@@ -234,7 +284,7 @@ def to_float32(rows: np.ndarray, row_dtype: str) -> np.ndarray:
     if row_dtype == "float32":
         return rows
     out = np.empty(rows.shape, np.float32)
-    _decode(kernel_view(np.ascontiguousarray(rows)), fmt_of(row_dtype), out)
+    _decode(kernel_view(np.ascontiguousarray(rows)), out)
     return out
 
 

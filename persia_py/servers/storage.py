@@ -119,7 +119,6 @@ class _Shard:
                positions: np.ndarray | None) -> None:
         """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``): their
         bits when ``out`` has the weights' type, else widened to float32."""
-        fmt = self.table.fmt
         weights = kernel_view(self.weights)
         same = out.dtype == self.weights.dtype
         out = kernel_view(out)
@@ -130,7 +129,7 @@ class _Shard:
             else:
                 rows = self.index.find(ids)
                 at = np.arange(ids.shape[0]) if positions is None else positions
-                kernels.gather_rows_at(weights, rows, at, out, self.last_access, tick, fmt)
+                kernels.gather_rows_at(weights, rows, at, out, self.last_access, tick)
             num_missing = int(np.count_nonzero(rows < 0))
             self.hits += ids.shape[0] - num_missing
             self.misses += num_missing
@@ -140,8 +139,7 @@ class _Shard:
                 new = np.flatnonzero(rows < 0)
                 rows = self._insert_missing(ids, rows, tick)
                 at = new if positions is None else positions[new]
-                kernels.gather_rows_at(weights, rows[new], at, out, self.last_access, tick,
-                                       fmt)
+                kernels.gather_rows_at(weights, rows[new], at, out, self.last_access, tick)
 
     def _admit(self, new_ids: np.ndarray, tick: int) -> np.ndarray:
         """Which of these distinct absent ids may be stored now (bool mask)."""
@@ -308,9 +306,12 @@ class _Shard:
     def update(self, ids: np.ndarray, grads: np.ndarray, tick: int) -> int:
         with self.lock:
             self._log_changes(ids)
-            rows, grads, _ = kernels.sum_duplicate_rows(self.index.find(ids), grads, self.size)
+            rows, grads, merged = kernels.sum_duplicate_rows(self.index.find(ids), grads,
+                                                             self.size)
+            if merged and self.table.row_dtype != "float32":
+                ids = self.ids[rows]  # the ids of the distinct rows, which key rounding
             return self.table._step(self.weights, self.state, rows, grads,
-                                    self.last_access, tick, self.ids)
+                                    self.last_access, tick, ids)
 
 
 def _check_array(name: str, value: object, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
@@ -392,12 +393,10 @@ class EmbeddingTable:
                                      else float(expire_after_seconds))
         self._step_args = _step_args(optimizer, self.weight_bound)
         self.row_dtype = row_types.check_row_dtype(row_dtype)
-        self.fmt = row_types.fmt_of(row_dtype)
         if type(stochastic_rounding) is not bool:
             raise ValueError(f"stochastic_rounding: expected True or False, got "
                              f"{stochastic_rounding!r}")
-        self._rounding = (self.fmt, mix64(np.uint64(self.seed), ROUNDING_SALT),
-                          stochastic_rounding)
+        self._rounding = (mix64(np.uint64(self.seed), ROUNDING_SALT), stochastic_rounding)
         share = -(-capacity // num_shards)
         self._shards = [_Shard(self, share) for _ in range(num_shards)]
         self._shard_key = HashKey.random()
@@ -585,15 +584,16 @@ class EmbeddingTable:
         return sum(counts)
 
     def _step(self, weights: np.ndarray, state: np.ndarray, rows: np.ndarray,
-              grads: np.ndarray, stamps: np.ndarray, tick: int, row_ids: np.ndarray) -> int:
+              grads: np.ndarray, stamps: np.ndarray, tick: int, ids: np.ndarray) -> int:
         """One optimizer step on ``rows`` (distinct; < 0 skipped) of one shard, in place;
-        ``row_ids``: the shard's ids by row (they key stochastic rounding)."""
+        ``ids[i]``: the id of ``rows[i]`` (ids key stochastic rounding; read in order, where
+        the shard's ids by row would cost a cache miss per row)."""
         kind, params = self._step_args
         weights = kernel_view(weights)
         if kind == _SGD:
-            return kernels.sgd_step(weights, rows, grads, stamps, tick, row_ids,
-                                    *self._rounding, *params)
-        return kernels.adaptive_step(kind, weights, state, rows, grads, stamps, tick, row_ids,
+            return kernels.sgd_step(weights, rows, grads, stamps, tick, ids, *self._rounding,
+                                    *params)
+        return kernels.adaptive_step(kind, weights, state, rows, grads, stamps, tick, ids,
                                      *self._rounding, *params)
 
     def export_rows(self) -> dict[str, np.ndarray | int]:
