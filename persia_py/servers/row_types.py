@@ -40,7 +40,8 @@ F16_MAX_BITS = 0x7BFF
 """float16's largest finite magnitude (65504), where float16 rows saturate."""
 F16_MAX = 65504.0
 _BF16_MAX_BITS = 0x7F7F
-_S16, _S23 = np.uint32(16), np.uint32(23)
+_S3, _S16, _S23 = np.uint32(3), np.uint32(16), np.uint32(23)
+_F16_MIN_NORMAL = np.float32(2.0**-14)
 _GOLDEN32, _MIX32_1 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
 _F16_MAX_F32 = 0x477FE000
 """float32 bits of 65504, float16's largest finite magnitude."""
@@ -142,6 +143,17 @@ def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _float_to_f16_normal(value: np.float32, rand16: np.uint32) -> np.int16:
+    """:func:`float_to_f16` of a magnitude of at least 2**-14 (float16's normal range),
+    where float16 keeps 10 of float32's 23 fraction bits: 13 random bits added below them
+    carry with the probability of the fraction dropped. No branch: it vectorizes."""
+    bits = np.float32(value).view(np.uint32)
+    kept = np.uint32((bits & np.uint32(0x7FFFFFFF)) + (rand16 >> _S3)) & np.uint32(0xFFFFE000)
+    kept = min(kept, np.uint32(_F16_MAX_F32))
+    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def draw16(row_key: np.uint32, column: int, grad: np.float32, old: np.uint32) -> np.uint32:
     """16 random bits for rounding column ``column`` of a row: the row's key mixed with
     the column and the bits of the gradient and of the old value (repeated updates of
@@ -222,11 +234,32 @@ def _finish_row(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
     if weights.dtype == types.float32:
         return lambda weights, r, row, row_id, tick, sr_key, grads, i, stochastic: None
 
-    def rounded(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
+    if weights.dtype == types.uint16:
+        def rounded(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
+            key = row_key(weights[r, 0], row_id, tick, sr_key)
+            for d in range(row.shape[0]):
+                weights[r, d] = narrow(row[d], weights[r, d], key, d, grads[i, d], stochastic)
+        return rounded
+
+    def rounded_f16(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
+        # float16's normal range in one branch-free pass, which vectorizes; the rare values
+        # below it (fewer bits kept) keep their old bits there and go through the general
+        # conversion after, with the same draws.
         key = row_key(weights[r, 0], row_id, tick, sr_key)
+        num_small = 0
         for d in range(row.shape[0]):
-            weights[r, d] = narrow(row[d], weights[r, d], key, d, grads[i, d], stochastic)
-    return rounded
+            old = weights[r, d]
+            draw = draw16(key, d, grads[i, d], np.uint32(np.uint16(old))) if stochastic else (
+                NEAREST)
+            small = abs(row[d]) < _F16_MIN_NORMAL
+            num_small += small
+            weights[r, d] = old if small else _float_to_f16_normal(row[d], draw)
+        if num_small:
+            for d in range(row.shape[0]):
+                if abs(row[d]) < _F16_MIN_NORMAL:
+                    weights[r, d] = narrow(row[d], weights[r, d], key, d, grads[i, d],
+                                           stochastic)
+    return rounded_f16
 
 
 def row_key(stored, row_id, tick, sr_key):  # pragma: no cover
