@@ -122,7 +122,8 @@ def test_a_restarted_replica_holds_every_update_its_predecessor_applied(tmp_path
 @pytest.mark.parametrize("row_dtype", ["float16", "bfloat16"])
 def test_half_rows_replay_bit_identical_from_a_checkpoint_of_them(tmp_path, row_dtype) -> None:
     """Stochastic rounding draws from the rows and the updates, not from a generator's
-    state, so a replay on the checkpoint's rows makes the same choices."""
+    state, so a replay on the checkpoint's rows makes the same choices, evaluation
+    lookups (not logged) between the updates or not."""
     log, root = tmp_path / "log", tmp_path / "ckpt"
     live = _ps(row_dtype)
     open_update_log(live, log, replay=True, checkpoint=None)
@@ -130,7 +131,9 @@ def test_half_rows_replay_bit_identical_from_a_checkpoint_of_them(tmp_path, row_
     trainer = _Trainer()
     trainer.steps(live, 3)
     _checkpoint(live, root, 3)
-    trainer.steps(live, 3)
+    for _ in range(3):
+        live.lookup([("item", np.arange(1, 500, dtype=np.uint64))], training=False)
+        trainer.steps(live, 1)
     restarted = _ps(row_dtype)
     what = open_update_log(restarted, log, replay=True, checkpoint=None)
     assert what.endswith("and 3 updates replayed from its update log"), what

@@ -184,6 +184,7 @@ def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: n
             w = row[d]
             g = grads[i, d] + weight_decay * w
             row[d] = _clamp(w - lr * g, bound)
+        # SGD keeps no state: the table's step tells its updates apart.
         finish_row(weights, r, row, ids[i], tick, sr_key, grads, i, stochastic)
         stamps[r] = tick
     return count
@@ -267,7 +268,10 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
                 state[r, dim + d] = v
                 step = lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
                 row[d] = _clamp(w - step, bound)
-        finish_row(weights, r, row, ids[i], tick, sr_key, grads, i, stochastic)
+        # The row's state changes with every update and is restored by checkpoints and
+        # log replays alike (the table's step is not: evaluation lookups advance it).
+        salt = np.float32(state[r, 0]).view(np.uint32)
+        finish_row(weights, r, row, ids[i], salt, sr_key, grads, i, stochastic)
         stamps[r] = tick
     return count
 

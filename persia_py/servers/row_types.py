@@ -3,12 +3,13 @@
 A table's weights are stored in its slot's ``row_dtype``; optimizer state stays float32.
 Every optimizer step computes in float32 and writes back rounded to the storage type.
 Rounding to nearest would lose every update smaller than half a unit in the last place
-(at 1.0, float16 steps by 2**-10 and bfloat16 by 2**-7), so training rows would drift
-toward their initial values; **stochastic rounding** rounds up with probability equal to
+(at 1.0, float16 steps by 2**-10 and bfloat16 by 2**-7), so rows with small updates would
+stop learning; **stochastic rounding** rounds away from zero with probability equal to
 the fraction dropped, so the stored value is right on average (what FBGEMM does for its
-float16 rows). Its random bits are a hash of (table seed, id, column, table clock, the
-gradient's and old value's bits): no generator state, so a rerun with the same calls
-and a replay of the update log make the same choices.
+float16 rows). Its random bits are a hash of (table seed, id, column, the row's optimizer
+state after the step, the gradient's and the old value's bits; SGD, which keeps no
+state: the table's step instead): no generator state, so a rerun with the same calls and
+a replay of the update log make the same choices.
 
 numba has no float16 on the CPU, and numpy has no bfloat16: kernels see float16 rows as
 ``int16`` bit patterns and bfloat16 rows as ``uint16`` ones (:func:`kernel_view`), so
@@ -156,8 +157,8 @@ def _float_to_f16_normal(value: np.float32, rand16: np.uint32) -> np.int16:
 @njit(cache=True, nogil=True, inline="always")
 def draw16(row_key: np.uint32, column: int, grad: np.float32, old: np.uint32) -> np.uint32:
     """16 random bits for rounding column ``column`` of a row: the row's key mixed with
-    the column and the bits of the gradient and of the old value (repeated updates of
-    one row within one clock tick draw afresh as long as either differs). One 32-bit
+    the column and the bits of the gradient and of the old value (updates of a row under
+    one key still draw afresh as long as either differs). One 32-bit
     multiply, which vectorizes: its top bits depend on every bit below them, and the
     row's key is a full 64-bit mix already."""
     z = (row_key ^ np.float32(grad).view(np.uint32) ^ (old << _S16)) + (
@@ -221,31 +222,31 @@ def _work_row(weights, r, buffer):
     return widened
 
 
-def finish_row(weights, r, row, row_id, tick, sr_key, grads, i,
+def finish_row(weights, r, row, row_id, salt, sr_key, grads, i,
                stochastic):  # pragma: no cover
     """Store ``row`` (from :func:`work_row`) as row ``r`` of ``weights`` (numba only):
     nothing to do for float32 weights, else rounded (stochastically, keyed by the row's
-    id ``row_id`` and ``tick``, and the gradients ``grads[i]``)."""
+    id ``row_id``, ``salt`` and the gradients ``grads[i]``)."""
     raise NotImplementedError
 
 
 @overload(finish_row, inline="always")
-def _finish_row(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
+def _finish_row(weights, r, row, row_id, salt, sr_key, grads, i, stochastic):
     if weights.dtype == types.float32:
-        return lambda weights, r, row, row_id, tick, sr_key, grads, i, stochastic: None
+        return lambda weights, r, row, row_id, salt, sr_key, grads, i, stochastic: None
 
     if weights.dtype == types.uint16:
-        def rounded(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
-            key = row_key(weights[r, 0], row_id, tick, sr_key)
+        def rounded(weights, r, row, row_id, salt, sr_key, grads, i, stochastic):
+            key = row_key(weights[r, 0], row_id, salt, sr_key)
             for d in range(row.shape[0]):
                 weights[r, d] = narrow(row[d], weights[r, d], key, d, grads[i, d], stochastic)
         return rounded
 
-    def rounded_f16(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
+    def rounded_f16(weights, r, row, row_id, salt, sr_key, grads, i, stochastic):
         # float16's normal range in one branch-free pass, which vectorizes; the rare values
         # below it (fewer bits kept) keep their old bits there and go through the general
         # conversion after, with the same draws.
-        key = row_key(weights[r, 0], row_id, tick, sr_key)
+        key = row_key(weights[r, 0], row_id, salt, sr_key)
         num_small = 0
         for d in range(row.shape[0]):
             old = weights[r, d]
@@ -262,19 +263,20 @@ def _finish_row(weights, r, row, row_id, tick, sr_key, grads, i, stochastic):
     return rounded_f16
 
 
-def row_key(stored, row_id, tick, sr_key):  # pragma: no cover
+def row_key(stored, row_id, salt, sr_key):  # pragma: no cover
     """The rounding key of a row whose weights are of the type of ``stored``, with id
-    ``row_id`` (numba only; 0 for float32 rows, which never round)."""
+    ``row_id``, after an update that ``salt`` stands for (numba only; 0 for float32 rows,
+    which never round)."""
     raise NotImplementedError
 
 
 @overload(row_key, inline="always")
-def _row_key(stored, row_id, tick, sr_key):
+def _row_key(stored, row_id, salt, sr_key):
     if stored == types.float32:
-        return lambda stored, row_id, tick, sr_key: np.uint32(0)
+        return lambda stored, row_id, salt, sr_key: np.uint32(0)
 
-    def key(stored, row_id, tick, sr_key):
-        z = mix64_one(row_id ^ sr_key ^ (np.uint64(tick) * MIX_M1))
+    def key(stored, row_id, salt, sr_key):
+        z = mix64_one(row_id ^ sr_key ^ (np.uint64(salt) * MIX_M1))
         return np.uint32(z >> np.uint64(32))
     return key
 
