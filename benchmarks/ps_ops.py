@@ -13,11 +13,14 @@ medians holds up on a noisy machine where either figure alone would not.
 2. ``insert``: new ids, ``lookup(insert=True)``;
 3. ``update``: one Adagrad step on existing ids;
 4. ``memory``: resident bytes per stored row over the row's payload, (dim + state) * 4;
-5. ``grpc``: lookup of existing ids through one parameter-server process on loopback.
+5. ``grpc``: lookup of existing ids through one parameter-server process on loopback;
+6. ``fp16``: lookup (rows as stored: what a float16 wire sends) and Adagrad update
+   (stochastic rounding) of a table of float16 rows, 1 internal shard.
 
 The baseline of 1-3 is ``numpy.take`` of as many random rows from a plain float32 array
 of the table's shape: the floor of any gather, without hashing, locking or bookkeeping.
-The gRPC baseline is the in-process lookup. Ratios are ours / baseline; the ``*_ratio``
+The gRPC baseline is the in-process lookup. The baseline of 6 is the same operation on the
+float32 table of 1-3, paired call by call. Ratios are ours / baseline; the ``*_ratio``
 keys use one internal shard, the parameter server's default
 (``num_hashmap_internal_shards: 1``). Targets are printed, never asserted: the figures
 depend on the machine.
@@ -59,6 +62,8 @@ TARGETS = {
     "update_ratio": (">=", 0.25),
     "memory_ratio": ("<=", 1.3),
     "grpc_ratio": (">=", 0.3),
+    "fp16_lookup_ratio": (">=", 1.0),
+    "fp16_update_ratio": (">=", 1.0),
 }
 """The issue's targets, printed beside the ratios."""
 
@@ -145,13 +150,15 @@ def check_all_found(rows: np.ndarray, batch: int, what: str) -> None:
 
 def warm_up(dim: int) -> None:
     """Call every storage kernel once: numba compiles (or loads its cache) on first use."""
-    for num_shards in (1, 4):
+    for num_shards, row_dtype in ((1, "float32"), (4, "float32"), (1, "float16")):
         with EmbeddingTable(dim=dim, optimizer=OPTIMIZER, num_shards=num_shards,
-                            capacity=100_000) as table:
+                            capacity=100_000, row_dtype=row_dtype) as table:
             # Above the table's parallel threshold, so the threaded shard path runs too.
             ids = ids_of(np.arange(20_000))
             table.lookup(ids, insert=True)
             table.lookup(ids, insert=False)
+            if row_dtype == "float16":
+                table.lookup(ids, insert=False, dtype=np.float16)
             table.update(ids, np.full((ids.shape[0], dim), 0.01, dtype=np.float32))
 
 
@@ -200,13 +207,13 @@ def bench_update(table: EmbeddingTable, take: Take, rng: np.random.Generator, nu
     return take.paired(lambda ids: table.update(ids, grads), batches)
 
 
-def filled_table(num_shards: int, num_rows: int, dim: int, batch: int, repeats: int
-                 ) -> tuple[EmbeddingTable, float]:
+def filled_table(num_shards: int, num_rows: int, dim: int, batch: int, repeats: int,
+                 row_dtype: str = "float32") -> tuple[EmbeddingTable, float]:
     """A table holding ``num_rows`` rows, with room for the inserts of :func:`bench_insert`
     (nothing evicted), and its fill rate in ids/s."""
     capacity = num_rows + (repeats + 1) * batch
     table = EmbeddingTable(dim=dim, optimizer=OPTIMIZER, num_shards=num_shards,
-                           capacity=capacity)
+                           capacity=capacity, row_dtype=row_dtype)
     start = time.perf_counter()
     fill(table, num_rows)
     return table, num_rows / (time.perf_counter() - start)
@@ -223,6 +230,33 @@ def bench_table(table: EmbeddingTable, take: Take, rng: np.random.Generator, num
         out[f"{op}_ids_per_s"], out[f"{op}_take_ids_per_s"] = ours, base
     if table.stats()["evicted"]:
         raise RuntimeError("rows were evicted; capacity is too small for the benchmark")
+    return out
+
+
+# -- 6: float16 rows ---------------------------------------------------------------------
+
+
+def bench_half(full: EmbeddingTable, rng: np.random.Generator, num_rows: int, dim: int,
+               batch: int, repeats: int) -> dict[str, float]:
+    """ids/s of lookup and update on a table of float16 rows, each call paired with the
+    same operation on ``full`` (float32 rows, filled the same way) on a batch of its own."""
+    half, _ = filled_table(1, num_rows, dim, batch, repeats, row_dtype="float16")
+    out: dict[str, float] = {}
+    grads = rng.standard_normal((batch, dim), dtype=np.float32) * np.float32(0.01)
+    with half:
+        check_all_found(half.lookup(existing_batches(rng, num_rows, batch, 1)[0], insert=False,
+                                    dtype=np.float16), batch, "fp16 lookup")
+        ops = {"lookup": (lambda ids: half.lookup(ids, insert=False, dtype=np.float16),
+                          lambda ids: full.lookup(ids, insert=False)),
+               "update": (lambda ids: half.update(ids, grads),
+                          lambda ids: full.update(ids, grads))}
+        for op, (ours, baseline) in ops.items():
+            seconds, base_seconds = paired_medians(
+                ours, existing_batches(rng, num_rows, batch, repeats),
+                baseline, existing_batches(rng, num_rows, batch, repeats))
+            out[f"fp16_{op}_ids_per_s"] = batch / seconds
+            out[f"fp16_{op}_fp32_ids_per_s"] = batch / base_seconds
+            out[f"fp16_{op}_ratio"] = base_seconds / seconds
     return out
 
 
@@ -367,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
                      unit="B", scale=1.0)
           + f"   (arrays {memory['table_nbytes_per_row']:.1f} B/row incl. spare capacity)",
           flush=True)
+
+    half = bench_half(tables[1], rng, rows, dim, batch, repeats)
+    figures.update(half)
+    print("-- float16 rows (1 internal shard) beside the float32 table", flush=True)
+    for op in ("lookup", "update"):
+        print(ratio_line(f"fp16 {op}", half[f"fp16_{op}_ids_per_s"],
+                         half[f"fp16_{op}_fp32_ids_per_s"], "float32", f"fp16_{op}_ratio"),
+              flush=True)
 
     with tables[1] as table:
         grpc = bench_grpc(table, rng, rows, dim, batch, repeats)

@@ -26,12 +26,13 @@ EMBEDDING = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4), "item
 ADAGRAD = {"type": "adagrad", "lr": 0.1}
 
 
-def _replicas(n: int, shards: int = 1) -> list[ParameterServer]:
+def _replicas(n: int, shards: int = 1, row_dtype: str = "float32") -> list[ParameterServer]:
     from persia_py.config import ParameterServerConfig
 
     cfg = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
         num_hashmap_internal_shards=shards))
-    return [ParameterServer(cfg, EMBEDDING, replica_index=i, replica_size=n) for i in range(n)]
+    embedding = EmbeddingTablesConfig(slots_config=EMBEDDING.slots_config, row_dtype=row_dtype)
+    return [ParameterServer(cfg, embedding, replica_index=i, replica_size=n) for i in range(n)]
 
 
 def _train(replicas: list[ParameterServer], rng: np.random.Generator, steps: int) -> None:
@@ -87,6 +88,68 @@ def test_resharding_keeps_every_row_and_its_optimizer_state(tmp_path, old, new) 
         assert all(np.array_equal(a, b) for a, b in
                    zip(_rows(before, table).values(), _rows(after, table).values()))
     assert folder.parent == tmp_path
+
+
+@pytest.mark.parametrize("row_dtype", ["float16", "bfloat16"])
+def test_half_rows_reshard_exactly_on_half_the_disk(tmp_path, row_dtype) -> None:
+    runs = {}
+    for kind in ("float32", row_dtype):
+        replicas = _replicas(2, row_dtype=kind)
+        _train(replicas, np.random.default_rng(0), steps=3)
+        folder = _dump(replicas, tmp_path / kind, step=3)
+        runs[kind] = replicas, sum(p.stat().st_size for p in folder.glob("*-weights.npy"))
+    before, half_bytes = runs[row_dtype]
+    assert half_bytes < 0.52 * runs["float32"][1]
+    after = _replicas(3, row_dtype=row_dtype)
+    for ps in after:
+        load_replica(ps, tmp_path / row_dtype)
+    for table in ("user", "item"):
+        want, got = _rows(before, table), _rows(after, table)
+        assert want["weights"].dtype == np.dtype(np.float16 if row_dtype == "float16"
+                                                 else np.uint16)
+        for key in want:
+            assert np.array_equal(want[key], got[key]), (table, key)
+
+
+@pytest.mark.parametrize("row_dtype", ["float16", "bfloat16"])
+def test_float32_checkpoints_load_into_half_tables_and_back(tmp_path, caplog,
+                                                              row_dtype) -> None:
+    from persia_py.servers.row_types import to_float32
+
+    full = _replicas(1)
+    _train(full, np.random.default_rng(0), steps=3)
+    _dump(full, tmp_path / "full", step=3)
+    half = _replicas(1, row_dtype=row_dtype)
+    with caplog.at_level("INFO"):
+        load_replica(half[0], tmp_path / "full")
+    assert f"stored as float32 were converted once to the table's {row_dtype}" in caplog.text
+    unit = 2.0**-11 if row_dtype == "float16" else 2.0**-8  # half a unit, relative
+    for table in ("user", "item"):
+        want, got = _rows(full, table), _rows(half, table)
+        assert np.array_equal(want["state"], got["state"])  # state stays float32
+        np.testing.assert_allclose(to_float32(got["weights"], row_dtype), want["weights"],
+                                   rtol=unit, atol=1e-7)
+    _dump(half, tmp_path / "half", step=4)
+    back = _replicas(1)
+    load_replica(back[0], tmp_path / "half")  # widening is exact
+    for table in ("user", "item"):
+        assert np.array_equal(_rows(back, table)["weights"],
+                              to_float32(_rows(half, table)["weights"], row_dtype))
+
+
+def test_float16_tables_refuse_weights_past_their_range(tmp_path) -> None:
+    full = _replicas(1)
+    full[0].configure(optimizer=ADAGRAD, seed=7)
+    ids = np.arange(1, 11, dtype=np.uint64)
+    state = np.ones((10, 4), np.float32)
+    full[0].apply_rows({"user": {"ids": ids, "weights": np.full((10, 4), 7e4, np.float32),
+                                 "state": state, "last_access": np.zeros(10, np.int64),
+                                 "clock": 0}})
+    _dump(full, tmp_path, step=1)
+    half = _replicas(1, row_dtype="float16")[0]
+    with pytest.raises(safe_files.CheckpointError, match="past float16's 65504"):
+        load_replica(half, tmp_path)
+    assert not half.configured  # nothing changed
 
 
 def test_load_refuses_incomplete_checkpoints_and_other_settings(tmp_path) -> None:

@@ -37,6 +37,28 @@ def test_adult_hybrid_is_as_accurate_as_sync_sgd() -> None:
     assert hybrid >= sync - 0.002, (sync, hybrid)
 
 
+@pytest.mark.skipif(not ADULT_CSV.exists(), reason=f"{ADULT_CSV} is absent")
+def test_adult_float16_rows_are_as_accurate_as_float32_rows(tmp_path) -> None:
+    """Sync SGD, the same seeds and batch order, float16 on the wire: the rows stored in
+    float16 (updated with stochastic rounding, sent as stored) end within 0.001 test AUC
+    of float32 rows."""
+    example = RUN_ADULT.parent
+    global_config = tmp_path / "global_config.yml"
+    global_config.write_text((example / "global_config.yml").read_text()
+                             + "common_config:\n  embedding_fp16: true\n")
+    aucs = {}
+    for row_dtype in ("float32", "float16"):
+        embedding_config = tmp_path / f"{row_dtype}.yml"
+        embedding_config.write_text((example / "embedding_config.yml").read_text()
+                                    + f"row_dtype: {row_dtype}\n")
+        aucs[row_dtype] = _test_auc(RoleProcess([
+            sys.executable, str(RUN_ADULT), "--csv", str(ADULT_CSV), "--reproducible",
+            "--embedding-config", str(embedding_config),
+            "--global-config", str(global_config)]), 300)
+    assert aucs["float32"] >= 0.900, aucs
+    assert abs(aucs["float16"] - aucs["float32"]) <= 0.001, aucs
+
+
 def test_reproducible_runs_give_identical_losses(tmp_path) -> None:
     logs = []
     for run in range(2):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 from conftest import start_server
 
@@ -30,6 +31,23 @@ def test_row_bytes_by_dim_and_optimizer() -> None:
     assert row_bytes(32, 0) == 150
     assert row_bytes(32, state_width(adagrad, 32)) == 278
     assert row_bytes(32, state_width(optimizer_from_dict(ADAM), 32)) == 4 * (32 + 65) + 22
+
+
+def test_half_rows_count_two_bytes_a_weight_as_the_tables_allocate_them() -> None:
+    rowwise = optimizer_from_dict({"type": "adagrad", "vectorwise_shared": True})
+    assert row_bytes(64, state_width(rowwise, 64), weight_bytes=2) == 2 * 64 + 4 + 22
+    servers = {}
+    for row_dtype in ("float32", "float16", "bfloat16"):
+        ps = servers[row_dtype] = ParameterServer(global_config_from_dict({}), (
+            embedding_config_from_dict(dict(EMBEDDING, row_dtype=row_dtype))))
+        sizes = {t.name: t.row_bytes for t in ps.table_sizes(None)}
+        weight = 4 if row_dtype == "float32" else 2
+        assert sizes == {"user": row_bytes(32, 0, weight), "item": row_bytes(8, 0, weight)}
+        ps.configure(optimizer={"type": "sgd", "lr": 0.1})
+        ps.lookup([("user", np.arange(1, 5001, dtype=np.uint64))], training=True)
+    full = servers["float32"].stats()["user"]["bytes"]
+    for row_dtype in ("float16", "bfloat16"):  # the same index, half the weights
+        assert full - servers[row_dtype].stats()["user"]["bytes"] == 5000 * 32 * 2
 
 
 def _write(path, text: str) -> None:

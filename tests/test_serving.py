@@ -125,8 +125,12 @@ def _rows_of(replicas: list[ParameterServer], table: str) -> dict[str, np.ndarra
     return {k: np.concatenate([p[k] for p in parts])[order] for k in ("ids", "weights", "state")}
 
 
+@pytest.mark.parametrize(("trained", "served"), [
+    ("float32", "float32"), ("float16", "float16"), ("bfloat16", "float32")])
 def test_a_serving_replica_following_increments_converges_to_the_training_rows(
-        tmp_path: Path) -> None:
+        tmp_path: Path, trained: str, served: str) -> None:
+    """Rows travel in their storage type; a replica that stores another one (here
+    float32 serving bfloat16 training rows) converts them as they arrive."""
     from persia_py.checkpoint import layout as fmt
     from persia_py.ids.routing import replica_of
     from persia_py.servers.checkpoint import dump_replica, load_replica
@@ -136,9 +140,10 @@ def test_a_serving_replica_following_increments_converges_to_the_training_rows(
         base_increment_seqs,
         newest_increments,
     )
+    from persia_py.servers.row_types import to_float32
 
-    embedding = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4),
-                                              "item": SlotConfig(dim=8)})
+    slots = {"user": SlotConfig(dim=4), "item": SlotConfig(dim=8)}
+    embedding = EmbeddingTablesConfig(slots_config=slots, row_dtype=trained)
     training = [ParameterServer(GlobalConfig(), embedding, replica_index=i, replica_size=2)
                 for i in range(2)]
     for ps in training:
@@ -172,7 +177,8 @@ def test_a_serving_replica_following_increments_converges_to_the_training_rows(
     finally:
         for e in exporters:
             e.close()
-    serving = ParameterServer(GlobalConfig(), embedding, inference=True)  # 2 replicas -> 1
+    serving = ParameterServer(GlobalConfig(), EmbeddingTablesConfig(
+        slots_config=slots, row_dtype=served), inference=True)  # 2 replicas -> 1
     load_replica(serving, root)
     base = base_increment_seqs(root)
     assert all(seq >= 1 for seq in base.values())
@@ -186,6 +192,8 @@ def test_a_serving_replica_following_increments_converges_to_the_training_rows(
         follower.close()
     for table in ("user", "item"):
         want, got = _rows_of(training, table), _rows_of([serving], table)
+        want["weights"] = to_float32(want["weights"], trained)
+        got["weights"] = to_float32(got["weights"], served)
         for key in want:
             assert np.array_equal(want[key], got[key]), (table, key)
 

@@ -31,8 +31,9 @@ ADAGRAD = {"type": "adagrad", "lr": 0.1}
 GLOBAL = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(capacity=100_000))
 
 
-def _ps() -> ParameterServer:
-    return ParameterServer(GLOBAL, EMBEDDING)
+def _ps(row_dtype: str = "float32") -> ParameterServer:
+    return ParameterServer(GLOBAL, EmbeddingTablesConfig(slots_config=EMBEDDING.slots_config,
+                                                         row_dtype=row_dtype))
 
 
 class _Trainer:
@@ -118,6 +119,28 @@ def test_a_restarted_replica_holds_every_update_its_predecessor_applied(tmp_path
     again = _ps()
     open_update_log(again, log, replay=True, checkpoint=None, root=tmp_path)
     _same(restarted, again)
+
+
+@pytest.mark.parametrize("row_dtype", ["float16", "bfloat16"])
+def test_half_rows_replay_bit_identical_from_a_checkpoint_of_them(tmp_path, row_dtype) -> None:
+    """Stochastic rounding draws from the rows and the updates, not from a generator's
+    state, so a replay on the checkpoint's rows makes the same choices, evaluation
+    lookups (not logged) between the updates or not."""
+    log, root = tmp_path / "log", tmp_path / "ckpt"
+    live = _ps(row_dtype)
+    open_update_log(live, log, replay=True, checkpoint=None, root=tmp_path)
+    live.configure(optimizer=ADAGRAD, seed=7)
+    trainer = _Trainer()
+    trainer.steps(live, 3)
+    _checkpoint(live, root, 3)
+    for _ in range(3):
+        live.lookup([("item", np.arange(1, 500, dtype=np.uint64))], training=False)
+        trainer.steps(live, 1)
+    restarted = _ps(row_dtype)
+    what = open_update_log(restarted, log, replay=True, checkpoint=None, root=tmp_path)
+    assert what.endswith("and 3 updates replayed from its update log"), what
+    assert live.state_dict().tables["item"]["row_dtype"] == row_dtype
+    _same(live, restarted)
 
 
 def test_float16_gradients_are_logged_as_they_arrived_and_replay_bit_identical(tmp_path) -> None:

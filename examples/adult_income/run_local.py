@@ -20,6 +20,9 @@ if __name__ == "__main__":
     parser.add_argument("--num-ps", type=int, default=1)
     parser.add_argument("--reproducible", action="store_true")
     parser.add_argument("--loss-log", default=None, help="write every step's loss here")
+    parser.add_argument("--embedding-config", default=str(HERE / "embedding_config.yml"),
+                        help="the slots (e.g. a copy with row_dtype: float16)")
+    parser.add_argument("--global-config", default=str(HERE / "global_config.yml"))
     args = parser.parse_args()
     csv = os.path.abspath(args.csv)
     train_args = f"--csv {csv} --embedding-staleness {args.embedding_staleness}"
@@ -30,8 +33,8 @@ if __name__ == "__main__":
     command = [
         sys.executable, "-m", "persia_py.launcher.cli", "local",
         "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
-        "--embedding-config", str(HERE / "embedding_config.yml"),
-        "--global-config", str(HERE / "global_config.yml"),
+        "--embedding-config", os.path.abspath(args.embedding_config),
+        "--global-config", os.path.abspath(args.global_config),
         "--num-ps", str(args.num_ps), "--nproc-per-node", str(args.nproc_per_node),
         "--nn-worker-args", train_args, "--data-loader-args", f"--csv {csv}",
     ]

@@ -9,7 +9,7 @@ pointer to the newest one::
         manifest.json               # written last: what the checkpoint holds
         ps-0.json                   # replica 0: optimizer settings, its tables and files
         ps-0-t0-ids.npy             # uint64 [rows]     table 0 of replica 0
-        ps-0-t0-weights.npy         # float32 [rows, dim]
+        ps-0-t0-weights.npy         # float32 [rows, dim] (float16 rows: float16; bfloat16: uint16 bits)
         ps-0-t0-state.npy           # float32 [rows, state width] (optimizer state)
         ps-0-t0-last_access.npy     # int64 [rows]      LRU clock of each row
         ps-0-seen0.npy              # int64 [n]  exactly-once window of one embedding worker

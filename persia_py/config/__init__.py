@@ -245,6 +245,11 @@ class SlotConfig:
     table (default: never)."""
     expire_after_seconds: float | None = None
     """Remove rows neither looked up nor updated for this many seconds (default: never)."""
+    row_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    """How this slot's rows are stored on the parameter servers: ``float32``, ``float16``
+    (half the bytes of weights; magnitudes up to 65504) or ``bfloat16`` (half the bytes;
+    float32's range, 8 bits of precision); default: the file's ``row_dtype``. Updates are
+    computed in float32 and rounded back stochastically; optimizer state stays float32."""
     optimizer: dict[str, Any] | None = None
     """This slot's embedding optimizer, overriding the one ``TrainCtx`` sends, e.g.
     ``{type: adam, lr: 0.001}`` (keys of ``SGD``/``Adagrad``/``Adam``; default: that one)."""
@@ -290,6 +295,12 @@ class EmbeddingTablesConfig:
     and one id prefix, so an id means the same row in each of them; they must have equal
     ``dim`` and ``capacity``. A slot is in at most one group; a slot in none is a group of
     its own, named after the slot."""
+    row_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Storage type of every slot's rows that does not set its own ``row_dtype``."""
+    stochastic_rounding: bool = True
+    """Round updates of float16/bfloat16 rows stochastically (unbiased). ``false`` rounds
+    to nearest, which loses every update under half a unit in the last place: only for
+    measuring what stochastic rounding buys."""
 
     def __post_init__(self) -> None:
         if not self.slots_config:
@@ -358,6 +369,11 @@ class EmbeddingTablesConfig:
                 f"unknown slot {name!r}; embedding_config has {sorted(self.slots_config)}"
             ) from None
 
+    def row_dtype_of(self, table: str) -> str:
+        """Storage type of table ``table``'s rows (its slots agree on it)."""
+        slot = self.slots_config[self.tables[table][0]]
+        return slot.row_dtype or self.row_dtype
+
     def slot_prefix(self, name: str) -> int:
         """The prefix value of slot ``name``: its feature group's 1-based index (0: off)."""
         if not self.feature_index_prefix_bit:
@@ -366,7 +382,7 @@ class EmbeddingTablesConfig:
 
 
 _TABLE_KEYS = ("dim", "capacity", "admit_probability", "min_occurrences", "expire_after_steps",
-               "expire_after_seconds", "optimizer")
+               "expire_after_seconds", "optimizer", "row_dtype")
 """SlotConfig keys that describe the table itself: equal across the slots of a group."""
 
 

@@ -70,7 +70,7 @@ class TrainCtx(EmbeddingCtx):
         device_id: CUDA device; None: ``cuda:LOCAL_RANK`` where CUDA is available, else
             the CPU (see :func:`persia_py.dense.device.pick_device`).
         mixed_precision: run the model under autocast: float16 with a gradient scaler on
-            CUDA, bfloat16 on CPU. Embedding rows stay float32 on the servers.
+            CUDA, bfloat16 on CPU. Embedding rows keep their ``row_dtype`` on the servers.
         distributed_option: how the ranks share the dense tower:
             :class:`~persia_py.distributed.DDPOption` (default; a replica per rank) or
             :class:`~persia_py.distributed.FSDPOption` (sharded, with a bound on the

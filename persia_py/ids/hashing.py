@@ -59,6 +59,8 @@ INIT_COLUMN_SALT = np.uint64(0x452821E638D01377)
 """The per-column stream of initial embedding values (``servers/initializer.py``)."""
 ADMIT_SALT = np.uint64(0x082EFA98EC4E6C89)
 """The admission draw of a new id, with the table seed (``servers/storage.py``)."""
+ROUNDING_SALT = np.uint64(0x452821E638D01377 ^ 0x13198A2E03707344)
+"""Stochastic rounding's key, with the table seed (``servers/row_types.py``)."""
 
 
 def mix64(values: np.ndarray, salt: np.uint64 | int = 0) -> np.ndarray:

@@ -1,8 +1,10 @@
 """Dump and load the tables of one parameter-server replica (see ``persia_py.checkpoint.layout``).
 
 A replica writes ``ps-<r>.json`` (its index, the replica count, the optimizer settings,
-each table's dim, state width, row count and files, the exactly-once window) and four
-``.npy`` files per table. Loading reads every replica's files of a checkpoint and keeps
+each table's dim, state width, row storage type, row count and files, the exactly-once
+window) and four ``.npy`` files per table; weights are written as stored (float16 rows:
+half the bytes; bfloat16 rows as their uint16 bits), and a table loads into whatever
+storage type its slot has now, converted once. Loading reads every replica's files of a checkpoint and keeps
 the rows whose ``replica_of(id, M)`` is this replica's index, so a checkpoint taken with
 N replicas loads into M: re-sharding needs nothing more. Rows keep their optimizer state
 and LRU clock, so training continues as if never stopped; the exactly-once window of
@@ -36,6 +38,7 @@ from persia_py.ids.routing import replica_of
 from persia_py.ops import safe_files
 from persia_py.proto import checkpoint_pb2 as pb
 from persia_py.proto import checkpoint_pb2_grpc
+from persia_py.servers import row_types
 from persia_py.servers.parameter_server import ParameterServer, ReplicaState, Rows
 from persia_py.wire.rpc import FailedPrecondition, grpc_method
 
@@ -43,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 _ARRAYS = {"ids": np.uint64, "weights": np.float32, "state": np.float32,
            "last_access": np.int64}
-"""The files of one table and their element types."""
+"""The files of one table and their element types (weights: float32 rows'; the
+description's ``row_dtype`` says otherwise)."""
 MAX_REPLICAS = 4096
 """Most parameter-server replicas a checkpoint may say it was taken with."""
 
@@ -101,7 +105,8 @@ def write_replica(dir_fd: int, state: ReplicaState, replica_index: int,
         num_rows += n
         tables[name] = {"dim": int(rows["weights"].shape[1]),
                         "state_width": int(rows["state"].shape[1]), "num_rows": n,
-                        "clock": int(rows["clock"]), "files": files}
+                        "clock": int(rows["clock"]), "files": files,
+                        "row_dtype": rows.get("row_dtype", "float32")}
     # The exactly-once window, least recently updating worker first. File names are
     # numbered: a worker id is a value in the JSON, never part of a name.
     seen = []
@@ -201,6 +206,11 @@ def read_replica(dir_fd: int, index: int, replica_size: int | None = None) -> di
         _int(table, "state_width", at, 0, 2**21)
         _int(table, "num_rows", at, 0, 2**62)
         _int(table, "clock", at, 0, 2**62)
+        # Written before rows had storage types: float32.
+        row_dtype = table.setdefault("row_dtype", "float32")
+        if row_dtype not in row_types.ROW_DTYPES:
+            raise safe_files.CheckpointError(f"{at}: row_dtype {str(row_dtype)[:32]!r} is not one of "
+                                      f"{list(row_types.ROW_DTYPES)}")
     seen = entry.get("seen", [])
     if isinstance(seen, dict):  # written before the window kept its order
         seen = sorted(seen.items())
@@ -219,8 +229,9 @@ def read_rows(dir_fd: int, table: dict, where: str, keep: tuple[int, int] | None
     count): only the rows that route to that replica."""
     n, dim, width = table["num_rows"], table["dim"], table["state_width"]
     shapes = {"ids": (n,), "weights": (n, dim), "state": (n, width), "last_access": (n,)}
+    dtypes = dict(_ARRAYS, weights=row_types.numpy_dtype(table["row_dtype"]))
     arrays = {}
-    for key, dtype in _ARRAYS.items():
+    for key, dtype in dtypes.items():
         array = safe_files.load_array_at(dir_fd, table["files"][key], mmap=True)
         if array.dtype != dtype or array.shape != shapes[key]:
             raise safe_files.CheckpointError(
@@ -232,12 +243,25 @@ def read_rows(dir_fd: int, table: dict, where: str, keep: tuple[int, int] | None
         arrays = {k: a[mine] for k, a in arrays.items()}
     rows: Rows = {k: np.ascontiguousarray(a) for k, a in arrays.items()}
     rows["clock"] = table["clock"]
+    rows["row_dtype"] = table["row_dtype"]
     return rows
 
 
+def one_row_dtype(parts: list[Rows]) -> tuple[list[Rows], str]:
+    """``parts`` with their weights in one storage type, and that type: theirs if they
+    agree, else float32 (which holds every type exactly)."""
+    kinds = {p.get("row_dtype", "float32") for p in parts}
+    if len(kinds) == 1:
+        return parts, kinds.pop()
+    return [dict(p, weights=row_types.to_float32(p["weights"], p.get("row_dtype", "float32")),
+                 row_dtype="float32") for p in parts], "float32"
+
+
 def _concat(parts: list[Rows]) -> Rows:
+    parts, row_dtype = one_row_dtype(parts)
     rows: Rows = {k: np.concatenate([p[k] for p in parts]) for k in _ARRAYS}
     rows["clock"] = max(p["clock"] for p in parts)
+    rows["row_dtype"] = row_dtype
     return rows
 
 
@@ -269,7 +293,7 @@ def read_state(dir_fd: int, replica_index: int, replica_size: int) -> tuple[Repl
                                       "integer array")
         seen[worker_id] = np.unique(np.concatenate([a.astype(np.uint64) for a in arrays]))
     num_bytes = sum(a.nbytes for rows in tables.values() for k, a in rows.items()
-                    if k != "clock")
+                    if isinstance(a, np.ndarray))
     return ReplicaState(settings=settings, tables=tables, seen=seen), num_bytes
 
 

@@ -51,7 +51,7 @@ from persia_py.checkpoint import layout as fmt
 from persia_py.ids.routing import RESERVED_ID, replica_of
 from persia_py.ops import safe_files
 from persia_py.ops.background import BackgroundWorker, Follower, LagWarning, Outage
-from persia_py.servers.checkpoint import read_replica, read_rows, write_replica
+from persia_py.servers.checkpoint import one_row_dtype, read_replica, read_rows, write_replica
 from persia_py.servers.parameter_server import ParameterServer, ReplicaState, Rows
 
 logger = logging.getLogger(__name__)
@@ -177,11 +177,13 @@ def _merge(new: dict[str, Rows], old: dict[str, Rows]) -> dict[str, Rows]:
         if name not in out:
             out[name] = rows
             continue
-        both = {k: np.concatenate([out[name][k], rows[k]])
+        pair, row_dtype = one_row_dtype([out[name], rows])
+        both = {k: np.concatenate([pair[0][k], pair[1][k]])
                 for k in ("ids", "weights", "state", "last_access")}
         _, first = np.unique(both["ids"], return_index=True)  # new rows come first
         merged = {k: a[first] for k, a in both.items()}
         merged["clock"] = max(out[name]["clock"], rows["clock"])
+        merged["row_dtype"] = row_dtype
         out[name] = merged
     return out
 
@@ -203,7 +205,8 @@ def _merge_changes(new: tuple[dict[str, Rows], dict[str, np.ndarray]],
                                    new_removed.get(name, empty))
         if name in rows and removed[name].shape[0]:
             kept = ~np.isin(rows[name]["ids"], removed[name])
-            rows[name] = {k: (v if k == "clock" else v[kept]) for k, v in rows[name].items()}
+            rows[name] = {k: (v[kept] if isinstance(v, np.ndarray) else v)
+                          for k, v in rows[name].items()}
     return rows, removed
 
 

@@ -8,6 +8,10 @@ than ``numpy.take``: docs/benchmarks.md).
 
 All arithmetic is float32 with float32 constants (the caller converts them), matching
 the numpy formulas of :mod:`persia_py.servers.optimizers` operation for operation.
+Weights may be stored as float16 or bfloat16 bits (:mod:`persia_py.servers.row_types`):
+a step works on a float32 copy of the row (``work_row``) and rounds it back at the end
+(``finish_row``); numba specializes both on the element type, so a float32 row is worked
+on in place, as it always was.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from numba.extending import intrinsic
 
 from persia_py.ids.dedup import rows_in_order
 from persia_py.ids.hashing import mix64_one
+from persia_py.servers.row_types import finish_row, widen, work_row
 
 PREFETCH_AHEAD = 8
 """Ids between a prefetch and the use of its row: far enough for the miss to resolve,
@@ -155,10 +160,16 @@ def _clamp(value: np.float32, bound: np.float32) -> np.float32:
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: np.ndarray,
-             tick: int, lr: np.float32, weight_decay: np.float32, bound: np.float32) -> int:
-    """``w -= lr * (g + weight_decay * w)``, clamped to ``[-bound, bound]``; in place."""
+             tick: int, ids: np.ndarray, sr_key: np.uint64, stochastic: bool,
+             lr: np.float32, weight_decay: np.float32, bound: np.float32) -> int:
+    """``w -= lr * (g + weight_decay * w)``, clamped to ``[-bound, bound]``; in place.
+
+    ``ids`` (the id of ``rows[i]``), ``sr_key`` and ``stochastic`` say how values are
+    rounded back into half-precision rows (``row_types``); float32 rows ignore them.
+    """
     n = rows.shape[0]
     dim = weights.shape[1]
+    buffer = np.empty(dim, np.float32)
     count = 0
     for i in range(n):
         if i + PREFETCH_AHEAD < n and rows[i + PREFETCH_AHEAD] >= 0:
@@ -168,10 +179,13 @@ def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: n
         if r < 0:
             continue
         count += 1
+        row = work_row(weights, r, buffer)
         for d in range(dim):
-            w = weights[r, d]
+            w = row[d]
             g = grads[i, d] + weight_decay * w
-            weights[r, d] = _clamp(w - lr * g, bound)
+            row[d] = _clamp(w - lr * g, bound)
+        # SGD keeps no state: the table's step tells its updates apart.
+        finish_row(weights, r, row, ids[i], tick, sr_key, grads, i, stochastic)
         stamps[r] = tick
     return count
 
@@ -182,11 +196,13 @@ ADAGRAD, ADAM = 1, 2
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.ndarray,
-                   grads: np.ndarray, stamps: np.ndarray, tick: int, lr: np.float32,
+                   grads: np.ndarray, stamps: np.ndarray, tick: int, ids: np.ndarray,
+                   sr_key: np.uint64, stochastic: bool, lr: np.float32,
                    weight_decay: np.float32, bound: np.float32, eps: np.float32,
                    momentum: np.float32, beta1: float, beta2: float) -> int:
     """One Adagrad or Adam step on ``weights[rows]`` in place; rows < 0 are skipped.
-    Returns the number of rows stepped. Every weight is clamped to ``[-bound, bound]``.
+    Returns the number of rows stepped. Every weight is clamped to ``[-bound, bound]``
+    and rounded back into half-precision rows as :func:`sgd_step` says.
 
     * ``ADAGRAD``: ``acc = momentum * acc + g**2``, ``w -= lr * g / (sqrt(acc) + eps)``;
       one accumulator per row (the mean of ``g**2``) when ``state`` has one column.
@@ -206,6 +222,7 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
     one_minus_b1 = np.float32(1.0 - beta1)
     one_minus_b2 = np.float32(1.0 - beta2)
     g_row = np.empty(dim, np.float32)
+    buffer = np.empty(dim, np.float32)
     count = 0
     for i in range(n):
         if i + PREFETCH_AHEAD < n and rows[i + PREFETCH_AHEAD] >= 0:
@@ -217,24 +234,25 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
         if r < 0:
             continue
         count += 1
+        row = work_row(weights, r, buffer)
         if kind == ADAGRAD and shared:
             mean_g2 = np.float32(0.0)
             for d in range(dim):
-                g = grads[i, d] + weight_decay * weights[r, d]
+                g = grads[i, d] + weight_decay * row[d]
                 g_row[d] = g
                 mean_g2 += g * g
             acc = momentum * state[r, 0] + mean_g2 / dim32
             state[r, 0] = acc
             denom = np.sqrt(acc) + eps
             for d in range(dim):
-                weights[r, d] = _clamp(weights[r, d] - lr * g_row[d] / denom, bound)
+                row[d] = _clamp(row[d] - lr * g_row[d] / denom, bound)
         elif kind == ADAGRAD:
             for d in range(dim):
-                w = weights[r, d]
+                w = row[d]
                 g = grads[i, d] + weight_decay * w
                 acc = momentum * state[r, d] + g * g
                 state[r, d] = acc
-                weights[r, d] = _clamp(w - lr * g / (np.sqrt(acc) + eps), bound)
+                row[d] = _clamp(w - lr * g / (np.sqrt(acc) + eps), bound)
         else:
             t = state[r, 2 * dim] + np.float32(1.0)
             state[r, 2 * dim] = t
@@ -242,14 +260,18 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
             correction1 = np.float32(1.0 - beta1 ** np.float64(t))
             correction2 = np.float32(1.0 - beta2 ** np.float64(t))
             for d in range(dim):
-                w = weights[r, d]
+                w = row[d]
                 g = grads[i, d] + weight_decay * w
                 m = b1 * state[r, d] + one_minus_b1 * g
                 v = b2 * state[r, dim + d] + one_minus_b2 * (g * g)
                 state[r, d] = m
                 state[r, dim + d] = v
                 step = lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
-                weights[r, d] = _clamp(w - step, bound)
+                row[d] = _clamp(w - step, bound)
+        # The row's state changes with every update and is restored by checkpoints and
+        # log replays alike (the table's step is not: evaluation lookups advance it).
+        salt = np.float32(state[r, 0]).view(np.uint32)
+        finish_row(weights, r, row, ids[i], salt, sr_key, grads, i, stochastic)
         stamps[r] = tick
     return count
 
@@ -258,9 +280,12 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
 def gather_rows_at(weights: np.ndarray, rows: np.ndarray, positions: np.ndarray,
                    out: np.ndarray, stamps: np.ndarray, tick: int) -> int:
     """``out[positions[i]] = weights[rows[i]]`` (zeros where ``rows[i] < 0``), stamping
-    each row read; returns how many rows were found."""
+    each row read; returns how many rows were found. Bits are copied as they are when
+    ``out`` has the element type of ``weights``, else half-precision rows are widened to
+    float32."""
     n = rows.shape[0]
     dim = weights.shape[1]
+    same = out.dtype == weights.dtype
     found = 0
     for i in range(n):
         if i + PREFETCH_AHEAD < n:
@@ -276,7 +301,7 @@ def gather_rows_at(weights: np.ndarray, rows: np.ndarray, positions: np.ndarray,
             continue
         found += 1
         for d in range(dim):
-            out[p, d] = weights[r, d]
+            out[p, d] = weights[r, d] if same else widen(weights[r, d])
         stamps[r] = tick
     return found
 

@@ -43,6 +43,7 @@ from persia_py.ids.routing import RESERVED_ID, replica_of
 from persia_py.servers import call_memory
 from persia_py.servers.call_memory import LookupAnswer
 from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict, state_width
+from persia_py.servers.row_types import bytes_per_weight
 from persia_py.servers.sizing import TableSize, capacity_warning, memory_limit, row_bytes
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.servers.swap_lock import SwapLock
@@ -58,9 +59,10 @@ logger = logging.getLogger(__name__)
 _SETTINGS_KEYS = ("optimizer", "init_lower", "init_upper", "weight_bound", "seed")
 _ROW_KEYS = ("ids", "weights", "state", "last_access", "clock")
 Rows = dict
-"""One table's rows as plain arrays: ``ids`` (uint64 [n]), ``weights`` (float32 [n, dim]),
-``state`` (float32 [n, state width]), ``last_access`` (int64 [n]) and ``clock`` (int),
-as :meth:`EmbeddingTable.export_rows` gives them."""
+"""One table's rows as plain arrays: ``ids`` (uint64 [n]), ``weights`` ([n, dim], as
+stored), ``state`` (float32 [n, state width]), ``last_access`` (int64 [n]), ``clock``
+(int) and ``row_dtype`` (how ``weights`` are stored; float32 when absent), as
+:meth:`EmbeddingTable.export_rows` gives them."""
 
 
 @dataclass(kw_only=True)
@@ -202,6 +204,8 @@ class ParameterServer:
                 # A serving replica keeps every row it was given.
                 expire_after_steps=None if self.inference else slot.expire_after_steps,
                 expire_after_seconds=None if self.inference else slot.expire_after_seconds,
+                row_dtype=self.embedding_config.row_dtype_of(name),
+                stochastic_rounding=self.embedding_config.stochastic_rounding,
             )
             if self.tracks_changes:
                 tables[name].track_changes()
@@ -217,8 +221,9 @@ class ParameterServer:
             slot = self.embedding_config.slots_config[slots[0]]
             chosen = slot.optimizer or optimizer
             width = 0 if chosen is None else state_width(optimizer_from_dict(chosen), slot.dim)
+            weight_bytes = bytes_per_weight(self.embedding_config.row_dtype_of(name))
             sizes.append(TableSize(name, slot.capacity or ps_cfg.capacity,
-                                   row_bytes(slot.dim, width)))
+                                   row_bytes(slot.dim, width, weight_bytes)))
         return sizes
 
     def warn_if_too_big(self, optimizer: dict | None) -> str | None:
@@ -270,16 +275,19 @@ class ParameterServer:
                 )
 
     def lookup(self, requests: list[tuple[str, np.ndarray]], *, training: bool,
-               answer: LookupAnswer | None = None, out: Callable[[list[tuple[int, int]]],
-                                                                 list[np.ndarray]] | None = None,
+               answer: LookupAnswer | None = None,
+               out: Callable[[list[tuple[int, int]], list[str]], list[np.ndarray]] | None = None,
                ) -> list[np.ndarray]:
         """Embeddings ``[n, dim]`` for each ``(table, ids)``; training lookups insert new ids.
 
-        ``answer``: how the rows travel back (default float32, uncompressed). A lookup
-        whose answer would not fit in ``max_message_bytes``, or that would take too much
-        memory to serve (:mod:`persia_py.servers.call_memory`), is refused before anything
-        is inserted or allocated. ``out``: called with each answer's shape once every
-        check passed; returns the float32 arrays to write the rows to (default: new ones).
+        ``answer``: how the rows travel back (default float32, uncompressed); float16 tables
+        answer a float16 wire with their rows as stored (no conversion), every other table
+        float32. A lookup whose answer would not fit in ``max_message_bytes``, or that
+        would take too much memory to serve (:mod:`persia_py.servers.call_memory`), is
+        refused before anything is inserted or allocated. ``out``: called with each
+        answer's shape and dtype name once every check passed, when the rows can go on the
+        wire as gathered (uncompressed, in the wire's type); returns the arrays to write
+        them to (default: new ones).
         """
         if training and self.inference:
             raise FailedPrecondition("this parameter server is in inference mode (read-only): "
@@ -290,10 +298,15 @@ class ParameterServer:
         shapes = [(ids.size, t.dim) for t, (_, ids) in zip(tables, requests)]
         (answer or LookupAnswer()).check([ids for _, ids in requests], shapes,
                                          self.global_config.common_config.max_message_bytes)
-        outs = out(shapes) if out is not None else [None] * len(shapes)
+        wire = answer or LookupAnswer()
+        dtypes = [np.dtype(np.float16 if wire.fp16 and t.row_dtype == "float16"
+                           else np.float32) for t in tables]
+        as_gathered = not wire.lz4 and all(d.name == wire.dtype for d in dtypes)
+        outs = (out(shapes, [d.name for d in dtypes]) if out is not None and as_gathered
+                else [None] * len(shapes))
         with self._increments.shared():
-            answers = [t.lookup(ids, insert=training, out=o)
-                       for t, (_, ids), o in zip(tables, requests, outs)]
+            answers = [t.lookup(ids, insert=training, out=o, dtype=d)
+                       for t, (_, ids), o, d in zip(tables, requests, outs, dtypes)]
         if training and self.update_log is not None:  # the rows it inserted, for a restart
             self.update_log.lookup(requests)
         return answers
@@ -461,14 +474,21 @@ class ParameterServer:
     def _import(tables: dict[str, EmbeddingTable], rows: dict[str, Rows]) -> int:
         num_rows = 0
         for name, table_rows in rows.items():
-            if not isinstance(table_rows, dict) or set(table_rows) != set(_ROW_KEYS):
-                raise ValueError(f"table {name!r}: rows need exactly the keys {list(_ROW_KEYS)}")
+            if not isinstance(table_rows, dict) or set(table_rows) - {"row_dtype"} != set(
+                    _ROW_KEYS):
+                raise ValueError(f"table {name!r}: rows need exactly the keys {list(_ROW_KEYS)} "
+                                 "(and row_dtype)")
+            source = table_rows.get("row_dtype", "float32")
             try:
                 tables[name].import_rows(table_rows["ids"], table_rows["weights"],
                                          table_rows["state"], table_rows["last_access"],
-                                         table_rows["clock"])
+                                         table_rows["clock"], source)
             except ValueError as exc:
                 raise ValueError(f"table {name!r}: {exc}") from None
+            if source != tables[name].row_dtype and table_rows["ids"].shape[0]:
+                logger.info("table %r: %d rows stored as %s were converted once to the "
+                            "table's %s", name, table_rows["ids"].shape[0], source,
+                            tables[name].row_dtype)
             num_rows += int(table_rows["ids"].shape[0])
         return num_rows
 

@@ -43,9 +43,9 @@ def configure_args(request: common_pb2.ConfigureRequest) -> dict:
 def _answer(embeddings: list[np.ndarray], answer: list[codec.TensorFields],
             wire: LookupAnswer) -> bytes:
     """The serialized LookupResponse of ``embeddings``: the rows are in ``answer``'s
-    bytes already (float32), or are written into a message built once (float16), or
-    are compressed piece by piece (lz4). ``embeddings`` is emptied: a view of the message
-    left alive would make it be copied."""
+    bytes already (gathered in the wire's type), or are converted into a message built
+    once (float32 rows on a float16 wire), or are compressed piece by piece (lz4).
+    ``embeddings`` is emptied: a view of the message left alive would make it be copied."""
     if not answer and not wire.lz4:
         answer.append(codec.TensorFields(1, [(wire.dtype, e.shape) for e in embeddings]))
         for rows, into in zip(embeddings, answer[0].arrays):
@@ -76,13 +76,13 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
         wire = LookupAnswer(fp16=request.fp16, lz4=request.lz4)
         answer: list[codec.TensorFields] = []
 
-        def in_answer(shapes: list[tuple[int, int]]) -> list[np.ndarray]:
-            answer.append(codec.TensorFields(1, [("float32", s) for s in shapes]))
+        def in_answer(shapes: list[tuple[int, int]], dtypes: list[str]) -> list[np.ndarray]:
+            answer.append(codec.TensorFields(1, list(zip(dtypes, shapes))))
             return answer[0].arrays
 
         with self.metrics.lookup_seconds.time():
             embeddings = self.ps.lookup(tables, training=request.training, answer=wire,
-                                        out=in_answer if wire.in_place() else None)
+                                        out=in_answer)
         self.metrics.lookup_ids.inc(sum(ids.size for _, ids in tables))
         return _answer(embeddings, answer, wire)
 

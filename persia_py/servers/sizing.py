@@ -8,12 +8,13 @@ full with the memory this process can get, and the parameter server logs it at s
 again when the optimizer is known (the tables are built).
 
 Bytes of one row (:func:`row_bytes`), from the arrays of ``servers/storage.py`` and
-``servers/hash_index.py``: the weights and the optimizer's state (float32 each:
-``dim + state_width`` values), the id (8 bytes) and the last-access stamp (4,
-:mod:`persia_py.servers.access_clock`), and the hash index of 4-byte row numbers, kept
-at most 3/5 full: 6.7 bytes a row at that bound, 13.3 just after it doubles, about 10 on
-average (:func:`index_bytes` has the exact figure for a number of rows). docs/sizing.md
-has the table by dim and optimizer and the measured figure it is checked against.
+``servers/hash_index.py``: the weights (4 bytes each, 2 in float16 or bfloat16 rows),
+the optimizer's state (float32: ``state_width`` values), the id (8 bytes) and the
+last-access stamp (4, :mod:`persia_py.servers.access_clock`), and the hash index of 4-byte
+row numbers, kept at most 3/5 full: 6.7 bytes a row at that bound, 13.3 just after it
+doubles, about 10 on average (:func:`index_bytes` has the exact figure for a number of
+rows). docs/sizing.md has the table by dim and optimizer and the measured figure it is
+checked against.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ _UNLIMITED = 1 << 60
 """A cgroup v1 limit at or above this means no limit (the kernel writes ~2**63)."""
 
 
-def row_bytes(dim: int, state_width: int) -> int:
+def row_bytes(dim: int, state_width: int, weight_bytes: int = FLOAT_BYTES) -> int:
     """Resident bytes of one full row of width ``dim`` with ``state_width`` optimizer
-    state columns (SGD 0, Adagrad ``dim`` or 1, Adam ``2 * dim + 1``)."""
-    return FLOAT_BYTES * (dim + state_width) + ID_AND_STAMP_BYTES + INDEX_BYTES_PER_ROW
+    state columns (SGD 0, Adagrad ``dim`` or 1, Adam ``2 * dim + 1``), each weight taking
+    ``weight_bytes`` (4 for float32 rows, 2 for float16 and bfloat16; state is float32)."""
+    return (weight_bytes * dim + FLOAT_BYTES * state_width + ID_AND_STAMP_BYTES
+            + INDEX_BYTES_PER_ROW)
 
 
 @dataclass(frozen=True)

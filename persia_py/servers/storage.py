@@ -1,7 +1,8 @@
 """``EmbeddingTable``: the rows of one embedding slot on one parameter-server replica.
 
 The table is split into internal shards (chosen by a keyed hash), each with its own
-hash index, lock and contiguous growable arrays: weights ``(rows, dim)``, optimizer
+hash index, lock and contiguous growable arrays: weights ``(rows, dim)`` (float32,
+float16 or bfloat16 bits: :mod:`persia_py.servers.row_types`), optimizer
 state ``(rows, width)``, the id of each row, and a logical access clock for LRU
 eviction and expiry. Rows are dense (``0..size-1``); lookups and optimizer steps are
 fused numba kernels (:mod:`persia_py.servers.kernels`) that read and write each id's
@@ -30,9 +31,9 @@ import numpy as np
 
 from persia_py.config.table_policy import TablePolicy, check_init_bounds, check_weight_bound
 from persia_py.ids.dedup import unique_in_order
-from persia_py.ids.hashing import ADMIT_SALT, HashKey, keyed_buckets, mix64
+from persia_py.ids.hashing import ADMIT_SALT, ROUNDING_SALT, HashKey, keyed_buckets, mix64
 from persia_py.ids.routing import RESERVED_ID, split_by
-from persia_py.servers import kernels, memory
+from persia_py.servers import kernels, memory, row_types
 from persia_py.servers.access_clock import STAMP_DTYPE, AccessClock
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
@@ -44,6 +45,7 @@ from persia_py.servers.optimizers import (
     initial_state,
     state_width,
 )
+from persia_py.servers.row_types import kernel_view
 from persia_py.wire.codec import cast_float
 
 _INITIAL_ROWS = 1024
@@ -76,11 +78,12 @@ class _Shard:
         # The whole share as address space when the OS allows: rows never move to grow.
         shapes = {"ids": (share,), "weights": (share, table.dim),
                   "state": (share, table.state_width), "last_access": (share,)}
-        arrays = {name: memory.reserve(shape, _DTYPES[name]) for name, shape in shapes.items()}
+        dtypes = dict(_DTYPES, weights=row_types.numpy_dtype(table.row_dtype))
+        arrays = {name: memory.reserve(shape, dtypes[name]) for name, shape in shapes.items()}
         self.reserved = all(a is not None for a in arrays.values())
         if not self.reserved:
             rows = min(share, _INITIAL_ROWS)
-            arrays = {name: memory.empty((rows, *shape[1:]), _DTYPES[name])
+            arrays = {name: memory.empty((rows, *shape[1:]), dtypes[name])
                       for name, shape in shapes.items()}
         self.ids, self.weights = arrays["ids"], arrays["weights"]
         self.state, self.last_access = arrays["state"], arrays["last_access"]
@@ -116,11 +119,20 @@ class _Shard:
 
     def lookup(self, ids: np.ndarray, insert: bool, tick: int, out: np.ndarray,
                positions: np.ndarray | None) -> None:
-        """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``)."""
+        """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``): their
+        bits when ``out`` has the weights' type, else widened to float32."""
+        weights = kernel_view(self.weights)
+        same = out.dtype == self.weights.dtype
+        out = kernel_view(out)
         with self.lock:
             stamp = self.clock.stamp(tick, self.last_access[:self.size])
-            rows = self.index.find_gather(ids, self.weights, out, self.last_access, stamp,
-                                          positions)
+            if same:  # probe and copy in one pass
+                rows = self.index.find_gather(ids, weights, out, self.last_access, stamp,
+                                              positions)
+            else:
+                rows = self.index.find(ids)
+                at = np.arange(ids.shape[0]) if positions is None else positions
+                kernels.gather_rows_at(weights, rows, at, out, self.last_access, stamp)
             num_missing = int(np.count_nonzero(rows < 0))
             self.hits += ids.shape[0] - num_missing
             self.misses += num_missing
@@ -130,8 +142,7 @@ class _Shard:
                 new = np.flatnonzero(rows < 0)
                 rows = self._insert_missing(ids, rows, tick, stamp)
                 at = new if positions is None else positions[new]
-                kernels.gather_rows_at(self.weights, rows[new], at, out, self.last_access,
-                                       stamp)
+                kernels.gather_rows_at(weights, rows[new], at, out, self.last_access, stamp)
 
     def _admit(self, new_ids: np.ndarray, tick: int) -> np.ndarray:
         """Which of these distinct absent ids may be stored now (bool mask)."""
@@ -174,8 +185,11 @@ class _Shard:
         new_rows, is_new = self.index.find_or_insert(admitted, start)
         assert bool(is_new.all()), "an id missing a moment ago was found on insert"
         table = self.table
-        initial_rows(admitted, table.dim, table.init_lower, table.init_upper, table.seed,
-                     out=self.weights[start:end])
+        initial = initial_rows(admitted, table.dim, table.init_lower, table.init_upper,
+                               table.seed, out=(self.weights[start:end]
+                                                if table.row_dtype == "float32" else None))
+        if table.row_dtype != "float32":
+            row_types.to_stored(initial, table.row_dtype, out=self.weights[start:end])
         self.state[start:end] = initial_state(table.optimizer, 1, table.dim)
         self.last_access[start:end] = stamp
         self.size = end
@@ -297,10 +311,13 @@ class _Shard:
     def update(self, ids: np.ndarray, grads: np.ndarray, tick: int) -> int:
         with self.lock:
             self._log_changes(ids)
-            rows, grads, _ = kernels.sum_duplicate_rows(self.index.find(ids), grads, self.size)
+            rows, grads, merged = kernels.sum_duplicate_rows(self.index.find(ids), grads,
+                                                             self.size)
+            if merged and self.table.row_dtype != "float32":
+                ids = self.ids[rows]  # the ids of the distinct rows, which key rounding
             stamp = self.clock.stamp(tick, self.last_access[:self.size])
             return self.table._step(self.weights, self.state, rows, grads,
-                                    self.last_access, stamp)
+                                    self.last_access, stamp, ids)
 
 
 def _check_array(name: str, value: object, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
@@ -343,6 +360,10 @@ class EmbeddingTable:
       count-min sketch of 4 x up to 4M one-byte counters per shard, halved every 8
       sightings per counter column; collisions can only make an id count higher).
     * An id not stored reads as zeros and its gradients are dropped, as PERSIA did.
+    * ``row_dtype``: weights stored as ``float32``, ``float16`` or ``bfloat16``
+      (:mod:`persia_py.servers.row_types`); steps compute in float32 and round back
+      stochastically (``stochastic_rounding=False``: to nearest, only to measure what
+      stochastic rounding buys). Optimizer state is float32 whatever the type.
     * ``expire_after_steps`` / ``expire_after_seconds``: rows neither looked up nor
       updated during the last that many lookup calls (steps) / seconds are removed; a
       sweep runs at the start of a lookup once 1/16 of the period has passed since the
@@ -354,7 +375,8 @@ class EmbeddingTable:
                  capacity: int = 1_000_000, weight_bound: float | None = None,
                  admit_probability: float = 1.0, min_occurrences: int = 1,
                  expire_after_steps: int | None = None,
-                 expire_after_seconds: float | None = None,
+                 expire_after_seconds: float | None = None, row_dtype: str = "float32",
+                 stochastic_rounding: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         # The same rules as the config file and the user's EmbeddingConfig.
         TablePolicy(capacity=capacity, admit_probability=admit_probability,
@@ -376,6 +398,11 @@ class EmbeddingTable:
         self.expire_after_seconds = (None if expire_after_seconds is None
                                      else float(expire_after_seconds))
         self._step_args = _step_args(optimizer, self.weight_bound)
+        self.row_dtype = row_types.check_row_dtype(row_dtype)
+        if type(stochastic_rounding) is not bool:
+            raise ValueError(f"stochastic_rounding: expected True or False, got "
+                             f"{stochastic_rounding!r}")
+        self._rounding = (mix64(np.uint64(self.seed), ROUNDING_SALT), stochastic_rounding)
         share = -(-capacity // num_shards)
         self._shards = [_Shard(self, share) for _ in range(num_shards)]
         self._shard_key = HashKey.random()
@@ -483,24 +510,30 @@ class EmbeddingTable:
         for future in futures:
             future.result()
 
-    def lookup(self, ids: np.ndarray, insert: bool, *, out: np.ndarray | None = None
-               ) -> np.ndarray:
-        """Rows for ``ids`` as float32 ``(len(ids), dim)``; repeats are allowed.
+    def lookup(self, ids: np.ndarray, insert: bool, *, out: np.ndarray | None = None,
+               dtype: type = np.float32) -> np.ndarray:
+        """Rows for ``ids`` as ``dtype`` ``(len(ids), dim)``; repeats are allowed.
 
         With ``insert`` missing ids are created (deterministic initial values, fresh
         optimizer state) if the admission policy lets them in, evicting
         least-recently-used rows if the shard is full; ids not stored read as zero
         rows. Raises ValueError if one internal shard cannot fit the batch's new ids
-        even after evicting every row the batch does not touch. ``out``: a C-contiguous
-        float32 array of that shape to write the rows to (returned).
+        even after evicting every row the batch does not touch. ``dtype``: float32, or
+        float16 for a float16 table (its rows as stored: no conversion). ``out``: a
+        C-contiguous array of that shape and dtype to write the rows to (returned).
         """
         ids = self._check_ids(ids)
         shape = (ids.shape[0], self.dim)
+        dtype = np.dtype(dtype)
+        if dtype != np.float32 and not (dtype == np.float16 and self.row_dtype == "float16"):
+            raise ValueError(f"dtype: a {self.row_dtype} table answers float32 rows"
+                             f"{' or float16 ones' if self.row_dtype == 'float16' else ''}, "
+                             f"not {dtype}")
         if out is None:
-            out = np.empty(shape, dtype=np.float32)
-        elif (not isinstance(out, np.ndarray) or out.dtype != np.float32
+            out = np.empty(shape, dtype=dtype)
+        elif (not isinstance(out, np.ndarray) or out.dtype != dtype
               or out.shape != shape or not out.flags.c_contiguous):
-            raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+            raise ValueError(f"out must be a C-contiguous {dtype} array of shape {shape}")
         tick, cutoff = self._tick()
         if cutoff > 0:
             for shard in self._shards:
@@ -557,17 +590,23 @@ class EmbeddingTable:
         return sum(counts)
 
     def _step(self, weights: np.ndarray, state: np.ndarray, rows: np.ndarray,
-              grads: np.ndarray, stamps: np.ndarray, tick: int) -> int:
-        """One optimizer step on ``rows`` (distinct; < 0 skipped) of one shard, in place."""
+              grads: np.ndarray, stamps: np.ndarray, tick: int, ids: np.ndarray) -> int:
+        """One optimizer step on ``rows`` (distinct; < 0 skipped) of one shard, in place;
+        ``ids[i]``: the id of ``rows[i]`` (ids key stochastic rounding; read in order, where
+        the shard's ids by row would cost a cache miss per row)."""
         kind, params = self._step_args
+        weights = kernel_view(weights)
         if kind == _SGD:
-            return kernels.sgd_step(weights, rows, grads, stamps, tick, *params)
-        return kernels.adaptive_step(kind, weights, state, rows, grads, stamps, tick, *params)
+            return kernels.sgd_step(weights, rows, grads, stamps, tick, ids, *self._rounding,
+                                    *params)
+        return kernels.adaptive_step(kind, weights, state, rows, grads, stamps, tick, ids,
+                                     *self._rounding, *params)
 
     def export_rows(self) -> dict[str, np.ndarray | int]:
         """Copies of every stored row, for checkpoints: ``ids`` (uint64 [n]), ``weights``
-        (float32 [n, dim]), ``state`` (float32 [n, state_width]), ``last_access`` (int64
-        [n], the LRU clock) and ``clock`` (int). Each shard is copied under its lock."""
+        ([n, dim] as stored: ``row_dtype``'s numpy type), ``state`` (float32 [n,
+        state_width]), ``last_access`` (int64 [n], the LRU clock), ``clock`` (int) and
+        ``row_dtype`` (str). Each shard is copied under its lock."""
         parts = []
         for shard in self._shards:
             with shard.lock:
@@ -579,7 +618,7 @@ class EmbeddingTable:
         with self._clock_lock:
             clock = self._clock
         return {"ids": ids, "weights": weights, "state": state, "last_access": stamps,
-                "clock": clock}
+                "clock": clock, "row_dtype": self.row_dtype}
 
     def track_changes(self) -> None:
         """From now on, remember which rows are inserted or updated (for incremental
@@ -599,7 +638,7 @@ class EmbeddingTable:
         with self._clock_lock:
             clock = self._clock
         return ({"ids": ids, "weights": weights, "state": state, "last_access": stamps,
-                 "clock": clock}, removed)
+                 "clock": clock, "row_dtype": self.row_dtype}, removed)
 
     def remove_ids(self, ids: np.ndarray) -> int:
         """Delete the stored rows of ``ids`` (e.g. ids an increment says the training side
@@ -616,19 +655,23 @@ class EmbeddingTable:
         return sum(counts)
 
     def import_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
-                    last_access: np.ndarray | None = None, clock: int = 0) -> None:
+                    last_access: np.ndarray | None = None, clock: int = 0,
+                    row_dtype: str = "float32") -> None:
         """Store rows as given, e.g. from a checkpoint; stored rows of the same ids are
-        overwritten.
+        overwritten. Weights of another ``row_dtype`` than the table's are converted
+        (to nearest; exact when widening).
 
         All or nothing: checked first, ValueError says what is wrong and nothing is
-        stored: ids (1-D uint64, distinct, not the reserved id), ``weights`` float32
-        ``(n, dim)`` and ``state`` float32 ``(n, state width)``, both finite,
+        stored: ids (1-D uint64, distinct, not the reserved id), ``weights`` of
+        ``row_dtype`` ``(n, dim)`` (within float16's range if the table is float16) and
+        ``state`` float32 ``(n, state width)``, both finite,
         ``last_access`` int64 ``(n,)`` in ``[0, clock]``, ``clock`` an int in
         ``[0, MAX_CLOCK]``, and every internal shard within its share of the capacity.
         """
         ids = self._check_ids(ids)
         n = ids.shape[0]
-        _check_array("weights", weights, np.float32, (n, self.dim))
+        row_dtype = row_types.check_row_dtype(row_dtype)
+        _check_array("weights", weights, row_types.numpy_dtype(row_dtype), (n, self.dim))
         _check_array("state", state, np.float32, (n, self.state_width))
         clock = _check_int("clock", clock, 0)
         if clock > MAX_CLOCK:
@@ -640,9 +683,11 @@ class EmbeddingTable:
             if n and not (int(stamps.min()) >= 0 and int(stamps.max()) <= clock):
                 raise ValueError(f"last_access must lie in [0, clock={clock}], got "
                                  f"[{int(stamps.min())}, {int(stamps.max())}]")
-        for name, values in (("weights", weights), ("state", state)):
-            if not bool(np.isfinite(values).all()):
-                raise ValueError(f"{name} contain NaN or infinite values")
+        if not row_types.all_finite(weights, row_dtype):
+            raise ValueError("weights contain NaN or infinite values")
+        if not bool(np.isfinite(state).all()):
+            raise ValueError("state contain NaN or infinite values")
+        weights = row_types.convert(weights, row_dtype, self.row_dtype)
         ordered = np.sort(ids)  # repeats are neighbours once sorted (cheaper than np.unique)
         repeats = int(np.count_nonzero(ordered[1:] == ordered[:-1]))
         if repeats:
@@ -664,7 +709,8 @@ class EmbeddingTable:
                 rows[new] = new_rows
                 shard.size += n_new
                 shard.ids[rows] = ids[pos]
-                kernels.scatter_rows(shard.weights, rows, weights, pos)
+                kernels.scatter_rows(kernel_view(shard.weights), rows, kernel_view(weights),
+                                     pos)
                 kernels.scatter_rows(shard.state, rows, state, pos)
                 shard.last_access[rows] = shard.clock.relative(
                     stamps[pos], clock, shard.last_access[:shard.size])

@@ -1,0 +1,345 @@
+"""Storage types of embedding rows: float32, float16, bfloat16, and stochastic rounding.
+
+A table's weights are stored in its slot's ``row_dtype``; optimizer state stays float32.
+Every optimizer step computes in float32 and writes back rounded to the storage type.
+Rounding to nearest would lose every update smaller than half a unit in the last place
+(at 1.0, float16 steps by 2**-10 and bfloat16 by 2**-7), so rows with small updates would
+stop learning; **stochastic rounding** rounds away from zero with probability equal to
+the fraction dropped, so the stored value is right on average (what FBGEMM does for its
+float16 rows). Its random bits are a hash of (table seed, id, column, the row's optimizer
+state after the step, the gradient's and the old value's bits; SGD, which keeps no
+state: the table's step instead): no generator state, so a rerun with the same calls and
+a replay of the update log make the same choices.
+
+numba has no float16 on the CPU, and numpy has no bfloat16: kernels see float16 rows as
+``int16`` bit patterns and bfloat16 rows as ``uint16`` ones (:func:`kernel_view`), so
+the element type says how to read them. float16 rows are numpy ``float16`` arrays (they
+go on the wire as they are); bfloat16 rows are ``uint16`` arrays of the upper half of
+the float32 bits.
+
+Overflow: float16 holds magnitudes up to 65504; a step that would pass it saturates
+there (never infinity). bfloat16 has float32's range and 8 bits of precision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from persia_py.ids.hashing import MIX_M1, mix64_one
+
+ROW_DTYPES = ("float32", "float16", "bfloat16")
+"""Names of the storage types a slot may choose (``slots_config.<slot>.row_dtype``)."""
+_NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+          "bfloat16": np.dtype(np.uint16)}
+NEAREST = np.uint32(0x8000)
+"""The "random" 16 bits that make :func:`round_bits` round to nearest (halves away from
+zero): a fraction of one half or more rounds up."""
+F16_MAX_BITS = 0x7BFF
+"""float16's largest finite magnitude (65504), where float16 rows saturate."""
+F16_MAX = 65504.0
+_BF16_MAX_BITS = 0x7F7F
+_S3, _S16, _S23 = np.uint32(3), np.uint32(16), np.uint32(23)
+_F16_MIN_NORMAL = np.float32(2.0**-14)
+_GOLDEN32, _MIX32_1 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
+_F16_MAX_F32 = 0x477FE000
+"""float32 bits of 65504, float16's largest finite magnitude."""
+_F16_LEAST_F32 = 0x33800000
+"""float32 bits of 2**-24, float16's least positive value."""
+_TWO_24 = np.float32(2.0**24)
+_RAND_UNIT = np.float32(2.0**-16)
+
+
+def check_row_dtype(value: object, name: str = "row_dtype") -> str:
+    """``value`` if it names a storage type; ValueError naming ``name`` otherwise."""
+    if value not in ROW_DTYPES:
+        raise ValueError(f"{name}: expected one of {list(ROW_DTYPES)}, got {value!r}")
+    return str(value)
+
+
+def numpy_dtype(row_dtype: str) -> np.dtype:
+    """The numpy element type rows of ``row_dtype`` are kept in (bfloat16: uint16 bits)."""
+    return _NUMPY[check_row_dtype(row_dtype)]
+
+
+def bytes_per_weight(row_dtype: str) -> int:
+    """Bytes of one stored weight: 4 for float32, 2 for float16 and bfloat16."""
+    return numpy_dtype(row_dtype).itemsize
+
+
+def kernel_view(array: np.ndarray) -> np.ndarray:
+    """``array`` as the numba kernels take it (no copy): float16 as ``int16`` bits,
+    bfloat16 (``uint16`` bits) and float32 as they are. The element type alone then
+    picks the conversion, when numba compiles: no per-value branch on the format."""
+    return array.view(np.int16) if array.dtype == np.float16 else array
+
+
+# -- scalar conversions (numba) -----------------------------------------------------------
+
+
+@intrinsic
+def _f16_value(typingctx, bits):
+    """float16 bits (int16) as float32: the CPU's conversion (F16C on x86), exact."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _f16_bits(typingctx, value):
+    """float32 as float16 bits (int16), rounded to nearest even by the CPU: exact for the
+    values :func:`float_to_f16` hands it, which float16 holds."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.int16(types.float32), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def f16_to_float(bits: np.int16) -> np.float32:
+    """The float32 value of float16 bits (exact)."""
+    return _f16_value(bits)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def bf16_to_float(bits: np.uint16) -> np.float32:
+    """The float32 value of bfloat16 bits (exact: its upper half)."""
+    return np.uint32(np.uint32(bits) << _S16).view(np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def float_to_bf16(value: np.float32, rand16: np.uint32) -> np.uint16:
+    """``value`` as bfloat16 bits, rounded away from zero when the dropped fraction plus
+    ``rand16 / 2**16`` reaches one (uniform ``rand16``: stochastic rounding;
+    :data:`NEAREST`: to nearest). Past the largest finite value: saturated there."""
+    bits = np.float32(value).view(np.uint32)
+    sign = (bits >> _S16) & np.uint32(0x8000)
+    # The low 16 bits are the fraction dropped: adding rand16 carries into the kept half
+    # exactly when the fraction plus rand16 / 2**16 reaches one.
+    kept = np.uint32(((bits & np.uint32(0x7FFFFFFF)) + rand16) >> _S16)
+    return np.uint16(sign | min(kept, np.uint32(_BF16_MAX_BITS)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
+    """``value`` as float16 bits, rounded as :func:`float_to_bf16` says; magnitudes past
+    65504 saturate there."""
+    bits = np.float32(value).view(np.uint32)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    exponent = magnitude >> _S23
+    # float16 keeps 10 of float32's 23 fraction bits, fewer below its normal range (2**-14,
+    # float32 exponent 113): add random bits below the kept ones (a carry with the
+    # probability of the dropped fraction), clear them, and the CPU converts exactly.
+    drop = np.uint32(13) + np.uint32(max(np.int32(113) - np.int32(exponent), 0))
+    drop = min(drop, np.uint32(23))
+    noise = np.uint32(rand16 << _S16) >> (np.uint32(32) - drop)
+    kept = np.uint32(magnitude + noise) & np.uint32(np.uint32(0xFFFFFFFF) << drop)
+    kept = min(kept, np.uint32(_F16_MAX_F32))
+    # Below 2**-24, float16's least step, the choice is between 0 and 2**-24.
+    tiny = np.uint32(magnitude).view(np.float32) * _TWO_24 + np.float32(rand16) * _RAND_UNIT
+    kept = kept if exponent >= np.uint32(103) else (
+        np.uint32(_F16_LEAST_F32) if tiny >= np.float32(1.0) else np.uint32(0))
+    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _float_to_f16_normal(value: np.float32, rand16: np.uint32) -> np.int16:
+    """:func:`float_to_f16` of a magnitude of at least 2**-14 (float16's normal range),
+    where float16 keeps 10 of float32's 23 fraction bits: 13 random bits added below them
+    carry with the probability of the fraction dropped. No branch: it vectorizes."""
+    bits = np.float32(value).view(np.uint32)
+    kept = np.uint32((bits & np.uint32(0x7FFFFFFF)) + (rand16 >> _S3)) & np.uint32(0xFFFFE000)
+    kept = min(kept, np.uint32(_F16_MAX_F32))
+    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def draw16(row_key: np.uint32, column: int, grad: np.float32, old: np.uint32) -> np.uint32:
+    """16 random bits for rounding column ``column`` of a row: the row's key mixed with
+    the column and the bits of the gradient and of the old value (updates of a row under
+    one key still draw afresh as long as either differs). One 32-bit
+    multiply, which vectorizes: its top bits depend on every bit below them, and the
+    row's key is a full 64-bit mix already."""
+    z = (row_key ^ np.float32(grad).view(np.uint32) ^ (old << _S16)) + (
+        np.uint32(column) * _GOLDEN32)
+    return np.uint32(z * _MIX32_1) >> _S16
+
+
+# -- per-element access, specialized on the stored element type -----------------------------
+# Scalars only: a numba function that takes an array is called with the array's whole
+# descriptor, which per element cost more than the conversion itself.
+
+
+def widen(stored):  # pragma: no cover - replaced by the overload in numba
+    """A stored weight as float32 (numba only)."""
+    raise NotImplementedError
+
+
+@overload(widen, inline="always")
+def _widen(stored):
+    if stored == types.float32:
+        return lambda stored: stored
+    if stored == types.int16:
+        return lambda stored: f16_to_float(stored)
+    return lambda stored: bf16_to_float(stored)
+
+
+def narrow(value, old, row_key, column, grad, stochastic):  # pragma: no cover
+    """float32 ``value`` in the type of the stored ``old`` it replaces (numba only):
+    rounded stochastically with bits drawn from the row's key, ``column``, ``grad`` and
+    ``old`` (``stochastic``), else to nearest."""
+    raise NotImplementedError
+
+
+@overload(narrow, inline="always")
+def _narrow(value, old, row_key, column, grad, stochastic):
+    if old == types.float32:
+        return lambda value, old, row_key, column, grad, stochastic: value
+    to_bits = float_to_f16 if old == types.int16 else float_to_bf16
+
+    def round_half(value, old, row_key, column, grad, stochastic):
+        draw = draw16(row_key, column, grad, np.uint32(np.uint16(old)))
+        return to_bits(value, draw if stochastic else NEAREST)
+    return round_half
+
+
+def work_row(weights, r, buffer):  # pragma: no cover
+    """Row ``r`` of ``weights`` as float32 to compute on (numba only): the row itself for
+    float32 weights, else ``buffer`` filled with it."""
+    raise NotImplementedError
+
+
+@overload(work_row, inline="always")
+def _work_row(weights, r, buffer):
+    if weights.dtype == types.float32:
+        return lambda weights, r, buffer: weights[r]
+
+    def widened(weights, r, buffer):
+        for d in range(buffer.shape[0]):
+            buffer[d] = widen(weights[r, d])
+        return buffer
+    return widened
+
+
+def finish_row(weights, r, row, row_id, salt, sr_key, grads, i,
+               stochastic):  # pragma: no cover
+    """Store ``row`` (from :func:`work_row`) as row ``r`` of ``weights`` (numba only):
+    nothing to do for float32 weights, else rounded (stochastically, keyed by the row's
+    id ``row_id``, ``salt`` and the gradients ``grads[i]``)."""
+    raise NotImplementedError
+
+
+@overload(finish_row, inline="always")
+def _finish_row(weights, r, row, row_id, salt, sr_key, grads, i, stochastic):
+    if weights.dtype == types.float32:
+        return lambda weights, r, row, row_id, salt, sr_key, grads, i, stochastic: None
+
+    if weights.dtype == types.uint16:
+        def rounded(weights, r, row, row_id, salt, sr_key, grads, i, stochastic):
+            key = row_key(weights[r, 0], row_id, salt, sr_key)
+            for d in range(row.shape[0]):
+                weights[r, d] = narrow(row[d], weights[r, d], key, d, grads[i, d], stochastic)
+        return rounded
+
+    def rounded_f16(weights, r, row, row_id, salt, sr_key, grads, i, stochastic):
+        # float16's normal range in one branch-free pass, which vectorizes; the rare values
+        # below it (fewer bits kept) keep their old bits there and go through the general
+        # conversion after, with the same draws.
+        key = row_key(weights[r, 0], row_id, salt, sr_key)
+        num_small = 0
+        for d in range(row.shape[0]):
+            old = weights[r, d]
+            draw = draw16(key, d, grads[i, d], np.uint32(np.uint16(old))) if stochastic else (
+                NEAREST)
+            small = abs(row[d]) < _F16_MIN_NORMAL
+            num_small += small
+            weights[r, d] = old if small else _float_to_f16_normal(row[d], draw)
+        if num_small:
+            for d in range(row.shape[0]):
+                if abs(row[d]) < _F16_MIN_NORMAL:
+                    weights[r, d] = narrow(row[d], weights[r, d], key, d, grads[i, d],
+                                           stochastic)
+    return rounded_f16
+
+
+def row_key(stored, row_id, salt, sr_key):  # pragma: no cover
+    """The rounding key of a row whose weights are of the type of ``stored``, with id
+    ``row_id``, after an update that ``salt`` stands for (numba only; 0 for float32 rows,
+    which never round)."""
+    raise NotImplementedError
+
+
+@overload(row_key, inline="always")
+def _row_key(stored, row_id, salt, sr_key):
+    if stored == types.float32:
+        return lambda stored, row_id, salt, sr_key: np.uint32(0)
+
+    def key(stored, row_id, salt, sr_key):
+        z = mix64_one(row_id ^ sr_key ^ (np.uint64(salt) * MIX_M1))
+        return np.uint32(z >> np.uint64(32))
+    return key
+
+
+# -- whole arrays ---------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _encode(values: np.ndarray, out: np.ndarray) -> None:
+    for i in range(values.shape[0]):
+        for d in range(values.shape[1]):
+            out[i, d] = narrow(values[i, d], out[i, d], np.uint32(0), d, np.float32(0.0), False)
+
+
+@njit(cache=True, nogil=True)
+def _decode(bits: np.ndarray, out: np.ndarray) -> None:
+    for i in range(bits.shape[0]):
+        for d in range(bits.shape[1]):
+            out[i, d] = widen(bits[i, d])
+
+
+def to_stored(values: np.ndarray, row_dtype: str, out: np.ndarray | None = None
+              ) -> np.ndarray:
+    """float32 rows ``values`` ``(n, dim)`` in ``row_dtype``, rounded to nearest (into
+    ``out`` if given); float16 saturates at +-65504."""
+    dtype = numpy_dtype(row_dtype)
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if out is None:
+        out = np.empty(values.shape, dtype)
+    if row_dtype == "float32":
+        out[...] = values
+    else:
+        _encode(values, kernel_view(out))
+    return out
+
+
+def to_float32(rows: np.ndarray, row_dtype: str) -> np.ndarray:
+    """Stored rows ``(n, dim)`` of ``row_dtype`` as float32 (exact; a new array unless
+    they are float32 already)."""
+    if row_dtype == "float32":
+        return rows
+    out = np.empty(rows.shape, np.float32)
+    _decode(kernel_view(np.ascontiguousarray(rows)), out)
+    return out
+
+
+def all_finite(rows: np.ndarray, row_dtype: str) -> bool:
+    """Whether no stored value is infinite or NaN."""
+    if row_dtype == "bfloat16":
+        return not bool(((rows & np.uint16(0x7F80)) == np.uint16(0x7F80)).any())
+    return bool(np.isfinite(rows).all())
+
+
+def convert(rows: np.ndarray, source: str, target: str) -> np.ndarray:
+    """Rows stored as ``source`` in ``target``'s storage (``rows`` itself when the types
+    agree; to nearest when narrowing). ValueError if a value passes float16's range:
+    saturating would change the model without a word."""
+    if source == target:
+        return rows
+    values = to_float32(rows, source)
+    if target == "float16" and values.size:
+        largest = float(np.abs(values).max())
+        if largest > F16_MAX:
+            raise ValueError(f"weights: the largest magnitude {largest:g} is past float16's "
+                             f"{F16_MAX:g}; keep this table in float32 or bfloat16")
+    return to_stored(values, target)

@@ -1,0 +1,217 @@
+"""Row storage types: float16/bfloat16 conversions, stochastic rounding, and tables that
+store their rows in them (lookups, optimizer steps, imports)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from persia_py.config import ConfigError, embedding_config_from_dict
+from persia_py.config.optimizer import AdagradConfig, AdamConfig, SGDConfig
+from persia_py.servers import row_types
+from persia_py.servers.call_memory import LookupAnswer
+from persia_py.servers.row_types import (
+    NEAREST,
+    bf16_to_float,
+    f16_to_float,
+    float_to_bf16,
+    float_to_f16,
+)
+from persia_py.servers.storage import EmbeddingTable
+
+ALL_RAND = np.arange(1 << 16, dtype=np.uint32)
+
+
+F16 = (float_to_f16, f16_to_float)
+BF16 = (float_to_bf16, bf16_to_float)
+
+
+def _rounded(value: float, fmt: tuple, rands: np.ndarray) -> np.ndarray:
+    """``value`` rounded with each of ``rands``, read back as float64."""
+    x = np.float32(value)
+    to_bits, to_float = fmt
+    return np.array([to_float(to_bits(x, r)) for r in rands], np.float64)
+
+
+def test_float16_patterns_decode_exactly_and_round_to_nearest_like_numpy() -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    finite = bits[np.isfinite(bits.view(np.float16))]
+    decoded = row_types.to_float32(finite.view(np.float16)[:, None], "float16")[:, 0]
+    assert np.array_equal(decoded, finite.view(np.float16).astype(np.float32))
+    # Nearest as numpy rounds, but ties go away from zero (numpy: to even).
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(20000) * np.exp(rng.uniform(-20, 11, 20000))).astype(np.float32)
+    values = values[np.abs(values) < 65000]  # past it float16 saturates where numpy overflows
+    ours = row_types.to_stored(values[:, None], "float16")[:, 0].astype(np.float64)
+    theirs = values.astype(np.float16).astype(np.float64)
+    other = ours != theirs
+    assert np.count_nonzero(other) < 10
+    exact = values[other].astype(np.float64)
+    assert np.array_equal(np.abs(ours[other] - exact), np.abs(theirs[other] - exact))
+    assert (np.abs(ours[other]) > np.abs(theirs[other])).all()
+
+
+def test_bfloat16_keeps_the_upper_half_of_float32_and_its_range() -> None:
+    values = np.array([[1.0, -3.5, 1e30, -1e-30, 0.0, 1.00390625]], np.float32)
+    bits = row_types.to_stored(values, "bfloat16")
+    assert bits.dtype == np.uint16 and bits[0, 0] == 0x3F80
+    widened = row_types.to_float32(bits, "bfloat16")
+    assert np.array_equal(widened, (bits.astype(np.uint32) << 16).view(np.float32))
+    np.testing.assert_allclose(widened, values, rtol=2.0**-8)  # 1e30 stays finite
+    assert widened[0, 5] == np.float32(1.0078125)  # a tie rounds away from zero
+
+
+@pytest.mark.parametrize(("fmt", "value"), [  # (F16, 3.1e-6): a float16 subnormal
+    (F16, 1.0001), (F16, -0.30001), (F16, 3.1e-6), (F16, 1234.56),
+    (BF16, 1.0001), (BF16, -7.77e-3), (BF16, 3.0e20),
+], ids=str)
+def test_stochastic_rounding_is_exact_on_average(fmt, value) -> None:
+    """Over every 16-bit draw, the mean of the rounded values is the value itself (to the
+    draw's resolution), where rounding to nearest is off by up to half a unit."""
+    rounded = _rounded(value, fmt, ALL_RAND)
+    lo, hi = rounded.min(), rounded.max()
+    assert lo < np.float32(value) < hi and set(np.unique(rounded)) == {lo, hi}
+    assert abs(rounded.mean() - np.float64(np.float32(value))) <= (hi - lo) * 2.0**-16
+    nearest = _rounded(value, fmt, np.array([NEAREST]))[0]
+    assert nearest == (lo if value - lo < hi - value else hi)
+
+
+def test_float16_rounding_saturates_at_its_largest_value() -> None:
+    for value in (65519.0, 65520.0, 1e6, -1e9):
+        got = _rounded(value, F16, np.array([0, 0xFFFF], np.uint32))
+        assert np.array_equal(np.abs(got), [65504.0, 65504.0])
+
+
+def _tiny_steps(row_dtype: str, stochastic: bool, steps: int = 1000) -> np.ndarray:
+    """Rows at 1.0 after ``steps`` SGD steps of +1e-4 each (under half a float16 unit)."""
+    table = EmbeddingTable(dim=16, optimizer=SGDConfig(lr=1.0), init_lower=1.0, init_upper=1.0,
+                           row_dtype=row_dtype, stochastic_rounding=stochastic, seed=3)
+    ids = np.arange(1, 5, dtype=np.uint64)
+    grads = np.full((4, 16), -1e-4, np.float32)
+    for _ in range(steps):
+        table.lookup(ids, True)
+        table.update(ids, grads)
+    return table.lookup(ids, False)
+
+
+@pytest.mark.parametrize("row_dtype", ["float16", "bfloat16"])
+def test_tiny_updates_add_up_with_stochastic_rounding_and_vanish_without(row_dtype) -> None:
+    assert (_tiny_steps(row_dtype, stochastic=False) == 1.0).all()  # every step lost
+    moved = _tiny_steps(row_dtype, stochastic=True).astype(np.float64)
+    # 1000 steps of 1e-4 make 1.1 on average. Each step rounds up with probability
+    # p = 1e-4 / unit, so a value is off by the sum of 1000 such errors: a standard
+    # deviation of unit * sqrt(1000 p (1 - p)), and its mean over 64 values 8 times less.
+    unit = 2.0**-10 if row_dtype == "float16" else 2.0**-7
+    p = 1e-4 / unit
+    sigma = unit * np.sqrt(1000 * p * (1 - p))
+    assert abs(moved.mean() - 1.1) < 4 * sigma / 8
+    assert 0.5 * sigma < moved.std() < 2 * sigma
+
+
+def _trained(row_dtype: str, optimizer, seed: int = 5, steps: int = 5) -> EmbeddingTable:
+    table = EmbeddingTable(dim=8, optimizer=optimizer, row_dtype=row_dtype, seed=seed,
+                           num_shards=2, init_lower=-0.5, init_upper=0.5)
+    rng = np.random.default_rng(1)
+    for _ in range(steps):
+        ids = rng.integers(1, 3000, 2000).astype(np.uint64)
+        table.lookup(ids, True)
+        table.update(ids, rng.standard_normal((ids.size, 8)).astype(np.float32))
+    return table
+
+
+@pytest.mark.parametrize("optimizer", [
+    SGDConfig(lr=0.05), AdagradConfig(lr=0.1), AdagradConfig(lr=0.1, vectorwise_shared=True),
+    AdamConfig(lr=0.01)], ids=repr)
+@pytest.mark.parametrize("row_dtype", ["float16", "bfloat16"])
+def test_half_rows_follow_float32_training_and_repeat_bit_for_bit(row_dtype, optimizer) -> None:
+    full, half, again, other = (_sorted(_trained(kind, optimizer, seed).export_rows())
+                                for kind, seed in (("float32", 5), (row_dtype, 5),
+                                                   (row_dtype, 5), (row_dtype, 6)))
+    for key in ("ids", "weights", "state"):
+        assert np.array_equal(half[key], again[key]), key  # reproducible
+    widened = row_types.to_float32(half["weights"], row_dtype)
+    unit = 2.0**-10 if row_dtype == "float16" else 2.0**-7
+    assert np.abs(widened - full["weights"]).max() < 6 * unit
+    assert half["state"].dtype == np.float32  # optimizer state stays float32
+    assert not np.array_equal(other["weights"], half["weights"])  # the seed keys rounding
+
+
+def _sorted(rows: dict) -> dict:
+    """Rows by id (internal shards are keyed by a per-process secret: the order varies)."""
+    order = np.argsort(rows["ids"])
+    return {k: rows[k][order] for k in ("ids", "weights", "state")}
+
+
+def test_float16_tables_answer_their_rows_as_stored() -> None:
+    table = _trained("float16", AdagradConfig(lr=0.1, vectorwise_shared=True))
+    ids = np.array([5, 77, 2_000_000, 5], np.uint64)  # one absent, one repeated
+    as_stored = table.lookup(ids, False, dtype=np.float16)
+    assert as_stored.dtype == np.float16
+    assert np.array_equal(as_stored.astype(np.float32), table.lookup(ids, False))
+    assert (as_stored[2] == 0).all()
+    with pytest.raises(ValueError, match="answers float32 rows"):
+        _trained("bfloat16", SGDConfig(lr=0.1), steps=1).lookup(ids, False, dtype=np.float16)
+
+
+def test_half_tables_refuse_bad_imports_and_take_others_converted() -> None:
+    table = EmbeddingTable(dim=2, optimizer=SGDConfig(lr=0.1), row_dtype="bfloat16")
+    ids = np.array([1, 2], np.uint64)
+    state = np.zeros((2, 0), np.float32)
+    with pytest.raises(ValueError, match="weights must be uint16"):
+        table.import_rows(ids, np.zeros((2, 2), np.float32), state, row_dtype="bfloat16")
+    inf = np.full((2, 2), 0x7F80, np.uint16)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        table.import_rows(ids, inf, state, row_dtype="bfloat16")
+    with pytest.raises(ValueError, match="row_dtype"):
+        table.import_rows(ids, np.zeros((2, 2), np.float32), state, row_dtype="float8")
+    assert table.num_entries == 0
+    table.import_rows(ids, np.array([[1.0, 2.0], [3.0, -4.0]], np.float16), state,
+                      row_dtype="float16")
+    assert np.array_equal(table.lookup(ids, False), [[1.0, 2.0], [3.0, -4.0]])
+    with pytest.raises(ValueError, match="row_dtype: expected one of"):
+        EmbeddingTable(dim=2, optimizer=SGDConfig(lr=0.1), row_dtype="half")
+
+
+def test_config_sets_storage_types_per_slot_with_a_default() -> None:
+    cfg = embedding_config_from_dict({
+        "row_dtype": "float16", "stochastic_rounding": False,
+        "slots_config": {"a": {"dim": 4}, "b": {"dim": 4, "row_dtype": "bfloat16"}}})
+    assert cfg.row_dtype_of("a") == "float16" and cfg.row_dtype_of("b") == "bfloat16"
+    assert not cfg.stochastic_rounding
+    with pytest.raises(ConfigError, match=r"slots_config\.a\.row_dtype: expected 'float32'"):
+        embedding_config_from_dict({"slots_config": {"a": {"dim": 4, "row_dtype": "fp16"}}})
+    with pytest.raises(ConfigError, match="row_dtype must be equal"):
+        embedding_config_from_dict({
+            "feature_groups": {"g": ["a", "b"]},
+            "slots_config": {"a": {"dim": 4}, "b": {"dim": 4, "row_dtype": "float16"}}})
+
+
+def test_float16_rows_go_on_a_float16_wire_without_a_conversion(monkeypatch) -> None:
+    from persia_py.config import GlobalConfig
+    from persia_py.proto import parameter_server_pb2 as pb
+    from persia_py.servers.parameter_server import ParameterServer
+    from persia_py.servers.service import ParameterServerServicer
+    from persia_py.wire import codec
+
+    ps = ParameterServer(GlobalConfig(), embedding_config_from_dict(
+        {"slots_config": {"a": {"dim": 8, "row_dtype": "float16"}, "b": {"dim": 8}}}))
+    ps.configure(optimizer={"type": "sgd", "lr": 0.1})
+    servicer = ParameterServerServicer(ps)
+    ids = np.arange(1, 1001, dtype=np.uint64)
+    casts = []
+    original = codec.cast_float
+    monkeypatch.setattr(codec, "cast_float", lambda *a, **k: casts.append(a[1]) or original(*a, **k))
+
+    def lookup(table: str, fp16: bool) -> np.ndarray:
+        request = pb.LookupRequest(training=True, fp16=fp16, tables=[
+            pb.TableIds(table=table, ids=codec.encode(ids))])
+        (tensor,) = pb.LookupResponse.FromString(servicer.Lookup(request, None)).embeddings
+        return codec.decode(tensor, name="embeddings", ndim=2)
+
+    half = lookup("a", fp16=True)
+    assert half.dtype == np.float16 and casts == []  # as stored: no pass over the rows
+    (stored,) = ps.lookup([("a", ids)], training=False, answer=LookupAnswer(fp16=True))
+    assert np.array_equal(half.view(np.uint16), stored.view(np.uint16))
+    assert np.array_equal(lookup("a", fp16=False), half.astype(np.float32))
+    lookup("b", fp16=True)  # float32 rows are narrowed for the wire, as before
+    assert casts == ["float16"]
