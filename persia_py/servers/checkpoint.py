@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -163,7 +164,10 @@ def _exists(dir_fd: int, name: str) -> bool:
 # -- reading ------------------------------------------------------------------------------
 
 
-def _value(data: object, key: str, kind: type | tuple[type, ...], where: str) -> object:
+_T = TypeVar("_T")
+
+
+def _value(data: object, key: str, kind: type[_T], where: str) -> _T:
     """``data[key]`` if ``data`` is a mapping holding a ``kind`` there; CheckpointError if not."""
     value = data.get(key) if isinstance(data, dict) else None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):

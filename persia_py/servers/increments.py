@@ -66,7 +66,7 @@ FOLLOW_POLL_SEC = 0.5
 
 def _increments(directory: Path) -> list[tuple[int, int, Path]]:
     """Increments in ``directory`` as (replica, seq, folder), sorted (links are skipped)."""
-    found = []
+    found: list[tuple[int, int, Path]] = []
     try:
         entries = list(os.scandir(directory))
     except FileNotFoundError:
