@@ -138,11 +138,10 @@ class TrainCtx(EmbeddingCtx):
         """The dense tower as the ranks share it (DDP, FSDP, or whole with one rank)."""
         self.mixed_precision = mixed_precision
         self.dense_step = DenseStep(
-            dense_optimizer, self.grad_control, rank=self.env.rank,
+            dense_optimizer, self.grad_control, self.dense, rank=self.env.rank,
             scaler=(torch.amp.GradScaler("cuda")
                     if mixed_precision and self.device.type == "cuda" else None))
         """Backward and the dense optimizer step (see persia_py.ctx.dense_step)."""
-        self.dense_step.dense = self.dense
         self.embedding_optimizer = embedding_optimizer
         self.dense_optimizer = dense_optimizer
         self.embedding_config = embedding_config or EmbeddingConfig()
