@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Self
 
 import numpy as np
 
@@ -398,7 +397,7 @@ class EmbeddingTable:
         if executor is not None:
             executor.shutdown(wait=True)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> EmbeddingTable:
         return self
 
     def __exit__(self, *exc: object) -> None:
