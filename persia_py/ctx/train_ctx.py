@@ -94,8 +94,8 @@ class TrainCtx(EmbeddingCtx):
     """
 
     _training = True
-    model: torch.nn.Module  # required here (an EmbeddingCtx may have none)
     _usage = "TrainCtx(...)"
+    model: torch.nn.Module  # required here (an EmbeddingCtx may have none)
 
     @config_errors_are_final
     def __init__(self, *, model: torch.nn.Module, embedding_optimizer: Optimizer,
