@@ -383,8 +383,8 @@ class StreamReader:
         if self._csv_config.header and start.row == 0:
             cut = data.find(b"\n") + 1
             line = data[:cut].decode("utf-8", errors="replace").rstrip("\r\n")
-            check_header(self.fmt.config, next(csv.reader(
-                [line], delimiter=self.fmt.config.delimiter), []), path)
+            check_header(self._csv_config, next(csv.reader(
+                [line], delimiter=self._csv_config.delimiter), []), path)
             data, first_line = data[cut:], 2
         return parse_csv_lines(data, self._csv_config, path, first_line)
 

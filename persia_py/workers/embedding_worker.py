@@ -474,7 +474,7 @@ class EmbeddingWorker:
                 # `resend`), so another sender took it: the gradients were not applied, and
                 # taking the answer for success would lose them. Every attempt says so; the
                 # pair cannot change (it is what applies a rerouted batch once).
-                batch.sent[r] = False
+                sent[r] = False
                 raise UpdateNotApplied(
                     f"batch {sequence} of data loader stream {batch.identity[0][:12]}...: "
                     f"{exc}; its gradients are not applied (a stream's identity is random "

@@ -194,8 +194,8 @@ def _number(value: object) -> bool:
 def _checked(record: object, where: str) -> tuple[str, dict]:
     """``(kind, record)`` of one decoded line, each field checked; HandoverLogError naming
     ``where`` otherwise (a log a loader wrote never has one)."""
-    kind = next((k for k in _KINDS if isinstance(record, dict) and k in record), None)
-    if kind is None or set(record) != _KINDS[kind]:
+    kind = next((k for k in _KINDS if k in record), None) if isinstance(record, dict) else None
+    if kind is None or not isinstance(record, dict) or set(record) != _KINDS[kind]:
         raise HandoverLogError(f"{where}: not a handover record ({_shown(record)}); expected "
                                f"one of {[sorted(keys) for keys in _KINDS.values()]}")
     if kind == "stream":
