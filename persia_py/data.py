@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from persia_py.config.checks import check_type
 from persia_py.ctx import current_ctx
@@ -76,8 +77,9 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[TrainingBatch]:
         self.ctx._require_active("a DataLoader")
-        options = dict(buffer_size=self.dataset.buffer_size, reproducible=self.reproducible,
-                       embedding_staleness=self.embedding_staleness)
+        options: dict[str, Any] = dict(
+            buffer_size=self.dataset.buffer_size, reproducible=self.reproducible,
+            embedding_staleness=self.embedding_staleness)
         if isinstance(self.dataset, StreamingDataset):
             return self.ctx.stream_from_loaders(**options)
         return self.ctx.stream_local(self.dataset, **options)

@@ -21,6 +21,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -197,17 +198,18 @@ class FSDPOption:
         sizes, root_bytes = self.sizes(model, world)
         units = self.units(model)
         names = {id(p): name for name, p in model.named_parameters()}
-        kwargs = {"mp_policy": self.mixed_precision or MixedPrecisionPolicy()}
+        mp_policy = self.mixed_precision or MixedPrecisionPolicy()
 
         def shard(unit: nn.Module) -> None:
-            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **kwargs)
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward,
+                        mp_policy=mp_policy)
 
         if is_deferred(model):  # initialize and shard unit by unit: one unit whole at a time
             _materialize(model, device, units, shard)
         else:
             for unit in units:
                 shard(unit)
-        fully_shard(model, **kwargs)  # the root: FSDP keeps it gathered until backward
+        fully_shard(model, mp_policy=mp_policy)  # the root: FSDP keeps it gathered until backward
         _repoint_optimizer(optimizer, names, model)
         meter = UnshardedBytesMeter([*units, model], [*sizes, root_bytes],
                                     bound=self.max_unsharded_bytes, root_bytes=root_bytes)
@@ -286,18 +288,21 @@ def build_on_meta(factory: Callable[..., nn.Module], *args, **kwargs) -> nn.Modu
     modules, and a constructor that draws random numbers itself (the stream could not
     be replayed)."""
     rng = torch.get_rng_state()
-    original = nn.Module.register_parameter
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+        # torch calls this in every register_parameter; what it returns is registered.
         if type(param) is nn.Parameter and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
+            return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        return None
 
-    nn.Module.register_parameter = register
+    # torch annotates the hook as returning None, but register_parameter registers the
+    # parameter a hook returns (as the hook's docstring says).
+    handle = nn.modules.module.register_module_parameter_registration_hook(
+        to_meta)  # type: ignore[arg-type]
     try:
         model = factory(*args, **kwargs)
     finally:
-        nn.Module.register_parameter = original
+        handle.remove()
     what = getattr(factory, "__name__", type(model).__name__)
     if not torch.equal(rng, torch.get_rng_state()):
         raise ValueError(f"build_on_meta({what}): the constructor drew random numbers for "
@@ -352,15 +357,17 @@ def _materialize(model: nn.Module, device: torch.device, units: list[nn.Module],
         for i, module in enumerate(modules):
             own = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
             for name in own:  # on the CPU: the CPU generator draws the values, as at build
-                p = module._parameters[name]
+                p = module.get_parameter(name)
                 module._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"),
                                                         requires_grad=p.requires_grad)
             if own:
+                # build_on_meta refused modules that hold parameters without this method
+                reset = cast("Callable[[], None]", module.reset_parameters)
                 with torch.no_grad():
-                    module.reset_parameters()
+                    reset()
                 if device.type != "cpu":
                     for name in own:
-                        p = module._parameters[name]
+                        p = module.get_parameter(name)
                         module._parameters[name] = nn.Parameter(
                             p.detach().to(device), requires_grad=p.requires_grad)
             for name, buffer in module._buffers.items():

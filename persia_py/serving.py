@@ -57,6 +57,8 @@ def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
             raise ValueError(f"--model: {path} is not a file")
         sys.path.insert(0, str(path.parent))
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ValueError(f"--model: {path} cannot be imported as a module")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[path.stem] = module
         module_spec.loader.exec_module(module)
@@ -108,7 +110,11 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
 
     def __init__(self, ctx: InferCtx, models: DenseModelSlot | None = None) -> None:
         self.ctx = ctx
-        self.models = models or DenseModelSlot(ctx.model)
+        if models is None:
+            if ctx.model is None:
+                raise ValueError("ServingServicer: the context has no model; pass models")
+            models = DenseModelSlot(ctx.model)
+        self.models = models
 
     @grpc_method
     def Predict(self, request, context):

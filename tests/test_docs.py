@@ -19,6 +19,8 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if not f.init:  # derived in __post_init__, not a key
+            continue
         tp, path = hints[f.name], f"{prefix}{f.name}"
         if dataclasses.is_dataclass(tp):
             keys += _keys(tp, f"{path}.")

@@ -42,7 +42,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from persia_py.checkpoint import dense as dense_checkpoint
 from persia_py.checkpoint import layout as fmt
-from persia_py.checkpoint.stateful import Stateful
+from persia_py.checkpoint.stateful import Stateful, TrainState
 from persia_py.config import CheckpointConfig, CommonConfig
 from persia_py.dense.collectives import WorldJoinable
 from persia_py.ids.positions import DataPositions
@@ -184,7 +184,7 @@ class _PeriodicJoinHook(JoinHook):
         self._checkpointer = checkpointer
 
     def main_hook(self) -> None:  # once per step of the ranks still training
-        self._checkpointer.states["train_state"].shadowed()  # the job's step goes on
+        self._checkpointer.train_state.shadowed()  # the job's step goes on
         if self._checkpointer.is_periodic(self._checkpointer.job_step):
             self._checkpointer.vote(training=False)
 
@@ -213,7 +213,15 @@ class Checkpointer(WorldJoinable):
         if missing:
             raise TypeError(f"states must map {list(STATE_KEYS)} to Stateful objects; "
                             f"missing or not Stateful: {missing}")
-        self.states = dict(states)
+        model, optimizer, train_state = (states["model"], states["dense_optimizer"],
+                                         states["train_state"])
+        if not (isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
+                and isinstance(train_state, TrainState)):
+            raise TypeError("states must be TrainCtx.state_dict()'s: a torch Module, a torch "
+                            "Optimizer and a TrainState; got "
+                            f"{[type(states[k]).__name__ for k in STATE_KEYS]}")
+        self._model, self._optimizer = model, optimizer
+        self.train_state = train_state
         self._flush = flush
         self._ps_addrs = tuple(ps_addrs)
         self._common = common
@@ -233,17 +241,17 @@ class Checkpointer(WorldJoinable):
     @property
     def steps(self) -> int:
         """Batches this rank has trained, including those before the loaded checkpoint."""
-        return self.states["train_state"].state_dict()["steps"]
+        return self.train_state.state_dict()["steps"]
 
     @property
     def job_step(self) -> int:
         """The job's step, the same on every rank (see ``TrainState.job_step``)."""
-        return self.states["train_state"].state_dict()["job_step"]
+        return self.train_state.state_dict()["job_step"]
 
     def changed(self) -> bool:
         """Whether this rank trained a batch (or took one for evaluation) since the last
         checkpoint it wrote or loaded."""
-        state = self.states["train_state"].state_dict()
+        state = self.train_state.state_dict()
         return state["steps"] != self._cut_steps or bool(state["new_batch_ids"])
 
     def _ps(self) -> PSCheckpointClient:
@@ -252,19 +260,20 @@ class Checkpointer(WorldJoinable):
             self._client.wait_ready()
         return self._client
 
-    def resume_if_asked(self, path: str | None = None) -> Path | None:
+    def resume_if_asked(self, path: str | os.PathLike | None = None) -> Path | None:
         """Load ``path`` if given (the checkpoint a training restarted by torchrun went
         back to), else ``$PERSIA_RESUME_DIR`` if set, else the newest complete checkpoint
         in the periodic folder (``checkpoint_config.dir``) if there is one: a job
         restarted after a failure goes on from its last checkpoint by itself. Returns
         the checkpoint folder loaded (None: none)."""
-        path = path or os.environ.get(ENV_RESUME_DIR)
-        if not path and self.periodic_dir:
-            path = fmt.latest(self.periodic_dir)
-        if not path:
+        chosen = path or os.environ.get(ENV_RESUME_DIR)
+        if not chosen and self.periodic_dir:
+            chosen = fmt.latest(self.periodic_dir)
+        if not chosen:
             return None
-        logger.info("resuming from checkpoint %s", path)
-        self.load(path)
+        logger.info("resuming from checkpoint %s", chosen)
+        self.load(chosen)
+        assert self.last_cut is not None, "load() sets it"
         return self.last_cut[1]
 
     def is_periodic(self, steps: int) -> bool:
@@ -278,6 +287,7 @@ class Checkpointer(WorldJoinable):
         training = self.vote(training=True)
         _, world = _world()
         if training == world:
+            assert self.periodic_dir is not None, "CheckpointConfig requires dir with every_steps"
             self.dump(self.periodic_dir)
         else:
             logger.warning("step %d: periodic checkpoint skipped: %d of %d NN-worker ranks "
@@ -305,10 +315,13 @@ class Checkpointer(WorldJoinable):
         then (a second folder of the same cut would make the two kept ones one, pruning
         the distinct one before). Returns the folder on rank 0 (every rank's if loaded)."""
         root = self.periodic_dir
-        same_root = (self.last_cut is not None
-                     and self.last_cut[0] == Path(os.path.realpath(root)))
-        if same_root and self._count_ranks(self.changed()) == 0:
-            folder = self.last_cut[1]
+        if root is None:
+            raise ValueError("final(): there is no periodic folder (checkpoint_config.dir) "
+                             "to write the final checkpoint into")
+        last_cut = self.last_cut
+        if (last_cut is not None and last_cut[0] == Path(os.path.realpath(root))
+                and self._count_ranks(self.changed()) == 0):  # a collective, in that case only
+            folder = last_cut[1]
         else:
             folder = self.dump(root)
         if folder is not None and _world()[0] == 0:
@@ -328,7 +341,7 @@ class Checkpointer(WorldJoinable):
         started = time.perf_counter()
         self._flush()
         _barrier()  # every rank's updates are acknowledged: the cut is consistent
-        train_state = self.states["train_state"]
+        train_state = self.train_state
         state = train_state.state_dict()
         counts = _gather([state["steps"], state["samples"]], self._device)
         rank_steps, rank_samples = [c[0] for c in counts], [c[1] for c in counts]
@@ -360,8 +373,8 @@ class Checkpointer(WorldJoinable):
         with ThreadPoolExecutor(max_workers=1) as pool:
             ps_answers = pool.submit(self._ps().dump, tmp)
             if not self.sharded_dense:  # else every rank wrote its shards already
-                fmt.save_tensors(tmp, "dense-model", self.states["model"].state_dict())
-                fmt.save_optimizer(tmp, "dense-optimizer", self.states["dense_optimizer"])
+                fmt.save_tensors(tmp, "dense-model", self._model.state_dict())
+                fmt.save_optimizer(tmp, "dense-optimizer", self._optimizer)
             safe_files.save_array(tmp / "torch-rng-state.npy", torch.get_rng_state().numpy())
             for name, contents in extra_files.items():
                 _write_file(tmp, name, contents)
@@ -391,7 +404,7 @@ class Checkpointer(WorldJoinable):
         if rank == 0:
             self._ps().load(folder)
         self._load_dense(folder)
-        self.states["train_state"].load_state_dict({
+        self.train_state.load_state_dict({
             "steps": steps, "job_step": job_step, "samples": samples,
             "data_positions": data_positions(manifest)})
         self._cut(folder.parent, folder, steps)
@@ -412,12 +425,12 @@ class Checkpointer(WorldJoinable):
             dist.broadcast(raw, src=0)
             token = bytes(raw.cpu().tolist()).decode()
         tmp = fmt.new_tmp_dir(root, token)
-        dense_checkpoint.save_sharded(tmp, self.states["model"], self.states["dense_optimizer"])
+        dense_checkpoint.save_sharded(tmp, self._model, self._optimizer)
         return token
 
     def _load_dense(self, folder: Path) -> None:
         """The dense model and optimizer, from either format into either kind of model."""
-        model, optimizer = self.states["model"], self.states["dense_optimizer"]
+        model, optimizer = self._model, self._optimizer
         if dense_checkpoint.is_sharded(folder):
             dense_checkpoint.load_sharded(folder, model, optimizer)
         elif self.sharded_dense:

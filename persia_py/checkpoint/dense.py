@@ -16,12 +16,15 @@ checkpoint (:mod:`persia_py.checkpoint.layout`), in the folder the Checkpointer 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -100,10 +103,12 @@ class JsonStorageWriter(StorageWriter):
                     raise safe_files.CheckpointError(
                         f"{item.index.fqn}: only tensors go into a sharded dense checkpoint "
                         "(no pickled objects)")
-                tensor = planner.resolve_data(item).detach().contiguous().cpu()
+                data = planner.resolve_data(item)
+                assert isinstance(data, torch.Tensor), "a TENSOR write item resolves to one"
+                tensor = data.detach().contiguous().cpu()
                 raw = tensor.reshape(-1).view(torch.uint8).numpy()
                 start = f.tell()
-                f.write(memoryview(raw))
+                f.write(raw.data)
                 results.append(WriteResult(
                     index=item.index, size_in_bytes=raw.nbytes,
                     storage_data={"file": name, "start": start, "length": raw.nbytes,
@@ -152,7 +157,7 @@ class JsonStorageReader(StorageReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         data = fmt.check_manifest(safe_files.load_json(self.folder / DCP_METADATA),
                                   str(self.folder / DCP_METADATA), kind=DCP_FORMAT)
-        state = {}
+        state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         for fqn, t in data["tensors"].items():
             state[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=_dtype(t["dtype"])),
@@ -170,7 +175,7 @@ class JsonStorageReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args,
                               **kwargs) -> None:
         self._storage = {_key(i.fqn, i.offset): v for i, v in metadata.storage_data.items()}
-        self._dtypes = {fqn: md.properties.dtype
+        self._dtypes = {fqn: _tensor_metadata(fqn, md).properties.dtype
                         for fqn, md in metadata.state_dict_metadata.items()}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -220,6 +225,19 @@ def is_sharded(folder: str | os.PathLike) -> bool:
     return (Path(folder) / DCP_METADATA).is_file()
 
 
+def _optimizer_state(optim_sd: Mapping[str, object]) -> dict[str, dict[str, Any]]:
+    """``optim_sd["state"]`` of ``get_state_dict``: parameter FQN -> its state (torch
+    types each value of an optimizer state dict as a dict or a list of dicts)."""
+    return cast(dict[str, dict[str, Any]], optim_sd["state"])
+
+
+def _tensor_metadata(fqn: str, md: TensorStorageMetadata | BytesStorageMetadata
+                     ) -> TensorStorageMetadata:
+    """``md``, which :class:`JsonStorageReader` makes for tensors only."""
+    assert isinstance(md, TensorStorageMetadata), f"{fqn}: not a tensor's metadata"
+    return md
+
+
 def _split_optimizer_state(state: dict) -> tuple[dict, dict]:
     tensors, plain = {}, {}
     for fqn, entry in state.items():
@@ -234,12 +252,12 @@ def save_sharded(folder: str | os.PathLike, model: torch.nn.Module,
     """Every rank: write its shards of ``model`` and ``optimizer`` into ``folder`` (which
     every rank sees); rank 0 writes the metadata. A collective."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    tensors, plain = _split_optimizer_state(optim_sd["state"])
+    tensors, plain = _split_optimizer_state(_optimizer_state(optim_sd))
     dcp.save({"model": model_sd, "optim": tensors},
              storage_writer=JsonStorageWriter(folder), no_dist=not dist.is_initialized())
     if not dist.is_initialized() or dist.get_rank() == 0:
         groups = [{k: fmt._to_json(v, f"param group {k}") for k, v in g.items()}
-                  for g in optim_sd["param_groups"]]
+                  for g in cast(list[dict[str, Any]], optim_sd["param_groups"])]
         safe_files.save_json(Path(folder) / SHARDED_STATE, {"param_groups": groups, "plain": plain})
 
 
@@ -248,13 +266,13 @@ def load_sharded(folder: str | os.PathLike, model: torch.nn.Module,
     """Every rank: load a sharded dense state into ``model`` and ``optimizer``, whatever
     the number of ranks that wrote it and whether ``model`` is sharded or whole."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    tensors, _ = _split_optimizer_state(optim_sd["state"])
+    tensors, _ = _split_optimizer_state(_optimizer_state(optim_sd))
     dcp.load({"model": model_sd, "optim": tensors},
              storage_reader=JsonStorageReader(folder), no_dist=not dist.is_initialized())
     extra = safe_files.load_json(Path(folder) / SHARDED_STATE)
-    state = {fqn: {**tensors.get(fqn, {}),
-                   **{k: fmt._from_json(v) for k, v in values.items()}}
-             for fqn, values in extra["plain"].items()}
+    state: dict[str, Any] = {fqn: {**tensors.get(fqn, {}),
+                                   **{k: fmt._from_json(v) for k, v in values.items()}}
+                             for fqn, values in extra["plain"].items()}
     groups = [{k: fmt._from_json(v) for k, v in g.items()} for g in extra["param_groups"]]
     set_state_dict(model, optimizer, model_state_dict=model_sd,
                    optim_state_dict={"state": state, "param_groups": groups})
@@ -267,7 +285,8 @@ def load_full_into_sharded(folder: str | os.PathLike, model: torch.nn.Module,
     rank keeps its shard."""
     folder = Path(folder)
     full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, fmt.load_tensors(folder, "dense-model"), options=full)
+    whole: dict[str, Any] = fmt.load_tensors(folder, "dense-model")
+    set_model_state_dict(model, whole, options=full)
     saved = fmt.read_optimizer(folder, "dense-optimizer")
     # torch numbers the optimizer's parameters in param-group order; name them by FQN.
     names = {id(p): n for n, p in model.named_parameters()}
@@ -285,8 +304,10 @@ def read_full_model(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not is_sharded(folder):
         return fmt.load_tensors(folder, "dense-model")
     metadata = JsonStorageReader(folder).read_metadata()
+    tensors = {fqn: _tensor_metadata(fqn, md) for fqn, md in metadata.state_dict_metadata.items()
+               if fqn.startswith("model.")}
     out = {fqn.removeprefix("model."): torch.empty(tuple(md.size), dtype=md.properties.dtype)
-           for fqn, md in metadata.state_dict_metadata.items() if fqn.startswith("model.")}
+           for fqn, md in tensors.items()}
     dcp.load({"model": out}, storage_reader=JsonStorageReader(folder), no_dist=True)
     return out
 

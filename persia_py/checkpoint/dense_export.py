@@ -244,6 +244,7 @@ def dense_exporter_for(config: CheckpointConfig, *, rank: int,
                          "serve from checkpoints instead")
     if rank != 0:
         return None
+    assert config.dense_export_dir is not None, "CheckpointConfig requires it with either"
     return DenseExporter(config.dense_export_dir, every_steps=config.dense_export_every_steps,
                          every_sec=config.dense_export_every_sec).start()
 

@@ -6,6 +6,7 @@ DTensor shards and FSDP's hooks run around every forward)."""
 from __future__ import annotations
 
 import io
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,10 @@ def torchscript_sharded(model: nn.Module) -> bytes | None:
     ValueError on every rank (rank 0's message), so that no rank goes on to write."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    # A model's state dict holds tensors only (ValueType also covers optimizer state).
+    full = cast(dict[str, torch.Tensor],
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True)))
     result: bytes | None = None
     error: str | None = None
     if dist.get_rank() == 0:
@@ -53,9 +56,9 @@ def torchscript_sharded(model: nn.Module) -> bytes | None:
         except ValueError as exc:
             error = str(exc)[:_MAX_ERROR_CHARS]
     del full
-    error = broadcast_json(error, src=0, what="rank 0's TorchScript error")
-    if error is not None:
-        raise ValueError(str(error))
+    rank0_error = broadcast_json(error, src=0, what="rank 0's TorchScript error")
+    if rank0_error is not None:
+        raise ValueError(str(rank0_error))
     return result
 
 

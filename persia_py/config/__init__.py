@@ -301,6 +301,10 @@ class EmbeddingTablesConfig:
     """Round updates of float16/bfloat16 rows stochastically (unbiased). ``false`` rounds
     to nearest, which loses every update under half a unit in the last place: only for
     measuring what stochastic rounding buys."""
+    _group_of: dict[str, str] = field(init=False, repr=False, compare=False)
+    """Derived in ``__post_init__``: slot -> the table that holds it (not a config key)."""
+    _tables: dict[str, list[str]] = field(init=False, repr=False, compare=False)
+    """Derived in ``__post_init__``: what :attr:`tables` returns (not a config key)."""
 
     def __post_init__(self) -> None:
         if not self.slots_config:
@@ -413,7 +417,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
     if origin is Literal:
         if value in typing.get_args(tp):
@@ -458,7 +462,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or '<top level>'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    # init=False fields are derived in __post_init__, never config keys.
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     prefix = f"{path}." if path else ""
     kwargs = {}
     for key, value in data.items():

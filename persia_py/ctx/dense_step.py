@@ -28,18 +28,20 @@ class DenseStep:
     Args:
         optimizer: the dense optimizer.
         grad_control: clipping and accumulation settings.
+        dense: the dense tower as the ranks share it.
         scaler: CUDA AMP's gradient scaler (None: no scaling).
         rank: this rank, for messages.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, grad_control: GradControl, *,
-                 scaler: torch.amp.GradScaler | None, rank: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, grad_control: GradControl,
+                 dense: DenseParallel, *, scaler: torch.amp.GradScaler | None,
+                 rank: int) -> None:
         self.optimizer = optimizer
         self.grad_control = grad_control
         self.scaler = scaler
         self.rank = rank
-        self.dense: DenseParallel | None = None
-        """The dense tower as the ranks share it (set by the context when it wraps it)."""
+        self.dense = dense
+        """The dense tower as the ranks share it (set again by the context when it wraps it)."""
         self.num_skipped = 0
         """Steps skipped for non-finite gradients (without a gradient scaler; with one,
         the scaler skips and lowers its scale)."""

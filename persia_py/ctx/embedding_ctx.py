@@ -44,7 +44,7 @@ def check_addresses(where: str, addresses: object) -> None:
     A single string is refused: iterated, it would be taken as one address per character."""
     check_type(where, addresses, (list, tuple),
                "a list of 'host:port' addresses, e.g. ['host:port'], or None", optional=True)
-    for i, address in enumerate(addresses or ()):
+    for i, address in enumerate(addresses if isinstance(addresses, (list, tuple)) else ()):
         check_type(f"{where}[{i}]", address, str, "a 'host:port' address, a str")
 
 

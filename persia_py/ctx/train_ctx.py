@@ -95,6 +95,7 @@ class TrainCtx(EmbeddingCtx):
 
     _training = True
     _usage = "TrainCtx(...)"
+    model: torch.nn.Module  # required here (an EmbeddingCtx may have none)
 
     @config_errors_are_final
     def __init__(self, *, model: torch.nn.Module, embedding_optimizer: Optimizer,
@@ -138,11 +139,10 @@ class TrainCtx(EmbeddingCtx):
         """The dense tower as the ranks share it (DDP, FSDP, or whole with one rank)."""
         self.mixed_precision = mixed_precision
         self.dense_step = DenseStep(
-            dense_optimizer, self.grad_control, rank=self.env.rank,
+            dense_optimizer, self.grad_control, self.dense, rank=self.env.rank,
             scaler=(torch.amp.GradScaler("cuda")
                     if mixed_precision and self.device.type == "cuda" else None))
         """Backward and the dense optimizer step (see persia_py.ctx.dense_step)."""
-        self.dense_step.dense = self.dense
         self.embedding_optimizer = embedding_optimizer
         self.dense_optimizer = dense_optimizer
         self.embedding_config = embedding_config or EmbeddingConfig()
@@ -344,7 +344,9 @@ class TrainCtx(EmbeddingCtx):
         """Load a checkpoint written by :meth:`dump_checkpoint` (a root or one folder)."""
         self._require_active("ctx.load_checkpoint")
         self.checkpointer.load(src_dir)
-        self._resumed(self.checkpointer.last_cut[1])
+        last_cut = self.checkpointer.last_cut
+        assert last_cut is not None and last_cut[1] is not None, "load() sets it"
+        self._resumed(last_cut[1])
 
     def _resumed(self, folder: Path) -> None:
         """The training log and progressive validation count on from a loaded checkpoint."""
@@ -414,7 +416,8 @@ class TrainCtx(EmbeddingCtx):
             # out shadow the others' collectives, so every batch is trained.
             # Asked to stop while no batch comes (an idle stream), a rank leaves the loop
             # as at the stream's end: Join then completes the others' step in progress.
-            interrupted = None if self.stop is None else (lambda: self.stop.requested)
+            stop = self.stop
+            interrupted = None if stop is None else (lambda: stop.requested)
             with self._joined():
                 for batch in stream.batches(interrupted):
                     yield batch
@@ -428,7 +431,7 @@ class TrainCtx(EmbeddingCtx):
                     dist.barrier()
             # Every rank is here: one more agreement covers ranks that left the loop on
             # their own request without one (every rank idle, say).
-            signalled = self.stop is not None and self._agree_to_stop()
+            signalled = self.stop is not None and self._agree_to_stop(self.stop)
             self._report_last_window()
             if self.checkpointer.periodic_dir:  # however it ends: the restart goes on there
                 self.checkpointer.final("a signal" if signalled else "the end of the stream")
@@ -440,11 +443,11 @@ class TrainCtx(EmbeddingCtx):
         if self.stop is None or self._num_steps == self._steps_checked:
             return False  # no training step since the last check: nothing to agree after
         self._steps_checked = self._num_steps
-        return self._agree_to_stop()
+        return self._agree_to_stop(self.stop)
 
-    def _agree_to_stop(self) -> bool:
+    def _agree_to_stop(self, stop: StopOnSignal) -> bool:
         with self._naming_peers("the agreement to stop"):
-            return self.stop.agreed()
+            return stop.agreed()
 
     def _report_last_window(self) -> None:
         """Every rank, when training ends: progressive validation's last, shorter window."""
@@ -509,7 +512,7 @@ class TrainCtx(EmbeddingCtx):
             raise
         # An overflowed scaled gradient stays non-finite after unscaling; the embedding
         # worker skips (and counts) it per slot, as the scaler skips the dense step.
-        grads = []
+        grads: list[tuple[str, np.ndarray]] = []
         for s, r in zip(batch.slots, rows):
             if r.grad is None:  # the model did not use this slot
                 grads.append((s.slot, np.zeros(tuple(r.shape), np.float32)))

@@ -171,15 +171,18 @@ def broadcast_tensors(parts: Sequence[Sequence[torch.Tensor]] | None, src: int, 
     is unused): their dtypes and shapes as JSON, then each tensor's values; at most
     ``max_bytes`` in all."""
     mine = _world_size() == 1 or dist.get_rank() == src
-    header = [[[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in part]
-              for part in parts] if mine else None
-    header = broadcast_json(header, src, device=device, what=f"{what} (dtypes and shapes)")
+    if mine and parts is None:
+        raise ValueError(f"{what}: rank {src} sends, so its parts cannot be None")
+    sent = parts if mine else None
+    shapes = None if sent is None else [
+        [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in part] for part in sent]
+    header = broadcast_json(shapes, src, device=device, what=f"{what} (dtypes and shapes)")
     specs = _tensor_specs(header, max_bytes, f"{what} from rank {src}")
     received = []
     for p, part_specs in enumerate(specs):
         part = []
         for i, (dtype, shape) in enumerate(part_specs):
-            tensor = (parts[p][i].to(device).contiguous() if mine
+            tensor = (sent[p][i].to(device).contiguous() if sent is not None
                       else torch.empty(shape, dtype=dtype, device=device))
             if _world_size() > 1:
                 dist.broadcast(tensor, src=src)
@@ -194,7 +197,8 @@ def _tensor_specs(header: object, max_bytes: int, what: str
     ``_MAX_TENSORS`` tensors of at most ``_MAX_DIMS`` dimensions and ``max_bytes``."""
     if not isinstance(header, list) or not all(isinstance(p, list) for p in header):
         raise ValueError(f"{what}: expected lists of [dtype, shape], got {str(header)[:200]}")
-    specs, num_tensors, num_bytes = [], 0, 0
+    specs: list[list[tuple[torch.dtype, list[int]]]] = []
+    num_tensors, num_bytes = 0, 0
     for part in header:
         specs.append([])
         for entry in part:

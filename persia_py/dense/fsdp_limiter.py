@@ -28,11 +28,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +98,8 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
 
 @dataclass
 class _Unit:
-    module: torch.nn.Module
-    group: object  # FSDP2's FSDPParamGroup (torch.distributed.fsdp._fully_shard)
+    module: FSDPModule
+    group: FSDPParamGroup  # FSDP2's internals, of the pinned torch
 
 
 class UnshardedBytesMeter:
@@ -121,7 +126,10 @@ class UnshardedBytesMeter:
         self.plan_forward: list[list[int]] = []
         self.plan_backward: list[list[int]] = []
         self._sizes: list[int] = []
+        from torch.distributed.fsdp import FSDPModule
+
         for module, size in zip(units, sizes):
+            assert isinstance(module, FSDPModule), "a unit not given to fully_shard"
             group = module._get_fsdp_state()._fsdp_param_group
             if group is None:  # a unit with no parameters of its own
                 continue

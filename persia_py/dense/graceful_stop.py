@@ -18,12 +18,18 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from persia_py.dense.collectives import WorldJoinable
+
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+"""What ``signal.signal`` returns: the handler it replaced (SIG_DFL and SIG_IGN are ints)."""
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +46,7 @@ class StopOnSignal(WorldJoinable):
         self._device = device
         self._signals = signals
         self._requested = threading.Event()
-        self._previous: dict[signal.Signals, object] = {}
+        self._previous: dict[signal.Signals, _Handler] = {}
         self.stopped = False
         """Every rank agreed to stop (after :meth:`agreed` returned True)."""
         super().__init__()

@@ -92,20 +92,21 @@ def sum_over_ranks_(optimizer: torch.optim.Optimizer, count: int,
     total count. For the end of a stream inside an accumulation window, when the last
     backwards skipped DDP's allreduce: every rank of the group calls it (a rank with
     nothing left contributes zeros)."""
-    params = dense_params(optimizer)
-    for p in params:
+    grads: list[torch.Tensor] = []
+    for p in dense_params(optimizer):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1).float() for p in params]
-                     + [torch.tensor([float(count)], device=params[0].grad.device)])
+        grads.append(p.grad)
+    flat = torch.cat([g.reshape(-1).float() for g in grads]
+                     + [torch.tensor([float(count)], device=grads[0].device)])
     if dist.get_backend() == "gloo":
         flat = flat.cpu()
     elif flat.device != device:
         flat = flat.to(device)
     dist.all_reduce(flat)
     offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
     return int(round(float(flat[-1])))

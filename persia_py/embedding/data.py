@@ -155,13 +155,13 @@ class PersiaBatch:
         self.id_type_features: list[IDTypeFeature] = []
         self.non_id_type_features: list[NonIDTypeFeature] = []
         self.labels: list[Label] = []
-        for f in id_type_features:
-            self._check_size(f, "id_type_feature")
-            self.id_type_features.append(f)
-        for f in non_id_type_features or []:
-            self.add_non_id_type_feature(f)
-        for f in labels or []:
-            self.add_label(f)
+        for feature in id_type_features:
+            self._check_size(feature, "id_type_feature")
+            self.id_type_features.append(feature)
+        for non_id in non_id_type_features or []:
+            self.add_non_id_type_feature(non_id)
+        for label in labels or []:
+            self.add_label(label)
         check_type("PersiaBatch(meta=...)", meta, bytes, "bytes or None", optional=True)
         self.requires_grad = bool(requires_grad)
         self.meta = meta

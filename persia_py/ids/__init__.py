@@ -30,12 +30,16 @@ slots that share a table (``feature_groups``) the same salt.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 from numba import njit
 
 from persia_py.ids.hashing import mix64
 from persia_py.ids.routing import RESERVED_ID
+
+if TYPE_CHECKING:  # only for the annotation: hashing ids does not import torch
+    import torch
 
 __all__ = ["FNV_OFFSET", "FNV_PRIME", "as_ids", "fnv1a64", "hash_values", "salt_of"]
 
@@ -112,8 +116,8 @@ def fnv1a64(strings: np.ndarray) -> np.ndarray:
     if strings.dtype.kind == "S":
         data = flat.view(np.uint8).reshape(flat.shape[0], strings.dtype.itemsize)
         return _fnv1a64_rows(data).reshape(strings.shape)
-    data = flat.view(np.uint32).reshape(flat.shape[0], strings.dtype.itemsize // 4)
-    return _fnv1a64_utf8_rows(data).reshape(strings.shape)
+    code_points = flat.view(np.uint32).reshape(flat.shape[0], strings.dtype.itemsize // 4)
+    return _fnv1a64_utf8_rows(code_points).reshape(strings.shape)
 
 
 def salt_of(salt: str | int) -> np.uint64:
@@ -157,7 +161,7 @@ def hash_values(values: np.ndarray | Sequence | object, *, salt: str | int = "")
     return hashed
 
 
-def _is_tensor(values: object) -> bool:
+def _is_tensor(values: object) -> TypeGuard[torch.Tensor]:
     return type(values).__module__.startswith("torch") and hasattr(values, "detach")
 
 

@@ -34,6 +34,7 @@ on-disk cache and every later process would share it. Kernels take ``key.words``
 from __future__ import annotations
 
 import secrets
+from typing import NoReturn
 
 import numpy as np
 from numba import njit
@@ -143,7 +144,7 @@ class HashKey:
     def __repr__(self) -> str:
         return f"HashKey(<{self.words.shape[0]} secret words>)"
 
-    def __reduce__(self) -> None:
+    def __reduce__(self) -> NoReturn:
         # A key copied to another process would be a key shared between processes.
         raise TypeError("a HashKey is secret to its process and cannot be pickled")
 

@@ -317,10 +317,11 @@ def _parse_id_lists(buf: np.ndarray, padded: np.ndarray, starts: np.ndarray, end
     lengths = np.bincount(record, minlength=ends.size).astype(np.int32)
     ids, bad = _to_numbers(padded, token_starts, token_ends, np.uint64)
     reason = "" if bad is None else f" ({bad[1]})"
-    if bad is None and (ids >= RESERVED_ID).any():
-        bad = (int(np.argmax(ids >= RESERVED_ID)), None)
-    if bad is not None:
-        i = bad[0]
+    first_bad = None if bad is None else bad[0]
+    if first_bad is None and (ids >= RESERVED_ID).any():
+        first_bad = int(np.argmax(ids >= RESERVED_ID))
+    if first_bad is not None:
+        i = first_bad
         text = bytes(buf[token_starts[i]:min(token_ends[i], token_starts[i] + 40)])
         raise BadRecordError(path, int(lines[record[i]]), f"column {column.name!r}: "
                              f"{text.decode(errors='replace')!r} is not a valid id (ids must "

@@ -271,7 +271,8 @@ class CsvReader:
         columns = self.config.columns
         if len(fields) != len(columns):
             raise ValueError(f"{len(fields)} fields, expected {len(columns)}")
-        parsed = []
+        parsed: list = []
+        value: float | list[int]
         for column, text in zip(columns, fields):
             if column.kind == "skip":
                 continue

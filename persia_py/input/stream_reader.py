@@ -343,11 +343,16 @@ class StreamReader:
             return StreamPosition(pos.file, pos.offset + read, pos.row + num + 1), num + 1
         return StreamPosition(pos.file, end, pos.row + num), num
 
+    @property
+    def _csv_config(self) -> CsvReaderConfig:
+        assert isinstance(self.fmt, CsvFormat), "a CSV step on a Parquet stream"
+        return self.fmt.config
+
     def _check_line_lengths(self, path: str, pos: StreamPosition, newlines: np.ndarray,
                             read: int, max_rows: int) -> None:
         """A line over ``max_record_bytes`` among those scanned is an error, a partial one
         as soon as it is over (its bytes are never held)."""
-        limit = self.fmt.config.max_record_bytes
+        limit = self._csv_config.max_record_bytes
         check_line_lengths(np.diff(newlines, prepend=-1) - 1, limit, path, pos.row + 1)
         tail = read - (int(newlines[-1]) + 1 if newlines.size else 0)
         if newlines.size < max_rows and tail > limit:
@@ -375,24 +380,29 @@ class StreamReader:
         if data and not data.endswith(b"\n"):
             data += b"\n"  # the last line of a finished file
         first_line = start.row + 1
-        if self.fmt.config.header and start.row == 0:
+        if self._csv_config.header and start.row == 0:
             cut = data.find(b"\n") + 1
             line = data[:cut].decode("utf-8", errors="replace").rstrip("\r\n")
-            check_header(self.fmt.config, next(csv.reader(
-                [line], delimiter=self.fmt.config.delimiter), []), path)
+            check_header(self._csv_config, next(csv.reader(
+                [line], delimiter=self._csv_config.delimiter), []), path)
             data, first_line = data[cut:], 2
-        return parse_csv_lines(data, self.fmt.config, path, first_line)
+        return parse_csv_lines(data, self._csv_config, path, first_line)
 
     # -- Parquet -------------------------------------------------------------------------
+
+    @property
+    def _parquet_format(self) -> ParquetFormat:
+        assert isinstance(self.fmt, ParquetFormat), "a Parquet step on a CSV stream"
+        return self.fmt
 
     def _parquet(self, name: str):
         """The Parquet file ``name``'s needed columns, read once while it is current."""
         if self._table is None or self._table[0] != name:
             path = self._file(name)
-            wanted = [c.name for c in self.fmt.columns if c.kind != "skip"]
+            wanted = [c.name for c in self._parquet_format.columns if c.kind != "skip"]
             with self._open(name) as f:
                 try:
-                    table = self.fmt.pa.read_table(f, columns=wanted)
+                    table = self._parquet_format.pa.read_table(f, columns=wanted)
                 except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
                     raise ValueError(f"{path}: cannot read the Parquet columns {wanted}: "
                                      f"{exc}") from exc
@@ -403,7 +413,7 @@ class StreamReader:
         path = self._file(start.file)
         table = self._parquet(start.file).slice(start.row, end.row - start.row)
         values, id_lists = {}, {}
-        for column in self.fmt.columns:
+        for column in self._parquet_format.columns:
             if column.kind == "skip":
                 continue
             data = table.column(column.name).combine_chunks()

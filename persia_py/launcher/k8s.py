@@ -275,7 +275,7 @@ def _stateful_set(args: argparse.Namespace, role: str, replicas: int, port: int,
     container = _container(args, role, command, ports)
     scratch = scratch or {}
     container["volumeMounts"] += [{"name": v, "mountPath": path} for v, path in scratch.items()]
-    stateful_set = {
+    stateful_set: dict = {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(args, name, role),
         "spec": {
             "serviceName": name,
@@ -364,10 +364,11 @@ def _global_config_text(args: argparse.Namespace) -> str:
 
 def _token_secret_object(args: argparse.Namespace) -> list[dict]:
     """The Secret with a new random token, unless one is named or there is to be none."""
-    if args.insecure or args.auth_secret_name:
+    name = _token_secret(args)
+    if name is None or args.auth_secret_name:
         return []
     return [{"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-             "metadata": _meta(args, _token_secret(args), "token"),
+             "metadata": _meta(args, name, "token"),
              "stringData": {"token": job_token.new_token()}}]
 
 

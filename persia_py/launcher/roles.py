@@ -143,6 +143,7 @@ def run_parameter_server(args: argparse.Namespace) -> int:
                            lambda: follower.num_applied)
         background.append(follower.start())
     elif not inference and (ckpt_cfg.incremental_every_updates or ckpt_cfg.incremental_every_sec):
+        assert ckpt_cfg.incremental_dir is not None, "CheckpointConfig requires it with either"
         background.append(IncrementalExporter(
             ps, ckpt_cfg.incremental_dir, every_updates=ckpt_cfg.incremental_every_updates,
             every_sec=ckpt_cfg.incremental_every_sec, root=checkpoint_root,

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from persia_py.serving import (
     load_factory,
 )
 from persia_py.wire.rpc import create_channel, wait_for_ready
+
+if TYPE_CHECKING:
+    from persia_py.telemetry.monitoring import MetricsServer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +67,7 @@ def _wait_for_roles(cluster, addresses: list[str], common: CommonConfig,
 
 def _follow_dense(args: argparse.Namespace, slot: DenseModelSlot,
                   factory: Callable[[], torch.nn.Module], device: torch.device,
-                  global_config) -> tuple[DenseFollower | None, object]:
+                  global_config) -> tuple[DenseFollower | None, MetricsServer | None]:
     """The started follower of ``--follow-dense`` (None without it) and the metrics
     endpoint of ``--metrics-port`` (None without it): the dense model's age and loads."""
     from prometheus_client import CollectorRegistry, Counter

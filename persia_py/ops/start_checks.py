@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 
 from persia_py.config import CheckpointConfig, ConfigError
 from persia_py.ops import safe_files
@@ -68,13 +68,17 @@ def check_checkpoint_paths(config: CheckpointConfig, *, root: str | os.PathLike 
     else:
         where = ("checkpoint_config.root is unset: the current directory" if pod_dir is None
                  else "checkpoint_config.root is unset: the pods' working directory")
+    base: PurePath
     if pod_dir is None:
-        base = safe_files.configured_root(given)
-        if base.exists() and not base.is_dir():  # the servers would fail to make it
-            raise ConfigError(f"checkpoint_config.root: {os.fspath(given)!r} ({where}) is a "
-                              "file; the checkpoint root must be a folder")
+        local_root = safe_files.configured_root(given)
+        if local_root.exists() and not local_root.is_dir():  # the servers would fail to make it
+            raise ConfigError(f"checkpoint_config.root: {os.fspath(given or '.')!r} ({where}) "
+                              "is a file; the checkpoint root must be a folder")
+        base = local_root
     else:
         base = PurePosixPath(posixpath.normpath(posixpath.join(pod_dir, given or ".")))
+    path: PurePath
+    problem: str | None
     for key, (depths, rule) in _RULES.items():
         value = getattr(config, key)
         if value is None:

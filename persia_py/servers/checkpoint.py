@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -168,7 +169,10 @@ def _exists(dir_fd: int, name: str) -> bool:
 # -- reading ------------------------------------------------------------------------------
 
 
-def _value(data: object, key: str, kind: type | tuple[type, ...], where: str) -> object:
+_T = TypeVar("_T")
+
+
+def _value(data: object, key: str, kind: type[_T], where: str) -> _T:
     """``data[key]`` if ``data`` is a mapping holding a ``kind`` there; CheckpointError if not."""
     value = data.get(key) if isinstance(data, dict) else None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
@@ -229,7 +233,8 @@ def read_rows(dir_fd: int, table: dict, where: str, keep: tuple[int, int] | None
     count): only the rows that route to that replica."""
     n, dim, width = table["num_rows"], table["dim"], table["state_width"]
     shapes = {"ids": (n,), "weights": (n, dim), "state": (n, width), "last_access": (n,)}
-    dtypes = dict(_ARRAYS, weights=row_types.numpy_dtype(table["row_dtype"]))
+    dtypes: dict[str, np.dtype] = {key: np.dtype(d) for key, d in _ARRAYS.items()}
+    dtypes["weights"] = row_types.numpy_dtype(table["row_dtype"])
     arrays = {}
     for key, dtype in dtypes.items():
         array = safe_files.load_array_at(dir_fd, table["files"][key], mmap=True)

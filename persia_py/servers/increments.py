@@ -66,7 +66,7 @@ FOLLOW_POLL_SEC = 0.5
 
 def _increments(directory: Path) -> list[tuple[int, int, Path]]:
     """Increments in ``directory`` as (replica, seq, folder), sorted (links are skipped)."""
-    found = []
+    found: list[tuple[int, int, Path]] = []
     try:
         entries = list(os.scandir(directory))
     except FileNotFoundError:
@@ -181,7 +181,7 @@ def _merge(new: dict[str, Rows], old: dict[str, Rows]) -> dict[str, Rows]:
         both = {k: np.concatenate([pair[0][k], pair[1][k]])
                 for k in ("ids", "weights", "state", "last_access")}
         _, first = np.unique(both["ids"], return_index=True)  # new rows come first
-        merged = {k: a[first] for k, a in both.items()}
+        merged: dict[str, object] = {k: a[first] for k, a in both.items()}
         merged["clock"] = max(out[name]["clock"], rows["clock"])
         merged["row_dtype"] = row_dtype
         out[name] = merged

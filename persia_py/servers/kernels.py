@@ -64,13 +64,14 @@ def prefetch_row(array: np.ndarray, row: int) -> None:
     width = array.shape[1]
     per_line = max(_LINE_BYTES // array.itemsize, 1)
     for col in range(0, width, per_line):
-        _prefetch2(array, row, col)
+        # numba's stubs count typingctx among an intrinsic's call arguments; it has none.
+        _prefetch2(array, row, col)  # type: ignore[call-arg]
 
 
 @njit(cache=True, nogil=True, inline="always")
 def prefetch_item(array: np.ndarray, index: int) -> None:
     """Prefetch the cache line of ``array[index]`` (a 1-D array, any stride)."""
-    _prefetch1(array, index)
+    _prefetch1(array, index)  # type: ignore[call-arg]  # as _prefetch2's
 
 
 # -- lookup -----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ class ParameterServerMetrics:
     def _tables(self) -> Iterator:
         stats = self._ps.stats()
         label = ["table"]
-        families = {
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "entries": GaugeMetricFamily("persia_ps_entries", "Rows held, per table", labels=label),
             "bytes": GaugeMetricFamily("persia_ps_bytes",
                                        "Bytes of the row arrays (embeddings and optimizer "

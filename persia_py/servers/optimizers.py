@@ -36,10 +36,10 @@ from persia_py.config.optimizer import (  # noqa: F401 - re-exported
 
 def state_width(cfg: OptimizerConfig, dim: int) -> int:
     """Number of float32 state columns per row for ``cfg`` at embedding width ``dim``."""
-    kind = optimizer_kind(cfg)
-    if kind == "sgd":
+    optimizer_kind(cfg)  # ValueError for anything but an optimizer config
+    if isinstance(cfg, SGDConfig):
         return 0
-    if kind == "adagrad":
+    if isinstance(cfg, AdagradConfig):
         return 1 if cfg.vectorwise_shared else dim
     return 2 * dim + 1
 
@@ -59,14 +59,14 @@ def apply_update(cfg: OptimizerConfig, weights: np.ndarray, state: np.ndarray,
     Each row's gradient must already be the sum over every occurrence of its id in
     the batch: the stateful optimizers are not linear in the gradient.
     """
-    kind = optimizer_kind(cfg)
+    optimizer_kind(cfg)  # ValueError for anything but an optimizer config
     w = np.asarray(weights, dtype=np.float32)
     g = np.asarray(grads, dtype=np.float32)
     if cfg.weight_decay:
         g = g + np.float32(cfg.weight_decay) * w
-    if kind == "sgd":
+    if isinstance(cfg, SGDConfig):
         return w - np.float32(cfg.lr) * g, np.asarray(state, dtype=np.float32).copy()
-    if kind == "adagrad":
+    if isinstance(cfg, AdagradConfig):
         return _adagrad(cfg, w, np.asarray(state, dtype=np.float32), g)
     return _adam(cfg, w, np.asarray(state, dtype=np.float32), g)
 

@@ -34,6 +34,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -53,6 +54,9 @@ from persia_py.servers.update_window import (
     checked_window,
 )
 from persia_py.wire.rpc import FailedPrecondition
+
+if TYPE_CHECKING:
+    from persia_py.servers.update_log import UpdateLog
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +151,7 @@ class ParameterServer:
         """Tables remember changed rows (for incremental exports; see ``track_changes``)."""
         self.increment_seq = 0
         """Sequence number of the last incremental export (recorded in checkpoints)."""
-        self.update_log = None
+        self.update_log: UpdateLog | None = None
         """A ``persia_py.servers.update_log.UpdateLog`` where applied updates and settings
         are logged for a restart (None: not logged; see ``servers/replica_start.py``)."""
         self.warn_if_too_big(None)

@@ -21,7 +21,7 @@ from persia_py.servers.update_log import (
 
 
 def open_update_log(ps: ParameterServer, folder: str | os.PathLike, *, replay: bool,
-                    checkpoint: str | os.PathLike | None, root: str | os.PathLike,
+                    checkpoint: str | os.PathLike | None, root: str | os.PathLike | None,
                     max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     """Give ``ps`` (new, nothing loaded) its update log in ``folder``; returns a line
     saying what it did.
@@ -31,8 +31,8 @@ def open_update_log(ps: ParameterServer, folder: str | os.PathLike, *, replay: b
     to the last segment; ``checkpoint`` is not used. Otherwise (a new start, or nothing
     logged yet): delete what ``folder`` holds, load ``checkpoint`` if given, and begin a
     new segment there. The checkpoints a log names must lie inside the checkpoint
-    ``root`` (or be ``checkpoint``, which the operator gave): ValueError naming the
-    segment otherwise, before anything is loaded."""
+    ``root`` (None: the current directory) or be ``checkpoint``, which the operator gave:
+    ValueError naming the segment otherwise, before anything is loaded."""
     if ps.inference:
         raise ValueError("a serving (inference) replica keeps no update log: it applies no "
                          "updates")

@@ -32,7 +32,7 @@ from persia_py.ids.hashing import MIX_M1, mix64_one
 
 ROW_DTYPES = ("float32", "float16", "bfloat16")
 """Names of the storage types a slot may choose (``slots_config.<slot>.row_dtype``)."""
-_NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+_NUMPY: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": np.dtype(np.uint16)}
 NEAREST = np.uint32(0x8000)
 """The "random" 16 bits that make :func:`round_bits` round to nearest (halves away from
@@ -99,7 +99,7 @@ def _f16_bits(typingctx, value):
 @njit(cache=True, nogil=True, inline="always")
 def f16_to_float(bits: np.int16) -> np.float32:
     """The float32 value of float16 bits (exact)."""
-    return _f16_value(bits)
+    return _f16_value(bits)  # type: ignore[call-arg]  # numba stub
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -140,7 +140,7 @@ def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
     tiny = np.uint32(magnitude).view(np.float32) * _TWO_24 + np.float32(rand16) * _RAND_UNIT
     kept = kept if exponent >= np.uint32(103) else (
         np.uint32(_F16_LEAST_F32) if tiny >= np.float32(1.0) else np.uint32(0))
-    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))
+    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))  # type: ignore[call-arg]  # numba stub
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -151,7 +151,7 @@ def _float_to_f16_normal(value: np.float32, rand16: np.uint32) -> np.int16:
     bits = np.float32(value).view(np.uint32)
     kept = np.uint32((bits & np.uint32(0x7FFFFFFF)) + (rand16 >> _S3)) & np.uint32(0xFFFFE000)
     kept = min(kept, np.uint32(_F16_MAX_F32))
-    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))
+    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))  # type: ignore[call-arg]  # numba stub
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -25,9 +25,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Self
 
 import numpy as np
+import numpy.typing as npt
 
 from persia_py.config.table_policy import TablePolicy, check_init_bounds, check_weight_bound
 from persia_py.ids.dedup import unique_in_order
@@ -425,7 +425,7 @@ class EmbeddingTable:
         if executor is not None:
             executor.shutdown(wait=True)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> EmbeddingTable:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -511,7 +511,7 @@ class EmbeddingTable:
             future.result()
 
     def lookup(self, ids: np.ndarray, insert: bool, *, out: np.ndarray | None = None,
-               dtype: type = np.float32) -> np.ndarray:
+               dtype: npt.DTypeLike = np.float32) -> np.ndarray:
         """Rows for ``ids`` as ``dtype`` ``(len(ids), dim)``; repeats are allowed.
 
         With ``insert`` missing ids are created (deterministic initial values, fresh
@@ -602,7 +602,7 @@ class EmbeddingTable:
         return kernels.adaptive_step(kind, weights, state, rows, grads, stamps, tick, ids,
                                      *self._rounding, *params)
 
-    def export_rows(self) -> dict[str, np.ndarray | int]:
+    def export_rows(self) -> dict[str, np.ndarray | int | str]:
         """Copies of every stored row, for checkpoints: ``ids`` (uint64 [n]), ``weights``
         ([n, dim] as stored: ``row_dtype``'s numpy type), ``state`` (float32 [n,
         state_width]), ``last_access`` (int64 [n], the LRU clock), ``clock`` (int) and
@@ -628,7 +628,7 @@ class EmbeddingTable:
                 if shard.changed is None:
                     shard.changed = []
 
-    def export_changed_rows(self) -> tuple[dict[str, np.ndarray | int], np.ndarray]:
+    def export_changed_rows(self) -> tuple[dict[str, np.ndarray | int | str], np.ndarray]:
         """Like :meth:`export_rows`, but only the rows inserted or updated since the last
         call (still stored ones), and the ids removed since (evicted or expired, not
         stored again; uint64, distinct from the rows' ids); each shard's logs are taken

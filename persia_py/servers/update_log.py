@@ -211,9 +211,10 @@ class UpdateLog:
         if self._out is not None:
             self._out.close()
             self._out = None
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-        self._fd = None
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
         for segment in segment_files(self.folder):
             segment.path.unlink(missing_ok=True)
 
@@ -233,7 +234,7 @@ def _payload(meta: bytes, arrays: list[np.ndarray]) -> list:
     """A record's payload as pieces: the JSON part's length, the JSON, the arrays' own
     memory (copied once, into the appender's staging buffer)."""
     return [_META.pack(len(meta)), meta,
-            *(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays)]
+            *(np.ascontiguousarray(a).data.cast("B") for a in arrays)]
 
 
 @dataclass(frozen=True)

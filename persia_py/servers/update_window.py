@@ -112,7 +112,7 @@ class UpdateWindow:
     def forget(self, worker_id: str, sequence: int) -> None:
         """Take ``(worker_id, sequence)`` out (an update that failed to apply)."""
         with self._lock:
-            self._seen.get(worker_id, {}).pop(sequence, None)
+            self._seen.get(worker_id, collections.OrderedDict()).pop(sequence, None)
 
     def export(self) -> dict[str, np.ndarray]:
         """Worker id -> its remembered sequence numbers (uint64), oldest first; the least

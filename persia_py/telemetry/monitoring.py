@@ -17,7 +17,7 @@ import logging
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -133,7 +133,8 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str, what: str) 
     At most :data:`MAX_METRICS_CONNECTIONS` connections are served at once."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                 flags=socket.AI_PASSIVE)[0][0]
-    server_class = type("_BoundedServer", (_BoundedServer,), {"address_family": family})
+    server_class: type[_BoundedServer] = type("_BoundedServer", (_BoundedServer,),
+                                              {"address_family": family})
     httpd = make_server(host, port, make_wsgi_app(registry), server_class,
                         handler_class=_Handler)
     thread = threading.Thread(target=httpd.serve_forever, name=f"metrics {what}", daemon=True)
@@ -143,7 +144,7 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str, what: str) 
     return server
 
 
-def metrics_port_from_env(environ: dict[str, str], offset: int = 0) -> int | None:
+def metrics_port_from_env(environ: Mapping[str, str], offset: int = 0) -> int | None:
     """The port named by ``PERSIA_METRICS_PORT`` plus ``offset`` (unless it is 0), or None."""
     value = environ.get(ENV_METRICS_PORT, "")
     if not value:

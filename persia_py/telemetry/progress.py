@@ -117,10 +117,9 @@ class StepReporter:
         m.samples_per_second.set(rate)
         m.loss.set(loss)
         m.staleness.set(staleness)
-        if self._file is not None:
-            self._write({"step": self.num_steps, "time": round(self.elapsed, 4),
-                         "samples": self.num_samples, "loss": loss, "staleness": staleness,
-                         "samples_per_sec": round(rate, 2)})
+        self._write({"step": self.num_steps, "time": round(self.elapsed, 4),
+                     "samples": self.num_samples, "loss": loss, "staleness": staleness,
+                     "samples_per_sec": round(rate, 2)})
         if self.rank == 0:
             self._show(rate)
 
@@ -131,8 +130,7 @@ class StepReporter:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"log({key}=...) takes numbers, got {value!r}")
         step = self.num_steps if at_step is None else at_step
-        if self._file is not None:
-            self._write({"step": step, "time": round(self.elapsed, 4), **values})
+        self._write({"step": step, "time": round(self.elapsed, 4), **values})
         if self.rank == 0:
             self._end_line()
             shown = " ".join(f"{k} {v:.5g}" for k, v in values.items())
@@ -177,11 +175,12 @@ class StepReporter:
 
     def event(self, **record: object) -> None:
         """One line in the training log (rank 0), e.g. ``event="restart"``."""
-        if self._file is not None:
-            self._write({**record, "time": time.time()})
+        self._write({**record, "time": time.time()})
 
     def _write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        """One line in the training log, if this rank keeps one."""
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         """Print the final line, close the log and stop the metrics endpoint."""

@@ -23,6 +23,7 @@ from typing import Any
 import lz4.block
 import numpy as np
 from google.protobuf import message_factory
+from google.protobuf.message import Message
 
 from persia_py.proto import common_pb2
 
@@ -299,7 +300,7 @@ def tensor_field(field_number: int, array: np.ndarray, *, fp16: bool = False,
     """Field ``field_number`` holding :func:`encode` of ``array``, serialized as pieces
     for :func:`message_field` / :func:`join`; the array's bytes are not copied."""
     array = _wire_array(array, fp16)
-    data = memoryview(array.reshape(-1)).cast("B") if array.size else b""
+    data = array.reshape(-1).data.cast("B") if array.size else b""
     if compress and data:
         data = lz4.block.compress(data, store_size=False)
     else:
@@ -411,7 +412,7 @@ class RawMessage:
         return getattr(self.__dict__["_scalars"], name)
 
 
-def parse(message_class: type, data: bytes | memoryview) -> RawMessage:
+def parse(message_class: type[Message], data: bytes | memoryview) -> RawMessage:
     """``message_class.FromString(data)`` without copying ``bytes`` fields (array data):
     they come back as memoryviews of ``data``, which they keep alive. At most
     :data:`MAX_PARSED_MESSAGES` sub-messages are built."""
@@ -441,13 +442,14 @@ def _parse(descriptor: Any, buf: memoryview, budget: list[int]) -> RawMessage:
         elif wire_type == 2:
             size, pos = _read_varint(buf, pos)
             if field is not None and pos + size <= len(buf):
-                value = buf[pos:pos + size]
+                piece = buf[pos:pos + size]
+                value: memoryview | RawMessage = piece
                 if field.message_type is not None:
                     budget[0] -= 1
                     if budget[0] < 0:
                         raise CodecError(f"malformed message: more than {MAX_PARSED_MESSAGES} "
                                          f"sub-messages (field {field.name})")
-                    value = _parse(field.message_type, value, budget)
+                    value = _parse(field.message_type, piece, budget)
                 values[field.name].append(value)
                 pos += size
                 continue
@@ -457,7 +459,7 @@ def _parse(descriptor: Any, buf: memoryview, budget: list[int]) -> RawMessage:
         if pos > len(buf):
             raise CodecError("malformed message: truncated")
         scalars.append(buf[start:pos])  # protobuf parses (and checks) the other fields
-    fields = {}
+    fields: dict[str, Any] = {}
     for f in special.values():
         found = values[f.name]
         if f.is_repeated:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from persia_py.wire import codec
 
@@ -21,7 +22,7 @@ def _serialize(message: Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def _parser(message_class: type) -> Callable[[bytes], codec.RawMessage]:
+def _parser(message_class: type[Message]) -> Callable[[bytes], codec.RawMessage]:
     return lambda raw: codec.parse(message_class, raw)
 
 
@@ -52,7 +53,7 @@ def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: Any, serve
 
 
 def unary(channel: grpc.Channel, service: Any, method: str, *,
-          response_class: type, parse_response: bool = False) -> Callable:
+          response_class: type[Message], parse_response: bool = False) -> Callable:
     """A callable like a generated stub's ``method`` of ``service`` (a ServiceDescriptor)
     that takes its request as a message or as serialized ``bytes``; with
     ``parse_response`` the answer comes as :func:`codec.parse` of ``response_class``."""

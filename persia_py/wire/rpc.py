@@ -204,7 +204,7 @@ class OutageLog:
         self._lock = threading.Lock()
         self._down_since: dict[str, float] = {}
 
-    def failed(self, what: str, details: str, timeout: float) -> None:
+    def failed(self, what: str, details: str | None, timeout: float) -> None:
         with self._lock:
             if what in self._down_since:
                 return

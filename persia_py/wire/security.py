@@ -81,7 +81,8 @@ class TransportSecurity:
                    token=token)
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        assert self.tls, "server_credentials without TLS files"
+        assert self.key is not None and self.cert is not None, \
+            "server_credentials without TLS files"
         return grpc.ssl_server_credentials(
             [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
         )

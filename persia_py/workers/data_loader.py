@@ -133,7 +133,7 @@ class DataCtx:
             if recovered.stream is None:
                 self.log.stream(self.stream)
             if rewound is not None:  # the new log holds the new stream: done with it
-                os.unlink(rewind.rewind_file(log_path))
+                os.unlink(rewind.rewind_file(self.log.path))
             if replay:
                 self.kept.expect(batch_id(index, seq) for seq in self._in_training)
                 self.batches.recover(recovered)
@@ -152,7 +152,7 @@ class DataCtx:
             w.wait_ready()
         server, self.port = create_server(f"{self.env.bind_host}:{self.port}", self.common)
         data_loader_pb2_grpc.add_DataLoaderServicer_to_server(
-            DataLoaderServicer(self.batches, self.kept, self._resend,
+            DataLoaderServicer(self._queue, self.kept, self._resend,
                                loader_index=self.env.data_loader_replica_index,
                                num_made=lambda: self.num_made),
             server)
@@ -213,7 +213,7 @@ class DataCtx:
         if batch.requires_grad:
             self.kept.keep(id_, worker_index, batch)
         self._wait("NN workers to take batches",
-                   lambda t: self.batches.put(self._message(batch, id_, worker_index, ref),
+                   lambda t: self._queue.put(self._message(batch, id_, worker_index, ref),
                                               timeout=t))
         self.num_sent += 1
         self.metrics.send_seconds.observe(time.perf_counter() - started)
@@ -230,15 +230,23 @@ class DataCtx:
         rank = self._last_handed.get(seq)
         if rank is not None:
             # The put is idempotent: if the batch still waits there, its ref comes back.
-            self.batches.rebuilt(rank, lambda: pb.NextBatchResponse(
+            self._queue.rebuilt(rank, lambda: pb.NextBatchResponse(
                 batch=self._message(batch, id_, worker_index,
                                     self._put_ids(self._workers[worker_index], batch, id_)),
                 has_batch=True))
         self._check_ready()
 
+    @property
+    def _queue(self) -> BatchQueue:
+        """The batches for the NN workers, which :meth:`recover` makes."""
+        if self.batches is None:
+            raise RuntimeError("DataCtx: use it as `with DataCtx(...) as ctx:` (or call "
+                               "recover() first)")
+        return self.batches
+
     def _check_ready(self) -> None:
         if not self._in_training:
-            self.batches.ready()
+            self._queue.ready()
 
     @staticmethod
     def _message(batch: PersiaBatch, id_: int, worker_index: int, ref: int) -> pb.Batch:
@@ -292,20 +300,20 @@ class DataCtx:
                     last_log = now
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.batches.finish()
+        self._queue.finish()
         if self._in_training:
             logger.warning("data loader %d: the script ended before making again %d batches "
                            "handed over before the restart (is it deterministic?)",
                            self.env.data_loader_replica_index, len(self._in_training))
             self.kept.done(batch_id(self.env.data_loader_replica_index, s)
                            for s in self._in_training)
-            self.batches.ready()
+            self._queue.ready()
         try:
             if exc_type is None:
                 started = time.monotonic()
-                while not self.batches.wait_all_ended(60.0):
+                while not self._queue.wait_all_ended(60.0):
                     logger.info("waiting %.0fs for %d NN-worker ranks to drain the stream",
-                                time.monotonic() - started, self.batches.num_consumers)
+                                time.monotonic() - started, self._queue.num_consumers)
                 # Batches still in training may need a resend (their embedding worker
                 # restarting): kept until the NN workers say they finished.
                 if not self.kept.wait_empty(self.common.rpc_timeout_sec):

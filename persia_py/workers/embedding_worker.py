@@ -116,6 +116,12 @@ class _PendingBatch:
     identity: tuple[str, int] | None = None  # (data loader stream, batch id)
     update_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def routed(self) -> RoutingPlan:
+        """Its plan, which put_batch sets before it returns the batch's ref: before any
+        lookup or update of it."""
+        assert self.plan is not None, "a batch looked up or updated before it was routed"
+        return self.plan
+
 
 class EmbeddingWorker:
     """Embedding worker ``index``, talking to every parameter-server replica."""
@@ -317,7 +323,7 @@ class EmbeddingWorker:
                 raise ValueError(f"batch {ref} was already looked up")
             batch.looked_up = True  # claims the batch
         try:
-            rows = self._lookup(batch.slots, batch.plan, training=batch.requires_grad)
+            rows = self._lookup(batch.slots, batch.routed(), training=batch.requires_grad)
         except BaseException:
             batch.looked_up = False  # let the caller retry the lookup
             raise
@@ -439,7 +445,7 @@ class EmbeddingWorker:
                                "(%d so far)", slot, ref, self.num_nonfinite_skipped[slot])
                 continue
             finite[slot] = g
-        per_replica = batch.plan.update_requests(finite)
+        per_replica = batch.routed().update_requests(finite)
         if batch.sequences is None:
             batch.sequences = [next(self._sequence) if batch.identity is None
                                else batch.identity[1] for _ in per_replica]
@@ -454,8 +460,10 @@ class EmbeddingWorker:
                         slots: list[tuple[str, np.ndarray, np.ndarray]]) -> int:
         """Send replica ``r`` its part of a batch's update; a retry resends the same
         ``(worker id, sequence)`` so that the replica applies it once."""
-        sequence, resend = batch.sequences[r], batch.sent[r]
-        batch.sent[r] = True
+        sequences, sent = batch.sequences, batch.sent
+        assert sequences is not None and sent is not None, "update() sets them first"
+        sequence, resend = sequences[r], sent[r]
+        sent[r] = True
         worker_id = self.worker_id if batch.identity is None else f"data-{batch.identity[0]}"
         try:
             return self._on_replica(r, lambda c: c.update(
@@ -466,7 +474,7 @@ class EmbeddingWorker:
                 # `resend`), so another sender took it: the gradients were not applied, and
                 # taking the answer for success would lose them. Every attempt says so; the
                 # pair cannot change (it is what applies a rerouted batch once).
-                batch.sent[r] = False
+                sent[r] = False
                 raise UpdateNotApplied(
                     f"batch {sequence} of data loader stream {batch.identity[0][:12]}...: "
                     f"{exc}; its gradients are not applied (a stream's identity is random "
@@ -474,7 +482,7 @@ class EmbeddingWorker:
                 ) from None
             # The replica had the pair from another sender: a later attempt takes a new
             # sequence, so that it is applied (or refused again), never acknowledged unapplied.
-            batch.sequences[r], batch.sent[r] = next(self._sequence), False
+            sequences[r], sent[r] = next(self._sequence), False
             raise
 
     def close(self) -> None:

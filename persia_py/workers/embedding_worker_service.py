@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -147,6 +148,11 @@ class EmbeddingWorkerClient(ServiceClient):
         "_lookup_direct": (_service, "LookupDirect", pb.LookupBatchResponse, True),
         "_update_gradients": (_service, "UpdateGradients", pb.UpdateGradientsResponse, False),
     }
+    # Set by ServiceClient from wire_methods; each takes a message or its bytes.
+    _put_batch: Callable[..., pb.PutBatchResponse]
+    _lookup: Callable[..., codec.RawMessage]
+    _lookup_direct: Callable[..., codec.RawMessage]
+    _update_gradients: Callable[..., pb.UpdateGradientsResponse]
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)

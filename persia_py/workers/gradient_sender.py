@@ -41,7 +41,7 @@ class GradientSender:
             try:
                 self._workers[batch.embedding_worker].update_gradients(batch.ref, grads)
             except grpc.RpcError as exc:
-                if batch.loader is None or not ref_gone(exc):
+                if batch.loader is None or batch.batch_id is None or not ref_gone(exc):
                     raise
                 # Its worker restarted after the lookup: routed again from the loader's
                 # copy; replicas that applied it before acknowledge it only.

@@ -89,19 +89,20 @@ class HandoverLog:
                                 set(self.recovered.ended))
         # A new start (not a replay) begins a new log: what was there is another run's.
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if replay else os.O_TRUNC)
-        self._fd = open_private(self.path, flags)
+        fd = open_private(self.path, flags)
+        self._fd: int | None = fd
         self._lock = threading.Lock()
         self._compact_every = compact_every
         self._lines = 0
         if replay and self.path.stat().st_size:
-            self._terminate_torn_line()
+            self._terminate_torn_line(fd)
 
-    def _terminate_torn_line(self) -> None:
+    def _terminate_torn_line(self, fd: int) -> None:
         """A line cut short is left behind; a newline keeps the next one whole."""
         with open(self.path, "rb") as f:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
-                os.write(self._fd, b"\n")
+                os.write(fd, b"\n")
 
     @property
     def recorded_stream(self) -> str | None:
@@ -143,7 +144,7 @@ class HandoverLog:
     def _compact(self) -> None:
         """Rewrite the log as its state (see the module docstring); under the lock."""
         state = self._state
-        records = [{"stream": state.stream}] if state.stream is not None else []
+        records: list[dict] = [{"stream": state.stream}] if state.stream is not None else []
         records.append({"finished": state.finished.to_json()})
         records += [_handed_record(h) for _, h in sorted(state.in_training.items())]
         records += [{"ended": r} for r in sorted(state.ended)]
@@ -154,6 +155,7 @@ class HandoverLog:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
         fsync_dir(self.path.parent)
+        assert self._fd is not None, "compacted only by _append, which holds the log open"
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         self._lines = 0
@@ -192,8 +194,8 @@ def _number(value: object) -> bool:
 def _checked(record: object, where: str) -> tuple[str, dict]:
     """``(kind, record)`` of one decoded line, each field checked; HandoverLogError naming
     ``where`` otherwise (a log a loader wrote never has one)."""
-    kind = next((k for k in _KINDS if isinstance(record, dict) and k in record), None)
-    if kind is None or set(record) != _KINDS[kind]:
+    kind = next((k for k in _KINDS if k in record), None) if isinstance(record, dict) else None
+    if kind is None or not isinstance(record, dict) or set(record) != _KINDS[kind]:
         raise HandoverLogError(f"{where}: not a handover record ({_shown(record)}); expected "
                                f"one of {[sorted(keys) for keys in _KINDS.values()]}")
     if kind == "stream":

@@ -92,9 +92,11 @@ class BatchQueue:
             last = self._last.get(rank) if consumer else None  # no consumer: no retries
             if last is not None and last[:2] == (consumer, request_seq):
                 self.num_repeated += 1
-                if last[2] is None:  # handed over before a restart: made again
-                    self._last[rank] = (consumer, request_seq, self._rebuilt.pop(rank)())
-                return self._last[rank][2]
+                repeated = last[2]
+                if repeated is None:  # handed over before a restart: made again
+                    repeated = self._rebuilt.pop(rank)()
+                    self._last[rank] = (consumer, request_seq, repeated)
+                return repeated
             answer = self._answer(rank, wait)
             if self.log is not None and answer.has_batch:  # before it leaves
                 self.log.handed(Handover(seq_of(answer.batch.batch_id), rank, consumer,

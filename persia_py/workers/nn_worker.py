@@ -58,37 +58,36 @@ def look_up(item: PersiaBatch | LoaderBatch, workers: Sequence[EmbeddingWorkerCl
     A loader's batch whose embedding worker restarted (and lost its ids) is put there
     again by the loader and looked up under its new ref.
     """
-    loader = None
-    if isinstance(item, LoaderBatch):
-        item, loader = item.batch, item.loader
-    if item.requires_grad and not training:
+    batch: PersiaBatch | pb.Batch = item.batch if isinstance(item, LoaderBatch) else item
+    loader = item.loader if isinstance(item, LoaderBatch) else None
+    if batch.requires_grad and not training:
         raise ValueError(ONLY_EVALUATES)
-    if isinstance(item, PersiaBatch):
+    if isinstance(batch, PersiaBatch):
         index, worker = next_worker, workers[next_worker]
-        features = item.id_features()
-        ref = worker.put_batch(features, item.batch_size, True) if item.requires_grad else 0
-        slots = (worker.lookup(ref) if item.requires_grad
-                 else worker.lookup_direct(features, item.batch_size))
-        dense = [torch.from_numpy(f.data) for f in item.non_id_type_features]
-        labels = [torch.from_numpy(f.data) for f in item.labels]
-        meta, batch_id = item.meta or b"", None
+        features = batch.id_features()
+        ref = worker.put_batch(features, batch.batch_size, True) if batch.requires_grad else 0
+        slots = (worker.lookup(ref) if batch.requires_grad
+                 else worker.lookup_direct(features, batch.batch_size))
+        dense = [torch.from_numpy(f.data) for f in batch.non_id_type_features]
+        labels = [torch.from_numpy(f.data) for f in batch.labels]
+        meta, batch_id = batch.meta or b"", None
     else:
-        index, ref = item.embedding_worker, item.ref
+        index, ref = batch.embedding_worker, batch.ref
         if not 0 <= index < len(workers):
-            raise ValueError(f"batch {item.batch_id} names embedding worker {index}, only "
+            raise ValueError(f"batch {batch.batch_id} names embedding worker {index}, only "
                              f"{len(workers)} known")
         try:
             slots = workers[index].lookup(ref)
         except grpc.RpcError as exc:
             if loader is None or not ref_gone(exc):
                 raise
-            index, ref = loader.resend(item.batch_id, len(workers))
+            index, ref = loader.resend(batch.batch_id, len(workers))
             slots = workers[index].lookup(ref)
-        dense = tensors_from_named(item.non_id_features)
-        labels = tensors_from_named(item.labels)
-        meta, batch_id = item.meta, item.batch_id
+        dense = tensors_from_named(batch.non_id_features)
+        labels = tensors_from_named(batch.labels)
+        meta, batch_id = batch.meta, batch.batch_id
     return TrainingBatch(non_id_type_features=dense, labels=labels, slots=slots,
-                         requires_grad=item.requires_grad, batch_size=item.batch_size,
+                         requires_grad=batch.requires_grad, batch_size=batch.batch_size,
                          meta=meta, ref=ref, embedding_worker=index, staleness=staleness,
                          batch_id=batch_id, loader=loader)
 
@@ -302,7 +301,7 @@ class BatchStream:
         loader, id_ = batch.loader, batch.batch_id
         if not batch.requires_grad:
             self._release_slot()
-            if loader is not None:
+            if loader is not None and id_ is not None:
                 loader.finished(id_)
             return batch
         # Room for the batch and its future gradients, held until the update is acknowledged.
@@ -313,7 +312,7 @@ class BatchStream:
         def release() -> None:
             self.budget.release(num_bytes)
             self._release_slot()
-            if loader is not None:
+            if loader is not None and id_ is not None:
                 loader.finished(id_)
 
         batch.release = release
@@ -328,8 +327,8 @@ class BatchStream:
         while True:
             try:
                 item = self._ready.get(timeout=None if interrupted is None else 0.2)
-            except queue.Empty:
-                if interrupted():
+            except queue.Empty:  # only with a timeout, so with ``interrupted``
+                if interrupted is not None and interrupted():
                     return
                 continue
             if item is _END:

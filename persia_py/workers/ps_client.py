@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import numpy as np
 
@@ -32,6 +33,9 @@ class PSClient(ServiceClient):
     # Embeddings and gradients skip protobuf's copies.
     wire_methods = {"_lookup": (_service, "Lookup", pb.LookupResponse, True),
                     "_update": (_service, "Update", pb.UpdateResponse, False)}
+    # Set by ServiceClient from wire_methods; each takes a message or its bytes.
+    _lookup: Callable[..., codec.RawMessage]
+    _update: Callable[..., pb.UpdateResponse]
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)

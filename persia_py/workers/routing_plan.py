@@ -60,6 +60,7 @@ class RoutingPlan:
             slots_of.setdefault(table_of(slot), []).append(slot)
         tables = {}
         for table, slots in slots_of.items():
+            slot_rows: dict[str, np.ndarray | None]
             if len(slots) == 1:
                 ids, slot_rows = unique_ids[slots[0]], {slots[0]: None}
             else:  # the group's distinct ids; each slot's rows are its part of the inverse
