@@ -21,6 +21,8 @@ SUBNET = "10.77.0"
 """The hosts' /24: host i (from 0) is SUBNET.(i + 1)."""
 HOST_IFACE = "eth0"
 """The name of each host's link to the bridge, inside its namespace."""
+NOWHERE_MAC = "02:00:00:00:00:99"
+"""A locally administered address no interface has: frames sent to it are dropped."""
 
 
 class NamespacesUnavailable(RuntimeError):
@@ -89,6 +91,21 @@ class Network:
     def set_link(self, host: Host, up: bool) -> None:
         """Take a host's link to the bridge down or up (its cable pulled or put back)."""
         _ip("-n", self.switch, "link", "set", host.switch_port, "up" if up else "down")
+
+    def set_partition(self, host: Host, cut: bool) -> None:
+        """Cut ``host`` off from every other host, or join it again, with every link up:
+        each side's neighbour entry for the other names an address no interface has, so
+        their frames are silently dropped (no carrier lost, no reset, no ICMP), as behind
+        a switch that stopped forwarding."""
+        for other in self.hosts.values():
+            if other is host:
+                continue
+            for here, there in ((host, other), (other, host)):
+                if cut:
+                    _ip("-n", here.namespace, "neigh", "replace", there.ip, "lladdr",
+                        NOWHERE_MAC, "dev", HOST_IFACE, "nud", "permanent")
+                else:
+                    _ip("-n", here.namespace, "neigh", "del", there.ip, "dev", HOST_IFACE)
 
     def close(self) -> None:
         """Stop every host's processes, then delete the namespaces (and so their links)."""

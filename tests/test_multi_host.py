@@ -237,19 +237,30 @@ NUM_BATCHES = 300
 JOB = ROOT / "tests" / "ps_failure_job"  # its scripts number the batches and report them
 
 
-def test_a_link_down_for_seconds_loses_and_repeats_no_batch(emulated_hosts, tmp_path) -> None:
+@pytest.mark.parametrize("fault", ["link down", "partition"])
+def test_a_link_down_for_seconds_loses_and_repeats_no_batch(emulated_hosts, tmp_path,
+                                                           fault: str) -> None:
+    """Host C cut off for seconds, its cable pulled (the carrier lost) or behind a switch
+    that drops its frames (every link up: nothing tells the hosts), then back."""
     network = emulated_hosts("a", "b", "c")
     job = ReadmeJob(network, tmp_path, scripts={
         DATA_LOADER: [str(JOB / "data_loader.py"), "--batches", str(NUM_BATCHES)],
         TRAIN: [str(JOB / "train.py")]})
     c = job.foreground["c"]
     c.wait_for_line(r"trained step 30\b", timeout=300)
-    network.set_link(network.hosts["c"], up=False)
+
+    def cut(off: bool) -> None:
+        if fault == "link down":
+            network.set_link(network.hosts["c"], up=not off)
+        else:
+            network.set_partition(network.hosts["c"], cut=off)
+
+    cut(True)
     try:
         # Keepalive finds the dead connection; host C's calls then fail and are retried.
         c.wait_for_line(r"unavailable \(.*waiting and retrying", timeout=120)
     finally:
-        network.set_link(network.hosts["c"], up=True)
+        cut(False)
     c.wait_for_line(r"reachable again after [\d.]+ s; calls go on", timeout=120)
     job.wait()
     assert f"sent {NUM_BATCHES} batches" in job.procs["b"][0].output()
