@@ -90,6 +90,11 @@ def test_lookup_dedups_routes_and_updates_sum_gradients_per_id(cluster) -> None:
     features = [("user", user, np.ones(4, np.int32)), ("tags", tags, tag_lengths)]
     ref = ew.put_batch(features, 4, True)
     slots = {s.slot: s for s in ew.lookup(ref)}
+    # A retried lookup (its first answer lost on the way, a link that dropped) is answered
+    # again, with the same rows: the batch is still trained once (below).
+    again = {s.slot: s for s in ew.lookup(ref)}
+    for slot, rows in slots.items():
+        np.testing.assert_array_equal(again[slot].rows, rows.rows)
 
     user_slot = slots["user"]
     assert user_slot.pooling == "sum" and user_slot.rows.shape == (3, 4)  # 3 distinct ids

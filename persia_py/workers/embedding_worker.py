@@ -319,13 +319,15 @@ class EmbeddingWorker:
             batch = self._buffer.get(ref)
             if batch is None:
                 raise NotFound(f"no batch with ref {ref} on this embedding worker")
-            if batch.looked_up:
-                raise ValueError(f"batch {ref} was already looked up")
-            batch.looked_up = True  # claims the batch
+            # Looked up already: the caller retries a lookup whose answer it never got (the
+            # link dropped while the answer travelled, or its deadline passed first). It is
+            # answered again: the batch is still trained once, its update applied once.
+            claimed, batch.looked_up = not batch.looked_up, True
         try:
             rows = self._lookup(batch.slots, batch.routed(), training=batch.requires_grad)
         except BaseException:
-            batch.looked_up = False  # let the caller retry the lookup
+            if claimed:
+                batch.looked_up = False  # let the caller retry the lookup
             raise
         if not batch.requires_grad:
             self._release(ref)
