@@ -133,7 +133,9 @@ class Shard:
                 new = np.flatnonzero(rows < 0)
                 rows = self._insert_missing(ids, rows, tick, stamp)
                 at = new if positions is None else positions[new]
-                kernels.gather_rows_at(weights, rows[new], at, out, self.last_access, stamp)
+                # The weights again: arrays that could not be reserved grow by moving.
+                kernels.gather_rows_at(kernel_view(self.weights), rows[new], at, out,
+                                       self.last_access, stamp)
 
     def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, tick: int, stamp: int
                         ) -> np.ndarray:
