@@ -11,15 +11,16 @@ over 2M ids; hit rate = ids found / ids looked up, after a warm-up quarter.
 
 import numpy as np
 
-from persia_py.servers import storage
+from persia_py.servers import shard
 from persia_py.servers.optimizers import SGDConfig
+from persia_py.servers.storage import EmbeddingTable
 
 
 def run(fraction: int, capacity: int, a: float, seed: int = 0, batches: int = 400,
         batch: int = 2000, universe: int = 2_000_000) -> float:
-    storage._EVICT_FRACTION = fraction  # the bulk-eviction knob; 10**12: exact LRU
+    shard._EVICT_FRACTION = fraction  # the bulk-eviction knob; 10**12: exact LRU
     rng = np.random.default_rng(seed)
-    t = storage.EmbeddingTable(dim=4, optimizer=SGDConfig(lr=0.1), capacity=capacity)
+    t = EmbeddingTable(dim=4, optimizer=SGDConfig(lr=0.1), capacity=capacity)
     warm = batches // 4
     for i in range(batches):
         ids = (rng.zipf(a, batch) % universe).astype(np.uint64)

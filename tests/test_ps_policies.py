@@ -145,7 +145,7 @@ def test_min_occurrences(num_shards) -> None:
         assert _stored(table, a).all() and not _stored(table, b).any()
         stats = table.stats()
         assert (stats["admitted"], stats["rejected"], stats["entries"]) == (100, 300, 100)
-        assert stats["bytes"] > table._shards[0].sketch.nbytes
+        assert stats["bytes"] > table._shards[0].admission.sketch.nbytes
     finally:
         table.close()
 

@@ -201,7 +201,9 @@ def test_growth_past_initial_arrays_keeps_values(reserved, monkeypatch) -> None:
     table.update(first, np.full((900, DIM), 0.5, dtype=np.float32))
     before = table.lookup(first, False)
     for start in range(1000, 9000, 1500):
-        table.lookup(np.arange(start, start + 1500, dtype=np.uint64), True)
+        ids = np.arange(start, start + 1500, dtype=np.uint64)
+        inserted = table.lookup(ids, True)  # the new rows, answered from the grown arrays
+        np.testing.assert_array_equal(inserted, table.lookup(ids, False))
     assert table.num_entries == 900 + 6 * 1500
     # Reserved arrays hold the whole share from the start; the others really did grow.
     rows = table._shards[0].weights.shape[0]

@@ -333,6 +333,18 @@ def test_forward_of_a_raw_batch_says_what_to_do(cluster) -> None:
                 evaluation.forward(raw)
 
 
+def test_parts_built_on_entering_say_so_before_it(cluster) -> None:
+    ctx = _ctx(cluster, Model())
+    for part in ("checkpointer", "reporter"):
+        with pytest.raises(RuntimeError, match=rf"TrainCtx.{part} is built when the context "
+                                               "is entered"):
+            getattr(ctx, part)
+    with ctx:
+        assert ctx.checkpointer.steps == 0
+        with pytest.raises(TypeError, match="TrainCtx.forward takes no model="):
+            ctx.forward(next(_batches()), model=ctx.model)
+
+
 def test_eval_ctx_reads_a_dataset_of_this_process(cluster) -> None:
     with _ctx(cluster, Model()) as ctx, eval_ctx(ctx.model) as evaluation:
         outputs = [evaluation.forward(batch)[0]

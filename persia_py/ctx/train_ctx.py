@@ -6,8 +6,6 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -16,15 +14,12 @@ import torch.distributed as dist
 from persia_py.checkpoint.coordinator import Checkpointer
 from persia_py.checkpoint.dense_export import DenseExporter, dense_exporter_for
 from persia_py.checkpoint.rewind import restart_count, rewind_after_restart
-from persia_py.checkpoint.stateful import Stateful, TrainState
-from persia_py.checkpoint.torchscript import torchscript, torchscript_sharded
+from persia_py.checkpoint.stateful import TrainState
 from persia_py.config import ConfigError, GlobalConfig
 from persia_py.config.checks import check_type
 from persia_py.ctx.dense_step import DenseStep
-from persia_py.ctx.embedding_ctx import (
-    EmbeddingCtx,
-    check_looked_up,
-)
+from persia_py.ctx.embedding_ctx import check_looked_up
+from persia_py.ctx.train_checkpoints import CheckpointedCtx, entered
 from persia_py.dense.graceful_stop import StopOnSignal
 from persia_py.dense.grad_control import GradControl
 from persia_py.dense.process_group import (
@@ -45,7 +40,6 @@ from persia_py.embedding import EmbeddingConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.embedding.optim import Optimizer
 from persia_py.env import PersiaEnv
-from persia_py.ops.safe_files import check_name
 from persia_py.ops.start_checks import check_checkpoint_paths
 from persia_py.progressive import ProgressiveValidation
 from persia_py.telemetry.progress import StepReporter
@@ -57,7 +51,7 @@ from persia_py.workers.ps_client import configure_request
 logger = logging.getLogger(__name__)
 
 
-class TrainCtx(EmbeddingCtx):
+class TrainCtx(CheckpointedCtx):
     """Context of a training NN worker (as PERSIA's ``TrainCtx``).
 
     Args:
@@ -95,7 +89,6 @@ class TrainCtx(EmbeddingCtx):
 
     _training = True
     _usage = "TrainCtx(...)"
-    model: torch.nn.Module  # required here (an EmbeddingCtx may have none)
 
     @config_errors_are_final
     def __init__(self, *, model: torch.nn.Module, embedding_optimizer: Optimizer,
@@ -159,11 +152,10 @@ class TrainCtx(EmbeddingCtx):
         self._num_steps = 0  # in this context, for the staleness figures
         self.train_state = TrainState()
         """Batches this rank has trained, counting those before a resumed checkpoint."""
-        self.checkpointer: Checkpointer | None = None
+        self._checkpointer: Checkpointer | None = None
         self.dense_exporter: DenseExporter | None = None
         """Rank 0's writer of dense versions for serving (``checkpoint_config.dense_export_*``)."""
-        self.reporter: StepReporter | None = None
-        """Progress line, training log and metrics of this rank (see persia_py.telemetry.progress)."""
+        self._reporter: StepReporter | None = None
         self.stop: StopOnSignal | None = StopOnSignal(self.device) if stop_on_signal else None
         """With ``stop_on_signal``: the stop request and the ranks' agreement on it."""
         self._steps_checked = 0
@@ -186,7 +178,7 @@ class TrainCtx(EmbeddingCtx):
         super().__enter__()
         if self.stop is not None:
             self.stop.install()
-        self.reporter = StepReporter.from_environ(self.env)
+        self._reporter = reporter = StepReporter.from_environ(self.env)
         if not is_deferred(self.model):  # a build_on_meta model is materialized by wrap
             self.model.to(self.device)
         elif self.env.world_size == 1:
@@ -199,7 +191,7 @@ class TrainCtx(EmbeddingCtx):
                 self._owns_process_group = True
             self.dense = self.distributed_option.wrap(
                 self.model, self.dense_optimizer, self.device, shadow_step=self._shadow_step,
-                registry=self.reporter.metrics.registry)
+                registry=reporter.metrics.registry)
             self.ddp_model = self.dense.module
             self.dense_step.dense = self.dense
             if self.dense_step.scaler is not None and self.dense.sharded:
@@ -219,8 +211,8 @@ class TrainCtx(EmbeddingCtx):
             rank=self.env.rank)
         if back_to is not None:
             count = restart_count()
-            self.reporter.metrics.restarts.labels(role="nn-worker").inc(count)
-            self.reporter.event(event="restart", role="nn-worker", reason="torchrun restart "
+            reporter.metrics.restarts.labels(role="nn-worker").inc(count)
+            reporter.event(event="restart", role="nn-worker", reason="torchrun restart "
                                 f"{count}", checkpoint=back_to)
             if dist.is_initialized():
                 dist.barrier()  # no rank pulls a batch before every loader is rewound
@@ -232,11 +224,11 @@ class TrainCtx(EmbeddingCtx):
         for w in self.workers:
             w.configure(request)
         self._sender = GradientSender(self.workers, max_in_flight=8)
-        self.checkpointer = Checkpointer(
+        self._checkpointer = checkpointer = Checkpointer(
             self.state_dict(), flush=self.flush, ps_addrs=self.env.ps_addrs, common=self.common,
             config=self.global_config.checkpoint_config, device=self.device,
             sharded_dense=self.dense.sharded)
-        if (resumed := self.checkpointer.resume_if_asked(back_to)) is not None:
+        if (resumed := checkpointer.resume_if_asked(back_to)) is not None:
             self._resumed(resumed)
         self.dense_exporter = dense_exporter_for(self.global_config.checkpoint_config,
                                                  rank=self.env.rank,
@@ -258,8 +250,8 @@ class TrainCtx(EmbeddingCtx):
                 if exc_type is None:
                     self._sender.flush(self.common.rpc_timeout_sec)
                 self._sender.close()
-            if self.checkpointer is not None:
-                self.checkpointer.close()
+            if self._checkpointer is not None:
+                self._checkpointer.close()
             if self.dense_exporter is not None:
                 if exc_type is None:  # serving gets the final model too
                     self.dense_exporter.export(self.model)
@@ -267,8 +259,8 @@ class TrainCtx(EmbeddingCtx):
         finally:
             if self.stop is not None:
                 self.stop.restore()
-            if self.reporter is not None:
-                self.reporter.close()
+            if self._reporter is not None:
+                self._reporter.close()
             if self._owns_process_group and dist.is_initialized() and not self._peer_failed:
                 # After a peer failed, tearing the group down would wait on the store
                 # behind the same dead link; exiting releases it anyway.
@@ -289,71 +281,7 @@ class TrainCtx(EmbeddingCtx):
     def flush(self) -> None:
         """Wait until the servers have acknowledged every embedding update sent so far."""
         self._require_active("ctx.flush")
-        self._sender.flush(self.common.rpc_timeout_sec)
-
-    def state_dict(self) -> dict[str, Stateful]:
-        """This rank's part of a checkpoint, as ``torch.distributed.checkpoint`` takes it:
-        ``model`` (the dense model), ``dense_optimizer`` and ``train_state``
-        (:class:`~persia_py.checkpoint.stateful.TrainState`), each a Stateful object read and
-        restored in place. The embeddings live on the servers (see :meth:`dump_checkpoint`)."""
-        return {"model": self.model, "dense_optimizer": self.dense_optimizer,
-                "train_state": self.train_state}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict`'s parts' ``state_dict()`` returned, given as
-        plain mappings under the same keys; every key is required."""
-        parts = self.state_dict()
-        if set(state_dict) != set(parts):
-            raise ValueError(f"state_dict: expected the keys {sorted(parts)}, got "
-                             f"{sorted(state_dict)}")
-        for key, part in parts.items():
-            part.load_state_dict(state_dict[key])
-
-    def dump_checkpoint(self, dst_dir: str, *, with_jit_model: bool = False,
-                        jit_dense_filename: str = "jit_dense.pt",
-                        blocking: bool = True) -> Path | None:
-        """Checkpoint embeddings with optimizer state, the dense model and optimizer, and
-        the batches trained into ``dst_dir`` (see :mod:`persia_py.checkpoint.coordinator`); every rank
-        calls it at the same step. Returns the checkpoint folder on rank 0, else None.
-
-        With ``with_jit_model`` (as PERSIA) the folder also holds the dense model compiled
-        by ``torch.jit.script`` as ``jit_dense_filename`` (load it with ``torch.jit.load``);
-        a model TorchScript cannot compile is a ``ValueError`` before anything is written.
-        Under ``FSDPOption`` the shards are gathered onto rank 0 and a plain copy of the
-        whole tower is compiled there, on the CPU (every rank calls this, as always).
-        Dumps always block (``blocking=False`` is refused): a checkpoint is a cut that
-        every rank waits for.
-        """
-        if not blocking:
-            raise ValueError("blocking=False is not supported: every rank waits for the "
-                             "checkpoint's consistent cut; call dump_checkpoint(dst_dir)")
-        self._require_active("ctx.dump_checkpoint")
-        extra_files = {}
-        if with_jit_model:
-            check_name(jit_dense_filename, "jit_dense_filename")
-            if not jit_dense_filename.endswith(".pt"):
-                raise ValueError(f"jit_dense_filename: {jit_dense_filename!r} must end with "
-                                 "'.pt'")
-            if not self.dense.sharded:
-                extra_files[jit_dense_filename] = torchscript(self.model)
-            elif (scripted := torchscript_sharded(self.model)) is not None:  # rank 0
-                extra_files[jit_dense_filename] = scripted
-        return self.checkpointer.dump(dst_dir, extra_files=extra_files)
-
-    def load_checkpoint(self, src_dir: str) -> None:
-        """Load a checkpoint written by :meth:`dump_checkpoint` (a root or one folder)."""
-        self._require_active("ctx.load_checkpoint")
-        self.checkpointer.load(src_dir)
-        last_cut = self.checkpointer.last_cut
-        assert last_cut is not None and last_cut[1] is not None, "load() sets it"
-        self._resumed(last_cut[1])
-
-    def _resumed(self, folder: Path) -> None:
-        """The training log and progressive validation count on from a loaded checkpoint."""
-        state = self.train_state
-        self.reporter.resumed(step=state.job_step, samples=state.samples, checkpoint=str(folder))
-        if self.progressive is not None:
-            self.progressive.start_at(state.job_step)
+        entered(self._sender, "TrainCtx's gradient sender").flush(self.common.rpc_timeout_sec)
 
     def log(self, **values: float) -> None:
         """Record numbers of this step (e.g. ``ctx.log(test_auc=auc)``) in the training log."""
@@ -454,15 +382,19 @@ class TrainCtx(EmbeddingCtx):
         if self.progressive is not None:
             self.progressive.report_partial()
 
-    def forward(self, batch: TrainingBatch):
-        """Forward ``batch``; training batches keep what ``backward`` needs."""
+    def forward(self, batch: TrainingBatch, *, model: torch.nn.Module | None = None):
+        """Forward ``batch``; training batches keep what ``backward`` needs. No ``model``:
+        the tower trained is the context's own."""
+        if model is not None:
+            raise TypeError("TrainCtx.forward takes no model=: the tower it trains is the "
+                            "context's own (TrainCtx(model=...))")
         check_looked_up(batch)
         self._require_active("ctx.forward")
         if not batch.requires_grad:
             if batch.batch_id is not None:  # a loader's evaluation batch is done once seen
                 self.train_state.new_batch_ids.append(batch.batch_id)
             return super().forward(batch)
-        self._sender.raise_if_failed()
+        entered(self._sender, "TrainCtx's gradient sender").raise_if_failed()
         if self._pending is not None:
             raise RuntimeError("ctx.forward called twice without ctx.backward in between; "
                                "call ctx.backward(loss) after each training forward")
@@ -519,7 +451,7 @@ class TrainCtx(EmbeddingCtx):
                 continue
             g = r.grad.detach().float().cpu().numpy()
             grads.append((s.slot, g if unscale is None else g * unscale))
-        self._sender.submit(batch, grads)
+        entered(self._sender, "TrainCtx's gradient sender").submit(batch, grads)
         self.checkpointer.after_step()
         self.reporter.backward_done(started=started, batch_size=batch.batch_size,
                                     loss=float(loss.detach()), staleness=batch.staleness)

@@ -32,9 +32,7 @@ metrics on a free port (its ``... metrics on http://...`` line says which) unles
 from __future__ import annotations
 
 import argparse
-import functools
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -42,12 +40,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from persia_py.checkpoint import rewind
 from persia_py.config import load_global_config
 from persia_py.env import job_env
 from persia_py.launcher import job_token
+from persia_py.launcher.job_roles import Role, job_roles
 from persia_py.launcher.lifeline import Lifeline
 from persia_py.launcher.processes import descendants, die_with_parent
 from persia_py.launcher.recovery import (
@@ -62,10 +60,9 @@ from persia_py.launcher.role_kinds import (
     EMBEDDING_WORKER,
     NN_WORKER,
     PARAMETER_SERVER,
-    RoleKind,
 )
 from persia_py.launcher.roles import validate_configs
-from persia_py.launcher.run_folder import make_run_folder, remove_update_logs, update_log_folder
+from persia_py.launcher.run_folder import make_run_folder, remove_update_logs
 from persia_py.ops import allocator
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
 from persia_py.telemetry.events import ENV_TRAIN_LOG
@@ -99,18 +96,6 @@ def free_ports(count: int, host: str) -> list[int]:
     finally:
         for s in sockets:
             s.close()
-
-
-@dataclass
-class Role:
-    name: str
-    command: list[str]
-    process: subprocess.Popen | None = None
-    reader: threading.Thread | None = None
-    kind: RoleKind = PARAMETER_SERVER
-    restart: Callable[[], list[str]] | None = None
-    """The command that starts this role again after it died (None: its death ends the job)."""
-    num_restarts: int = 0
 
 
 class LocalCluster:
@@ -246,7 +231,7 @@ class LocalCluster:
             self._exited.clear()
             nn = [r for r in self.roles if r.kind is NN_WORKER]
             for role in self.roles:
-                code = role.process.poll()
+                code = role.started.poll()
                 if code is None:
                     continue
                 if code != 0:
@@ -257,7 +242,7 @@ class LocalCluster:
                 if role.kind in (PARAMETER_SERVER, EMBEDDING_WORKER):
                     self.log(f"{role.name} exited before training ended; stopping the job")
                     return 1
-            if all(r.process.poll() == 0 for r in nn):
+            if all(r.started.poll() == 0 for r in nn):
                 return self._finish()
 
     def stop_training(self) -> int:
@@ -269,13 +254,13 @@ class LocalCluster:
                  "checkpoint follows); then every other role")
         nn = [r for r in self.roles if r.kind is NN_WORKER and r.process is not None]
         for role in nn:
-            if role.process.poll() is None:
-                os.kill(role.process.pid, signal.SIGTERM)
+            if role.started.poll() is None:
+                os.kill(role.started.pid, signal.SIGTERM)
         deadline = time.monotonic() + GRACEFUL_STOP_SEC
         codes = []
         for role in nn:
             try:
-                codes.append(role.process.wait(timeout=max(0.1, deadline - time.monotonic())))
+                codes.append(role.started.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 self.log(f"{role.name} did not stop within {GRACEFUL_STOP_SEC:.0f}s; stopping "
                          "it")
@@ -295,7 +280,7 @@ class LocalCluster:
             self._exited.wait(timeout=1.0)
             self._exited.clear()
             for role in self.roles:
-                code = role.process.poll()
+                code = role.started.poll()
                 if code is None or stop.is_set():
                     continue
                 if code != 0 and self._try_restart(role, code):
@@ -309,7 +294,7 @@ class LocalCluster:
         for role in self.roles:
             if role.kind is DATA_LOADER:
                 try:
-                    code = role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    code = role.started.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     self.log(f"{role.name} still running 60s after training ended")
                     return 1
@@ -356,69 +341,6 @@ class LocalCluster:
             self._lifeline = None
 
 
-def _job_roles(args: argparse.Namespace, *, run_dir: str, root: str | None,
-               role_flags: list[str], ports: tuple) -> list[Role]:
-    """The job's roles, parameter servers first, then embedding workers, data loaders and
-    the NN worker, each with how it restarts alone (``Role.restart``). ``role_flags``:
-    what every role takes; ``ports``: those of each kind (the NN ranks' rendezvous store
-    takes its port itself: persia_py/launcher/loopback.py)."""
-    launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
-    host = args.bind
-    ps_ports, ew_ports, dl_ports = ports
-    num_ps, num_ew, num_dl = len(ps_ports), len(ew_ports), len(dl_ports)
-    roles = [
-        Role(f"{PARAMETER_SERVER.short}-{i}", [*launcher, PARAMETER_SERVER.command, "--port", str(p),
-                         "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
-                         "--update-log", update_log_folder(run_dir, i), *role_flags])
-        for i, p in enumerate(ps_ports)
-    ]
-    roles += [
-        Role(f"{EMBEDDING_WORKER.short}-{i}", [*launcher, EMBEDDING_WORKER.command, "--port", str(p),
-                                       "--bind", host, "--replica-index", str(i),
-                                       "--replica-size", str(num_ew), *role_flags],
-             kind=EMBEDDING_WORKER)
-        for i, p in enumerate(ew_ports)
-    ]
-    roles += [
-        Role(f"{DATA_LOADER.short}-{i}", [*launcher, DATA_LOADER.command, "--port", str(p),
-                                  "--replica-index", str(i), "--replica-size", str(num_dl),
-                                  "--handover-log",
-                                  os.path.join(run_dir, f"data-loader-{i}-handovers.log"),
-                                  *role_flags, args.data_loader, *shlex.split(args.data_loader_args)],
-             kind=DATA_LOADER)
-        for i, p in enumerate(dl_ports)
-    ]
-    roles.append(Role(NN_WORKER.short, [*launcher, NN_WORKER.command,
-                                    "--nproc-per-node", str(args.nproc_per_node),
-                                    *(["--max-restarts", str(args.max_restarts)]
-                                      if args.nn_restarts == "torchrun" else []),
-                                    *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
-                      kind=NN_WORKER))
-
-    def ps_restart(command: list[str]) -> Callable[[], list[str]]:
-        def restart() -> list[str]:
-            # Its update log brings back what it applied since the checkpoint it starts
-            # from; the newest checkpoint serves when the log is empty.
-            latest = latest_checkpoint(root)
-            command_now = [*command, "--replay-update-log"]
-            return command_now if latest is None else [*command_now, "--load-checkpoint", latest]
-        return restart
-
-    for role in roles[:num_ps]:
-        role.restart = ps_restart(role.command)
-    for role in roles[num_ps:num_ps + num_ew]:
-        # Restarted alone: the data loaders keep the ID features of every batch not yet
-        # trained and put those it lost on its successor (see workers/data_loader.py).
-        role.restart = functools.partial(list, role.command)
-    for role in roles[num_ps + num_ew:num_ps + num_ew + num_dl]:
-        # Restarted alone: its handover log says where it left off
-        # (workers/handover_log.py); the flag goes before the script and its arguments.
-        at = role.command.index(args.data_loader)
-        role.restart = functools.partial(
-            list, [*role.command[:at], "--replay-handovers", *role.command[at:]])
-    return roles
-
-
 def run_local(args: argparse.Namespace) -> int:
     host = args.bind
     num_ps, num_ew, num_dl = args.num_ps, args.num_embedding_workers, args.num_data_loaders
@@ -459,7 +381,7 @@ def run_local(args: argparse.Namespace) -> int:
                              "one")
         env[key] = value
     role_flags = [*metrics, *job_token.give_job_token(args.insecure, env, run_dir)]
-    roles = _job_roles(args, run_dir=run_dir, root=root, role_flags=role_flags,
+    roles = job_roles(args, run_dir=run_dir, root=root, role_flags=role_flags,
                        ports=(ps_ports, ew_ports, dl_ports))
     cluster = LocalCluster(roles, env, max_restarts=args.max_restarts)
     recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],

@@ -48,7 +48,7 @@ def _wait_for_roles(cluster, addresses: list[str], common: CommonConfig,
                 if stop.is_set():
                     return False
                 for role in cluster.roles:
-                    code = role.process.poll()
+                    code = role.started.poll()
                     if code is not None:
                         raise SystemExit(f"serve: {role.name} exited with code {code} while "
                                          "starting (see its output above)")

@@ -7,7 +7,7 @@ before: :func:`capacity_warning` compares the bytes the configured capacities ta
 full with the memory this process can get, and the parameter server logs it at start and
 again when the optimizer is known (the tables are built).
 
-Bytes of one row (:func:`row_bytes`), from the arrays of ``servers/storage.py`` and
+Bytes of one row (:func:`row_bytes`), from the arrays of ``servers/shard.py`` and
 ``servers/hash_index.py``: the weights (4 bytes each, 2 in float16 or bfloat16 rows),
 the optimizer's state (float32: ``state_width`` values), the id (8 bytes) and the
 last-access stamp (4, :mod:`persia_py.servers.access_clock`), and the hash index of 4-byte
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from persia_py.servers.hash_index import index_bytes
 from persia_py.servers.memory import HUGE_PAGE
-from persia_py.servers.storage import row_dtypes
+from persia_py.servers.shard import row_dtypes
 
 FLOAT_BYTES = 4
 ID_AND_STAMP_BYTES = row_dtypes()["ids"].itemsize + row_dtypes()["last_access"].itemsize

@@ -1,0 +1,336 @@
+"""``Shard``: the rows of one internal shard of an ``EmbeddingTable``, under one lock.
+
+A shard keeps contiguous row arrays: weights ``(rows, dim)`` (float32, float16 or
+bfloat16 bits: :mod:`persia_py.servers.row_types`), optimizer state ``(rows, width)``,
+the id of each row, and the row's last access on the table's clock (4 bytes:
+:mod:`persia_py.servers.access_clock`), with a hash index from id to row
+(:mod:`persia_py.servers.hash_index`). Rows are dense (``0..size-1``): lookups and
+optimizer steps are fused numba kernels (:mod:`persia_py.servers.kernels`) that read and
+write each id's row in place, and eviction compacts by moving surviving tail rows into
+the holes. Where the OS allows, the arrays take the shard's whole share of the capacity
+as address space at once, so rows never move to grow.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import numpy as np
+
+from persia_py.ids.dedup import unique_in_order
+from persia_py.servers import kernels, memory, row_types
+from persia_py.servers.access_clock import STAMP_DTYPE, AccessClock
+from persia_py.servers.admission import Admission
+from persia_py.servers.hash_index import HashIndex
+from persia_py.servers.initializer import initial_rows
+from persia_py.servers.optimizers import OptimizerConfig, initial_state
+from persia_py.servers.row_step import RowStep
+from persia_py.servers.row_types import kernel_view
+
+_INITIAL_ROWS = 1024
+"""Rows of a shard's arrays at first where they cannot be reserved (then they grow)."""
+_EVICT_FRACTION = 16
+"""Evict at least 1/_EVICT_FRACTION of a shard's share at once, so the O(share) index
+rebuild after an eviction is amortized over many inserts."""
+
+_DTYPES: dict[str, np.dtype] = {"ids": np.dtype(np.uint64), "weights": np.dtype(np.float32),
+                                "state": np.dtype(np.float32), "last_access": STAMP_DTYPE}
+"""Element types of a shard's row arrays (weights: of a float32 table)."""
+
+
+def row_dtypes() -> dict[str, np.dtype]:
+    """Element types of a shard's row arrays, by array name (for sizing)."""
+    return dict(_DTYPES)
+
+
+class ShardOwner(Protocol):
+    """What a shard reads of its table (:class:`persia_py.servers.storage.EmbeddingTable`)."""
+
+    dim: int
+    state_width: int
+    row_dtype: str
+    optimizer: OptimizerConfig
+    init_lower: float
+    init_upper: float
+    seed: int
+    capacity: int
+    admit_probability: float
+    min_occurrences: int
+    row_step: RowStep
+
+
+def _row_arrays(table: ShardOwner, share: int) -> tuple[dict[str, np.ndarray], bool]:
+    """A shard's row arrays by name, and whether they hold the whole share (reserved
+    address space) rather than ``_INITIAL_ROWS`` rows to grow from."""
+    shapes = {"ids": (share,), "weights": (share, table.dim),
+              "state": (share, table.state_width), "last_access": (share,)}
+    dtypes = dict(_DTYPES, weights=row_types.numpy_dtype(table.row_dtype))
+    reserved = {name: memory.reserve(shape, dtypes[name]) for name, shape in shapes.items()}
+    arrays = {name: array for name, array in reserved.items() if array is not None}
+    if len(arrays) == len(shapes):
+        return arrays, True
+    rows = min(share, _INITIAL_ROWS)
+    return {name: memory.empty((rows, *shape[1:]), dtypes[name])
+            for name, shape in shapes.items()}, False
+
+
+class Shard:
+    """One internal shard; every method that reads or writes rows holds ``lock``."""
+
+    def __init__(self, table: ShardOwner, share: int) -> None:
+        self.table = table
+        self.share = share
+        self.lock = threading.Lock()
+        arrays, self.reserved = _row_arrays(table, share)
+        self.ids, self.weights = arrays["ids"], arrays["weights"]
+        self.state, self.last_access = arrays["state"], arrays["last_access"]
+        self.index = HashIndex(row_ids=self.ids)
+        self.clock = AccessClock()
+        self.high_water = 0
+        """Most rows ever in use: with reserved arrays, the rows whose pages are resident."""
+        self.size = 0
+        self.hits = self.misses = self.inserted = self.evicted = 0
+        self.admitted = self.rejected = self.expired = 0
+        self.admission = Admission(share, admit_probability=table.admit_probability,
+                                   min_occurrences=table.min_occurrences, seed=table.seed)
+        self.changed: list[np.ndarray] | None = None
+        """Ids inserted or updated since the last ``take_changes`` (None: not tracked)."""
+        self.num_changed = 0
+        self.removed: list[np.ndarray] = []
+        """Ids evicted or expired since the last ``take_changes`` (kept while tracking)."""
+        self.num_removed = 0
+
+    def nbytes(self) -> int:
+        """Bytes of the rows in use (with reserved arrays: ever used), index and sketch."""
+        arrays = (self.ids, self.weights, self.state, self.last_access)
+        rows = self.high_water if self.reserved else self.weights.shape[0]
+        row_bytes = sum(a.itemsize * (a.size // max(a.shape[0], 1)) for a in arrays)
+        return rows * row_bytes + self.index.nbytes + self.admission.nbytes
+
+    def lookup(self, ids: np.ndarray, insert: bool, tick: int, out: np.ndarray,
+               positions: np.ndarray | None) -> None:
+        """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``): their
+        bits when ``out`` has the weights' type, else widened to float32."""
+        weights = kernel_view(self.weights)
+        same = out.dtype == self.weights.dtype
+        out = kernel_view(out)
+        with self.lock:
+            stamp = self.clock.stamp(tick, self.last_access[:self.size])
+            if same:  # probe and copy in one pass
+                rows = self.index.find_gather(ids, weights, out, self.last_access, stamp,
+                                              positions)
+            else:
+                rows = self.index.find(ids)
+                at = np.arange(ids.shape[0]) if positions is None else positions
+                kernels.gather_rows_at(weights, rows, at, out, self.last_access, stamp)
+            num_missing = int(np.count_nonzero(rows < 0))
+            self.hits += ids.shape[0] - num_missing
+            self.misses += num_missing
+            if num_missing and insert:
+                # Rows found are copied already (an eviction below never takes them:
+                # they carry this tick); copy the new ones.
+                new = np.flatnonzero(rows < 0)
+                rows = self._insert_missing(ids, rows, tick, stamp)
+                at = new if positions is None else positions[new]
+                # The weights again: arrays that could not be reserved grow by moving.
+                kernels.gather_rows_at(kernel_view(self.weights), rows[new], at, out,
+                                       self.last_access, stamp)
+
+    def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, tick: int, stamp: int
+                        ) -> np.ndarray:
+        missing = rows < 0
+        found = ~missing
+        hit_rows = rows[found]
+        # Stamping the hits first shields them from the eviction below.
+        self.last_access[hit_rows] = stamp
+        new_ids, inverse = unique_in_order(ids[missing])
+        keep = self.admission.admit(new_ids, tick)
+        admitted = new_ids if keep.all() else new_ids[keep]
+        n_new = admitted.shape[0]
+        self.rejected += new_ids.shape[0] - n_new
+        self.admitted += n_new
+        if n_new == 0:
+            return rows
+        overflow = self.size + n_new - self.share
+        if overflow > 0:
+            remap = self._evict(overflow, n_new, stamp)
+            rows[found] = remap[hit_rows]
+        self._reserve(self.size + n_new)
+        start, end = self.size, self.size + n_new
+        new_rows, is_new = self.index.find_or_insert(admitted, start)
+        assert bool(is_new.all()), "an id missing a moment ago was found on insert"
+        table = self.table
+        initial = initial_rows(admitted, table.dim, table.init_lower, table.init_upper,
+                               table.seed, out=(self.weights[start:end]
+                                                if table.row_dtype == "float32" else None))
+        if table.row_dtype != "float32":
+            row_types.to_stored(initial, table.row_dtype, out=self.weights[start:end])
+        self.state[start:end] = initial_state(table.optimizer, 1, table.dim)
+        self.last_access[start:end] = stamp
+        self.size = end
+        self.inserted += n_new
+        self._log_changes(admitted)
+        if n_new < new_ids.shape[0]:
+            all_rows = np.full(new_ids.shape[0], -1, dtype=np.int64)
+            all_rows[keep] = new_rows
+            new_rows = all_rows
+        rows[missing] = new_rows[inverse]
+        return rows
+
+    def _evict(self, overflow: int, n_new: int, stamp: int) -> np.ndarray:
+        """Drop at least ``overflow`` least-recently-used rows; returns old->new rows."""
+        size = self.size
+        stamps = self.last_access[:size]
+        candidates = int(np.count_nonzero(stamps < stamp))
+        if candidates < overflow:
+            raise ValueError(
+                f"one batch needs {n_new} new rows plus {size - candidates} rows it "
+                f"touches in one internal shard, over its share of {self.share} rows; "
+                f"raise capacity (now {self.table.capacity}) or send smaller batches")
+        count = min(max(overflow, self.share // _EVICT_FRACTION), candidates)
+        victims = np.argpartition(stamps, count - 1)[:count]
+        self.evicted += count
+        return self._remove(victims)
+
+    def expire(self, cutoff: int) -> None:
+        """Remove every row last touched before clock value ``cutoff``."""
+        with self.lock:
+            victims = np.flatnonzero(self.last_access[:self.size]
+                                     < self.clock.cutoff(cutoff))
+            if victims.shape[0]:
+                self.expired += victims.shape[0]
+                self._remove(victims)
+
+    def _remove(self, victims: np.ndarray) -> np.ndarray:
+        """Delete rows ``victims`` (distinct), compacting; returns old -> new row (-1: gone)."""
+        size = self.size
+        count = victims.shape[0]
+        gone = self.ids[victims].copy() if self.changed is not None else None
+        keep = np.ones(size, dtype=np.bool_)
+        keep[victims] = False
+        n_keep = size - count
+        # Fill holes below n_keep with survivors from above it: moves only ``count``
+        # rows instead of shifting everything down.
+        holes = np.sort(victims[victims < n_keep])
+        movers = np.flatnonzero(keep[n_keep:]) + n_keep
+        for array in (self.ids, self.weights, self.state, self.last_access):
+            array[holes] = array[movers]
+        remap = np.arange(size, dtype=np.int64)
+        remap[victims] = -1
+        remap[movers] = holes
+        self.size = n_keep
+        self.index.rebuild(self.ids[:n_keep], np.arange(n_keep, dtype=np.int64), room=size)
+        if gone is not None:  # deletions travel in increments too
+            self._log_removed(gone)
+        return remap
+
+    def _reserve(self, rows: int) -> None:
+        self.high_water = max(self.high_water, rows)
+        capacity = self.weights.shape[0]
+        if rows <= capacity:
+            return
+        new_capacity = min(max(rows, 2 * capacity), self.share)
+        assert new_capacity >= rows, "reserve past the shard's share"
+        for name in ("ids", "weights", "state", "last_access"):
+            old = getattr(self, name)
+            new = memory.empty((new_capacity, *old.shape[1:]), old.dtype)
+            new[: self.size] = old[: self.size]
+            setattr(self, name, new)
+        self.index.row_ids = self.ids
+
+    def _log_changes(self, ids: np.ndarray) -> None:
+        """Remember ``ids`` as changed (ids no longer stored are dropped on export)."""
+        if self.changed is None:
+            return
+        self.changed.append(ids.copy())
+        self.num_changed += ids.shape[0]
+        if self.num_changed > 4 * max(self.size, _INITIAL_ROWS):  # bound the log's memory
+            merged = np.unique(np.concatenate(self.changed))
+            self.changed, self.num_changed = [merged], merged.shape[0]
+
+    def _log_removed(self, ids: np.ndarray) -> None:
+        self.removed.append(ids.copy())
+        self.num_removed += ids.shape[0]
+        if self.num_removed > 4 * max(self.share // _EVICT_FRACTION, _INITIAL_ROWS):
+            # Bound the log: repeats go, and so do ids stored again since.
+            merged = np.unique(np.concatenate(self.removed))
+            merged = merged[self.index.find(merged) < 0]
+            self.removed, self.num_removed = [merged], merged.shape[0]
+
+    def take_changes(self) -> tuple[np.ndarray, ...]:
+        """Copies of the rows changed since the last call (ids, weights, state, last
+        access) of those still stored, and the ids removed since (evicted or expired) and
+        not stored again: disjoint from the rows' ids. The logs start again empty."""
+        with self.lock:
+            ids = (np.unique(np.concatenate(self.changed)) if self.changed
+                   else np.zeros(0, np.uint64))
+            removed = (np.unique(np.concatenate(self.removed)) if self.removed
+                       else np.zeros(0, np.uint64))
+            self.changed, self.num_changed = [], 0
+            self.removed, self.num_removed = [], 0
+            rows = self.index.find(ids)
+            rows = rows[rows >= 0]
+            removed = removed[self.index.find(removed) < 0]
+            return (self.ids[rows], self.weights[rows], self.state[rows],
+                    self.clock.absolute(self.last_access[rows]), removed)
+
+    def remove_ids(self, ids: np.ndarray) -> int:
+        """Delete the rows of ``ids`` (distinct) that are stored; returns how many."""
+        with self.lock:
+            rows = self.index.find(ids)
+            rows = rows[rows >= 0]
+            if rows.shape[0]:
+                self._remove(rows)
+            return int(rows.shape[0])
+
+    def update(self, ids: np.ndarray, grads: np.ndarray, tick: int) -> int:
+        """One optimizer step on the stored rows of ``ids`` (repeats summed first) at
+        lookup ``tick``; returns how many distinct rows were stepped."""
+        with self.lock:
+            self._log_changes(ids)
+            rows, grads, merged = kernels.sum_duplicate_rows(self.index.find(ids), grads,
+                                                             self.size)
+            if merged and self.table.row_dtype != "float32":
+                ids = self.ids[rows]  # the ids of the distinct rows, which key rounding
+            stamp = self.clock.stamp(tick, self.last_access[:self.size])
+            return self.table.row_step(self.weights, self.state, rows, grads,
+                                       self.last_access, stamp, ids)
+
+    def copy_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of every stored row: ids, weights, state and last access (absolute)."""
+        with self.lock:
+            n = self.size
+            return (self.ids[:n].copy(), self.weights[:n].copy(), self.state[:n].copy(),
+                    self.clock.absolute(self.last_access[:n]))
+
+    def check_fits(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows of ``ids`` (-1: absent) and how many are absent; ValueError if storing
+        them would exceed the shard's share. The caller holds ``lock``."""
+        rows = self.index.find(ids)
+        n_new = int(np.count_nonzero(rows < 0))
+        if self.size + n_new > self.share:
+            raise ValueError(f"{self.size + n_new} rows do not fit one internal shard's share "
+                             f"of {self.share} (capacity {self.table.capacity}); raise capacity")
+        return rows, n_new
+
+    def store_rows(self, ids: np.ndarray, pos: np.ndarray, weights: np.ndarray,
+                   state: np.ndarray, stamps: np.ndarray, clock: int) -> None:
+        """Store rows ``pos`` of an import (checked: distinct ids of this shard, weights
+        of the table's type), overwriting stored rows of the same ids; ``stamps`` are
+        absolute clock values, at most ``clock``."""
+        part = ids[pos]
+        with self.lock:
+            # Checked again under the lock that the store holds: a concurrent insert
+            # (training lookups of a live table) may have taken room meanwhile.
+            rows, n_new = self.check_fits(part)
+            new = rows < 0
+            self._reserve(self.size + n_new)
+            new_rows, _ = self.index.find_or_insert(part[new], self.size)
+            rows[new] = new_rows
+            self.size += n_new
+            self.ids[rows] = part
+            kernels.scatter_rows(kernel_view(self.weights), rows, kernel_view(weights), pos)
+            kernels.scatter_rows(self.state, rows, state, pos)
+            self.last_access[rows] = self.clock.relative(stamps[pos], clock,
+                                                         self.last_access[:self.size])
