@@ -138,10 +138,18 @@ def test_text_plan_and_errors(tmp_path, capsys) -> None:
 
 
 @pytest.mark.processes
-def test_a_filled_parameter_server_holds_what_the_plan_says(tmp_path) -> None:
+@pytest.mark.parametrize(("row_dtype", "optimizer"),
+                         [("float32", "adagrad"), ("float16", "rowwise-adagrad")])
+def test_a_filled_parameter_server_holds_what_the_plan_says(tmp_path, row_dtype,
+                                                            optimizer) -> None:
     # A real server started as the launcher starts it, filled by training lookups; its
     # resident memory (VmRSS) against the plan's figure for the same table and calls.
-    measured = fill_server(tmp_path, dim=32, optimizer="adagrad", rows=2_000_000)
-    planned = planned_bytes(dim=32, optimizer="adagrad", rows=2_000_000)
+    measured = fill_server(tmp_path, dim=32, optimizer=optimizer, rows=2_000_000,
+                           row_dtype=row_dtype)
+    planned = planned_bytes(dim=32, optimizer=optimizer, rows=2_000_000, row_dtype=row_dtype)
     assert measured["rows"] == 2_000_000
+    # The server stores what it was configured with (half the weights' bytes in float16).
+    assert measured["table_bytes"] == sizing.table_bytes(
+        2_000_000, 32, 1 if optimizer == "rowwise-adagrad" else 32,
+        weight_bytes=2 if row_dtype == "float16" else 4).total
     assert abs(measured["rss_bytes"] / planned - 1) <= 0.10, (measured, planned)
