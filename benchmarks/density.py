@@ -1,8 +1,8 @@
 """Resident bytes per parameter of a real parameter server, process included, beside the plan.
 
-    python -m benchmarks.density [--rows 10000000] [--dims 16,64]
-                                 [--optimizers adagrad,rowwise-adagrad,sgd]
-                                 [--row-dtypes float32] [--json PATH]
+    python -m benchmarks.density [--parts memory,accuracy] [--rows 10000000]
+                                 [--dims 16,64] [--optimizers adagrad,rowwise-adagrad,sgd]
+                                 [--row-dtypes float32,float16] [--json PATH]
 
 For each configuration, one after another (a table of 10M rows at dim 64 with Adagrad
 takes over 5 GB): a parameter server is started as ``persia-launcher`` starts one (its own
@@ -11,7 +11,11 @@ process, the launcher's malloc settings), configured with the optimizer, filled 
 Bytes per parameter are that over ``rows x dim``; beside each, what ``persia-launcher
 plan`` predicts for the same table and traffic, and the idle server's memory (the plan's
 ``PROCESS_BYTES``). JSON keys: ``bytes_per_param_dim<D>_<fp32|fp16|bf16>_<optimizer>``
-(``adagrad``, ``rowwise``, ``sgd``), ``planned_...`` and ``idle_rss_bytes``.
+(``adagrad``, ``rowwise``, ``sgd``), ``planned_...``, ``table_...`` (the resident bytes
+less the idle server's) and ``idle_rss_bytes``.
+
+``--parts accuracy`` runs what half-precision rows cost in test AUC instead (or beside,
+``memory,accuracy``): :mod:`benchmarks.density_accuracy`.
 """
 
 from __future__ import annotations
@@ -23,12 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.density_accuracy import accuracy
 from benchmarks.ps_process import parameter_server_process
 from persia_py.config import CommonConfig
 from persia_py.ids.routing import mix64
 from persia_py.launcher.plan import (
     OPTIMIZERS,
-    WEIGHT_BYTES,
     TableDemand,
     Workload,
     server_memory,
@@ -57,10 +61,11 @@ def _ids(first: int, end: int) -> np.ndarray:
 
 
 def fill_server(workdir: Path, *, dim: int, optimizer: str, rows: int,
-                chunk: int = FILL_CHUNK) -> dict[str, int]:
-    """Start a parameter server, fill one table with ``rows`` rows, and return its
-    resident memory idle (configured, a few rows stored) and full."""
-    with parameter_server_process(workdir, SLOT, dim, capacity=2 * rows) as (address, pid):
+                row_dtype: str = "float32", chunk: int = FILL_CHUNK) -> dict[str, int]:
+    """Start a parameter server, fill one table of ``row_dtype`` rows with ``rows`` rows,
+    and return its resident memory idle (configured, a few rows stored) and full."""
+    with parameter_server_process(workdir, SLOT, dim, capacity=2 * rows,
+                                  row_dtype=row_dtype) as (address, pid):
         client = PSClient(address, CommonConfig())
         try:
             client.wait_ready()
@@ -84,38 +89,62 @@ def planned_bytes(*, dim: int, optimizer: str, rows: int, row_dtype: str = "floa
     fills it (one caller, ``chunk`` ids a call), takes."""
     table = TableDemand(name=SLOT, dim=dim, distinct_ids=rows, capacity=2 * rows,
                         state_width=state_width(optimizer_from_dict(OPTIMIZERS[optimizer]),
-                                                dim))
+                                                dim), row_dtype=row_dtype)
     workload = Workload(batch_size=chunk, staleness=1, num_nn_workers=1)
-    return server_memory([table], 1, WEIGHT_BYTES[row_dtype], workload)["total"]
+    return server_memory([table], 1, workload)["total"]
+
+
+def measure_memory(rows: int, dims: list[int], optimizers: list[str],
+                   row_dtypes: list[str]) -> dict[str, float]:
+    """Every configuration in turn (one server at a time): bytes per parameter resident
+    and planned."""
+    results: dict[str, float] = {"rows": rows}
+    for row_dtype in row_dtypes:
+        for dim in dims:
+            for optimizer in optimizers:
+                with tempfile.TemporaryDirectory(prefix="density-") as tmp:
+                    measured = fill_server(Path(tmp), dim=dim, optimizer=optimizer,
+                                           rows=rows, row_dtype=row_dtype)
+                plan = planned_bytes(dim=dim, optimizer=optimizer, rows=rows,
+                                     row_dtype=row_dtype)
+                key = f"dim{dim}_{_SHORT[row_dtype]}_{_SHORT[optimizer]}"
+                params = rows * dim
+                results[f"bytes_per_param_{key}"] = measured["rss_bytes"] / params
+                results[f"planned_bytes_per_param_{key}"] = plan / params
+                # Without the process's own memory: what a row costs where servers hold
+                # billions of rows (the process is then a rounding error).
+                results[f"table_bytes_per_param_{key}"] = (
+                    measured["rss_bytes"] - measured["idle_rss_bytes"]) / params
+                results["idle_rss_bytes"] = measured["idle_rss_bytes"]
+                print(f"dim {dim:>3} {row_dtype:<8} {optimizer:<16} {rows:,} rows: "
+                      f"{measured['rss_bytes'] / params:6.2f} B/param resident "
+                      f"(plan {plan / params:6.2f}, {measured['rss_bytes'] / plan:5.3f}x); "
+                      f"idle server {measured['idle_rss_bytes'] / 2**20:,.0f} MiB", flush=True)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="memory",
+                        help="memory, accuracy or both (memory,accuracy)")
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--dims", default="16,64")
     parser.add_argument("--optimizers", default="adagrad,rowwise-adagrad,sgd")
-    parser.add_argument("--row-dtypes", default="float32",
-                        help="float32 (float16/bfloat16 once the servers store them)")
+    parser.add_argument("--row-dtypes", default="float32,float16",
+                        help="row storage types, comma-separated (float32, float16, bfloat16)")
+    parser.add_argument("--criteo-samples", type=int, default=50_000,
+                        help="training samples of the accuracy part's Criteo runs")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
-    results: dict[str, float] = {"rows": args.rows}
-    for row_dtype in args.row_dtypes.split(","):
-        for dim in (int(d) for d in args.dims.split(",")):
-            for optimizer in args.optimizers.split(","):
-                with tempfile.TemporaryDirectory(prefix="density-") as tmp:
-                    measured = fill_server(Path(tmp), dim=dim, optimizer=optimizer,
-                                           rows=args.rows)
-                plan = planned_bytes(dim=dim, optimizer=optimizer, rows=args.rows,
-                                     row_dtype=row_dtype)
-                key = f"dim{dim}_{_SHORT[row_dtype]}_{_SHORT[optimizer]}"
-                params = args.rows * dim
-                results[f"bytes_per_param_{key}"] = measured["rss_bytes"] / params
-                results[f"planned_bytes_per_param_{key}"] = plan / params
-                results["idle_rss_bytes"] = measured["idle_rss_bytes"]
-                print(f"dim {dim:>3} {row_dtype:<8} {optimizer:<16} {args.rows:,} rows: "
-                      f"{measured['rss_bytes'] / params:6.2f} B/param resident "
-                      f"(plan {plan / params:6.2f}, {measured['rss_bytes'] / plan:5.3f}x); "
-                      f"idle server {measured['idle_rss_bytes'] / 2**20:,.0f} MiB", flush=True)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"memory", "accuracy"}:
+        parser.error(f"--parts takes memory and/or accuracy, got {args.parts!r}")
+    results: dict[str, float] = {}
+    if "memory" in parts:
+        results.update(measure_memory(args.rows, [int(d) for d in args.dims.split(",")],
+                                      args.optimizers.split(","), args.row_dtypes.split(",")))
+    if "accuracy" in parts:
+        results.update(accuracy(args.criteo_samples))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -47,11 +47,13 @@ def _wait_for_port(lines: queue.Queue[str | None], stderr_path: Path) -> int:
 
 
 @contextlib.contextmanager
-def parameter_server_process(workdir: Path, slot: str, dim: int,
-                             capacity: int) -> Iterator[tuple[str, int]]:
-    """A parameter server with one slot; yields ``(address, pid)`` and stops it on exit."""
+def parameter_server_process(workdir: Path, slot: str, dim: int, capacity: int,
+                             row_dtype: str = "float32") -> Iterator[tuple[str, int]]:
+    """A parameter server with one slot of ``row_dtype`` rows; yields ``(address, pid)``
+    and stops it on exit."""
     embedding_config = workdir / "embedding_config.yml"
-    embedding_config.write_text(f"slots_config:\n  {slot}:\n    dim: {dim}\n")
+    embedding_config.write_text(f"slots_config:\n  {slot}:\n    dim: {dim}\n"
+                                f"    row_dtype: {row_dtype}\n")
     global_config = workdir / "global_config.yml"
     global_config.write_text(f"embedding_parameter_server_config:\n  capacity: {capacity}\n")
     with role_process(workdir, "embedding-parameter-server", [

@@ -33,9 +33,9 @@ slots_config:
 """
 
 
-def _plan_json(tmp_path, *args: str, capsys) -> dict:
+def _plan_json(tmp_path, *args: str, capsys, embedding: str = EMBEDDING) -> dict:
     config = tmp_path / "embedding_config.yml"
-    config.write_text(EMBEDDING)
+    config.write_text(embedding)
     assert main(["plan", "--embedding-config", str(config), "--json", *args]) == 0
     return json.loads(capsys.readouterr().out)
 
@@ -62,7 +62,7 @@ def test_plan_json_sizes_servers_to_the_machine(tmp_path, capsys) -> None:
     assert memory["process"] == PROCESS_BYTES
     demands = [TableDemand(**{k: v for k, v in t.items() if k != "rows_per_server"})
                for t in plan["tables"]]
-    fewer = server_memory(demands, plan["parameter_servers"] - 1, 4, Workload())
+    fewer = server_memory(demands, plan["parameter_servers"] - 1, Workload())
     assert fewer["total"] > 256 * 2**30 * 0.9  # one server fewer would not fit
     assert memory["weights"] == sum(t["rows_per_server"] * t["dim"] * 4 for t in plan["tables"])
 
@@ -76,6 +76,30 @@ def test_half_precision_rows_and_rowwise_state_need_fewer_servers(tmp_path, caps
     tables = {t["name"]: t for t in fp16["tables"]}
     assert tables["pair"]["state_width"] == 1
     assert fp16["bytes_per_parameter"] < fp32["bytes_per_parameter"] / 2
+
+
+def test_each_table_is_planned_in_its_configured_row_dtype(tmp_path, capsys) -> None:
+    # The file's default (float16) for the pair, c's own float32; --row-dtype overrides both.
+    mixed = EMBEDDING.replace("lr: 0.1}}", "lr: 0.1}, row_dtype: float32}") + "row_dtype: float16\n"
+    args = ("--ids-all", "1e9", "--machine-memory", "256GiB")
+    plans = {name: _plan_json(tmp_path, *args, *extra, capsys=capsys, embedding=mixed)
+             for name, extra in (("config", ()), ("fp32", ("--row-dtype", "float32")),
+                                 ("bf16", ("--row-dtype", "bfloat16")))}
+    dtypes = {name: {t["name"]: t["row_dtype"] for t in plan["tables"]}
+              for name, plan in plans.items()}
+    assert dtypes == {"config": {"pair": "float16", "c": "float32"},
+                      "fp32": {"pair": "float32", "c": "float32"},
+                      "bf16": {"pair": "bfloat16", "c": "bfloat16"}}
+    assert plans["config"]["row_dtype"] == "float16/float32"
+    for plan in plans.values():
+        tables = plan["tables"]
+        weights = sum(t["rows_per_server"] * t["dim"] * (4 if t["row_dtype"] == "float32" else 2)
+                      for t in tables)
+        assert plan["memory_per_server"]["weights"] == weights
+    assert (plans["bf16"]["bytes_per_parameter"] < plans["config"]["bytes_per_parameter"]
+            < plans["fp32"]["bytes_per_parameter"])
+    with pytest.raises(ValueError, match="table t: row_dtype must be one of"):
+        TableDemand(name="t", dim=8, distinct_ids=1, capacity=1, state_width=0, row_dtype="f8")
 
 
 def test_sample_counts_distinct_ids_and_extrapolates(tmp_path, capsys) -> None:
@@ -109,15 +133,23 @@ def test_text_plan_and_errors(tmp_path, capsys) -> None:
     assert parse_bytes("12TB") == 12 * 10**12 and parse_bytes("256GiB") == 256 * 2**30
     with pytest.raises(ValueError, match="no number of parameter servers fits"):
         make_plan([TableDemand(name="t", dim=8, distinct_ids=10, capacity=10, state_width=0)],
-                  weight_bytes=4, machine=Machine(memory_bytes=100 << 20, cores=4),
+                  machine=Machine(memory_bytes=100 << 20, cores=4),
                   workload=Workload())
 
 
 @pytest.mark.processes
-def test_a_filled_parameter_server_holds_what_the_plan_says(tmp_path) -> None:
+@pytest.mark.parametrize(("row_dtype", "optimizer"),
+                         [("float32", "adagrad"), ("float16", "rowwise-adagrad")])
+def test_a_filled_parameter_server_holds_what_the_plan_says(tmp_path, row_dtype,
+                                                            optimizer) -> None:
     # A real server started as the launcher starts it, filled by training lookups; its
     # resident memory (VmRSS) against the plan's figure for the same table and calls.
-    measured = fill_server(tmp_path, dim=32, optimizer="adagrad", rows=2_000_000)
-    planned = planned_bytes(dim=32, optimizer="adagrad", rows=2_000_000)
+    measured = fill_server(tmp_path, dim=32, optimizer=optimizer, rows=2_000_000,
+                           row_dtype=row_dtype)
+    planned = planned_bytes(dim=32, optimizer=optimizer, rows=2_000_000, row_dtype=row_dtype)
     assert measured["rows"] == 2_000_000
+    # The server stores what it was configured with (half the weights' bytes in float16).
+    assert measured["table_bytes"] == sizing.table_bytes(
+        2_000_000, 32, 1 if optimizer == "rowwise-adagrad" else 32,
+        weight_bytes=2 if row_dtype == "float16" else 4).total
     assert abs(measured["rss_bytes"] / planned - 1) <= 0.10, (measured, planned)

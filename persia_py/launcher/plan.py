@@ -88,6 +88,18 @@ class TableDemand:
     """Optimizer state columns (float32) of a row."""
     ids_per_sample: float = 1.0
     """Ids a sample brings to this table (for the messages in flight)."""
+    row_dtype: str = "float32"
+    """Storage type of its weights (a key of :data:`WEIGHT_BYTES`)."""
+
+    def __post_init__(self) -> None:
+        if self.row_dtype not in WEIGHT_BYTES:
+            raise ValueError(f"table {self.name}: row_dtype must be one of "
+                             f"{sorted(WEIGHT_BYTES)}, got {self.row_dtype!r}")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one stored weight."""
+        return WEIGHT_BYTES[self.row_dtype]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,9 +129,12 @@ class Workload:
 
 def tables_from_config(embedding: EmbeddingTablesConfig, global_config: GlobalConfig,
                        distinct_ids: dict[str, int], optimizer: str,
-                       ids_per_sample: dict[str, float] | None = None) -> list[TableDemand]:
+                       ids_per_sample: dict[str, float] | None = None,
+                       row_dtype: str | None = None) -> list[TableDemand]:
     """A :class:`TableDemand` per table of ``embedding``; a table's ids are the sum of its
-    slots' (``distinct_ids`` by slot name; a slot missing from it is an error)."""
+    slots' (``distinct_ids`` by slot name; a slot missing from it is an error). Each
+    table's rows are stored as its config says (the slot's ``row_dtype``, else the
+    file's), or all as ``row_dtype`` when given."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
     unknown = sorted(set(distinct_ids) - set(embedding.slots_config))
@@ -139,7 +154,8 @@ def tables_from_config(embedding: EmbeddingTablesConfig, global_config: GlobalCo
         demands.append(TableDemand(
             name=table, dim=first.dim, distinct_ids=sum(distinct_ids[s] for s in slots),
             capacity=capacity, state_width=state_width(cfg, first.dim),
-            ids_per_sample=sum(ids_per_sample.get(s, 1.0) for s in slots)))
+            ids_per_sample=sum(ids_per_sample.get(s, 1.0) for s in slots),
+            row_dtype=row_dtype or embedding.row_dtype_of(table)))
     return demands
 
 
@@ -151,7 +167,7 @@ def rows_per_replica(table: TableDemand, num_servers: int) -> int:
                table.capacity)
 
 
-def server_memory(tables: list[TableDemand], num_servers: int, weight_bytes: int,
+def server_memory(tables: list[TableDemand], num_servers: int,
                   workload: Workload) -> dict[str, int]:
     """Bytes of one parameter server by part, and ``total``."""
     parts = dict.fromkeys(("rows", "weights", "optimizer_state", "ids_and_stamps", "index"), 0)
@@ -159,7 +175,7 @@ def server_memory(tables: list[TableDemand], num_servers: int, weight_bytes: int
     for table in tables:
         rows = rows_per_replica(table, num_servers)
         arrays = sizing.table_bytes(rows, table.dim, table.state_width, num_shards=shards,
-                                    weight_bytes=weight_bytes)
+                                    weight_bytes=table.weight_bytes)
         parts["rows"] += rows
         parts["weights"] += arrays.weights
         parts["optimizer_state"] += arrays.state
@@ -183,17 +199,17 @@ def _in_flight(tables: list[TableDemand], num_servers: int, workload: Workload) 
     return math.ceil(per_call * calls)
 
 
-def _servers_by_memory(tables: list[TableDemand], weight_bytes: int, machine: Machine,
+def _servers_by_memory(tables: list[TableDemand], machine: Machine,
                        workload: Workload) -> int:
     """Fewest servers whose each one's memory fits ``machine`` (bisection: a server's
     bytes only shrink as servers are added)."""
     budget = machine.memory_bytes * machine.usable
 
     def fits(n: int) -> bool:
-        return server_memory(tables, n, weight_bytes, workload)["total"] <= budget
+        return server_memory(tables, n, workload)["total"] <= budget
 
     if not fits(MAX_SERVERS):
-        least = server_memory(tables, MAX_SERVERS, weight_bytes, workload)["total"]
+        least = server_memory(tables, MAX_SERVERS, workload)["total"]
         raise ValueError(f"no number of parameter servers fits machines of "
                          f"{_gib(machine.memory_bytes)}: the process and messages in flight "
                          f"alone take {_gib(least)}")
@@ -207,17 +223,16 @@ def _servers_by_memory(tables: list[TableDemand], weight_bytes: int, machine: Ma
     return low
 
 
-def make_plan(tables: list[TableDemand], *, weight_bytes: int, machine: Machine,
-              workload: Workload) -> dict:
+def make_plan(tables: list[TableDemand], *, machine: Machine, workload: Workload) -> dict:
     """The layout: servers, per-server memory by part, workers, disk (JSON-ready)."""
-    by_memory = _servers_by_memory(tables, weight_bytes, machine, workload)
+    by_memory = _servers_by_memory(tables, machine, workload)
     by_cpu = math.ceil(workload.num_nn_workers * PS_CORES_PER_NN_WORKER / machine.cores)
     num_servers = max(by_memory, by_cpu)
-    memory = server_memory(tables, num_servers, weight_bytes, workload)
+    memory = server_memory(tables, num_servers, workload)
     evicting = [t.name for t in tables
                 if t.capacity < math.ceil(t.distinct_ids / num_servers)]
     checkpoint = sum(rows_per_replica(t, num_servers) * checkpoint_row_bytes(
-        t.dim, t.state_width, weight_bytes) for t in tables)
+        t.dim, t.state_width, t.weight_bytes) for t in tables)
     nodes = math.ceil(workload.num_nn_workers / workload.nn_workers_per_node)
     notes = _index_notes(tables, num_servers, workload.num_internal_shards)
     params = sum(t.distinct_ids * t.dim for t in tables)

@@ -76,8 +76,9 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
                           "extrapolated by the sample's own growth, not K-fold)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad",
                    help="embedding optimizer of slots without their own (default adagrad)")
-    p.add_argument("--row-dtype", choices=sorted(WEIGHT_BYTES), default="float32",
-                   help="row storage type: bytes per stored weight (default float32)")
+    p.add_argument("--row-dtype", choices=sorted(WEIGHT_BYTES), default=None,
+                   help="row storage type of every table (default: each slot's row_dtype "
+                        "in the embedding config, else the file's, else float32)")
     p.add_argument("--machine-memory", type=parse_bytes, required=True, metavar="SIZE",
                    help="memory of one parameter-server machine, e.g. 256GiB or 12TB")
     p.add_argument("--machine-cores", type=int, default=32, help="its CPU cores (default 32)")
@@ -123,7 +124,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         counts, per_sample = _distinct_ids(args, list(embedding.slots_config))
         tables = tables_from_config(embedding, global_config, counts, args.optimizer,
-                                    per_sample)
+                                    per_sample, row_dtype=args.row_dtype)
         machine = Machine(memory_bytes=args.machine_memory, cores=args.machine_cores,
                           usable=args.usable_memory)
         workload = Workload(
@@ -133,11 +134,11 @@ def run_plan(args: argparse.Namespace) -> int:
             num_internal_shards=(
                 global_config.embedding_parameter_server_config.num_hashmap_internal_shards),
             update_log_max_bytes=args.update_log_max_bytes)
-        plan = make_plan(tables, weight_bytes=WEIGHT_BYTES[args.row_dtype], machine=machine,
-                         workload=workload)
+        plan = make_plan(tables, machine=machine, workload=workload)
     except ValueError as exc:
         raise SystemExit(f"persia-launcher plan: {exc}") from None
-    plan["optimizer"], plan["row_dtype"] = args.optimizer, args.row_dtype
+    plan["optimizer"] = args.optimizer
+    plan["row_dtype"] = "/".join(sorted({t.row_dtype for t in tables}))
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
 
