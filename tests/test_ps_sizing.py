@@ -19,6 +19,7 @@ from persia_py.servers.sizing import (
     capacity_warning,
     memory_limit,
     row_bytes,
+    table_sizes,
 )
 
 EMBEDDING = {"slots_config": {"user": {"dim": 32}, "item": {"dim": 8}}}
@@ -40,7 +41,8 @@ def test_half_rows_count_two_bytes_a_weight_as_the_tables_allocate_them() -> Non
     for row_dtype in ("float32", "float16", "bfloat16"):
         ps = servers[row_dtype] = ParameterServer(global_config_from_dict({}), (
             embedding_config_from_dict(dict(EMBEDDING, row_dtype=row_dtype))))
-        sizes = {t.name: t.row_bytes for t in ps.table_sizes(None)}
+        sizes = {t.name: t.row_bytes
+                 for t in table_sizes(ps.embedding_config, ps.global_config, None)}
         weight = 4 if row_dtype == "float32" else 2
         assert sizes == {"user": row_bytes(32, 0, weight), "item": row_bytes(8, 0, weight)}
         ps.configure(optimizer={"type": "sgd", "lr": 0.1})

@@ -43,16 +43,11 @@ from persia_py.config.table_policy import check_init_bounds, check_weight_bound
 from persia_py.ids.routing import RESERVED_ID, replica_of
 from persia_py.servers import call_memory
 from persia_py.servers.call_memory import LookupAnswer
-from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict, state_width
-from persia_py.servers.row_types import bytes_per_weight
-from persia_py.servers.sizing import TableSize, capacity_warning, memory_limit, row_bytes
+from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict
+from persia_py.servers.sizing import capacity_warning, memory_limit, table_sizes
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.servers.swap_lock import SwapLock
-from persia_py.servers.update_window import (
-    UpdateWindow,
-    check_worker_id,
-    checked_window,
-)
+from persia_py.servers.update_window import UpdateWindow, check_worker_id, checked_window
 from persia_py.wire.rpc import FailedPrecondition
 
 if TYPE_CHECKING:
@@ -216,20 +211,6 @@ class ParameterServer:
         self.warn_if_too_big(settings.optimizer)
         return tables
 
-    def table_sizes(self, optimizer: dict | None) -> list[TableSize]:
-        """Each table's capacity on this replica and bytes of a full row, with the
-        optimizer ``optimizer`` (a slot's own wins; None: none, as before configure)."""
-        ps_cfg = self.global_config.embedding_parameter_server_config
-        sizes = []
-        for name, slots in self.embedding_config.tables.items():
-            slot = self.embedding_config.slots_config[slots[0]]
-            chosen = slot.optimizer or optimizer
-            width = 0 if chosen is None else state_width(optimizer_from_dict(chosen), slot.dim)
-            weight_bytes = bytes_per_weight(self.embedding_config.row_dtype_of(name))
-            sizes.append(TableSize(name, slot.capacity or ps_cfg.capacity,
-                                   row_bytes(slot.dim, width, weight_bytes)))
-        return sizes
-
     def warn_if_too_big(self, optimizer: dict | None) -> str | None:
         """Log (and return) a warning when the tables, full, outgrow the memory this
         process can get (see persia_py.servers.sizing): at start, counting weights and
@@ -237,7 +218,8 @@ class ParameterServer:
         what = ("weights, optimizer state and index" if optimizer is not None else
                 "weights and index only: the optimizer's state is added when training "
                 "configures the tables")
-        message = capacity_warning(self.table_sizes(optimizer), memory_limit(), what=what)
+        sizes = table_sizes(self.embedding_config, self.global_config, optimizer)
+        message = capacity_warning(sizes, memory_limit(), what=what)
         if message is not None:
             logger.warning("parameter server %d: %s", self.replica_index, message)
         return message

@@ -22,8 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.servers.hash_index import index_bytes
 from persia_py.servers.memory import HUGE_PAGE
+from persia_py.servers.optimizers import optimizer_from_dict, state_width
+from persia_py.servers.row_types import bytes_per_weight
 from persia_py.servers.shard import row_dtypes
 
 FLOAT_BYTES = 4
@@ -181,3 +184,18 @@ def capacity_warning(tables: list[TableSize], limit: MemoryLimit | None, *,
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:,.1f} GiB"
 
+
+def table_sizes(embedding_config: EmbeddingTablesConfig, global_config: GlobalConfig,
+                optimizer: dict | None) -> list[TableSize]:
+    """Each table's capacity on one replica and bytes of a full row, with the optimizer
+    ``optimizer`` (a slot's own wins; None: none, as before configure)."""
+    default_capacity = global_config.embedding_parameter_server_config.capacity
+    sizes = []
+    for name, slots in embedding_config.tables.items():
+        slot = embedding_config.slots_config[slots[0]]
+        chosen = slot.optimizer or optimizer
+        width = 0 if chosen is None else state_width(optimizer_from_dict(chosen), slot.dim)
+        weight_bytes = bytes_per_weight(embedding_config.row_dtype_of(name))
+        sizes.append(TableSize(name, slot.capacity or default_capacity,
+                               row_bytes(slot.dim, width, weight_bytes)))
+    return sizes
