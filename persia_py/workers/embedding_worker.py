@@ -3,10 +3,10 @@
 A batch's ID features arrive from a data loader (``put_batch``), are deduplicated per
 slot and split by owning parameter-server replica at once (a :class:`RoutingPlan`, built
 while earlier batches train) and wait in the forward buffer under a ref. When an NN
-worker asks (``lookup``), the ids are fetched with one RPC per replica for all slots and
-answered as the distinct rows plus an index per id occurrence. The batch and its plan stay
-here until the NN worker's gradients for those rows come back (``update_gradients``); they
-are then sent to the same replicas by the same plan. All of it is vectorized over the batch.
+worker asks (``lookup``; a retry is answered again), the ids are fetched with one RPC per
+replica for all slots and answered as the distinct rows plus an index per id occurrence.
+The batch and its plan stay until its gradients come back (``update_gradients``), sent to
+the same replicas by the same plan. All of it is vectorized over the batch.
 
 A batch from a data loader carries its identity (the loader's stream and the batch id):
 its update goes to the parameter servers as that pair, not as this process's, so when
@@ -319,9 +319,7 @@ class EmbeddingWorker:
             batch = self._buffer.get(ref)
             if batch is None:
                 raise NotFound(f"no batch with ref {ref} on this embedding worker")
-            # Looked up already: the caller retries a lookup whose answer it never got (the
-            # link dropped while the answer travelled, or its deadline passed first). It is
-            # answered again: the batch is still trained once, its update applied once.
+            # Looked up already: a retry whose answer was lost (see the module docstring).
             claimed, batch.looked_up = not batch.looked_up, True
         try:
             rows = self._lookup(batch.slots, batch.routed(), training=batch.requires_grad)
