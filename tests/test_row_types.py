@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 from persia_py.config import ConfigError, embedding_config_from_dict
 from persia_py.config.optimizer import AdagradConfig, AdamConfig, SGDConfig
@@ -80,6 +81,47 @@ def test_float16_rounding_saturates_at_its_largest_value() -> None:
     for value in (65519.0, 65520.0, 1e6, -1e9):
         got = _rounded(value, F16, np.array([0, 0xFFFF], np.uint32))
         assert np.array_equal(np.abs(got), [65504.0, 65504.0])
+
+
+@njit
+def _round_each(values: np.ndarray, rands: np.ndarray, out: np.ndarray) -> None:
+    """float_to_f16 in a loop as the update kernels run it (vectorized, branch-free)."""
+    for i in range(values.shape[0]):
+        out[i] = float_to_f16(values[i], rands[i])
+
+
+def _stochastic_f16_reference(values: np.ndarray, rands: np.ndarray) -> np.ndarray:
+    """The rule :func:`float_to_f16` documents, in float64 numpy: the float16 below
+    ``|value|`` or the one above, the one above when the dropped fraction plus the draw
+    (its top bits, as many as the bits dropped) reaches one; 0 or 2**-24 below 2**-24
+    (the sum taken in float32, as the kernel does); saturated at 65504."""
+    a = np.abs(values.astype(np.float64))
+    exponent = np.frexp(a)[1] - 1
+    ulp = np.exp2(np.maximum(exponent, -14) - 10.0)
+    lo = np.floor(a / ulp) * ulp
+    drop = np.minimum(13 + np.maximum(-14 - exponent, 0), 23)
+    kept_bits = np.minimum(drop, 16)
+    draw = (rands >> (16 - kept_bits)).astype(np.float64) / np.exp2(kept_bits)
+    out = np.where((a - lo) / ulp + draw >= 1.0, lo + ulp, lo)
+    tiny = np.abs(values) * np.float32(2.0**24) + rands.astype(np.float32) * np.float32(2.0**-16)
+    out = np.where(a < 2.0**-24, np.where(tiny >= np.float32(1.0), 2.0**-24, 0.0), out)
+    return np.copysign(np.minimum(out, 65504.0), values)
+
+
+def test_float16_stochastic_rounding_follows_its_rule_in_every_range() -> None:
+    """Normal, subnormal, below float16's least value, and past its largest, each with
+    random draws and the extreme ones."""
+    rng = np.random.default_rng(5)
+    n = 400_000
+    values = (rng.standard_normal(n) * np.exp2(rng.uniform(-30, 18, n))).astype(np.float32)
+    values[:6] = [0.0, -0.0, 2.0**-24, -(2.0**-25), 65504.0, 65519.0]
+    rands = rng.integers(0, 1 << 16, n).astype(np.uint32)
+    rands[6:1000] = 0
+    rands[1000:2000] = 0xFFFF
+    bits = np.empty(n, np.int16)
+    _round_each(values, rands, bits)
+    ours = bits.view(np.float16).astype(np.float64)
+    assert np.array_equal(ours, _stochastic_f16_reference(values, rands))
 
 
 def _tiny_steps(row_dtype: str, stochastic: bool, steps: int = 1000) -> np.ndarray:

@@ -23,6 +23,9 @@ there (never infinity). bfloat16 has float32's range and 8 bits of precision.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -40,14 +43,19 @@ zero): a fraction of one half or more rounds up."""
 F16_MAX_BITS = 0x7BFF
 """float16's largest finite magnitude (65504), where float16 rows saturate."""
 F16_MAX = 65504.0
-_BF16_MAX_BITS = 0x7F7F
-_S3, _S16, _S23 = np.uint32(3), np.uint32(16), np.uint32(23)
-_F16_MIN_NORMAL = np.float32(2.0**-14)
+_BF16_MAX_BITS = np.uint32(0x7F7F)
+_S16, _S23, _S32 = np.uint32(16), np.uint32(23), np.uint32(32)
 _GOLDEN32, _MIX32_1 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
-_F16_MAX_F32 = 0x477FE000
+_MAGNITUDE, _SIGN = np.uint32(0x7FFFFFFF), np.uint32(0x80000000)
+_BF16_SIGN, _ALL_ONES = np.uint32(0x8000), np.uint32(0xFFFFFFFF)
+_F16_MAX_F32 = np.uint32(0x477FE000)
 """float32 bits of 65504, float16's largest finite magnitude."""
-_F16_LEAST_F32 = 0x33800000
+_F16_LEAST_F32 = np.uint32(0x33800000)
 """float32 bits of 2**-24, float16's least positive value."""
+_EXP_F16_LEAST, _EXP_F16_NORMAL, _EXP_DROP_ALL = (np.uint32(e) for e in (103, 113, 126))
+"""float32 exponents of 2**-24 and 2**-14 (float16's least value and least normal one);
+between them float16 drops ``126 - exponent`` of float32's 23 fraction bits."""
+_ZERO = np.uint32(0)
 _TWO_24 = np.float32(2.0**24)
 _RAND_UNIT = np.float32(2.0**-16)
 
@@ -108,50 +116,82 @@ def bf16_to_float(bits: np.uint16) -> np.float32:
     return np.uint32(np.uint32(bits) << _S16).view(np.float32)
 
 
+def _u32_op(name: str, build: Callable[[ir.IRBuilder, ir.Value, ir.Value], ir.Value]
+            ) -> Callable[..., Any]:
+    """A numba intrinsic ``name(a, b)`` of two uint32 values giving uint32, built by
+    ``build(builder, a, b)``. numba widens integer arithmetic to 64 bits, so the rounding's
+    hashing and bit twiddling, written as numba operators, vectorize in 64-bit lanes: half
+    the lanes, and a 64-bit multiply AVX-512 emulates. In 32-bit lanes they cost the
+    update loop next to nothing (docs/benchmarks.md, "float16 rows")."""
+    def typer(typingctx, a, b):
+        if a != types.uint32 or b != types.uint32:
+            return None  # a typing error: pass np.uint32 values
+        def codegen(context, builder, signature, args):
+            return build(builder, args[0], args[1])
+        return types.uint32(types.uint32, types.uint32), codegen
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+def _select_typer(typingctx, condition, if_true, if_false):
+    if condition != types.boolean or if_true != types.uint32 or if_false != types.uint32:
+        return None
+    def codegen(context, builder, signature, args):
+        return builder.select(*args)
+    return types.uint32(types.boolean, types.uint32, types.uint32), codegen
+
+
+_select_typer.__name__ = _select_typer.__qualname__ = "_pick32"
+_pick32: Callable[..., Any] = intrinsic(_select_typer)
+"""``_pick32(condition, if_true, if_false)``: ``if_true if condition else if_false`` for
+uint32 values, as one select: numba lowers a conditional expression to branches, which
+the vectorizer must undo (and numba's inliner warns about)."""
+
+
+_add32 = _u32_op("_add32", lambda b, x, y: b.add(x, y))
+_sub32 = _u32_op("_sub32", lambda b, x, y: b.sub(x, y))
+_mul32 = _u32_op("_mul32", lambda b, x, y: b.mul(x, y))
+_and32 = _u32_op("_and32", lambda b, x, y: b.and_(x, y))
+_or32 = _u32_op("_or32", lambda b, x, y: b.or_(x, y))
+_xor32 = _u32_op("_xor32", lambda b, x, y: b.xor(x, y))
+_shl32 = _u32_op("_shl32", lambda b, x, y: b.shl(x, y))
+_shr32 = _u32_op("_shr32", lambda b, x, y: b.lshr(x, y))
+_min32 = _u32_op("_min32", lambda b, x, y: b.select(b.icmp_unsigned("<", x, y), x, y))
+_max32 = _u32_op("_max32", lambda b, x, y: b.select(b.icmp_unsigned(">", x, y), x, y))
+
+
 @njit(cache=True, nogil=True, inline="always")
 def float_to_bf16(value: np.float32, rand16: np.uint32) -> np.uint16:
     """``value`` as bfloat16 bits, rounded away from zero when the dropped fraction plus
     ``rand16 / 2**16`` reaches one (uniform ``rand16``: stochastic rounding;
     :data:`NEAREST`: to nearest). Past the largest finite value: saturated there."""
     bits = np.float32(value).view(np.uint32)
-    sign = (bits >> _S16) & np.uint32(0x8000)
+    sign = _and32(_shr32(bits, _S16), _BF16_SIGN)
     # The low 16 bits are the fraction dropped: adding rand16 carries into the kept half
     # exactly when the fraction plus rand16 / 2**16 reaches one.
-    kept = np.uint32(((bits & np.uint32(0x7FFFFFFF)) + rand16) >> _S16)
-    return np.uint16(sign | min(kept, np.uint32(_BF16_MAX_BITS)))
+    kept = _shr32(_add32(_and32(bits, _MAGNITUDE), np.uint32(rand16)), _S16)
+    return np.uint16(_or32(sign, _min32(kept, _BF16_MAX_BITS)))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
     """``value`` as float16 bits, rounded as :func:`float_to_bf16` says; magnitudes past
-    65504 saturate there."""
+    65504 saturate there. No branch: a loop of these vectorizes."""
+    rand16 = np.uint32(rand16)
     bits = np.float32(value).view(np.uint32)
-    magnitude = bits & np.uint32(0x7FFFFFFF)
-    exponent = magnitude >> _S23
-    # float16 keeps 10 of float32's 23 fraction bits, fewer below its normal range (2**-14,
-    # float32 exponent 113): add random bits below the kept ones (a carry with the
-    # probability of the dropped fraction), clear them, and the CPU converts exactly.
-    drop = np.uint32(13) + np.uint32(max(np.int32(113) - np.int32(exponent), 0))
-    drop = min(drop, np.uint32(23))
-    noise = np.uint32(rand16 << _S16) >> (np.uint32(32) - drop)
-    kept = np.uint32(magnitude + noise) & np.uint32(np.uint32(0xFFFFFFFF) << drop)
-    kept = min(kept, np.uint32(_F16_MAX_F32))
+    magnitude = _and32(bits, _MAGNITUDE)
+    exponent = _shr32(magnitude, _S23)
+    # float16 keeps 10 of float32's 23 fraction bits, fewer below its normal range (2**-14):
+    # add random bits below the kept ones (a carry with the probability of the dropped
+    # fraction), clear them, and the CPU converts exactly.
+    drop = _sub32(_EXP_DROP_ALL, _min32(_max32(exponent, _EXP_F16_LEAST), _EXP_F16_NORMAL))
+    noise = _shr32(_shl32(rand16, _S16), _sub32(_S32, drop))
+    kept = _min32(_and32(_add32(magnitude, noise), _shl32(_ALL_ONES, drop)), _F16_MAX_F32)
     # Below 2**-24, float16's least step, the choice is between 0 and 2**-24.
     tiny = np.uint32(magnitude).view(np.float32) * _TWO_24 + np.float32(rand16) * _RAND_UNIT
-    kept = kept if exponent >= np.uint32(103) else (
-        np.uint32(_F16_LEAST_F32) if tiny >= np.float32(1.0) else np.uint32(0))
-    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))  # type: ignore[call-arg]  # numba stub
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _float_to_f16_normal(value: np.float32, rand16: np.uint32) -> np.int16:
-    """:func:`float_to_f16` of a magnitude of at least 2**-14 (float16's normal range),
-    where float16 keeps 10 of float32's 23 fraction bits: 13 random bits added below them
-    carry with the probability of the fraction dropped. No branch: it vectorizes."""
-    bits = np.float32(value).view(np.uint32)
-    kept = np.uint32((bits & np.uint32(0x7FFFFFFF)) + (rand16 >> _S3)) & np.uint32(0xFFFFE000)
-    kept = min(kept, np.uint32(_F16_MAX_F32))
-    return _f16_bits(np.uint32((bits & np.uint32(0x80000000)) | kept).view(np.float32))  # type: ignore[call-arg]  # numba stub
+    kept = _pick32(exponent >= _EXP_F16_LEAST, kept,
+                   _pick32(tiny >= np.float32(1.0), _F16_LEAST_F32, _ZERO))
+    return _f16_bits(np.uint32(_or32(_and32(bits, _SIGN), kept)).view(np.float32))  # type: ignore[call-arg]  # numba stub
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -161,9 +201,10 @@ def draw16(row_key: np.uint32, column: int, grad: np.float32, old: np.uint32) ->
     one key still draw afresh as long as either differs). One 32-bit
     multiply, which vectorizes: its top bits depend on every bit below them, and the
     row's key is a full 64-bit mix already."""
-    z = (row_key ^ np.float32(grad).view(np.uint32) ^ (old << _S16)) + (
-        np.uint32(column) * _GOLDEN32)
-    return np.uint32(z * _MIX32_1) >> _S16
+    z = _xor32(_xor32(np.uint32(row_key), np.float32(grad).view(np.uint32)),
+               _shl32(np.uint32(old), _S16))
+    z = _add32(z, _mul32(np.uint32(column), _GOLDEN32))
+    return _shr32(_mul32(z, _MIX32_1), _S16)
 
 
 # -- per-element access, specialized on the stored element type -----------------------------
@@ -200,67 +241,8 @@ def _narrow(value, old, row_key, column, grad, stochastic):
 
     def round_half(value, old, row_key, column, grad, stochastic):
         draw = draw16(row_key, column, grad, np.uint32(np.uint16(old)))
-        return to_bits(value, draw if stochastic else NEAREST)
+        return to_bits(value, _pick32(stochastic, draw, NEAREST))
     return round_half
-
-
-def work_row(weights, r, buffer):  # pragma: no cover
-    """Row ``r`` of ``weights`` as float32 to compute on (numba only): the row itself for
-    float32 weights, else ``buffer`` filled with it."""
-    raise NotImplementedError
-
-
-@overload(work_row, inline="always")
-def _work_row(weights, r, buffer):
-    if weights.dtype == types.float32:
-        return lambda weights, r, buffer: weights[r]
-
-    def widened(weights, r, buffer):
-        for d in range(buffer.shape[0]):
-            buffer[d] = widen(weights[r, d])
-        return buffer
-    return widened
-
-
-def finish_row(weights, r, row, row_id, salt, sr_key, grads, i,
-               stochastic):  # pragma: no cover
-    """Store ``row`` (from :func:`work_row`) as row ``r`` of ``weights`` (numba only):
-    nothing to do for float32 weights, else rounded (stochastically, keyed by the row's
-    id ``row_id``, ``salt`` and the gradients ``grads[i]``)."""
-    raise NotImplementedError
-
-
-@overload(finish_row, inline="always")
-def _finish_row(weights, r, row, row_id, salt, sr_key, grads, i, stochastic):
-    if weights.dtype == types.float32:
-        return lambda weights, r, row, row_id, salt, sr_key, grads, i, stochastic: None
-
-    if weights.dtype == types.uint16:
-        def rounded(weights, r, row, row_id, salt, sr_key, grads, i, stochastic):
-            key = row_key(weights[r, 0], row_id, salt, sr_key)
-            for d in range(row.shape[0]):
-                weights[r, d] = narrow(row[d], weights[r, d], key, d, grads[i, d], stochastic)
-        return rounded
-
-    def rounded_f16(weights, r, row, row_id, salt, sr_key, grads, i, stochastic):
-        # float16's normal range in one branch-free pass, which vectorizes; the rare values
-        # below it (fewer bits kept) keep their old bits there and go through the general
-        # conversion after, with the same draws.
-        key = row_key(weights[r, 0], row_id, salt, sr_key)
-        num_small = 0
-        for d in range(row.shape[0]):
-            old = weights[r, d]
-            draw = draw16(key, d, grads[i, d], np.uint32(np.uint16(old))) if stochastic else (
-                NEAREST)
-            small = abs(row[d]) < _F16_MIN_NORMAL
-            num_small += small
-            weights[r, d] = old if small else _float_to_f16_normal(row[d], draw)
-        if num_small:
-            for d in range(row.shape[0]):
-                if abs(row[d]) < _F16_MIN_NORMAL:
-                    weights[r, d] = narrow(row[d], weights[r, d], key, d, grads[i, d],
-                                           stochastic)
-    return rounded_f16
 
 
 def row_key(stored, row_id, salt, sr_key):  # pragma: no cover
