@@ -4,6 +4,10 @@ Key names follow PERSIA's. Unlike PERSIA, an unknown or misspelled key, a wrong 
 an out-of-range value stops the process with a :class:`ConfigError` naming the file, the
 key path, what was expected and, for a misspelling, the closest valid key. Each section
 is a keyword-only dataclass; its field docstrings are the reference.
+
+The package's modules: argument checks every public class uses (:mod:`.checks`), the
+optimizer and table-policy rules the API, the files and the servers share
+(:mod:`.optimizer`, :mod:`.table_policy`), and the strict YAML loading (:mod:`.strict`).
 """
 
 from __future__ import annotations

@@ -25,6 +25,11 @@ needed; without it, salt each slot with its name (``hash_values(v, salt="C1")``)
 slots that share a table (``feature_groups``) the same salt.
 
     ids = hash_values(np.array(["68fd1e64", "80e26c9b", ""]), salt="C1")  # uint64 [3]
+
+The package's modules hold what every role needs of ids: the keyed in-memory hashes
+(:mod:`.hashing`), dedup in order of first position (:mod:`.dedup`), which replica owns
+an id (:mod:`.routing`), and batch ids with the data positions checkpoints record
+(:mod:`.positions`).
 """
 
 from __future__ import annotations
