@@ -236,7 +236,7 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
             continue
         count += 1
         # The gradients first, in a loop of their own that vectorizes (widening float16
-        # element by element inside the state's loops cost Adam and row-wise Adagrad 2x).
+        # element by element inside the state's loops keeps those from vectorizing).
         for d in range(dim):
             g_row[d] = grads[i, d] + weight_decay * widen(weights[r, d])
         if kind == ADAGRAD and shared:
