@@ -156,6 +156,27 @@ def test_importing_every_worker_module_loads_no_server_module() -> None:
     assert done.stdout.strip() == "[]", done.stdout
 
 
+NO_TORCH = ["persia_py.ctx", "persia_py.embedding.data", "persia_py.env",
+            "persia_py.servers.parameter_server", "persia_py.workers.embedding_worker",
+            "persia_py.launcher.cli"]
+"""What a data loader script (``from persia_py.ctx import DataCtx``), a parameter server,
+an embedding worker and the launcher import: torch is a second of CPU and hundreds of MB
+at each start of a role that never uses it."""
+
+
+@pytest.mark.processes
+def test_roles_without_a_dense_model_load_no_torch() -> None:
+    code = ("import importlib, sys\n"
+            f"for name in {NO_TORCH!r}:\n"
+            "    importlib.import_module(name)\n"
+            "from persia_py.ctx import DataCtx\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected groups of two or more modules (Tarjan), each sorted."""
     index: dict[str, int] = {}
