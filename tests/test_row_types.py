@@ -65,7 +65,7 @@ def test_bfloat16_keeps_the_upper_half_of_float32_and_its_range() -> None:
 @pytest.mark.parametrize(("fmt", "value"), [  # (F16, 3.1e-6): a float16 subnormal
     (F16, 1.0001), (F16, -0.30001), (F16, 3.1e-6), (F16, 1234.56),
     (BF16, 1.0001), (BF16, -7.77e-3), (BF16, 3.0e20),
-], ids=str)
+], ids=lambda v: f"{v:g}" if isinstance(v, float) else "float16" if v is F16 else "bfloat16")
 def test_stochastic_rounding_is_exact_on_average(fmt, value) -> None:
     """Over every 16-bit draw, the mean of the rounded values is the value itself (to the
     draw's resolution), where rounding to nearest is off by up to half a unit."""
