@@ -58,7 +58,9 @@ class _Window:
     def poll(self, *, baseline: bool = False) -> None:
         for pid in [self.root, *descendants(self.root)]:
             try:
-                if pid not in self.role:
+                # A child polled between fork and exec shows its parent's command
+                # line: a "launcher" is named again until it has its own.
+                if self.role.get(pid, "launcher") == "launcher":
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         argv = f.read().decode(errors="replace").split("\0")
                     self.role[pid] = role_of(argv, train_script=self.train_script,

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 from benchmarks.compare import checkout, remove
-from benchmarks.role_cpu import ROLES, role_of, run_job
+from benchmarks.role_cpu import ROLES, _Window, role_of, run_job
 
 _JOB = textwrap.dedent("""
     import subprocess, sys, time
@@ -78,3 +78,37 @@ def test_a_ref_is_checked_out_importable_and_removed(tmp_path) -> None:
     listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
                             text=True).stdout
     assert str(tree) not in listed
+
+
+_EXEC_LATER = textwrap.dedent("""
+    import os, sys
+    sys.stdin.readline()  # polled here with the command line it was started with
+    burn = "import time\\nend = time.process_time() + 0.5\\nwhile time.process_time() < end: pass"
+    os.execv(sys.executable, [sys.executable, "-c", burn, "embedding-parameter-server"])
+""")
+
+
+@pytest.mark.processes
+def test_a_process_polled_before_its_exec_counts_for_the_role_it_becomes(tmp_path) -> None:
+    """A role's process polled between fork and exec shows the launcher's command line;
+    once it has its own, its CPU is its role's."""
+    child = subprocess.Popen([sys.executable, "-c", _EXEC_LATER], stdin=subprocess.PIPE)
+    try:
+        window = _Window(child.pid, train_script="train.py", loader_script="loader.py")
+        window.poll(baseline=True)
+        assert window.role[child.pid] == "launcher"
+        assert child.stdin is not None
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+        while True:  # polled while it burns, as run_job's poller does
+            window.poll()
+            try:
+                child.wait(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert window.role[child.pid] == "parameter_server"
+    assert window.seconds()["parameter_server"] > 0.2, window.seconds()
