@@ -4,6 +4,7 @@ SGD, and reproducible runs."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command, processes_with_marker
@@ -25,38 +26,60 @@ def _test_auc(job: RoleProcess, timeout: float) -> float:
         job.stop()
 
 
-@pytest.mark.skipif(not ADULT_CSV.exists(), reason=f"{ADULT_CSV} is absent")
-def test_adult_hybrid_is_as_accurate_as_sync_sgd() -> None:
+needs_adult = pytest.mark.skipif(not ADULT_CSV.exists(), reason=f"{ADULT_CSV} is absent")
+
+
+def _adult_configs(folder: Path) -> tuple[Path, dict[str, Path]]:
+    """The example's global config with float16 on the wire, and its embedding config
+    with float32 and with float16 rows."""
+    example = RUN_ADULT.parent
+    global_config = folder / "global_config.yml"
+    global_config.write_text((example / "global_config.yml").read_text()
+                             + "common_config:\n  embedding_fp16: true\n")
+    embedding = {}
+    for row_dtype in ("float32", "float16"):
+        embedding[row_dtype] = folder / f"{row_dtype}.yml"
+        embedding[row_dtype].write_text((example / "embedding_config.yml").read_text()
+                                        + f"row_dtype: {row_dtype}\n")
+    return global_config, embedding
+
+
+def _adult(global_config: Path, embedding_config: Path, *args: str) -> float:
+    return _test_auc(RoleProcess([
+        sys.executable, str(RUN_ADULT), "--csv", str(ADULT_CSV),
+        "--embedding-config", str(embedding_config), "--global-config", str(global_config),
+        *args]), 300)
+
+
+@pytest.fixture(scope="module")
+def adult_sync(tmp_path_factory) -> tuple[float, tuple[Path, dict[str, Path]]]:
+    """One epoch of sync SGD on Adult (1 rank, staleness 1, the reproducible mode),
+    float32 rows, float16 on the wire: the baseline of both tests below."""
+    configs = _adult_configs(tmp_path_factory.mktemp("adult"))
+    return _adult(configs[0], configs[1]["float32"], "--reproducible"), configs
+
+
+@needs_adult
+def test_adult_hybrid_is_as_accurate_as_sync_sgd(adult_sync) -> None:
     """One epoch: sync (1 rank, staleness 1) and hybrid (2 ranks, staleness 8) both reach
     AUC 0.900, and hybrid is no more than 0.002 below sync."""
-    sync = _test_auc(RoleProcess([sys.executable, str(RUN_ADULT), "--csv", str(ADULT_CSV)]), 300)
-    hybrid = _test_auc(RoleProcess([sys.executable, str(RUN_ADULT), "--csv", str(ADULT_CSV),
-                                    "--nproc-per-node", "2", "--embedding-staleness", "8"]), 300)
+    sync, (global_config, embedding) = adult_sync
+    hybrid = _adult(global_config, embedding["float32"], "--nproc-per-node", "2",
+                    "--embedding-staleness", "8")
     assert sync >= 0.900, sync
     assert hybrid >= 0.900, hybrid
     assert hybrid >= sync - 0.002, (sync, hybrid)
 
 
-@pytest.mark.skipif(not ADULT_CSV.exists(), reason=f"{ADULT_CSV} is absent")
-def test_adult_float16_rows_are_as_accurate_as_float32_rows(tmp_path) -> None:
+@needs_adult
+def test_adult_float16_rows_are_as_accurate_as_float32_rows(adult_sync) -> None:
     """Sync SGD, the same seeds and batch order, float16 on the wire: the rows stored in
     float16 (updated with stochastic rounding, sent as stored) end within 0.001 test AUC
     of float32 rows."""
-    example = RUN_ADULT.parent
-    global_config = tmp_path / "global_config.yml"
-    global_config.write_text((example / "global_config.yml").read_text()
-                             + "common_config:\n  embedding_fp16: true\n")
-    aucs = {}
-    for row_dtype in ("float32", "float16"):
-        embedding_config = tmp_path / f"{row_dtype}.yml"
-        embedding_config.write_text((example / "embedding_config.yml").read_text()
-                                    + f"row_dtype: {row_dtype}\n")
-        aucs[row_dtype] = _test_auc(RoleProcess([
-            sys.executable, str(RUN_ADULT), "--csv", str(ADULT_CSV), "--reproducible",
-            "--embedding-config", str(embedding_config),
-            "--global-config", str(global_config)]), 300)
-    assert aucs["float32"] >= 0.900, aucs
-    assert abs(aucs["float16"] - aucs["float32"]) <= 0.001, aucs
+    float32, (global_config, embedding) = adult_sync
+    float16 = _adult(global_config, embedding["float16"], "--reproducible")
+    assert float32 >= 0.900, float32
+    assert abs(float16 - float32) <= 0.001, (float32, float16)
 
 
 def test_reproducible_runs_give_identical_losses(tmp_path) -> None:
