@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from persia_py.checkpoint import layout as fmt
-from persia_py.checkpoint.dense import read_full_model
 from persia_py.checkpoint.dense_export import DenseModelSlot
 from persia_py.config import CommonConfig
 from persia_py.ctx import InferCtx
@@ -85,7 +84,12 @@ def load_dense_model(factory: Callable[[], torch.nn.Module],
     folder = fmt.resolve(checkpoint)
     model = build_model(factory)
     # Whole or sharded (FSDP: every rank's shards, gathered here in one process).
-    model.load_state_dict(read_full_model(folder))
+    if fmt.is_sharded(folder):
+        from persia_py.checkpoint.dense import read_full_model  # torch.distributed.checkpoint
+
+        model.load_state_dict(read_full_model(folder))
+    else:
+        model.load_state_dict(fmt.load_tensors(folder, "dense-model"))
     return model.eval()
 
 

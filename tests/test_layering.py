@@ -177,6 +177,21 @@ def test_roles_without_a_dense_model_load_no_torch() -> None:
     assert done.stdout.strip() == "[]", done.stdout
 
 
+@pytest.mark.processes
+def test_a_rank_loads_torch_distributed_checkpoint_only_for_a_sharded_model() -> None:
+    """``torch.distributed.checkpoint`` (with DTensor and sympy) costs each rank's start
+    about a second of CPU; only FSDP jobs and sharded checkpoints use it."""
+    code = ("import sys\n"
+            "from persia_py.ctx import TrainCtx, InferCtx\n"
+            "import persia_py.data, persia_py.serving, persia_py.checkpoint.coordinator\n"
+            "print(sorted(m for m in sys.modules if m.startswith("
+            "('torch.distributed.checkpoint', 'sympy'))))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected groups of two or more modules (Tarjan), each sorted."""
     index: dict[str, int] = {}

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from persia_py.checkpoint import dense as dense_checkpoint
 from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.stateful import Stateful, TrainState
 from persia_py.config import CheckpointConfig, CommonConfig
@@ -425,16 +424,21 @@ class Checkpointer(WorldJoinable):
             dist.broadcast(raw, src=0)
             token = bytes(raw.cpu().tolist()).decode()
         tmp = fmt.new_tmp_dir(root, token)
+        from persia_py.checkpoint import dense as dense_checkpoint  # FSDP jobs only: heavy
+
         dense_checkpoint.save_sharded(tmp, self._model, self._optimizer)
         return token
 
     def _load_dense(self, folder: Path) -> None:
         """The dense model and optimizer, from either format into either kind of model."""
         model, optimizer = self._model, self._optimizer
-        if dense_checkpoint.is_sharded(folder):
-            dense_checkpoint.load_sharded(folder, model, optimizer)
-        elif self.sharded_dense:
-            dense_checkpoint.load_full_into_sharded(folder, model, optimizer)
+        if fmt.is_sharded(folder) or self.sharded_dense:
+            from persia_py.checkpoint import dense as dense_checkpoint  # heavy: see is_sharded
+
+            if fmt.is_sharded(folder):
+                dense_checkpoint.load_sharded(folder, model, optimizer)
+            else:
+                dense_checkpoint.load_full_into_sharded(folder, model, optimizer)
         else:
             model.load_state_dict(fmt.load_tensors(folder, "dense-model"))
             fmt.load_optimizer(folder, "dense-optimizer", optimizer)

@@ -52,7 +52,7 @@ from torch.futures import Future
 from persia_py.checkpoint import layout as fmt
 from persia_py.ops import safe_files
 
-DCP_METADATA = "dense-dcp.json"
+DCP_METADATA = fmt.DCP_METADATA
 """DCP's metadata, as JSON."""
 SHARDED_STATE = "dense-sharded.json"
 """Optimizer param groups and plain (non-tensor) optimizer values."""
@@ -220,11 +220,6 @@ class JsonStorageReader(StorageReader):
 # -- the dense state ------------------------------------------------------------------------
 
 
-def is_sharded(folder: str | os.PathLike) -> bool:
-    """Whether the checkpoint folder holds a sharded (DCP) dense state."""
-    return (Path(folder) / DCP_METADATA).is_file()
-
-
 def _optimizer_state(optim_sd: Mapping[str, object]) -> dict[str, dict[str, Any]]:
     """``optim_sd["state"]`` of ``get_state_dict``: parameter FQN -> its state (torch
     types each value of an optimizer state dict as a dict or a list of dicts)."""
@@ -301,7 +296,7 @@ def read_full_model(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The whole dense model of a checkpoint folder, sharded or not, read in this process
     alone (no process group): e.g. for serving, or to compare two checkpoints."""
     folder = Path(folder)
-    if not is_sharded(folder):
+    if not fmt.is_sharded(folder):
         return fmt.load_tensors(folder, "dense-model")
     metadata = JsonStorageReader(folder).read_metadata()
     tensors = {fqn: _tensor_metadata(fqn, md) for fqn, md in metadata.state_dict_metadata.items()

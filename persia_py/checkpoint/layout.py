@@ -55,8 +55,17 @@ FORMAT = "persia_py-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
+DCP_METADATA = "dense-dcp.json"
+"""Index of an FSDP job's sharded dense state (:mod:`persia_py.checkpoint.dense`)."""
 _KEEP = 2
 """Complete checkpoints kept in a root (the newest ones); older ones are removed."""
+
+
+def is_sharded(folder: str | os.PathLike) -> bool:
+    """Whether the checkpoint folder holds a sharded (DCP) dense state. Here, not in
+    :mod:`persia_py.checkpoint.dense`: importing ``torch.distributed.checkpoint`` costs a
+    rank's start about a second of CPU, which a job without FSDP need not pay."""
+    return (Path(folder) / DCP_METADATA).is_file()
 
 
 # -- the root: temporary folders, commit, LATEST --------------------------------------------
