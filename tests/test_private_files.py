@@ -86,9 +86,9 @@ def test_local_refuses_a_run_folder_others_may_write_into(tmp_path) -> None:
 
 
 def test_every_log_is_written_0600_whatever_the_umask(tmp_path, umask, monkeypatch) -> None:
-    from persia_py.dense.process_group import report_failure
     from persia_py.input.stream_reader import StreamPosition
     from persia_py.launcher.recovery import TrainingRecovery
+    from persia_py.ops.final_errors import report_failure
     from persia_py.servers.update_log import UpdateLog
     from persia_py.stream_source import PositionLog
     from persia_py.telemetry.progress import StepReporter

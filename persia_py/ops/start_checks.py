@@ -9,9 +9,10 @@ server's ``--checkpoint-root`` overrides it). Left to the first checkpoint, such
 would cost the training up to it, and a supervisor would restart the job into the same
 error. So ``persia-launcher local`` checks them before it starts any process, each
 ``persia-launcher`` role as it starts, and ``TrainCtx`` when it is made; and a role that
-stops on a config error before it made any progress exits with :data:`CONFIG_EXIT_CODE`,
-which ``persia-launcher local`` and the Kubernetes manifests take as final: no restart
-(it would stop the same way).
+stops on a config error before it made any progress (a user's script too:
+:mod:`persia_py.ops.final_errors`) exits with :data:`CONFIG_EXIT_CODE`, which
+``persia-launcher local`` and the Kubernetes manifests take as final: no restart (it
+would stop the same way).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ CONFIG_EXIT_CODE = 78
 """Exit code of a role that stopped on a config error (``EX_CONFIG`` of sysexits.h):
 final, never restarted."""
 RANK_CONFIG_ERROR = "stopped on a config error"
-"""What an NN-worker rank's line in ``$PERSIA_RANK_FAILED_FILE`` says when ``TrainCtx``
-refused its arguments or config at start; ``persia-launcher nn-worker`` then stops
-torchrun (which would restart the ranks into the same error) and exits
-:data:`CONFIG_EXIT_CODE`."""
+"""What an NN-worker rank's line in ``$PERSIA_RANK_FAILED_FILE`` says when it stopped on
+a config error before its first training step (its script's, or ``TrainCtx``'s refusal
+of its arguments or config: :mod:`persia_py.ops.final_errors`); ``persia-launcher
+nn-worker`` then stops torchrun (which would restart the ranks into the same error) and
+exits :data:`CONFIG_EXIT_CODE`."""
 
 _RULES = {
     # key -> (allowed depths below the root, the rule in words)
