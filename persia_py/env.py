@@ -30,11 +30,6 @@ ENV_DATA_LOADER_REPLAY = "PERSIA_DATA_LOADER_REPLAY_HANDOVERS"
 """``1``: the loader was restarted alone; it goes on where its handover log ends."""
 ENV_NN_WORLD_SIZE = "PERSIA_NN_WORKER_WORLD_SIZE"
 ENV_BIND_HOST = "PERSIA_BIND_HOST"
-ENV_RANK_FAILED_FILE = "PERSIA_RANK_FAILED_FILE"
-"""Where an NN-worker rank that fails writes why, for ``persia-launcher nn-worker``."""
-ENV_FINAL_CONFIG_ERRORS = "PERSIA_FINAL_CONFIG_ERRORS"
-"""``1``: this process runs a user's script for ``persia-launcher``, which takes a config
-error before any progress as final (persia_py/ops/final_errors.py)."""
 
 
 def job_env(*, ps_addrs: list[str], embedding_worker_addrs: list[str],

@@ -13,8 +13,12 @@ import textwrap
 
 import pytest
 
-from persia_py.env import ENV_FINAL_CONFIG_ERRORS, ENV_RANK_FAILED_FILE
-from persia_py.ops.start_checks import CONFIG_EXIT_CODE, RANK_CONFIG_ERROR
+from persia_py.ops.final_errors import (
+    CONFIG_EXIT_CODE,
+    ENV_FINAL_CONFIG_ERRORS,
+    ENV_RANK_FAILED_FILE,
+    RANK_CONFIG_ERROR,
+)
 
 pytestmark = pytest.mark.processes
 

@@ -17,8 +17,9 @@ from conftest import EXAMPLE, launcher_command
 
 from persia_py.checkpoint import rewind
 from persia_py.config import GlobalConfig
-from persia_py.env import ENV_RANK_FAILED_FILE, PersiaEnv
+from persia_py.env import PersiaEnv
 from persia_py.ids.positions import DataPositions, Position
+from persia_py.ops.final_errors import ENV_RANK_FAILED_FILE
 from persia_py.ops.private_files import UnsafeFolderError, private_folder
 
 

@@ -11,8 +11,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from persia_py.env import ENV_RANK_FAILED_FILE
-from persia_py.ops.start_checks import CONFIG_EXIT_CODE, RANK_CONFIG_ERROR
+from persia_py.ops.final_errors import CONFIG_EXIT_CODE, ENV_RANK_FAILED_FILE, RANK_CONFIG_ERROR
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36

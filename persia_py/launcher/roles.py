@@ -24,7 +24,6 @@ from persia_py.env import (
     ENV_DATA_LOADER_REPLICA_INDEX,
     ENV_DATA_LOADER_REPLICA_SIZE,
     ENV_EMBEDDING_CONFIG,
-    ENV_FINAL_CONFIG_ERRORS,
     ENV_GLOBAL_CONFIG,
     ENV_PS_ADDRS,
     PersiaEnv,
@@ -33,6 +32,7 @@ from persia_py.launcher import job_token
 from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
 from persia_py.ops import allocator
+from persia_py.ops.final_errors import ENV_FINAL_CONFIG_ERRORS
 from persia_py.ops.start_checks import check_checkpoint_paths
 from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import ENV_METRICS_PORT, serve_metrics

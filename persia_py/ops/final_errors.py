@@ -1,5 +1,5 @@
 """A config error that ends a user's script before its role made progress ends the role
-for good, with :data:`~persia_py.ops.start_checks.CONFIG_EXIT_CODE`.
+for good, with :data:`CONFIG_EXIT_CODE`.
 
 ``persia-launcher`` checks both config files before it starts a user's script (the NN
 worker's training script under torchrun, a data loader's script), but the script can
@@ -8,21 +8,22 @@ still stop on a config error of its own: a config file it reads through
 key), or arguments a context refuses as it is made (:func:`config_errors_are_final`).
 torchrun, ``persia-launcher local`` and Kubernetes would start the script again into the
 same error. So in a process that ``persia-launcher`` started for a user's script
-(:data:`~persia_py.env.ENV_FINAL_CONFIG_ERRORS`: importing persia_py installs the hook
-then, see persia_py/__init__.py), an uncaught config error raised before the role made
+(:data:`ENV_FINAL_CONFIG_ERRORS`: importing persia_py installs the hook then, see
+persia_py/__init__.py), an uncaught config error raised before the role made
 progress
 
 * is printed as any uncaught error;
 * on an NN-worker rank, is written to ``$PERSIA_RANK_FAILED_FILE`` as
-  :data:`~persia_py.ops.start_checks.RANK_CONFIG_ERROR` (torchrun restarts ranks whatever
+  :data:`RANK_CONFIG_ERROR` (torchrun restarts ranks whatever
   their exit code, so ``persia-launcher nn-worker`` stops it on that line and exits 78:
   :func:`persia_py.launcher.processes.run_torchrun`), and the rank waits to be stopped;
 * ends the process with exit code 78 (a data loader's role passes it on).
 
 Progress (:func:`made_progress`) is a rank's first training step or a loader's first
 batch sent. An error after it, a config error too, is an ordinary failure: the role is
-restarted and goes on from its progress (a checkpoint, its handover log). Network errors
-are never config errors.
+restarted and goes on from its progress (a checkpoint, its handover log). A network
+error is never a config error (none is a ConfigError, nor raised inside
+:func:`refusals_are_config_errors` as a ValueError or TypeError).
 """
 
 from __future__ import annotations
@@ -35,16 +36,29 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 
-from persia_py.config.strict import ConfigError
-from persia_py.env import ENV_FINAL_CONFIG_ERRORS, ENV_RANK_FAILED_FILE
+# Only the standard library below: every import of persia_py loads this module.
 from persia_py.ops.private_files import append_private
-from persia_py.ops.start_checks import CONFIG_EXIT_CODE, RANK_CONFIG_ERROR
 
-__all__ = ["config_errors_are_final", "install_from_environ", "is_config_error",
-           "made_progress", "refusals_are_config_errors", "report_failure"]
+__all__ = ["CONFIG_EXIT_CODE", "RANK_CONFIG_ERROR", "config_errors_are_final",
+           "install_from_environ", "is_config_error", "made_progress",
+           "refusals_are_config_errors", "report_failure"]
+
+CONFIG_EXIT_CODE = 78
+"""Exit code of a role that stopped on a config error (``EX_CONFIG`` of sysexits.h):
+final, never restarted."""
+RANK_CONFIG_ERROR = "stopped on a config error"
+"""What an NN-worker rank's line in ``$PERSIA_RANK_FAILED_FILE`` says when it stopped on
+a config error before its first training step (its script's, or ``TrainCtx``'s refusal
+of its arguments or config); ``persia-launcher nn-worker`` then stops torchrun (which
+would restart the ranks into the same error) and exits :data:`CONFIG_EXIT_CODE`."""
+ENV_FINAL_CONFIG_ERRORS = "PERSIA_FINAL_CONFIG_ERRORS"
+"""``1``: this process runs a user's script for ``persia-launcher``, which takes a config
+error before any progress as final."""
+ENV_RANK_FAILED_FILE = "PERSIA_RANK_FAILED_FILE"
+"""Where an NN-worker rank that fails writes why, for ``persia-launcher nn-worker``."""
 
 _MARK = "_persia_config_error_at_start"
-"""Attribute set on an error :func:`config_errors_are_final` let through."""
+"""Attribute set on an error :func:`refusals_are_config_errors` let through."""
 
 _STOPPED_WITHIN_SEC = 30.0
 """Longest a rank that reported a config error waits for its node's launcher to stop it.
@@ -94,7 +108,11 @@ def config_errors_are_final(init: Callable[..., None]) -> Callable[..., None]:
 def is_config_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a config error a restart would meet again: a ConfigError, or an
     error a context refused its arguments with (:func:`refusals_are_config_errors`)."""
-    return isinstance(exc, ConfigError) or getattr(exc, _MARK, False) is True
+    # Not imported here (it loads numpy and yaml); a process that never imported it
+    # raised no ConfigError.
+    strict = sys.modules.get("persia_py.config.strict")
+    return ((strict is not None and isinstance(exc, strict.ConfigError))
+            or getattr(exc, _MARK, False) is True)
 
 
 class _StopForGood:
