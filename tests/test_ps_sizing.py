@@ -28,15 +28,15 @@ ADAM = {"type": "adam", "lr": 0.01}
 
 def test_row_bytes_by_dim_and_optimizer() -> None:
     adagrad = optimizer_from_dict({"type": "adagrad", "lr": 0.01})
-    # dim 32: weights 128 B, id + stamp 12 B, index 8 B; Adagrad adds 128 B.
-    assert row_bytes(32, 0) == 148
-    assert row_bytes(32, state_width(adagrad, 32)) == 276
-    assert row_bytes(32, state_width(optimizer_from_dict(ADAM), 32)) == 4 * (32 + 65) + 20
+    # dim 32: weights 128 B, id + stamp 10 B, index 8 B; Adagrad adds 128 B.
+    assert row_bytes(32, 0) == 146
+    assert row_bytes(32, state_width(adagrad, 32)) == 274
+    assert row_bytes(32, state_width(optimizer_from_dict(ADAM), 32)) == 4 * (32 + 65) + 18
 
 
 def test_half_rows_count_two_bytes_a_weight_as_the_tables_allocate_them() -> None:
     rowwise = optimizer_from_dict({"type": "adagrad", "vectorwise_shared": True})
-    assert row_bytes(64, state_width(rowwise, 64), weight_bytes=2) == 2 * 64 + 4 + 20
+    assert row_bytes(64, state_width(rowwise, 64), weight_bytes=2) == 2 * 64 + 4 + 18
     servers = {}
     for row_dtype in ("float32", "float16", "bfloat16"):
         ps = servers[row_dtype] = ParameterServer(global_config_from_dict({}), (

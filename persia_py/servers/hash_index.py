@@ -38,6 +38,7 @@ from numba import njit
 from persia_py.ids.hashing import HashKey, keyed_hash_one
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers import memory
+from persia_py.servers.access_clock import STAMP_DTYPE
 from persia_py.servers.kernels import PREFETCH_AHEAD, prefetch_item, prefetch_row
 
 MIN_SLOTS = 16
@@ -227,8 +228,9 @@ def _rehash_kernel(old: np.ndarray, old_row_mask: np.uint64, slots: np.ndarray,
         if v == 0:
             continue
         r = np.int64(v & old_row_mask) - 1
-        s, tag = _home_and_tag(keyed_hash_one(row_ids[r], words), num_slots, tag_mask,
-                               row_bits)
+        home, tag = _home_and_tag(keyed_hash_one(row_ids[r], words), num_slots, tag_mask,
+                                  row_bits)
+        s = int(home)
         while slots[s] != 0:
             s = _next(s, num_slots)
         slots[s] = tag | np.uint64(r + 1)
@@ -253,7 +255,7 @@ def _longest_run(slots: np.ndarray) -> int:
 
 _NO_ROWS = np.zeros(0, np.int64)
 _NO_WEIGHTS = np.zeros((0, 1), np.float32)
-_NO_STAMPS = np.zeros(0, np.uint32)
+_NO_STAMPS = np.zeros(0, STAMP_DTYPE)
 
 
 def slots_for(entries: int, minimum: int = MIN_SLOTS) -> int:
