@@ -149,6 +149,19 @@ def test_eviction_spares_exactly_the_batch_rows_when_stamps_are_coarse() -> None
         assert {2, 100} <= kept and len(kept) <= 4
 
 
+def test_expiry_with_coarse_stamps_is_late_by_under_a_unit_never_early() -> None:
+    with _table(capacity=100) as table:
+        shard = table._shards[0]
+        shard.clock.shift = 2  # units of 4 lookups: ticks 1-3 in unit 0, 4-7 in unit 1
+        for tick in range(1, 6):  # id t looked up at tick t
+            table.lookup(np.array([tick], np.uint64), insert=True)
+        shard.expire(3)  # ids 1 and 2 are due, but unit 0 also holds tick 3: late
+        assert table.num_entries == 5
+        shard.expire(4)  # unit 0 wholly before the cutoff
+        assert sorted(table.export_rows()["ids"].tolist()) == [4, 5]
+        assert shard.clock.shift == 0  # the pass refined the unit: ticks 4-5 are exact
+
+
 def test_checkpoint_stamps_past_32_bits_round_trip_and_steer_eviction() -> None:
     clock = 2**40
     ids = np.arange(1, 9, dtype=np.uint64)

@@ -70,7 +70,7 @@ class AccessClock:
         first when it would not fit. Ticks before ``base`` (a late caller) stamp 0."""
         self.latest = max(self.latest, tick)
         if (tick - self.base) >> self.shift > _LIMIT:
-            self.rebase(tick, stamps)
+            self.rebase(self.latest, stamps)  # rows a later tick stamped fit too
         return max(tick - self.base, 0) >> self.shift
 
     def cutoff(self, tick: int) -> int:

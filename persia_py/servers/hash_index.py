@@ -16,7 +16,7 @@ count (multiply and shift, "fastrange") instead of masked. A growth goes to the 
 such count, 1.14 to 1.25 times the last, so the load stays between 0.48 and 0.6 and a
 row costs 6.7 to 8.3 bytes of index, where doubling a power-of-two array left it
 anywhere between 6.7 and 13.3. The price is more rehashing: a row is rehashed about six
-times on its way into a large index instead of about twice, each growth one pass over
+times on its way into a large index instead of once or twice, each growth one pass over
 the slots with the shard's lock held, shorter than a doubling's but four times as often.
 Fuller arrays were tried: at 4/5 the longest runs of occupied slots reach hundreds of
 slots (what a crafted-id test bounds), and probes starting at a bucket's first slot
