@@ -28,15 +28,15 @@ ADAM = {"type": "adam", "lr": 0.01}
 
 def test_row_bytes_by_dim_and_optimizer() -> None:
     adagrad = optimizer_from_dict({"type": "adagrad", "lr": 0.01})
-    # dim 32: weights 128 B, id + stamp 12 B, index 10 B; Adagrad adds 128 B.
-    assert row_bytes(32, 0) == 150
-    assert row_bytes(32, state_width(adagrad, 32)) == 278
-    assert row_bytes(32, state_width(optimizer_from_dict(ADAM), 32)) == 4 * (32 + 65) + 22
+    # dim 32: weights 128 B, id + stamp 10 B, index 8 B; Adagrad adds 128 B.
+    assert row_bytes(32, 0) == 146
+    assert row_bytes(32, state_width(adagrad, 32)) == 274
+    assert row_bytes(32, state_width(optimizer_from_dict(ADAM), 32)) == 4 * (32 + 65) + 18
 
 
 def test_half_rows_count_two_bytes_a_weight_as_the_tables_allocate_them() -> None:
     rowwise = optimizer_from_dict({"type": "adagrad", "vectorwise_shared": True})
-    assert row_bytes(64, state_width(rowwise, 64), weight_bytes=2) == 2 * 64 + 4 + 22
+    assert row_bytes(64, state_width(rowwise, 64), weight_bytes=2) == 2 * 64 + 4 + 18
     servers = {}
     for row_dtype in ("float32", "float16", "bfloat16"):
         ps = servers[row_dtype] = ParameterServer(global_config_from_dict({}), (
@@ -100,8 +100,8 @@ def test_parameter_server_warns_at_start_and_at_configure(caplog) -> None:
     available = memory_limit()
     if available is None:
         pytest.fail("no memory figure on this machine: /proc/meminfo is unreadable")
-    # Rows of 150 + 54 bytes (weights and index): a capacity just above what fits.
-    too_many = available.bytes // (150 + 54) + 1
+    # Rows of the two tables without optimizer state: a capacity just above what fits.
+    too_many = available.bytes // (row_bytes(32, 0) + row_bytes(8, 0)) + 1
     with caplog.at_level(logging.WARNING, logger="persia_py.servers.parameter_server"):
         server = _server(too_many)
     start = [r.getMessage() for r in caplog.records]
@@ -129,7 +129,9 @@ def test_a_parameter_server_process_prints_the_warning_at_start(tmp_path) -> Non
                          "--global-config", str(tmp_path / "global_config.yml"))
     try:
         output = ps.output()
-        assert "1,000,000,000,000 rows x 150 B = 139,698.4 GiB" in output, output
+        row = row_bytes(32, 0)
+        assert (f"1,000,000,000,000 rows x {row} B = {row * 10**12 / 2**30:,.1f} GiB"
+                in output), output
         assert "it can get (" in output and "lower embedding_parameter_server_config" in output
     finally:
         ps.stop()

@@ -1,4 +1,4 @@
-"""What a row costs besides its weights: the id, a 4-byte access stamp and the index."""
+"""What a row costs besides its weights: the id, a 2-byte access stamp and the index."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from persia_py.servers import sizing
-from persia_py.servers.access_clock import AccessClock
+from persia_py.servers.access_clock import STAMP_DTYPE, AccessClock
 from persia_py.servers.hash_index import HashIndex, index_bytes, slot_dtype, slots_for
 from persia_py.servers.optimizers import SGDConfig
 from persia_py.servers.storage import EmbeddingTable
@@ -30,9 +30,10 @@ def test_bookkeeping_is_at_most_24_bytes_a_row_on_average_over_growth() -> None:
             ids = np.arange(first + 1, first + 10_001, dtype=np.uint64)
             table.lookup(ids, insert=True)
             per_row.append(_bookkeeping_bytes(shard) / shard.size)
-    # 8 (id) + 4 (stamp) + 4-byte slots at 3/10..3/5 load: 18.7 to 25.3 bytes.
-    assert float(np.mean(per_row)) <= 24.0, per_row
-    assert max(per_row) <= 8 + 4 + 4 * 10 / 3 + 0.01, per_row
+    # 8 (id) + 2 (stamp) + 4-byte slots at 0.48..3/5 load: 16.7 to 18.3 bytes (the
+    # smallest indexes, of 16 to 56 slots, are emptier).
+    assert float(np.mean(per_row)) <= 18.5, per_row
+    assert max(per_row) <= 8 + 2 + 4 / 0.48 + 0.01, per_row
     # sizing plans with the very slot count the index reaches.
     assert shard.index.nbytes == index_bytes(shard.size)
 
@@ -67,21 +68,98 @@ def test_index_reads_ids_from_the_table_array_it_is_given() -> None:
         index.find_or_insert(np.array([13], np.uint64), next_row=64)
 
 
-def test_access_clock_rebases_without_losing_order() -> None:
-    clock = AccessClock()
-    stamps = np.zeros(4, np.uint32)
-    for row, tick in enumerate((5, 2**31 + 200, 2**32 - 2, 2**32 - 1)):
+def _stamp_all(clock: AccessClock, ticks: list[int]) -> np.ndarray:
+    """Stamps of rows touched at ``ticks`` (in order), as a shard stamps them."""
+    stamps = np.zeros(len(ticks), STAMP_DTYPE)
+    for row, tick in enumerate(ticks):
         stamps[row] = clock.stamp(tick, stamps[:row])
-    assert clock.base == 0
-    now = clock.stamp(2**32 + 100, stamps)  # past the limit: base moves on
-    assert clock.base == 2**32 + 100 - 2**31
-    # The oldest row is clamped to the base (at least 2**31 ticks old); the others keep
-    # their exact ages, and the order LRU needs holds.
-    np.testing.assert_array_equal(clock.absolute(stamps)[1:], [2**31 + 200, 2**32 - 2, 2**32 - 1])
-    assert int(clock.absolute(stamps)[0]) == clock.base
-    assert np.all(np.diff(stamps.astype(np.int64)) >= 0) and now > int(stamps.max())
-    assert clock.cutoff(clock.base - 10) == 0
-    assert clock.cutoff(2**32 + 101) == now + 1
+    return stamps
+
+
+def test_access_clock_stays_exact_while_rows_span_fewer_than_2_15_lookups() -> None:
+    clock = AccessClock()
+    ticks = [2**40 + t for t in (0, 3, 10_000, 30_000)]
+    stamps = _stamp_all(clock, ticks)
+    assert clock.shift == 0 and clock.base == 2**40  # one rebase, at the first row
+    np.testing.assert_array_equal(clock.absolute(stamps), ticks)
+    assert clock.stamp(2**40 - 7, stamps) == 0  # a late caller: before the base
+    assert clock.cutoff(2**40 - 7) == 0 and clock.cutoff(2**40 + 4) == 4
+
+
+def test_access_clock_coarsens_instead_of_clamping_and_keeps_the_lru_order() -> None:
+    clock = AccessClock()
+    ticks = [5, 6, 40_000, 2**20, 2**20 + 1, 2**31 + 200, 2**32 - 2]
+    stamps = _stamp_all(clock, ticks)
+    assert clock.base == 5 and clock.shift > 0
+    # No row is clamped: the order LRU needs holds (ties only within a unit) ...
+    assert np.all(np.diff(stamps.astype(np.int64)) >= 0) and stamps[0] < stamps[3]
+    # ... and every row reads as touched at the last tick of its unit: never older than
+    # it is, younger by less than one unit.
+    unit = 1 << clock.shift
+    absolute = clock.absolute(stamps)
+    assert np.all(absolute >= ticks) and np.all(absolute - ticks < unit)
+    # Expiry takes a row only once its whole unit is before the cutoff: never early.
+    for cutoff in (6, 7, 40_001, 2**20 + 2, 2**31 + 201, 2**32):
+        expired = stamps < clock.cutoff(cutoff)
+        assert not np.any(expired & (np.array(ticks) >= cutoff)), cutoff
+        assert np.all(expired | (np.array(ticks) >= cutoff - unit)), cutoff
+    assert clock.stamp(2**32 - 1, stamps) >= int(stamps.max())
+
+
+def test_access_clock_refines_its_unit_once_the_oldest_rows_are_gone() -> None:
+    clock = AccessClock()
+    stamps = _stamp_all(clock, [0, 2**30, 2**30 + 10, 2**30 + 2_000])
+    coarse = clock.shift
+    assert coarse > 14
+    young = stamps[1:].copy()  # the oldest row evicted
+    before = clock.absolute(young)
+    clock.rebase(clock.latest, young)
+    assert clock.shift == coarse - 14  # at most 14 halvings a rebase
+    np.testing.assert_array_equal(clock.absolute(young), before)  # same bounds as before
+    clock.rebase(clock.latest, young)
+    assert clock.shift < coarse - 14
+    new = clock.stamp(2**30 + 2_001, young)
+    assert clock.absolute(np.array([new], STAMP_DTYPE))[0] <= 2**30 + 2_001
+
+
+def test_absolute_stamps_round_trip_through_relative_at_any_unit() -> None:
+    for ticks in ([7, 8, 9], [1, 2**18, 2**33]):
+        clock = AccessClock()
+        stamps = _stamp_all(clock, ticks)
+        exported = clock.absolute(stamps)
+        fresh = AccessClock()
+        imported = fresh.relative(exported, int(exported.max()), np.zeros(0, STAMP_DTYPE))
+        np.testing.assert_array_equal(fresh.absolute(imported), exported)
+        # Into a clock whose rows are newer than the import: the base moves back.
+        other = AccessClock()
+        held = _stamp_all(other, [2**34])
+        imported = other.relative(exported, 2**34, held)
+        assert np.all(other.absolute(imported) >= exported)
+        assert other.absolute(held)[0] == 2**34 and held[0] >= imported.max()
+
+
+def test_eviction_spares_exactly_the_batch_rows_when_stamps_are_coarse() -> None:
+    with _table(capacity=4) as table:
+        shard = table._shards[0]
+        table.lookup(np.arange(1, 5, dtype=np.uint64), insert=True)
+        shard.clock.shift = 16  # every row and the next batch in one unit
+        shard.last_access[:shard.size] = 0
+        table.lookup(np.array([2, 100], np.uint64), insert=True)
+        kept = set(table.export_rows()["ids"].tolist())
+        assert {2, 100} <= kept and len(kept) <= 4
+
+
+def test_expiry_with_coarse_stamps_is_late_by_under_a_unit_never_early() -> None:
+    with _table(capacity=100) as table:
+        shard = table._shards[0]
+        shard.clock.shift = 2  # units of 4 lookups: ticks 1-3 in unit 0, 4-7 in unit 1
+        for tick in range(1, 6):  # id t looked up at tick t
+            table.lookup(np.array([tick], np.uint64), insert=True)
+        shard.expire(3)  # ids 1 and 2 are due, but unit 0 also holds tick 3: late
+        assert table.num_entries == 5
+        shard.expire(4)  # unit 0 wholly before the cutoff
+        assert sorted(table.export_rows()["ids"].tolist()) == [4, 5]
+        assert shard.clock.shift == 0  # the pass refined the unit: ticks 4-5 are exact
 
 
 def test_checkpoint_stamps_past_32_bits_round_trip_and_steer_eviction() -> None:
@@ -102,5 +180,5 @@ def test_checkpoint_stamps_past_32_bits_round_trip_and_steer_eviction() -> None:
 
 
 def test_sizing_row_bytes_counts_the_new_bookkeeping() -> None:
-    assert sizing.ID_AND_STAMP_BYTES == 12
-    assert sizing.row_bytes(16, 16) == 4 * 32 + 12 + sizing.INDEX_BYTES_PER_ROW
+    assert sizing.ID_AND_STAMP_BYTES == 10
+    assert sizing.row_bytes(16, 16) == 4 * 32 + 10 + sizing.INDEX_BYTES_PER_ROW

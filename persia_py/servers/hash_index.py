@@ -9,12 +9,18 @@ above. A probe reads ``row_ids`` only where the tag matches, so absent ids (the 
 case of an insert) are answered from the slot array alone, and present ones cost one
 read of their id, which the lookup kernels prefetch together with the row's weights.
 
-Linear probing over a power-of-two slot array kept at most 3/5 full: a row costs 6.7 to
-13.3 bytes of index (at the load bound / just after doubling; 9.2 on average over a
-doubling) instead of the 32 to 64 of a ``(key, row)`` pair at half load, and sixteen
-slots share a cache line. Fuller arrays were tried: at 4/5 the longest runs of occupied
-slots reach hundreds of slots (what a crafted-id test bounds), and probes starting at a
-bucket's first slot halved in-cache find throughput for the scanning they add.
+Linear probing over a slot array kept at most 3/5 full: sixteen slots share a cache line.
+The slot count is not a power of two: it is one of ``2**e x {4, 5, 6, 7} / 4`` (at
+least ``MIN_SLOTS``), and an id's home slot is the top 32 bits of its hash scaled to the
+count (multiply and shift, "fastrange") instead of masked. A growth goes to the next
+such count, 1.14 to 1.25 times the last, so the load stays between 0.48 and 0.6 and a
+row costs 6.7 to 8.3 bytes of index, where doubling a power-of-two array left it
+anywhere between 6.7 and 13.3. The price is more rehashing: a row is rehashed about six
+times on its way into a large index instead of once or twice, each growth one pass over
+the slots with the shard's lock held, shorter than a doubling's but four times as often.
+Fuller arrays were tried: at 4/5 the longest runs of occupied slots reach hundreds of
+slots (what a crafted-id test bounds), and probes starting at a bucket's first slot
+halved in-cache find throughput for the scanning they add.
 
 The home slot and tag are a keyed hash (:mod:`persia_py.ids.hashing`) under a key secret to
 this index: ids are chosen by whoever sends them, and under a public hash they could be
@@ -32,32 +38,49 @@ from numba import njit
 from persia_py.ids.hashing import HashKey, keyed_hash_one
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers import memory
+from persia_py.servers.access_clock import STAMP_DTYPE
 from persia_py.servers.kernels import PREFETCH_AHEAD, prefetch_item, prefetch_row
 
 MIN_SLOTS = 16
 """Fewest slots of an index: one cache line of uint32 slots."""
 MAX_LOAD = (3, 5)
-"""Most entries per slot (numerator, denominator) before the slot array doubles."""
+"""Most entries per slot (numerator, denominator) before the slot array grows."""
+SIZE_STEPS = 4
+"""Slot counts per doubling: ``2**e x {SIZE_STEPS, ..., 2 x SIZE_STEPS - 1} / SIZE_STEPS``."""
+MAX_SLOTS = 1 << 32
+"""Slot counts stay below this: the home slot scales 32 bits of hash."""
 MIN_TAG_BITS = 4
 """Fewest tag bits of a uint32 slot; a shard whose row numbers leave fewer gets uint64
 slots (past about 161M rows in one internal shard: 2**28 slots at the load bound)."""
 
 
 @njit(cache=True, nogil=True)
-def _homes_and_tags(ids: np.ndarray, start: int, mask: int, words: np.ndarray,
-                    tag_shift: int, row_bits: int) -> tuple[np.ndarray, np.ndarray]:
+def _homes_and_tags(ids: np.ndarray, start: int, num_slots: int, words: np.ndarray,
+                    tag_mask: np.uint64, row_bits: int) -> tuple[np.ndarray, np.ndarray]:
     """Home slot of every id in ``ids[start:]``, and its tag shifted into place (the slot
-    value of the id, less its row). The tag is the hash's top bits, the home its low ones:
-    independent."""
+    value of the id, less its row)."""
     n = ids.shape[0] - start
     home = np.empty(n, np.int64)
     tags = np.empty(n, np.uint64)
-    umask = np.uint64(mask)
     for i in range(n):
-        h = keyed_hash_one(ids[start + i], words)
-        home[i] = np.int64(h & umask)
-        tags[i] = (h >> np.uint64(tag_shift)) << np.uint64(row_bits)
+        home[i], tags[i] = _home_and_tag(keyed_hash_one(ids[start + i], words), num_slots,
+                                         tag_mask, row_bits)
     return home, tags
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _home_and_tag(h: np.uint64, num_slots: int, tag_mask: np.uint64, row_bits: int
+                  ) -> tuple[np.int64, np.uint64]:
+    """The home slot is the hash's top 32 bits scaled to ``num_slots``, the tag its low
+    bits: independent (but for uint64 slots, whose tags reach past bit 31)."""
+    home = np.int64(((h >> np.uint64(32)) * np.uint64(num_slots)) >> np.uint64(32))
+    return home, (h & tag_mask) << np.uint64(row_bits)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _next(s: int, num_slots: int) -> int:
+    s += 1
+    return 0 if s == num_slots else s
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -65,14 +88,14 @@ def _candidate(slots: np.ndarray, tag: np.uint64, row_mask: np.uint64, s: int
                ) -> tuple[int, int]:
     """``(slot, row)`` of the first slot from ``s`` on whose tag is ``tag``, or of the
     empty slot that ends the probe (row -1). Reads no id."""
-    mask = slots.shape[0] - 1
+    num_slots = slots.shape[0]
     while True:
         v = np.uint64(slots[s])
         if v == 0:
             return s, -1
         if v & ~row_mask == tag:
             return s, np.int64(v & row_mask) - 1
-        s = (s + 1) & mask
+        s = _next(s, num_slots)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -80,12 +103,12 @@ def _probe(slots: np.ndarray, row_ids: np.ndarray, key: np.uint64, tag: np.uint6
            row_mask: np.uint64, s: int) -> tuple[int, int]:
     """``(slot, row)`` of ``key`` from slot ``s`` on, or of the empty slot where its probe
     ends (row -1)."""
-    mask = slots.shape[0] - 1
+    num_slots = slots.shape[0]
     while True:
         s, r = _candidate(slots, tag, row_mask, s)
         if r < 0 or row_ids[r] == key:
             return s, r
-        s = (s + 1) & mask
+        s = _next(s, num_slots)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -106,7 +129,7 @@ def _find_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
     scatter = positions.shape[0] > 0
     n = ids.shape[0]
     dim = weights.shape[1]
-    mask = slots.shape[0] - 1
+    num_slots = slots.shape[0]
     rows = np.empty(n, np.int64)
     at = np.empty(n, np.int64)
     for i in range(-2 * PREFETCH_AHEAD, n):
@@ -126,7 +149,7 @@ def _find_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
             continue
         r = rows[i]
         if r >= 0 and row_ids[r] != ids[i]:
-            r = _probe(slots, row_ids, ids[i], tags[i], row_mask, (at[i] + 1) & mask)[1]
+            r = _probe(slots, row_ids, ids[i], tags[i], row_mask, _next(at[i], num_slots))[1]
             rows[i] = r
         if not gather:
             continue
@@ -194,22 +217,23 @@ def _insert_all_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint
 @njit(cache=True, nogil=True)
 def _rehash_kernel(old: np.ndarray, old_row_mask: np.uint64, slots: np.ndarray,
                    row_ids: np.ndarray, row_mask: np.uint64, words: np.ndarray,
-                   tag_shift: int, row_bits: int) -> None:
+                   tag_mask: np.uint64, row_bits: int) -> None:
     """Insert every entry of the slot array ``old`` into the empty ``slots`` (a growth:
     the entries are distinct). Works slot by slot with no batch-sized temporaries: a
     process keeps its peak heap (``persia_py.ops.allocator``), so arrays the size of the
-    index, made at each doubling, would stay resident for good."""
-    mask = slots.shape[0] - 1
+    index, made at each growth, would stay resident for good."""
+    num_slots = slots.shape[0]
     for i in range(old.shape[0]):
         v = np.uint64(old[i])
         if v == 0:
             continue
         r = np.int64(v & old_row_mask) - 1
-        h = keyed_hash_one(row_ids[r], words)
-        s = np.int64(h & np.uint64(mask))
+        home, tag = _home_and_tag(keyed_hash_one(row_ids[r], words), num_slots, tag_mask,
+                                  row_bits)
+        s = int(home)
         while slots[s] != 0:
-            s = (s + 1) & mask
-        slots[s] = ((h >> np.uint64(tag_shift)) << np.uint64(row_bits)) | np.uint64(r + 1)
+            s = _next(s, num_slots)
+        slots[s] = tag | np.uint64(r + 1)
 
 
 @njit(cache=True, nogil=True)
@@ -231,15 +255,18 @@ def _longest_run(slots: np.ndarray) -> int:
 
 _NO_ROWS = np.zeros(0, np.int64)
 _NO_WEIGHTS = np.zeros((0, 1), np.float32)
-_NO_STAMPS = np.zeros(0, np.uint32)
+_NO_STAMPS = np.zeros(0, STAMP_DTYPE)
 
 
 def slots_for(entries: int, minimum: int = MIN_SLOTS) -> int:
-    """Smallest power of two >= ``minimum`` (and ``MIN_SLOTS``) that holds ``entries`` at
-    the load bound."""
+    """Smallest slot count (``2**e x k / SIZE_STEPS`` with ``SIZE_STEPS <= k <
+    2 x SIZE_STEPS``, whole) >= ``minimum`` (and ``MIN_SLOTS``) that holds ``entries``
+    at the load bound."""
     num, den = MAX_LOAD
     need = max(minimum, MIN_SLOTS, -(-entries * den // num))
-    return 1 << (need - 1).bit_length()
+    # 2**e <= need < 2**(e + 1); counts between are whole multiples of 2**e / SIZE_STEPS.
+    step = max((1 << (need.bit_length() - 1)) // SIZE_STEPS, 1)
+    return -(-need // step) * step
 
 
 def slot_dtype(slots: int, row_limit: int = 0) -> np.dtype:
@@ -257,7 +284,7 @@ def max_entries_of_narrow_slots() -> int:
 
 def index_bytes(entries: int) -> int:
     """Bytes of the slot array of an index holding ``entries`` rows ``0..entries-1`` after
-    the doublings that filled it (the figure :mod:`persia_py.servers.sizing` plans with)."""
+    the growths that filled it (the figure :mod:`persia_py.servers.sizing` plans with)."""
     slots = slots_for(entries)
     return slots * slot_dtype(slots).itemsize
 
@@ -293,19 +320,22 @@ class HashIndex:
 
     def _reset(self, slots: int, row_limit: int) -> None:
         """An empty slot array of ``slots`` for rows below ``row_limit``, under a new key."""
+        if slots >= MAX_SLOTS:
+            raise ValueError(f"an index of {slots:,} slots is past the {MAX_SLOTS:,} one "
+                             f"internal shard can have; raise num_hashmap_internal_shards")
         self._row_limit = max(row_limit, slots - 1)
         row_bits = _row_bits(slots, row_limit)
         dtype = slot_dtype(slots, row_limit)
         self._slots = memory.zeros(slots, dtype)
         self._row_mask = np.uint64((1 << row_bits) - 1)
         self._row_bits = row_bits
-        self._tag_shift = 64 - (8 * dtype.itemsize - row_bits)
+        self._tag_mask = np.uint64((1 << (8 * dtype.itemsize - row_bits)) - 1)
         self._key = HashKey.random()  # every new slot array is filled under a new key
         self._count = 0
 
     def _homes(self, ids: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        return _homes_and_tags(ids, start, self.slots - 1, self._key.words,
-                               self._tag_shift, self._row_bits)
+        return _homes_and_tags(ids, start, self.slots, self._key.words, self._tag_mask,
+                               self._row_bits)
 
     def _ensure_rows(self, row_end: int) -> None:
         """Make room for rows below ``row_end`` in ``row_ids`` (owned) and in the slots."""
@@ -324,7 +354,7 @@ class HashIndex:
 
     @property
     def slots(self) -> int:
-        """Number of slots currently allocated (a power of two)."""
+        """Number of slots currently allocated (see :func:`slots_for`)."""
         return self._slots.shape[0]
 
     @property
@@ -378,15 +408,15 @@ class HashIndex:
                 is_new, next_row, self._count, self.slots * num // den)
             if start >= n:
                 return rows, is_new
-            # Plain doubling (not sizing for the rest of the batch): most of a batch is
-            # usually already present, and doubling keeps rehash cost amortized O(1).
-            self._grow(self.slots * 2, self._row_limit)
+            # One size step (not sizing for the rest of the batch): most of a batch is
+            # usually already present, and geometric steps keep rehash cost amortized O(1).
+            self._grow(slots_for(self._count + 1, self.slots + 1), self._row_limit)
 
     def _grow(self, slots: int, row_limit: int) -> None:
         old, old_row_mask, count = self._slots, self._row_mask, self._count
         self._reset(slots, row_limit)
         _rehash_kernel(old, old_row_mask, self._slots, self.row_ids, self._row_mask,
-                       self._key.words, self._tag_shift, self._row_bits)
+                       self._key.words, self._tag_mask, self._row_bits)
         self._count = count
 
     def rebuild(self, ids: np.ndarray, rows: np.ndarray, room: int = 0) -> None:

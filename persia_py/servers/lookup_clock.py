@@ -1,6 +1,6 @@
 """``LookupClock``: a table's logical clock, one tick per lookup call, and its expiry sweeps.
 
-Rows are stamped with the clock on every lookup and update (per shard in 4 bytes: see
+Rows are stamped with the clock on every lookup and update (per shard in 2 bytes: see
 :mod:`persia_py.servers.access_clock`); LRU eviction and expiry compare stamps. Expiry
 is by steps (lookup calls) or seconds: the seconds are turned into a clock cutoff by
 remembering when each recent tick happened. Sweeps run once 1/16 of the period has

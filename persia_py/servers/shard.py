@@ -2,7 +2,7 @@
 
 A shard keeps contiguous row arrays: weights ``(rows, dim)`` (float32, float16 or
 bfloat16 bits: :mod:`persia_py.servers.row_types`), optimizer state ``(rows, width)``,
-the id of each row, and the row's last access on the table's clock (4 bytes:
+the id of each row, and the row's last access on the table's clock (2 bytes:
 :mod:`persia_py.servers.access_clock`), with a hash index from id to row
 (:mod:`persia_py.servers.hash_index`). Rows are dense (``0..size-1``): lookups and
 optimizer steps are fused numba kernels (:mod:`persia_py.servers.kernels`) that read and
@@ -33,6 +33,9 @@ _INITIAL_ROWS = 1024
 _EVICT_FRACTION = 16
 """Evict at least 1/_EVICT_FRACTION of a shard's share at once, so the O(share) index
 rebuild after an eviction is amortized over many inserts."""
+
+_TOUCHED = 1 << 30
+"""Eviction order of the rows a batch touches: above every stamp."""
 
 _DTYPES: dict[str, np.dtype] = {"ids": np.dtype(np.uint64), "weights": np.dtype(np.float32),
                                 "state": np.dtype(np.float32), "last_access": STAMP_DTYPE}
@@ -142,7 +145,6 @@ class Shard:
         missing = rows < 0
         found = ~missing
         hit_rows = rows[found]
-        # Stamping the hits first shields them from the eviction below.
         self.last_access[hit_rows] = stamp
         new_ids, inverse = unique_in_order(ids[missing])
         keep = self.admission.admit(new_ids, tick)
@@ -154,7 +156,7 @@ class Shard:
             return rows
         overflow = self.size + n_new - self.share
         if overflow > 0:
-            remap = self._evict(overflow, n_new, stamp)
+            remap = self._evict(overflow, n_new, hit_rows)
             rows[found] = remap[hit_rows]
         self._reserve(self.size + n_new)
         start, end = self.size, self.size + n_new
@@ -178,18 +180,22 @@ class Shard:
         rows[missing] = new_rows[inverse]
         return rows
 
-    def _evict(self, overflow: int, n_new: int, stamp: int) -> np.ndarray:
-        """Drop at least ``overflow`` least-recently-used rows; returns old->new rows."""
+    def _evict(self, overflow: int, n_new: int, touched: np.ndarray) -> np.ndarray:
+        """Drop at least ``overflow`` least-recently-used rows, never rows ``touched`` (the
+        batch's own); returns old->new rows."""
         size = self.size
-        stamps = self.last_access[:size]
-        candidates = int(np.count_nonzero(stamps < stamp))
+        # Rows the batch touches rank after every other (a stamp is coarser than one
+        # lookup once the shard's rows span many: its own would not tell them apart).
+        order = self.last_access[:size].astype(np.int32)
+        order[touched] = _TOUCHED
+        candidates = int(np.count_nonzero(order < _TOUCHED))
         if candidates < overflow:
             raise ValueError(
                 f"one batch needs {n_new} new rows plus {size - candidates} rows it "
                 f"touches in one internal shard, over its share of {self.share} rows; "
                 f"raise capacity (now {self.table.capacity}) or send smaller batches")
         count = min(max(overflow, self.share // _EVICT_FRACTION), candidates)
-        victims = np.argpartition(stamps, count - 1)[:count]
+        victims = np.argpartition(order, count - 1)[:count]
         self.evicted += count
         return self._remove(victims)
 
@@ -221,6 +227,9 @@ class Shard:
         remap[movers] = holes
         self.size = n_keep
         self.index.rebuild(self.ids[:n_keep], np.arange(n_keep, dtype=np.int64), room=size)
+        # A pass over the rows like this one: the stamps' unit may be finer without the
+        # oldest rows.
+        self.clock.rebase(self.clock.latest, self.last_access[:n_keep])
         if gone is not None:  # deletions travel in increments too
             self._log_removed(gone)
         return remap
@@ -325,6 +334,8 @@ class Shard:
             # (training lookups of a live table) may have taken room meanwhile.
             rows, n_new = self.check_fits(part)
             new = rows < 0
+            # The rows stored so far: a rebase for the import re-stamps them.
+            units = self.clock.relative(stamps[pos], clock, self.last_access[:self.size])
             self._reserve(self.size + n_new)
             new_rows, _ = self.index.find_or_insert(part[new], self.size)
             rows[new] = new_rows
@@ -332,5 +343,4 @@ class Shard:
             self.ids[rows] = part
             kernels.scatter_rows(kernel_view(self.weights), rows, kernel_view(weights), pos)
             kernels.scatter_rows(self.state, rows, state, pos)
-            self.last_access[rows] = self.clock.relative(stamps[pos], clock,
-                                                         self.last_access[:self.size])
+            self.last_access[rows] = units

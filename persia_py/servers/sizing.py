@@ -10,11 +10,10 @@ again when the optimizer is known (the tables are built).
 Bytes of one row (:func:`row_bytes`), from the arrays of ``servers/shard.py`` and
 ``servers/hash_index.py``: the weights (4 bytes each, 2 in float16 or bfloat16 rows),
 the optimizer's state (float32: ``state_width`` values), the id (8 bytes) and the
-last-access stamp (4, :mod:`persia_py.servers.access_clock`), and the hash index of 4-byte
-row numbers, kept at most 3/5 full: 6.7 bytes a row at that bound, 13.3 just after it
-doubles, about 10 on average (:func:`index_bytes` has the exact figure for a number of
-rows). docs/sizing.md has the table by dim and optimizer and the measured figure it is
-checked against.
+last-access stamp (2, :mod:`persia_py.servers.access_clock`), and the hash index of 4-byte
+row numbers, kept between 0.48 and 3/5 full: 6.7 to 8.3 bytes a row, 7.3 on average
+(:func:`index_bytes` has the exact figure for a number of rows). docs/sizing.md has the
+table by dim and optimizer and the measured figure it is checked against.
 """
 
 from __future__ import annotations
@@ -31,10 +30,10 @@ from persia_py.servers.shard import row_dtypes
 
 FLOAT_BYTES = 4
 ID_AND_STAMP_BYTES = row_dtypes()["ids"].itemsize + row_dtypes()["last_access"].itemsize
-"""``ids`` (uint64) and ``last_access`` (uint32 stamps) per row."""
-INDEX_BYTES_PER_ROW = 10
-"""Hash-index slots (4-byte row numbers) per row, rounded up from the 9.2 of a doubling
-cycle's average (6.7 to 13.3)."""
+"""``ids`` (uint64) and ``last_access`` (uint16 stamps) per row."""
+INDEX_BYTES_PER_ROW = 8
+"""Hash-index slots (4-byte row numbers) per row, rounded up from the 7.3 average of a
+growth step (6.7 to 8.3)."""
 _UNLIMITED = 1 << 60
 """A cgroup v1 limit at or above this means no limit (the kernel writes ~2**63)."""
 
