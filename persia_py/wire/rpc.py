@@ -265,6 +265,11 @@ def call(
                              "or send smaller batches", what, exc.details())
                 raise
             if not retryable or time.monotonic() + delay >= deadline:
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # A peer cut off silently (no reset, no carrier lost) never answers
+                    # UNAVAILABLE: name it here, or the caller's error names no one.
+                    logger.warning("%s did not answer within %.0f s "
+                                   "(common_config.rpc_timeout_sec)", what, timeout)
                 raise
             if code == grpc.StatusCode.UNAVAILABLE:
                 outages.failed(what, exc.details(), timeout)
