@@ -287,24 +287,12 @@ def run_ranks(target, *args, world_size: int = 2, timeout: float = 240) -> None:
                 p.join(timeout=30)
 
 
-LONGEST_FIRST = ("test_multi_host", "test_chaos", "test_hybrid_training", "test_launcher_local",
-                 "test_doc_pages", "test_online_ends", "test_fsdp")
-"""Modules that take longest (a minute or more of jobs each), run first: under pytest-xdist
-the workers then end together instead of one waiting on a long module picked up last."""
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``-n 2 --dist loadgroup``, as scripts/run_tests.sh runs it): a
     module's tests run in one worker, so that its module-scoped fixtures (shared jobs) run
     once, and every test on emulated hosts runs in the same one, since they share the hosts'
-    addresses. The longest modules go first."""
+    addresses."""
     for item in items:
         group = ("emulated-hosts" if "emulated_hosts" in getattr(item, "fixturenames", ())
                  else item.module.__name__)
         item.add_marker(pytest.mark.xdist_group(group))
-
-    def rank(item: pytest.Item) -> int:
-        name = item.module.__name__
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: collection order within each rank
