@@ -288,7 +288,7 @@ def run_ranks(target, *args, world_size: int = 2, timeout: float = 240) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, as scripts/run_tests.sh runs it): a
+    """Under pytest-xdist (``scripts/run_tests.sh -n 2 --dist loadgroup``): a
     module's tests run in one worker, so that its module-scoped fixtures (shared jobs) run
     once, and every test on emulated hosts runs in the same one, since they share the hosts'
     addresses."""
