@@ -30,8 +30,6 @@ ENV_DATA_LOADER_REPLAY = "PERSIA_DATA_LOADER_REPLAY_HANDOVERS"
 """``1``: the loader was restarted alone; it goes on where its handover log ends."""
 ENV_NN_WORLD_SIZE = "PERSIA_NN_WORKER_WORLD_SIZE"
 ENV_BIND_HOST = "PERSIA_BIND_HOST"
-ENV_RANK_FAILED_FILE = "PERSIA_RANK_FAILED_FILE"
-"""Where an NN-worker rank that fails writes why, for ``persia-launcher nn-worker``."""
 
 
 def job_env(*, ps_addrs: list[str], embedding_worker_addrs: list[str],

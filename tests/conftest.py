@@ -72,6 +72,18 @@ class RoleProcess:
     def output(self) -> str:
         return "".join(self.lines[-200:])
 
+    def interrupt(self, timeout: float = 60.0) -> int:
+        """Send SIGINT (Ctrl-C) and wait up to ``timeout`` s for the exit code; fails with
+        the state of every process still carrying the marker (signal masks and
+        dispositions, and the launcher's Python stacks) if it has not exited."""
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout:.0f} s after SIGINT:\n"
+                                 + process_report(self.marker, self.process.pid)
+                                 + "\n" + self.output()) from None
+
     def finish(self, timeout: float) -> str:
         """Wait up to ``timeout`` s for the process to exit, stop whatever is left, and
         return all its output; fails (showing the output's end) unless it exited 0."""
@@ -140,6 +152,31 @@ def processes_with_marker(marker: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def process_report(marker: str, stacks_of: int | None = None) -> str:
+    """Each live process carrying ``marker``: its command line, state and signal masks;
+    then ``stacks_of``'s Python stacks (py-spy), for a process that did not stop."""
+    lines = []
+    for pid in processes_with_marker(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":\t", 1) for line in f.read().splitlines()
+                              if ":\t" in line)
+        except OSError:
+            continue
+        state = " ".join(f"{k}={fields.get(k, '?').strip()}"
+                         for k in ("State", "PPid", "SigBlk", "SigIgn", "SigCgt", "SigPnd",
+                                   "ShdPnd"))
+        lines.append(f"{pid} {state} {argv}")
+    spy = Path(sys.executable).with_name("py-spy")
+    if stacks_of is not None and spy.exists():
+        done = subprocess.run([str(spy), "dump", "--pid", str(stacks_of)], capture_output=True,
+                              text=True, timeout=30)
+        lines.append(done.stdout + done.stderr)
+    return "\n".join(lines)
 
 
 def kill_marked(marker: str) -> None:

@@ -66,8 +66,7 @@ def test_ctrl_c_stops_every_process() -> None:
     try:
         job.wait_for_line(r"\[nn-worker\].*step 0 loss", timeout=300)
         assert len(processes_with_marker(job.marker)) >= 6  # launcher, 2 PS, EW, DL, torchrun...
-        job.process.send_signal(signal.SIGINT)
-        assert job.wait(timeout=60) != 0
+        assert job.interrupt(timeout=60) != 0
         assert processes_with_marker(job.marker) == [], job.output()
     finally:
         job.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import urllib.request
 
 import pytest
@@ -93,8 +92,7 @@ def test_every_role_serves_metrics_and_rank0_writes_a_training_log(tmp_path) -> 
         assert len(records) >= 20 and [r["step"] for r in records[:3]] == [1, 2, 3]
         assert records[-1]["samples"] > 0 and records[-1]["samples_per_sec"] > 0
         assert all(r["loss"] > 0 and r["staleness"] >= 0 for r in records)
-        job.process.send_signal(signal.SIGINT)
-        assert job.wait(timeout=60) != 0
+        assert job.interrupt(timeout=60) != 0
         assert processes_with_marker(job.marker) == []
     finally:
         job.stop()

@@ -17,8 +17,9 @@ from conftest import EXAMPLE, launcher_command
 
 from persia_py.checkpoint import rewind
 from persia_py.config import GlobalConfig
-from persia_py.env import ENV_RANK_FAILED_FILE, PersiaEnv
+from persia_py.env import PersiaEnv
 from persia_py.ids.positions import DataPositions, Position
+from persia_py.ops.final_errors import ENV_RANK_FAILED_FILE
 from persia_py.ops.private_files import UnsafeFolderError, private_folder
 
 
@@ -86,9 +87,9 @@ def test_local_refuses_a_run_folder_others_may_write_into(tmp_path) -> None:
 
 
 def test_every_log_is_written_0600_whatever_the_umask(tmp_path, umask, monkeypatch) -> None:
-    from persia_py.dense.process_group import report_failure
     from persia_py.input.stream_reader import StreamPosition
     from persia_py.launcher.recovery import TrainingRecovery
+    from persia_py.ops.final_errors import report_failure
     from persia_py.servers.update_log import UpdateLog
     from persia_py.stream_source import PositionLog
     from persia_py.telemetry.progress import StepReporter

@@ -7,7 +7,6 @@ k8s manifest's token Secret, TLS and NetworkPolicy are in ``tests/test_k8s.py``.
 from __future__ import annotations
 
 import secrets
-import signal
 import subprocess
 import textwrap
 from pathlib import Path
@@ -203,8 +202,7 @@ def test_local_makes_a_token_its_roles_get_by_environment_never_by_argv(tmp_path
         assert _health(trusted, "ParameterServer").role
         trusted.close()
 
-        job.process.send_signal(signal.SIGINT)
-        assert job.wait(timeout=60) != 0
+        assert job.interrupt(timeout=60) != 0
         assert processes_with_marker(job.marker) == [], job.output()
     finally:
         job.stop()

@@ -140,3 +140,70 @@ def test_a_config_error_found_by_train_ctx_stops_the_job_with_the_config_exit_co
         assert processes_with_marker(job.marker) == []
     finally:
         job.stop()
+
+
+_READS_A_BAD_CONFIG = """
+print("the script started", flush=True)
+from persia_py.config import load_global_config
+
+load_global_config({path!r})
+raise AssertionError("the bad config was taken")
+"""
+
+
+def _script_reading_a_bad_config(tmp_path) -> tuple[str, str]:
+    """A user script that reads a config of its own with persia_py's loader before making
+    any context; the config misspells a key. Returns (script, the ConfigError's message)."""
+    config = tmp_path / "own_config.yml"
+    config.write_text("common_config:\n  rpc_timeout_secs: 5\n")
+    script = tmp_path / "reads_a_bad_config.py"
+    script.write_text(_READS_A_BAD_CONFIG.format(path=str(config)))
+    refusal = (rf"ConfigError: {re.escape(str(config))}: common_config.rpc_timeout_secs: "
+               r"unknown key .*; did you mean 'rpc_timeout_sec'\?")
+    return str(script), refusal
+
+
+@pytest.mark.parametrize("nn_restarts", ["launcher", "torchrun"])
+def test_a_config_error_of_the_training_script_before_train_ctx_is_final(
+        tmp_path, nn_restarts: str) -> None:
+    """The rank stops on a ConfigError before any TrainCtx (or progress): it reports it,
+    and neither torchrun nor `local` starts the script again."""
+    script, refusal = _script_reading_a_bad_config(tmp_path)
+    job = RoleProcess(launcher_command(
+        "local", "--nn-worker", script, "--data-loader", str(EXAMPLE / "data_loader.py"),
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+        "--nn-restarts", nn_restarts, "--run-dir", str(tmp_path / "run"), "--no-metrics"))
+    try:
+        assert job.wait(timeout=180) == CONFIG_EXIT_CODE, job.output()
+        out = job.output()
+        assert re.search(r"\[nn-worker\] rank 0: stopped on a config error: " + refusal
+                         + r"; not restarting the ranks", out), out
+        assert "nn-worker stopped on a config error (code 78; its message is above); not " \
+               "restarting it" in out, out
+        assert out.count("[nn-worker] the script started") == 1, out  # started once
+        assert "the bad config was taken" not in out and "(restart " not in out, out
+        assert processes_with_marker(job.marker) == []
+    finally:
+        job.stop()
+
+
+def test_a_config_error_of_a_data_loader_script_before_its_first_batch_is_final(
+        tmp_path) -> None:
+    """A loader script that stops on a ConfigError before sending a batch exits 78: `local`
+    does not restart it (it would stop the same way) and stops the job with 78."""
+    script, refusal = _script_reading_a_bad_config(tmp_path)
+    job = RoleProcess(launcher_command(
+        "local", "--nn-worker", str(EXAMPLE / "train.py"), "--data-loader", script,
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+        "--run-dir", str(tmp_path / "run"), "--no-metrics"))
+    try:
+        assert job.wait(timeout=180) == CONFIG_EXIT_CODE, job.output()
+        out = job.output()
+        assert re.search(r"\[data-loader-0\] persia_py.config.strict." + refusal, out), out
+        assert "data-loader-0 stopped on a config error (code 78; its message is above); " \
+               "not restarting it" in out, out
+        assert out.count("[data-loader-0] the script started") == 1, out
+        assert "(restart " not in out, out
+        assert processes_with_marker(job.marker) == []
+    finally:
+        job.stop()

@@ -24,9 +24,11 @@ from persia_py.config import (
 )
 from persia_py.ctx import DataCtx, InferCtx, TrainCtx, eval_ctx
 from persia_py.data import DataLoader, IterableDataset, StreamingDataset
+from persia_py.distributed import FSDPOption
 from persia_py.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
 from persia_py.embedding.optim import SGD
 from persia_py.env import PersiaEnv
+from persia_py.ops.final_errors import is_config_error
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 
 pytestmark = pytest.mark.processes
@@ -414,7 +416,8 @@ def test_config_errors_are_refused_when_the_context_is_made(cluster) -> None:
     outside = cluster.checkpoint_root.parent / "elsewhere"
 
     def make(checkpoints: CheckpointConfig, **kwargs) -> TrainCtx:
-        return TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1), env=env,
+        kwargs.setdefault("env", env)
+        return TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
                         dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                         global_config=GlobalConfig(common_config=COMMON,
                                                    checkpoint_config=checkpoints), **kwargs)
@@ -428,3 +431,34 @@ def test_config_errors_are_refused_when_the_context_is_made(cluster) -> None:
     with pytest.raises(ConfigError, match=r"^checkpoint_config.dir: required with "
                                           r"TrainCtx\(stop_on_signal=True\)"):
         make(CheckpointConfig(root=str(cluster.checkpoint_root)), stop_on_signal=True)
+    # What FSDP over several ranks cannot do: before the process group, not after.
+    two_ranks = PersiaEnv(rank=0, world_size=2, local_rank=0, ps_addrs=(cluster.ps,),
+                          embedding_worker_addrs=(cluster.embedding_worker,))
+    root = str(cluster.checkpoint_root)
+    with pytest.raises(ValueError, match=r"grad_accumulation_steps=...\) > 1 is not supported "
+                                         r"with FSDPOption on several ranks") as refused:
+        make(CheckpointConfig(root=root), env=two_ranks, distributed_option=FSDPOption(),
+             grad_accumulation_steps=2)
+    # Uncaught in a script persia-launcher started, it ends the role for good.
+    assert is_config_error(refused.value)
+    with pytest.raises(ConfigError, match=r"^checkpoint_config.dense_export_dir: dense exports "
+                                          r"for serving need a whole model on rank 0"):
+        make(CheckpointConfig(root=root, dense_export_dir=f"{root}/dense",
+                              dense_export_every_steps=2),
+             env=two_ranks, distributed_option=FSDPOption())
+
+
+def test_a_rank_and_a_loader_make_progress_with_their_first_step_and_batch(
+        embedding_worker, monkeypatch) -> None:
+    """From then on an uncaught config error is an ordinary failure, which the role's
+    supervisor restarts (persia_py/ops/final_errors.py); entering a context is no progress."""
+    calls: list[object] = []
+    monkeypatch.setattr("persia_py.workers.data_loader.made_progress",
+                        lambda: calls.append("loader"))
+    monkeypatch.setattr("persia_py.ctx.train_ctx.made_progress", lambda: calls.append("rank"))
+    data_ctx, thread, errors = _start_loader(embedding_worker)
+    steps, _, _ = _train(embedding_worker, data_ctx, staleness=1, on_step=calls.append)
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not errors
+    assert calls.count("loader") == 1
+    assert [c for c in calls if c != "loader"] == ["rank", *range(1, steps + 1)]

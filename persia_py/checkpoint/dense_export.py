@@ -39,17 +39,14 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from persia_py.checkpoint import layout as fmt
+from persia_py.config import CheckpointConfig, ConfigError
 from persia_py.ops import safe_files
 from persia_py.ops.background import BackgroundWorker, Follower, LagWarning, Outage
-
-if TYPE_CHECKING:
-    from persia_py.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -231,17 +228,23 @@ class DenseExporter(BackgroundWorker):
         super().close(timeout)
 
 
+def check_dense_export(config: CheckpointConfig, *, sharded: bool) -> None:
+    """ConfigError if ``checkpoint_config.dense_export_*`` asks for exports of a sharded
+    (FSDP) model: no rank holds it whole."""
+    if sharded and (config.dense_export_every_steps or config.dense_export_every_sec):
+        raise ConfigError("checkpoint_config.dense_export_dir: dense exports for serving need "
+                          "a whole model on rank 0 (DDPOption or one rank); under FSDPOption "
+                          "serve from checkpoints instead")
+
+
 def dense_exporter_for(config: CheckpointConfig, *, rank: int,
                        sharded: bool) -> DenseExporter | None:
     """The started exporter ``checkpoint_config.dense_export_*`` asks for, on rank 0
     (every DDP rank holds the whole model; rank 0 alone writes it); None if not asked or
-    on another rank. A sharded (FSDP) model is refused: no rank holds it whole."""
+    on another rank. A sharded (FSDP) model is refused (:func:`check_dense_export`)."""
+    check_dense_export(config, sharded=sharded)
     if not (config.dense_export_every_steps or config.dense_export_every_sec):
         return None
-    if sharded:
-        raise ValueError("checkpoint_config.dense_export_dir: dense exports for serving need "
-                         "a whole model on rank 0 (DDPOption or one rank); under FSDPOption "
-                         "serve from checkpoints instead")
     if rank != 0:
         return None
     assert config.dense_export_dir is not None, "CheckpointConfig requires it with either"

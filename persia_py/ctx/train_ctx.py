@@ -12,7 +12,11 @@ import torch
 import torch.distributed as dist
 
 from persia_py.checkpoint.coordinator import Checkpointer
-from persia_py.checkpoint.dense_export import DenseExporter, dense_exporter_for
+from persia_py.checkpoint.dense_export import (
+    DenseExporter,
+    check_dense_export,
+    dense_exporter_for,
+)
 from persia_py.checkpoint.rewind import restart_count, rewind_after_restart
 from persia_py.checkpoint.stateful import TrainState
 from persia_py.config import ConfigError, GlobalConfig
@@ -22,13 +26,7 @@ from persia_py.ctx.embedding_ctx import check_looked_up
 from persia_py.ctx.train_checkpoints import CheckpointedCtx, entered
 from persia_py.dense.graceful_stop import StopOnSignal
 from persia_py.dense.grad_control import GradControl
-from persia_py.dense.process_group import (
-    PeerFailure,
-    config_errors_are_final,
-    init_process_group,
-    naming_peers,
-    report_failure,
-)
+from persia_py.dense.process_group import PeerFailure, init_process_group, naming_peers
 from persia_py.distributed import (
     DDPOption,
     DenseParallel,
@@ -40,6 +38,12 @@ from persia_py.embedding import EmbeddingConfig
 from persia_py.embedding.data import PersiaBatch
 from persia_py.embedding.optim import Optimizer
 from persia_py.env import PersiaEnv
+from persia_py.ops.final_errors import (
+    config_errors_are_final,
+    made_progress,
+    refusals_are_config_errors,
+    report_failure,
+)
 from persia_py.ops.start_checks import check_checkpoint_paths
 from persia_py.progressive import ProgressiveValidation
 from persia_py.telemetry.progress import StepReporter
@@ -128,6 +132,7 @@ class TrainCtx(CheckpointedCtx):
                 self.global_config.nn_worker_config.fsdp_max_unsharded_bytes)
         # A bound below one unit's need is refused here, before any process starts.
         self.distributed_option.check(model, self.env.world_size)
+        self._check_sharded_options()
         self.dense: DenseParallel = DenseParallel(model, model)
         """The dense tower as the ranks share it (DDP, FSDP, or whole with one rank)."""
         self.mixed_precision = mixed_precision
@@ -174,6 +179,16 @@ class TrainCtx(CheckpointedCtx):
                               "started again goes on from")
         self.grad_control.check_checkpoint_period(checkpoints.every_steps)
 
+    def _check_sharded_options(self) -> None:
+        """What FSDP over several ranks cannot do, refused now, not after joining the
+        process group (``__enter__`` shards the model then)."""
+        sharded = isinstance(self.distributed_option, FSDPOption) and self.env.world_size > 1
+        if sharded and self.grad_control.grad_accumulation_steps > 1:
+            raise ValueError(
+                "TrainCtx(grad_accumulation_steps=...) > 1 is not supported with "
+                "FSDPOption on several ranks; use DDPOption or a larger batch")
+        check_dense_export(self.global_config.checkpoint_config, sharded=sharded)
+
     def __enter__(self) -> TrainCtx:
         super().__enter__()
         if self.stop is not None:
@@ -189,9 +204,10 @@ class TrainCtx(CheckpointedCtx):
                     "nccl" if self.device.type == "cuda" else "gloo")
                 self._rank_addresses = init_process_group(backend, self.common)
                 self._owns_process_group = True
-            self.dense = self.distributed_option.wrap(
-                self.model, self.dense_optimizer, self.device, shadow_step=self._shadow_step,
-                registry=reporter.metrics.registry)
+            with refusals_are_config_errors():  # the model or optimizer refused as given
+                self.dense = self.distributed_option.wrap(
+                    self.model, self.dense_optimizer, self.device,
+                    shadow_step=self._shadow_step, registry=reporter.metrics.registry)
             self.ddp_model = self.dense.module
             self.dense_step.dense = self.dense
             if self.dense_step.scaler is not None and self.dense.sharded:
@@ -199,10 +215,6 @@ class TrainCtx(CheckpointedCtx):
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
                 self.dense_step.scaler = ShardedGradScaler("cuda")
-            if self.dense.sharded and self.grad_control.grad_accumulation_steps > 1:
-                raise ValueError(
-                    "TrainCtx(grad_accumulation_steps=...) > 1 is not supported with "
-                    "FSDPOption on several ranks; use DDPOption or a larger batch")
         # Before the embedding workers are configured: a rewind restarts them.
         back_to = rewind_after_restart(
             periodic_dir=self.global_config.checkpoint_config.dir,
@@ -452,6 +464,8 @@ class TrainCtx(CheckpointedCtx):
             g = r.grad.detach().float().cpu().numpy()
             grads.append((s.slot, g if unscale is None else g * unscale))
         entered(self._sender, "TrainCtx's gradient sender").submit(batch, grads)
+        if self._num_steps == 1:  # a config error from now on is no longer one at start
+            made_progress()
         self.checkpointer.after_step()
         self.reporter.backward_done(started=started, batch_size=batch.batch_size,
                                     loss=float(loss.detach()), staleness=batch.staleness)

@@ -11,11 +11,10 @@ error then names every rank's address, so the operator knows which hosts to look
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -23,9 +22,6 @@ import torch.distributed as dist
 
 from persia_py.config import CommonConfig
 from persia_py.dense.collectives import all_gather_json
-from persia_py.env import ENV_RANK_FAILED_FILE
-from persia_py.ops.private_files import append_private
-from persia_py.ops.start_checks import RANK_CONFIG_ERROR
 
 _MAX_ADDRESS_BYTES = 1024
 """Bound of one rank's address (JSON text) in the exchange that names the ranks."""
@@ -77,37 +73,6 @@ def _local_address() -> str:
 
 class PeerFailure(RuntimeError):
     """A collective failed: a peer rank is unreachable, stalled or gone."""
-
-
-def report_failure(rank: int, exc: BaseException, *, config: bool = False) -> None:
-    """Tell this node's launcher why this rank fails (``persia-launcher nn-worker``
-    watches for it: :func:`persia_py.launcher.processes.run_torchrun`); ``config``: a
-    config error at start, which a restart would meet again."""
-    path = os.environ.get(ENV_RANK_FAILED_FILE)
-    if not path:
-        return
-    what = f"{RANK_CONFIG_ERROR}: " if config else ""
-    try:
-        with append_private(path) as f:
-            f.write(f"rank {rank}: {what}{type(exc).__name__}: {exc}"[:4000] + "\n")
-    except OSError:
-        pass  # the launcher then waits for torchrun alone
-
-
-def config_errors_are_final(init: Callable[..., None]) -> Callable[..., None]:
-    """Decorate a context's ``__init__``: a ValueError or TypeError it raises (a config
-    file or argument it refuses, before anything ran) is reported as a config error,
-    so that the launcher does not restart the ranks into it again."""
-
-    @functools.wraps(init)
-    def checked(self: object, *args: object, **kwargs: object) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except (ValueError, TypeError) as exc:
-            report_failure(int(os.environ.get("RANK", "0") or 0), exc, config=True)
-            raise
-
-    return checked
 
 
 def is_collective_failure(exc: BaseException) -> bool:

@@ -11,8 +11,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from persia_py.env import ENV_RANK_FAILED_FILE
-from persia_py.ops.start_checks import CONFIG_EXIT_CODE, RANK_CONFIG_ERROR
+from persia_py.ops.final_errors import CONFIG_EXIT_CODE, ENV_RANK_FAILED_FILE, RANK_CONFIG_ERROR
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -83,13 +82,14 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     torchrun, SIGTERM to its ranks (to torchrun before they start).
 
     A rank that fails writes why into ``$PERSIA_RANK_FAILED_FILE``
-    (``persia_py.dense.process_group.report_failure``). torchrun then records the failure in
+    (:func:`persia_py.ops.final_errors.report_failure`). torchrun then records the failure in
     its rendezvous store; when that store sits behind a dead link, the kernel retries
     the connection for many minutes and torchrun with it. So once a rank has failed and
     torchrun has had no rank running for ``grace_sec``, it is stopped, and the rank's
     reason is printed: the node ends with an error naming the peer it lost. A rank that
-    stopped on a config error at start (``TrainCtx``) stops torchrun at once, which would
-    restart the ranks into the same error, and the code is ``CONFIG_EXIT_CODE``.
+    stopped on a config error before any progress (its script's, or ``TrainCtx``'s:
+    :mod:`persia_py.ops.final_errors`) stops torchrun at once, which would restart the
+    ranks into the same error, and the code is ``CONFIG_EXIT_CODE``.
     """
     fd, failed_file = tempfile.mkstemp(prefix="persia-rank-failed-")
     os.close(fd)
@@ -120,9 +120,10 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
                 code = None
             reason = _failure(failed_file)
             if reason is not None and RANK_CONFIG_ERROR in reason:
-                # torchrun would restart the ranks into the same error.
-                print(f"[nn-worker] {reason.splitlines()[0]}; not restarting the ranks",
-                      flush=True)
+                # torchrun would restart the ranks into the same error. The rank that
+                # wrote it waits for this (persia_py/ops/final_errors.py).
+                line = next(x for x in reason.splitlines() if RANK_CONFIG_ERROR in x)
+                print(f"[nn-worker] {line}; not restarting the ranks", flush=True)
                 _kill_tree(child)
                 return CONFIG_EXIT_CODE
             if code is not None:

@@ -32,6 +32,7 @@ from persia_py.launcher import job_token
 from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
 from persia_py.ops import allocator
+from persia_py.ops.final_errors import ENV_FINAL_CONFIG_ERRORS
 from persia_py.ops.start_checks import check_checkpoint_paths
 from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import ENV_METRICS_PORT, serve_metrics
@@ -207,9 +208,11 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
 def _user_env(args: argparse.Namespace) -> dict[str, str]:
     """This process's environment plus the config paths, for a user script; both config
     files are validated first, checkpoint folders included, so a bad key stops the role
-    before the script starts. The
+    before the script starts; one the script meets itself before any progress ends it
+    with ``CONFIG_EXIT_CODE`` too (:mod:`persia_py.ops.final_errors`). The
     script starts with persia_py's malloc settings (:mod:`persia_py.ops.allocator`)."""
     env = allocator.with_tunables(dict(os.environ))
+    env[ENV_FINAL_CONFIG_ERRORS] = "1"
     global_path, embedding_path = _config_paths(args)
     validate_configs(global_path, embedding_path)
     # The ranks write checkpoints into checkpoint_config.dir: refused now, not at the first.

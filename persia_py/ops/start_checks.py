@@ -1,5 +1,5 @@
-"""Config checks that depend on where a role runs, made as it starts; and the exit code of
-a role that stops on a config error.
+"""Config checks that depend on where a role runs, made as it starts; and (from
+:mod:`persia_py.ops.final_errors`) the exit code of a role that stops on a config error.
 
 A config file is checked key by key when it is read (:mod:`persia_py.config`). A few keys
 are right or wrong only relative to the process that uses them: ``checkpoint_config.dir``
@@ -9,9 +9,10 @@ server's ``--checkpoint-root`` overrides it). Left to the first checkpoint, such
 would cost the training up to it, and a supervisor would restart the job into the same
 error. So ``persia-launcher local`` checks them before it starts any process, each
 ``persia-launcher`` role as it starts, and ``TrainCtx`` when it is made; and a role that
-stops on a config error before it made any progress exits with :data:`CONFIG_EXIT_CODE`,
-which ``persia-launcher local`` and the Kubernetes manifests take as final: no restart
-(it would stop the same way).
+stops on a config error before it made any progress (a user's script too:
+:mod:`persia_py.ops.final_errors`) exits with :data:`CONFIG_EXIT_CODE`, which
+``persia-launcher local`` and the Kubernetes manifests take as final: no restart (it
+would stop the same way).
 """
 
 from __future__ import annotations
@@ -22,17 +23,10 @@ from pathlib import Path, PurePath, PurePosixPath
 
 from persia_py.config import CheckpointConfig, ConfigError
 from persia_py.ops import safe_files
+from persia_py.ops.final_errors import CONFIG_EXIT_CODE, RANK_CONFIG_ERROR
 
 __all__ = ["CONFIG_EXIT_CODE", "RANK_CONFIG_ERROR", "check_checkpoint_paths"]
 
-CONFIG_EXIT_CODE = 78
-"""Exit code of a role that stopped on a config error (``EX_CONFIG`` of sysexits.h):
-final, never restarted."""
-RANK_CONFIG_ERROR = "stopped on a config error"
-"""What an NN-worker rank's line in ``$PERSIA_RANK_FAILED_FILE`` says when ``TrainCtx``
-refused its arguments or config at start; ``persia-launcher nn-worker`` then stops
-torchrun (which would restart the ranks into the same error) and exits
-:data:`CONFIG_EXIT_CODE`."""
 
 _RULES = {
     # key -> (allowed depths below the root, the rule in words)

@@ -23,6 +23,7 @@ from persia_py.config.checks import check_type
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
 from persia_py.ids.positions import Position, batch_id
+from persia_py.ops.final_errors import config_errors_are_final, made_progress
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.telemetry.events import Event, emit
@@ -61,6 +62,7 @@ class DataCtx:
             from its environment variables and ``PERSIA_GLOBAL_CONFIG``).
     """
 
+    @config_errors_are_final
     def __init__(self, *, port: int | None = None, buffer_size: int = 16,
                  env: PersiaEnv | None = None, global_config: GlobalConfig | None = None) -> None:
         # Every argument first, before any file or environment is read.
@@ -216,6 +218,8 @@ class DataCtx:
                    lambda t: self._queue.put(self._message(batch, id_, worker_index, ref),
                                               timeout=t))
         self.num_sent += 1
+        if self.num_sent == 1:  # a config error from now on is no longer one at start
+            made_progress()
         self.metrics.send_seconds.observe(time.perf_counter() - started)
         self.metrics.batches.inc()
         self.metrics.samples.inc(batch.batch_size)
