@@ -94,6 +94,7 @@ class DataCtx:
         """Sequence number of the next batch the script makes (skipped ones count too)."""
         self._workers: list[EmbeddingWorkerClient] = []
         self._server: grpc.Server | None = None
+        self._servicer: DataLoaderServicer | None = None
         self.num_sent = 0
         self.num_skipped = 0
         self.kept = KeptBatches()
@@ -153,11 +154,10 @@ class DataCtx:
         for w in self._workers:
             w.wait_ready()
         server, self.port = create_server(f"{self.env.bind_host}:{self.port}", self.common)
-        data_loader_pb2_grpc.add_DataLoaderServicer_to_server(
-            DataLoaderServicer(self._queue, self.kept, self._resend,
-                               loader_index=self.env.data_loader_replica_index,
-                               num_made=lambda: self.num_made),
-            server)
+        self._servicer = DataLoaderServicer(self._queue, self.kept, self._resend,
+                                            loader_index=self.env.data_loader_replica_index,
+                                            num_made=lambda: self.num_made)
+        data_loader_pb2_grpc.add_DataLoaderServicer_to_server(self._servicer, server)
         server.start()
         self._server = server
         print(f"data-loader {self.env.data_loader_replica_index} on port {self.port} ready",
@@ -331,6 +331,13 @@ class DataCtx:
                             self.num_skipped, self.kept.num_resent)
                 emit(Event.LOADER_FINISHED, loader=self.env.data_loader_replica_index,
                      sent=self.num_sent, skipped=self.num_skipped, resent=self.kept.num_resent)
+                # The stop below gives calls in flight only a short grace; a loaded
+                # machine can take longer to send the answer that ended the stream.
+                if self._servicer is not None and not self._servicer.wait_answered(
+                        self.common.rpc_timeout_sec):
+                    logger.warning("an answer to the NN workers was still on its way %.0f s "
+                                   "after the stream ended; stopping anyway",
+                                   self.common.rpc_timeout_sec)
         finally:
             if self._server is not None:
                 self._server.stop(grace=1.0).wait(5.0)

@@ -128,6 +128,34 @@ class BatchQueue:
         return self._all_ended.wait(timeout)
 
 
+class _CallsInFlight:
+    """NextBatch calls whose answer has not left yet: the one that tells the last rank
+    the end of the stream, or the last finished batches, completes the stream while it
+    is still to be delivered."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._changed = threading.Condition()
+
+    def enter(self, context) -> None:
+        if context is None:  # called directly, not over gRPC: no answer to deliver
+            return
+        with self._changed:
+            self._count += 1
+        # Called when the call is over on the server (its answer sent, or cancelled).
+        if not context.add_callback(self._leave):
+            self._leave()  # already over
+
+    def _leave(self) -> None:
+        with self._changed:
+            self._count -= 1
+            self._changed.notify_all()
+
+    def wait_none(self, timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._count == 0, timeout)
+
+
 class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
     """``num_made()``: how many batches this loader's stream has made (every sequence
     number below it); a ``Rewind`` may name no other."""
@@ -140,9 +168,19 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
         self.resend = resend
         self.loader_index = loader_index
         self.num_made = num_made
+        self._in_flight = _CallsInFlight()
+
+    def wait_answered(self, timeout: float) -> bool:
+        """Wait until no NextBatch answer is on its way (up to ``timeout``; False if one
+        still is). Once the stream has ended and every batch is done, call this before
+        stopping the server: the answer that completed the stream (the last rank's end,
+        or its last finished batches) may not have left yet, and a rank whose answer is
+        cut off retries a loader that is gone, until its deadline, then fails."""
+        return self._in_flight.wait_none(timeout)
 
     @grpc_method
     def NextBatch(self, request, context):
+        self._in_flight.enter(context)
         # Only this loader's batch ids: another loader's, cut to a sequence number, could
         # mark one of ours finished in the handover log.
         done = [b for b in request.done if loader_of(b) == self.loader_index]
