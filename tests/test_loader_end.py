@@ -70,3 +70,35 @@ def test_without_waiting_a_late_answer_is_cut_off() -> None:
     answer = _end_answer_arrives(wait_answered=False)
     assert isinstance(answer, grpc.RpcError), answer
     assert answer.code() == grpc.StatusCode.UNAVAILABLE, answer
+
+
+def test_a_call_its_rank_gave_up_on_is_not_waited_for() -> None:
+    """A rank that cancels (or dies) while its NextBatch handler is still busy leaves
+    nothing on its way: the loader does not wait out its deadline at the end."""
+    batches = BatchQueue(maxsize=4, num_consumers=1)
+    entered, release = threading.Event(), threading.Event()
+
+    def busy_next(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return pb.NextBatchResponse()
+
+    batches.next = busy_next
+    servicer = DataLoaderServicer(batches)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    data_loader_pb2_grpc.add_DataLoaderServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        call = data_loader_pb2_grpc.DataLoaderStub(channel).NextBatch.future(
+            pb.NextBatchRequest(rank=0), timeout=30)
+        assert entered.wait(30)
+        assert not servicer.wait_answered(0.1)  # the handler is at work
+        call.cancel()
+        assert servicer.wait_answered(10)  # while the handler still is
+        assert not release.is_set()
+    finally:
+        release.set()
+        server.stop(grace=None)
+        channel.close()
