@@ -9,8 +9,13 @@ Objects (all labelled ``app.kubernetes.io/name: persia``, ``persia.job: <job>``,
   headless Service of the same name (``<job>-ps``, ``<job>-embedding-worker``,
   ``<job>-data-loader``). A pod's ordinal is its ``--replica-index``, and its DNS name
   (``<job>-ps-3.<job>-ps``) survives restarts, so routing ids by replica index holds.
+  Kubernetes restarts a StatefulSet's pods whatever their exit code, and a restart would
+  meet a config error (exit code 78) again: these roles run with
+  ``--hold-on-config-error`` and hold on one, saying so, until their pod is deleted
+  (:func:`persia_py.launcher.roles.hold_after_config_error`).
 * NN workers: an indexed Job ``<job>-nn-worker`` whose pods run torchrun with c10d
-  rendezvous at pod 0 (``<job>-nn-worker-0.<job>-nn-worker``, headless Service).
+  rendezvous at pod 0 (``<job>-nn-worker-0.<job>-nn-worker``, headless Service). A pod
+  that exits 78 (a config error) fails the Job at once (its ``podFailurePolicy``).
 
 Every container serves Prometheus metrics on ``--metrics-port`` (annotated for
 scraping). The image is the one the repository's Dockerfile builds.
