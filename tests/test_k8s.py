@@ -121,6 +121,22 @@ def test_a_config_error_fails_the_nn_worker_job_at_once() -> None:
         "containerName": "nn-worker", "operator": "In", "values": [78]}}]
 
 
+def test_the_stateful_sets_roles_hold_on_a_config_error() -> None:
+    """A StatefulSet restarts its pods whatever their exit code, into the same config
+    error: their roles hold on one (--hold-on-config-error) instead of exiting 78. The NN
+    workers' Job fails on 78 (above): they exit."""
+    parser = build_parser()
+    holds = {}
+    for template in _pod_templates(_render(*FLAGS)):
+        (container,) = template["spec"]["containers"]
+        # Each command as the role's own parser reads it (with a pod's index filled in).
+        argv = [("0" if arg == "$(POD_INDEX)" else arg) for arg in container["command"][1:]]
+        args = parser.parse_args(argv)
+        holds[args.command] = getattr(args, "hold_on_config_error", False)
+    assert holds == {"embedding-parameter-server": True, "embedding-worker": True,
+                     "data-loader": True, "nn-worker": False}
+
+
 def test_cli_writes_the_manifest(tmp_path) -> None:
     out = tmp_path / "job.yaml"
     assert main([*FLAGS, "-o", str(out)]) == 0

@@ -8,12 +8,17 @@
 * ``LocalCluster`` takes a role's exit code 78 as final: no restart, the job stops with it.
 * A config error ``TrainCtx`` finds as the user's script starts does the same: the node's
   launcher stops torchrun and exits 78.
+* With ``--hold-on-config-error`` (what ``persia-launcher k8s`` gives the roles of its
+  StatefulSets, which Kubernetes restarts whatever their exit code), a role that would
+  exit 78 says so and holds until SIGTERM, then exits 78.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 import sys
 import textwrap
 
@@ -75,6 +80,58 @@ def test_a_role_refuses_it_with_the_config_exit_code(tmp_path, role: list[str]) 
     try:
         assert job.wait(timeout=60) == CONFIG_EXIT_CODE, job.output()
         assert re.search(_refusal(tmp_path), job.output()), job.output()
+        assert "holding" not in job.output(), job.output()  # without --hold-on-config-error
+    finally:
+        job.stop()
+
+
+def _holding(command: str) -> str:
+    return (rf"persia-launcher {command}: stopped on a config error \(code 78; its message is "
+            r"above\); holding instead of exiting")
+
+
+HOLD_CHECK_SEC = 1.0
+"""How long a held role is watched for an exit after it said it holds."""
+
+
+def _held_until_sigterm(job: RoleProcess, command: str) -> None:
+    """``job`` says it holds on a config error, does not exit, and exits 78 on SIGTERM."""
+    job.wait_for_line(_holding(command), timeout=120)
+    with pytest.raises(subprocess.TimeoutExpired):
+        job.process.wait(timeout=HOLD_CHECK_SEC)
+    assert job.process.poll() is None, job.output()
+    job.process.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == CONFIG_EXIT_CODE, job.output()
+    assert processes_with_marker(job.marker) == []
+
+
+def _bad_embedding_config(tmp_path) -> str:
+    path = tmp_path / "embedding_config.yml"
+    path.write_text("slots_config:\n  a:\n    dimm: 8\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("role,config", [
+    (["embedding-parameter-server"], "global"),  # its checkpoint folder outside the root
+    (["embedding-worker", "--ps-addrs", "127.0.0.1:1"], "embedding"),  # a misspelled key
+])
+def test_a_role_told_to_hold_on_a_config_error_waits_for_sigterm_then_exits_78(
+        tmp_path, role: list[str], config: str) -> None:
+    """A StatefulSet would restart the role into the same error: it holds instead."""
+    if config == "global":
+        configs = ["--global-config", _bad_config(tmp_path),
+                   "--embedding-config", str(EXAMPLE / "embedding_config.yml")]
+        refusal = _refusal(tmp_path)
+    else:
+        configs = ["--embedding-config", _bad_embedding_config(tmp_path)]
+        refusal = r"config error: .*slots_config.a.dimm: unknown key .*; did you mean 'dim'\?"
+    job = RoleProcess(launcher_command(role[0], "--hold-on-config-error", "--port", "0",
+                                       *configs, *role[1:]))
+    try:
+        _held_until_sigterm(job, role[0])
+        out = job.output()
+        assert re.search(refusal, out), out
+        assert "ready" not in out, out
     finally:
         job.stop()
 
@@ -205,5 +262,23 @@ def test_a_config_error_of_a_data_loader_script_before_its_first_batch_is_final(
         assert out.count("[data-loader-0] the script started") == 1, out
         assert "(restart " not in out, out
         assert processes_with_marker(job.marker) == []
+    finally:
+        job.stop()
+
+
+def test_a_data_loader_told_to_hold_holds_when_its_script_stops_on_a_config_error(
+        tmp_path) -> None:
+    """The loader's script exits 78 (a ConfigError before its first batch): its role
+    holds instead of exiting with it, and exits 78 on SIGTERM."""
+    script, refusal = _script_reading_a_bad_config(tmp_path)
+    job = RoleProcess(launcher_command(
+        "data-loader", "--hold-on-config-error", "--port", "0",
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"), script))
+    try:
+        _held_until_sigterm(job, "data-loader")
+        out = job.output()
+        assert re.search(r"persia_py.config.strict." + refusal, out), out
+        assert out.count("the script started") == 1, out
+        assert "the bad config was taken" not in out, out
     finally:
         job.stop()

@@ -26,7 +26,8 @@ def _non_negative(text: str) -> int:
 
 def _add_server_flags(p: argparse.ArgumentParser, who: str = "this server",
                       bind_default: str | None = "127.0.0.1") -> None:
-    """Port, bind address, replica index and count, metrics, configs and --insecure.
+    """Port, bind address, replica index and count, metrics, configs, --insecure and
+    --hold-on-config-error.
     ``bind_default`` None: the role reads $PERSIA_BIND_HOST (else 127.0.0.1)."""
     p.add_argument("--port", type=int, default=0, help="port to serve on (0: any free port)")
     p.add_argument("--bind", default=bind_default,
@@ -39,6 +40,9 @@ def _add_server_flags(p: argparse.ArgumentParser, who: str = "this server",
     _add_config_flags(p)
     add_insecure_flag(p, who)
     add_insecure_token_flag(p)
+    from persia_py.launcher.roles import add_hold_flag
+
+    add_hold_flag(p)
 
 
 def _add_metrics_flag(p: argparse.ArgumentParser, extra: str = "") -> None:
@@ -286,11 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in _NEEDS_TOKEN:
             roles.require_token(args)
-        return run(args)
+        code = run(args)
     except ConfigError as exc:
         # Final: a supervisor that restarted the role would meet the same error.
         print(f"persia-launcher {args.command}: config error: {exc}", file=sys.stderr)
-        return CONFIG_EXIT_CODE
+        code = CONFIG_EXIT_CODE
+    if code == CONFIG_EXIT_CODE and getattr(args, "hold_on_config_error", False):
+        # The role's own config error (above), or its script's (a data loader's code).
+        return roles.hold_after_config_error(args.command)
+    return code
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -9,8 +9,13 @@ Objects (all labelled ``app.kubernetes.io/name: persia``, ``persia.job: <job>``,
   headless Service of the same name (``<job>-ps``, ``<job>-embedding-worker``,
   ``<job>-data-loader``). A pod's ordinal is its ``--replica-index``, and its DNS name
   (``<job>-ps-3.<job>-ps``) survives restarts, so routing ids by replica index holds.
+  Kubernetes restarts a StatefulSet's pods whatever their exit code, and a restart would
+  meet a config error (exit code 78) again: these roles run with
+  ``--hold-on-config-error`` and hold on one, saying so, until their pod is deleted
+  (:func:`persia_py.launcher.roles.hold_after_config_error`).
 * NN workers: an indexed Job ``<job>-nn-worker`` whose pods run torchrun with c10d
-  rendezvous at pod 0 (``<job>-nn-worker-0.<job>-nn-worker``, headless Service).
+  rendezvous at pod 0 (``<job>-nn-worker-0.<job>-nn-worker``, headless Service). A pod
+  that exits 78 (a config error) fails the Job at once (its ``podFailurePolicy``).
 
 Every container serves Prometheus metrics on ``--metrics-port`` (annotated for
 scraping). The image is the one the repository's Dockerfile builds.
@@ -46,6 +51,7 @@ from persia_py.config import load_embedding_config, load_global_config
 from persia_py.env import job_env
 from persia_py.launcher import job_token
 from persia_py.launcher.role_kinds import ROLE_KINDS
+from persia_py.launcher.roles import HOLD_ON_CONFIG_ERROR
 from persia_py.ops import allocator
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
 from persia_py.telemetry.monitoring import ENV_METRICS_PORT
@@ -297,6 +303,13 @@ def _launcher(args: argparse.Namespace, role: str, *flags: str) -> list[str]:
     return ["persia-launcher", role, *(["--insecure"] if args.insecure else []), *flags]
 
 
+def _stateful_launcher(args: argparse.Namespace, role: str, *flags: str) -> list[str]:
+    """The command of a StatefulSet's role. Its pods are restarted whatever their exit
+    code, and a restart would meet a config error again: the role holds on one instead
+    of exiting 78 (persia_py/launcher/roles.py)."""
+    return _launcher(args, role, HOLD_ON_CONFIG_ERROR, *flags)
+
+
 def _selector(flag: str, value: str) -> dict[str, str]:
     """``k=v,k2=v2`` as matchLabels ('' matches everything)."""
     labels = {}
@@ -392,23 +405,26 @@ def render(args: argparse.Namespace) -> list[dict]:
     metrics = ["--metrics-port", str(args.metrics_port)]
     # The update log lives in the pod: a container that dies and is restarted in it
     # replays it (servers/update_log.py); a new pod starts with an empty one.
-    objects += _stateful_set(args, "embedding-parameter-server", args.num_ps, args.ps_port, _launcher(
-        args, "embedding-parameter-server", "--port", str(args.ps_port), "--bind", "0.0.0.0",
-        "--replica-index", index, "--replica-size", str(args.num_ps), *metrics,
-        "--update-log", UPDATE_LOG_DIR, "--replay-update-log"),
+    objects += _stateful_set(
+        args, "embedding-parameter-server", args.num_ps, args.ps_port,
+        _stateful_launcher(args, "embedding-parameter-server", "--port", str(args.ps_port),
+                           "--bind", "0.0.0.0", "--replica-index", index,
+                           "--replica-size", str(args.num_ps), *metrics,
+                           "--update-log", UPDATE_LOG_DIR, "--replay-update-log"),
         scratch={"ps-updates": UPDATE_LOG_DIR})
     objects += _stateful_set(
         args, "embedding-worker", args.num_embedding_workers, args.embedding_worker_port,
-        _launcher(args, "embedding-worker", "--port", str(args.embedding_worker_port),
-                  "--bind", "0.0.0.0", "--replica-index", index,
-                  "--replica-size", str(args.num_embedding_workers), *metrics))
+        _stateful_launcher(args, "embedding-worker", "--port", str(args.embedding_worker_port),
+                           "--bind", "0.0.0.0", "--replica-index", index,
+                           "--replica-size", str(args.num_embedding_workers), *metrics))
     # Likewise a data loader's handover log (workers/handover_log.py).
     objects += _stateful_set(
         args, "data-loader", args.num_data_loaders, args.data_loader_port,
-        _launcher(args, "data-loader", "--port", str(args.data_loader_port),
-                  "--replica-index", index, "--replica-size", str(args.num_data_loaders),
-                  *metrics, "--handover-log", f"{HANDOVER_LOG_DIR}/handovers.log",
-                  "--replay-handovers", args.data_loader, *shlex.split(args.data_loader_args)),
+        _stateful_launcher(args, "data-loader", "--port", str(args.data_loader_port),
+                           "--replica-index", index, "--replica-size", str(args.num_data_loaders),
+                           *metrics, "--handover-log", f"{HANDOVER_LOG_DIR}/handovers.log",
+                           "--replay-handovers", args.data_loader,
+                           *shlex.split(args.data_loader_args)),
         scratch={"handovers": HANDOVER_LOG_DIR})
     objects += _nn_worker_job(args)
     return objects

@@ -33,7 +33,7 @@ from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
 from persia_py.ops import allocator
 from persia_py.ops.final_errors import ENV_FINAL_CONFIG_ERRORS
-from persia_py.ops.start_checks import check_checkpoint_paths
+from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
 from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import ENV_METRICS_PORT, serve_metrics
 
@@ -67,10 +67,45 @@ def validate_configs(global_path: str | None, embedding_path: str | None) -> Non
         load_embedding_config(embedding_path)
 
 
-def _serve_until_signal(server, what: str) -> int:
+HOLD_ON_CONFIG_ERROR = "--hold-on-config-error"
+"""The flag of the roles a supervisor restarts whatever their exit code (Kubernetes
+StatefulSets: ``persia-launcher k8s`` renders it for them): a role that stopped on a
+config error holds instead of exiting (:func:`hold_after_config_error`)."""
+
+
+def add_hold_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(HOLD_ON_CONFIG_ERROR, action="store_true",
+                   help=f"when the role stops on a config error (exit code {CONFIG_EXIT_CODE}; "
+                        "a data loader's script's too), say so and wait for SIGTERM or SIGINT, "
+                        f"then exit {CONFIG_EXIT_CODE}: for a supervisor that restarts the role "
+                        "whatever its exit code (a Kubernetes StatefulSet), which would start "
+                        "it into the same error again and again")
+
+
+def _stop_event() -> threading.Event:
+    """An event that SIGTERM and SIGINT set from now on."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def hold_after_config_error(command: str) -> int:
+    """``--hold-on-config-error``: the role ``command`` stopped on a config error (its
+    message printed); wait for SIGTERM or SIGINT, then return :data:`CONFIG_EXIT_CODE`.
+    A StatefulSet restarts its pods whatever their exit code, and a restart would meet
+    the same error: the pod holds until the job is deleted, or fixed and applied again."""
+    stop = _stop_event()
+    print(f"persia-launcher {command}: stopped on a config error (code {CONFIG_EXIT_CODE}; "
+          "its message is above); holding instead of exiting, so that its supervisor does "
+          "not restart it into the same error: fix the config and apply the job again, or "
+          f"delete it (exits {CONFIG_EXIT_CODE} on SIGTERM)", file=sys.stderr, flush=True)
+    stop.wait()
+    return CONFIG_EXIT_CODE
+
+
+def _serve_until_signal(server, what: str) -> int:
+    stop = _stop_event()
     print(f"{what} ready", flush=True)
     stop.wait()
     server.stop(grace=2.0).wait(10.0)
