@@ -3,8 +3,9 @@ window only (start-up and imports excluded), read from /proc.
 
 The job's NN worker prints ``timing_started`` when its clock starts and
 ``samples_per_sec: …`` when it stops; :func:`run_job` snapshots every process below the
-launcher at both lines and polls in between, so a process that exits inside the window
-(a restarted role) still counts up to its last poll.
+launcher at both lines and polls in between. A process that exits inside the window (a
+restarted role) counts to its end: once its parent has reaped it, what it ran after its
+last poll shows in the parent's ``cutime``/``cstime``, and is added to its role.
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ def role_of(argv: list[str], *, train_script: str, loader_script: str) -> str:
     return "launcher"
 
 
-def _cpu_ticks(pid: int) -> int:
+def _cpu_ticks(pid: int) -> tuple[int, int, int]:
+    """(utime + stime of every thread of the process, cutime + cstime: its reaped
+    children's, parent pid)."""
     with open(f"/proc/{pid}/stat") as f:
         stat = f.read()
     fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime, every thread of the process
+    return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14]), int(fields[1])
 
 
 @dataclass
@@ -53,9 +56,15 @@ class _Window:
     role: dict[int, str] = field(default_factory=dict)
     first: dict[int, int] = field(default_factory=dict)
     last: dict[int, int] = field(default_factory=dict)
+    reaped: dict[int, int] = field(default_factory=dict)
+    """Each polled process's children's CPU (cutime + cstime) at its last poll."""
+    parent: dict[int, int] = field(default_factory=dict)
+    tail: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Per role, what processes that exited ran after their last poll."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def poll(self, *, baseline: bool = False) -> None:
+        seen: dict[int, tuple[int, int, int]] = {}
         for pid in [self.root, *descendants(self.root)]:
             try:
                 # A child polled between fork and exec shows its parent's command
@@ -65,20 +74,42 @@ class _Window:
                         argv = f.read().decode(errors="replace").split("\0")
                     self.role[pid] = role_of(argv, train_script=self.train_script,
                                              loader_script=self.loader_script)
-                ticks = _cpu_ticks(pid)
+                seen[pid] = _cpu_ticks(pid)
             except (OSError, ValueError):  # exited meanwhile
                 continue
-            with self.lock:
+        with self.lock:
+            self._count_exited(seen)
+            for pid, (ticks, children, parent) in seen.items():
                 if baseline or pid not in self.first:
                     # a process born inside the window counts from zero
                     self.first.setdefault(pid, ticks if baseline else 0)
                 self.last[pid] = ticks
+                self.reaped[pid] = children
+                self.parent[pid] = parent
+
+    def _count_exited(self, seen: dict[int, tuple[int, int, int]]) -> None:
+        """Processes polled before and gone now: their parent reaped them, and its
+        children's CPU grew by all they ran (theirs and their own reaped children's);
+        what that is beyond their last poll goes to their role."""
+        gone: dict[int, list[int]] = defaultdict(list)
+        for pid in self.reaped:
+            if pid not in seen and self.parent.get(pid) in seen:
+                gone[self.parent[pid]].append(pid)
+        for parent, children in gone.items():
+            grown = seen[parent][1] - self.reaped.get(parent, seen[parent][1])
+            known = sum(self.last[c] + self.reaped[c] for c in children)
+            if grown > known:  # several at once: the first one's role takes it
+                self.tail[self.role[children[0]]] += grown - known
+            for child in children:
+                del self.reaped[child]
 
     def seconds(self) -> dict[str, float]:
         per_role: dict[str, float] = defaultdict(float)
         with self.lock:
             for pid, ticks in self.last.items():
                 per_role[self.role[pid]] += (ticks - self.first.get(pid, 0)) / _TICK
+            for role, ticks in self.tail.items():
+                per_role[role] += ticks / _TICK
         return {role: per_role.get(role, 0.0) for role in ROLES}
 
 
