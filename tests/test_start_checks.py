@@ -85,6 +85,31 @@ def test_a_role_refuses_it_with_the_config_exit_code(tmp_path, role: list[str]) 
         job.stop()
 
 
+_EMBEDDING = ["--embedding-config", str(EXAMPLE / "embedding_config.yml")]
+
+
+@pytest.mark.parametrize("args,refusal", [
+    (["embedding-parameter-server", *_EMBEDDING, "--replay-update-log"],
+     "--replay-update-log needs --update-log DIR"),
+    (["embedding-parameter-server", *_EMBEDDING, "--follow-increments", "/tmp/increments"],
+     r"--follow-increments needs --inference \(a serving replica\)"),
+    (["embedding-parameter-server"], r"--embedding-config \(or PERSIA_EMBEDDING_CONFIG\) is "
+                                     "required"),
+    (["embedding-worker", *_EMBEDDING], r"--ps-addrs \(or PERSIA_PS_ADDRS\) is required"),
+    (["data-loader", "--replay-handovers", str(EXAMPLE / "data_loader.py")],
+     "--replay-handovers needs --handover-log FILE"),
+])
+def test_flags_that_cannot_work_are_config_errors(args: list[str], refusal: str) -> None:
+    """A restart would meet them again: final, as a bad config key is."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PERSIA_PS_ADDRS", "PERSIA_EMBEDDING_CONFIG")}
+    done = subprocess.run(launcher_command(*args), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == CONFIG_EXIT_CODE, done.stderr
+    assert re.search(rf"persia-launcher {args[0]}: config error: {refusal}", done.stderr), \
+        done.stderr
+
+
 def _holding(command: str) -> str:
     return (rf"persia-launcher {command}: stopped on a config error \(code 78; its message is "
             r"above\); holding instead of exiting")

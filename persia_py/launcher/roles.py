@@ -11,6 +11,7 @@ import sys
 import threading
 
 from persia_py.config import (
+    ConfigError,
     EmbeddingTablesConfig,
     GlobalConfig,
     load_embedding_config,
@@ -56,7 +57,7 @@ def _server_configs(args: argparse.Namespace) -> tuple[GlobalConfig, EmbeddingTa
     allocator.tune_this_process()
     global_path, embedding_path = _config_paths(args)
     if embedding_path is None:
-        raise SystemExit(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
+        raise ConfigError(f"--embedding-config (or {ENV_EMBEDDING_CONFIG}) is required")
     return load_global_config(global_path), load_embedding_config(embedding_path)
 
 
@@ -132,11 +133,15 @@ def run_parameter_server(args: argparse.Namespace) -> int:
     inference = args.inference or global_config.common_config.job_type == "Infer"
     if not inference:  # it serves Dump into checkpoint_config.dir, exports increments
         check_checkpoint_paths(global_config.checkpoint_config, root=args.checkpoint_root)
+    # Flags that cannot go together: refused before the tables are made (final: a restart
+    # would meet them again).
+    if args.replay_update_log and not args.update_log:
+        raise ConfigError("--replay-update-log needs --update-log DIR")
+    if args.follow_increments and not inference:
+        raise ConfigError("--follow-increments needs --inference (a serving replica)")
     ps = ParameterServer(global_config, embedding_config,
                          replica_index=args.replica_index, replica_size=args.replica_size,
                          inference=inference)
-    if args.replay_update_log and not args.update_log:
-        raise SystemExit("--replay-update-log needs --update-log DIR")
     if args.update_log:
         from persia_py.servers.replica_start import open_update_log
 
@@ -165,8 +170,6 @@ def run_parameter_server(args: argparse.Namespace) -> int:
     checkpoint_root = args.checkpoint_root or ckpt_cfg.root
     metrics = ParameterServerMetrics(ps)
     if args.follow_increments:
-        if not inference:
-            raise SystemExit("--follow-increments needs --inference (a serving replica)")
         from persia_py.telemetry.monitoring import register_freshness
 
         after = base_increment_seqs(args.load_checkpoint) if args.load_checkpoint else {}
@@ -209,7 +212,7 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
     global_config, embedding_config = _server_configs(args)
     ps_addrs = args.ps_addrs.split(",") if args.ps_addrs else PersiaEnv.from_environ().ps_addrs
     if not ps_addrs:
-        raise SystemExit(f"--ps-addrs (or {ENV_PS_ADDRS}) is required")
+        raise ConfigError(f"--ps-addrs (or {ENV_PS_ADDRS}) is required")
     clients = [PSClient(a, global_config.common_config) for a in ps_addrs]
     for c in clients:
         c.wait_ready()
@@ -309,7 +312,7 @@ def run_data_loader(args: argparse.Namespace) -> int:
     if args.bind is not None:
         env[ENV_BIND_HOST] = args.bind
     if args.replay_handovers and not args.handover_log:
-        raise SystemExit("--replay-handovers needs --handover-log FILE")
+        raise ConfigError("--replay-handovers needs --handover-log FILE")
     if args.handover_log:
         env[ENV_DATA_LOADER_HANDOVER_LOG] = os.path.abspath(args.handover_log)
         env[ENV_DATA_LOADER_REPLAY] = "1" if args.replay_handovers else "0"
