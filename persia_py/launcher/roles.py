@@ -83,12 +83,16 @@ def add_hold_flag(p: argparse.ArgumentParser) -> None:
                         "it into the same error again and again")
 
 
+_stopping = threading.Event()
+"""Set by SIGTERM or SIGINT, whichever handler takes it: one forwarded to a data loader's
+script that exits 78 at that moment still stops the hold that follows."""
+
+
 def _stop_event() -> threading.Event:
-    """An event that SIGTERM and SIGINT set from now on."""
-    stop = threading.Event()
+    """An event that SIGTERM and SIGINT set from now on (set already if one came)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
+        signal.signal(sig, lambda *_: _stopping.set())
+    return _stopping
 
 
 def hold_after_config_error(command: str) -> int:
@@ -236,6 +240,7 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
     child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
 
     def forward(signum, _frame):
+        _stopping.set()
         child.send_signal(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
