@@ -23,7 +23,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from persia_py.ids.dedup import rows_in_order
 from persia_py.ids.hashing import mix64_one
@@ -61,11 +61,23 @@ def _prefetch2(typingctx, array, row, col):
     return types.void(array, row, col), _prefetch_codegen
 
 
+def _per_line(array):  # pragma: no cover - replaced by the overload in numba
+    raise NotImplementedError
+
+
+@overload(_per_line, inline="always")
+def _per_line_overload(array):
+    # A constant where it is compiled: from the array's runtime itemsize, the stride took
+    # two integer divisions per prefetched row.
+    per_line = max(_LINE_BYTES // (array.dtype.bitwidth // 8), 1)
+    return lambda array: per_line
+
+
 @njit(cache=True, nogil=True, inline="always")
 def prefetch_row(array: np.ndarray, row: int) -> None:
     """Prefetch every cache line of ``array[row]`` (a 2-D array with contiguous rows)."""
     width = array.shape[1]
-    per_line = max(_LINE_BYTES // array.itemsize, 1)
+    per_line = _per_line(array)
     for col in range(0, width, per_line):
         # numba's stubs count typingctx among an intrinsic's call arguments; it has none.
         _prefetch2(array, row, col)  # type: ignore[call-arg]
