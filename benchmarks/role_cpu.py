@@ -4,8 +4,9 @@ window only (start-up and imports excluded), read from /proc.
 The job's NN worker prints ``timing_started`` when its clock starts and
 ``samples_per_sec: …`` when it stops; :func:`run_job` snapshots every process below the
 launcher at both lines and polls in between. A process that exits inside the window (a
-restarted role) counts to its end: once its parent has reaped it, what it ran after its
-last poll shows in the parent's ``cutime``/``cstime``, and is added to its role.
+restarted role, or a whole rank, torchrun and wrapper at the job's end) counts to its end,
+once: when the nearest process still running above it has reaped it, what it and its
+gone descendants ran after their last polls shows in that process's ``cutime``/``cstime``.
 """
 
 from __future__ import annotations
@@ -88,20 +89,29 @@ class _Window:
                 self.parent[pid] = parent
 
     def _count_exited(self, seen: dict[int, tuple[int, int, int]]) -> None:
-        """Processes polled before and gone now: their parent reaped them, and its
-        children's CPU grew by all they ran (theirs and their own reaped children's);
-        what that is beyond their last poll goes to their role."""
-        gone: dict[int, list[int]] = defaultdict(list)
-        for pid in self.reaped:
-            if pid not in seen and self.parent.get(pid) in seen:
-                gone[self.parent[pid]].append(pid)
-        for parent, children in gone.items():
+        """Processes polled before and gone now. The nearest one still running above a
+        gone one reaped it (or the gone one's gone parent did): its children's CPU grew
+        by all they ran, the gone descendants' included (a rank, its torchrun and their
+        wrapper can end between two polls). What that is beyond their last polls goes to
+        the role of the topmost gone process."""
+        gone = [pid for pid in self.reaped if pid not in seen]
+        trees: dict[int, list[int]] = defaultdict(list)  # topmost gone -> its gone subtree
+        for pid in gone:
+            top = pid
+            while self.parent.get(top) in self.reaped and self.parent[top] not in seen:
+                top = self.parent[top]
+            trees[top].append(pid)
+        by_parent: dict[int, list[int]] = defaultdict(list)
+        for top in trees:
+            if self.parent.get(top) in seen:
+                by_parent[self.parent[top]].append(top)
+        for parent, tops in by_parent.items():
             grown = seen[parent][1] - self.reaped.get(parent, seen[parent][1])
-            known = sum(self.last[c] + self.reaped[c] for c in children)
-            if grown > known:  # several at once: the first one's role takes it
-                self.tail[self.role[children[0]]] += grown - known
-            for child in children:
-                del self.reaped[child]
+            known = sum(self.last[p] + self.reaped[p] for top in tops for p in trees[top])
+            if grown > known:  # several trees at once: the first one's role takes it
+                self.tail[self.role[tops[0]]] += grown - known
+        for pid in gone:
+            del self.reaped[pid]
 
     def seconds(self) -> dict[str, float]:
         per_role: dict[str, float] = defaultdict(float)
