@@ -337,11 +337,13 @@ def restart_without_checkpoint(fx: Fixtures):
 
 
 def replay_without_update_log(fx: Fixtures):
-    from persia_py.launcher.cli import main
+    from persia_py.launcher import roles
+    from persia_py.launcher.cli import build_parser
 
     config = str(ROOT / "examples" / "criteo_synthetic" / "embedding_config.yml")
-    return raised(lambda: main(["embedding-parameter-server", "--embedding-config", config,
-                                "--replay-update-log"])), {}
+    args = build_parser().parse_args(["embedding-parameter-server", "--embedding-config",
+                                      config, "--replay-update-log"])
+    return raised(lambda: roles.run_parameter_server(args)), {}
 
 
 TRIGGERS: dict[str, Trigger] = {
