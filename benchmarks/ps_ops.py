@@ -5,7 +5,8 @@
 
 Each throughput is ``batch / median seconds`` over ``--repeats`` batches, each batch
 different (so no batch finds its rows already in cache from the previous repeat), and
-each call is paired with a call of its baseline right before it, on a batch of its own:
+each call is paired with a call of its baseline right before or right after it (in
+turn), on a batch of its own:
 ours and the baseline see the same machine, however busy it is, so the ratio of the two
 medians holds up on a noisy machine where either figure alone would not.
 
@@ -84,11 +85,18 @@ def paired_medians(ours: Callable[[Any], object], inputs: Sequence[Any],
                    baseline: Callable[[Any], object], baseline_inputs: Sequence[Any]
                    ) -> tuple[float, float]:
     """Median wall times ``(ours, baseline)``, calling ``baseline(baseline_inputs[i])``
-    right before ``ours(inputs[i])``; inputs are built beforehand."""
+    and ``ours(inputs[i])`` one right after the other, the baseline first in even pairs
+    and second in odd ones: a call finds the caches as the other left them, and which
+    goes first changes both (a float16 update right after a float32 one is 1-2 ms slower
+    than after its own kind); inputs are built beforehand."""
     ours_s, base_s = [], []
-    for x, y in zip(inputs, baseline_inputs, strict=True):
-        base_s.append(_seconds(baseline, y))
-        ours_s.append(_seconds(ours, x))
+    for i, (x, y) in enumerate(zip(inputs, baseline_inputs, strict=True)):
+        if i % 2 == 0:
+            base_s.append(_seconds(baseline, y))
+            ours_s.append(_seconds(ours, x))
+        else:
+            ours_s.append(_seconds(ours, x))
+            base_s.append(_seconds(baseline, y))
     return statistics.median(ours_s), statistics.median(base_s)
 
 
