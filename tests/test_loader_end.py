@@ -6,7 +6,6 @@ restarted from its final checkpoint)."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -16,48 +15,58 @@ from persia_py.proto import data_loader_pb2_grpc
 from persia_py.workers.loader_service import BatchQueue, DataLoaderServicer
 
 _GRACE_SEC = 0.2
-"""The server's stop grace here (the loader's is 1 s); the held answer takes longer."""
+"""The server's stop grace here (the loader's is 1 s)."""
 
 
-def _end_answer_arrives(wait_answered: bool) -> pb.NextBatchResponse | grpc.RpcError:
-    batches = BatchQueue(maxsize=4, num_consumers=1)
-    batches.finish()  # a stream without batches: the first request is its end
-    answer_stream_end = batches.next
+class _HeldAnswers:
+    """``BatchQueue.next`` that holds each answer until :attr:`release` is set, as a loaded
+    machine delays it; :attr:`entered` is set once a call is being answered."""
 
-    def slow_next(*args, **kwargs):
-        answer = answer_stream_end(*args, **kwargs)
-        time.sleep(5 * _GRACE_SEC)  # the answer leaves late, as on a loaded machine
+    def __init__(self, batches: BatchQueue, answer=None) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self._answer = answer or batches.next
+        batches.next = self
+
+    def __call__(self, *args, **kwargs) -> pb.NextBatchResponse:
+        self.entered.set()
+        answer = self._answer(*args, **kwargs)
+        assert self.release.wait(30)
         return answer
 
-    batches.next = slow_next
+
+def _serve(batches: BatchQueue) -> tuple[DataLoaderServicer, grpc.Server, grpc.Channel]:
     servicer = DataLoaderServicer(batches)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     data_loader_pb2_grpc.add_DataLoaderServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    got: list = []
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    return servicer, server, grpc.insecure_channel(f"127.0.0.1:{port}")
 
-    def ask() -> None:
-        try:
-            got.append(data_loader_pb2_grpc.DataLoaderStub(channel).NextBatch(
-                pb.NextBatchRequest(rank=0), timeout=30))
-        except grpc.RpcError as exc:
-            got.append(exc)
 
-    rank = threading.Thread(target=ask)
-    rank.start()
+def _end_answer_arrives(wait_answered: bool) -> pb.NextBatchResponse | grpc.RpcError:
+    batches = BatchQueue(maxsize=4, num_consumers=1)
+    batches.finish()  # a stream without batches: the first request is its end
+    held = _HeldAnswers(batches)
+    servicer, server, channel = _serve(batches)
+    call = data_loader_pb2_grpc.DataLoaderStub(channel).NextBatch.future(
+        pb.NextBatchRequest(rank=0), timeout=30)
     try:
         assert batches.wait_all_ended(30)  # what DataCtx.__exit__ waits for first
+        assert held.entered.wait(30)
         if wait_answered:
+            assert not servicer.wait_answered(0.1)  # the end's answer has not left yet
+            held.release.set()
             assert servicer.wait_answered(30)
         server.stop(grace=_GRACE_SEC).wait(30)
-        rank.join(timeout=30)
-        assert not rank.is_alive()
+        held.release.set()  # without the wait: the answer leaves after the stop
+        try:
+            return call.result(timeout=30)
+        except grpc.RpcError as exc:
+            return exc
     finally:
+        held.release.set()
         server.stop(grace=None)
         channel.close()
-    return got[0]
 
 
 def test_the_answer_that_ends_the_stream_reaches_its_rank() -> None:
@@ -76,29 +85,17 @@ def test_a_call_its_rank_gave_up_on_is_not_waited_for() -> None:
     """A rank that cancels (or dies) while its NextBatch handler is still busy leaves
     nothing on its way: the loader does not wait out its deadline at the end."""
     batches = BatchQueue(maxsize=4, num_consumers=1)
-    entered, release = threading.Event(), threading.Event()
-
-    def busy_next(*args, **kwargs):
-        entered.set()
-        release.wait(30)
-        return pb.NextBatchResponse()
-
-    batches.next = busy_next
-    servicer = DataLoaderServicer(batches)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    data_loader_pb2_grpc.add_DataLoaderServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    held = _HeldAnswers(batches, answer=lambda *args, **kwargs: pb.NextBatchResponse())
+    servicer, server, channel = _serve(batches)
     try:
         call = data_loader_pb2_grpc.DataLoaderStub(channel).NextBatch.future(
             pb.NextBatchRequest(rank=0), timeout=30)
-        assert entered.wait(30)
+        assert held.entered.wait(30)
         assert not servicer.wait_answered(0.1)  # the handler is at work
         call.cancel()
         assert servicer.wait_answered(10)  # while the handler still is
-        assert not release.is_set()
+        assert not held.release.is_set()
     finally:
-        release.set()
+        held.release.set()
         server.stop(grace=None)
         channel.close()
