@@ -290,18 +290,49 @@ def test_records_are_whole_blocks_and_a_zeroed_tail_is_a_torn_record(tmp_path) -
     assert segment.path.stat().st_size % BLOCK == 0  # appending goes on aligned
 
 
+def test_a_changed_byte_in_a_record_is_found_where_it_lies(tmp_path) -> None:
+    """The records after the header carry the header's ``lanes64`` check: one byte of an
+    update's gradients changed is an error naming the segment and the record's offset
+    where a damaged record is an error, and the end of what is read where it is not."""
+    live = _logged(tmp_path)
+    _Trainer().steps(live, 3)
+    segment = read_segments(tmp_path)[-1]
+    assert segment.check == "lanes64"
+    ends = [end for _, _, end in _raw_records(segment.path, ends=True)]
+    # Records: header, configure, then per step two lookups and an update; the update of
+    # step 2 begins at ends[-5]: ids (2.4 KB) then gradients past its JSON part.
+    data = bytearray(segment.path.read_bytes())
+    data[ends[-5] + 3000] ^= 0x10
+    segment.path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(segment.path))} at byte "
+                                         rf"{ends[-5]}: a record is cut short or damaged"):
+        list(_raw_records(segment.path))
+    with open(segment.path, "rb") as f:
+        assert [end for _, _, end in _records(f, segment.path, tolerate_tail=True)] == ends[:-4]
+
+
+def test_a_header_naming_an_unknown_check_stops_the_start(tmp_path) -> None:
+    live = _logged(tmp_path)
+    _Trainer().steps(live, 1)
+    segment = read_segments(tmp_path)[-1].path
+    _rewrite_header(segment, sum="md5")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(segment))}: the header's sum 'md5'"):
+        read_segments(tmp_path)
+
+
 def test_a_segment_written_before_padding_is_replayed_and_appended_to_unpadded(tmp_path) -> None:
     log = tmp_path / "log"
     live = _logged(log)
     _Trainer().steps(live, 2)
     live.update_log.close()
-    # Rewrite the segment as the earlier format had it: no "block", records back to back.
+    # Rewrite the segment as the earlier format had it: no "block" nor "sum" (crc32
+    # throughout), records back to back.
     segment = read_segments(log)[-1]
     records = list(_raw_records(segment.path))
     old = bytearray()
     for i, (meta, data) in enumerate(records):
         if i == 0:
-            del meta["block"]
+            del meta["block"], meta["sum"]
         payload = b"".join(bytes(p) for p in _payload(json.dumps(meta).encode(),
                                                        [np.frombuffer(data, np.uint8)]))
         old += FRAME.pack(len(payload), zlib.crc32(payload)) + payload
@@ -319,10 +350,11 @@ def test_a_segment_written_before_padding_is_replayed_and_appended_to_unpadded(t
     _same(restarted, again)
 
 
-def _raw_records(path: Path):
+def _raw_records(path: Path, *, ends: bool = False):
+    """``(meta, data)`` of each record of ``path`` (``(meta, data, end)`` with ``ends``)."""
     with open(path, "rb") as f:
-        for meta, data, _ in _records(f, path, tolerate_tail=False):
-            yield meta, data
+        for meta, data, end in _records(f, path, tolerate_tail=False):
+            yield (meta, data, end) if ends else (meta, data)
 
 
 def _rewrite_header(segment: Path, **changes: object) -> None:

@@ -9,7 +9,8 @@ The durability promise is unchanged or better: when ``write`` returns, the recor
 of the process (on the device, rather than in the page cache), so the process's death
 cannot lose it; a machine's crash may still lose what the device had not made durable.
 
-A record is ``<length u32><crc32 u32><payload>``. ``O_DIRECT`` wants the file offset, the
+A record is ``<length u32><check u32><payload>``, the check a crc32 or the faster
+``lanes64`` (``servers/record_sum.py``). ``O_DIRECT`` wants the file offset, the
 length and the buffer aligned to the logical block size, so every record is padded with
 zeros to a multiple of :data:`BLOCK`; readers skip
 the padding (the log says so in its header). Where ``O_DIRECT`` is refused (tmpfs on older
@@ -23,12 +24,13 @@ import fcntl
 import mmap
 import os
 import struct
-import zlib
+
+from persia_py.servers.record_sum import CRC32, SUMS
 
 BLOCK = 4096
 """Record alignment: the largest logical block size of common devices."""
 FRAME = struct.Struct("<II")
-"""What precedes a record's payload: its length and its crc32."""
+"""What precedes a record's payload: its length and its check (``servers/record_sum.py``)."""
 
 
 def padded(size: int, block: int = BLOCK) -> int:
@@ -40,31 +42,32 @@ class BlockAppender:
     """Writes whole-block records to ``fd`` (opened for appending; its size a multiple of
     ``block``), each in one ``write`` from a page-aligned staging buffer."""
 
-    def __init__(self, fd: int, *, block: int = BLOCK) -> None:
+    def __init__(self, fd: int, *, block: int = BLOCK, check: str = CRC32) -> None:
         self.fd = fd
         self.block = block
         """Records are padded to a multiple of this; 1 (a segment written before padding):
         none, and buffered."""
+        self.check = check
+        """The name of the check in the frames (a key of ``record_sum.SUMS``)."""
         self.direct = _set_direct(fd, True) if block == BLOCK else False
         self._staging: mmap.mmap | None = None
 
     def append(self, payload: list) -> int:
-        """Write one record: :data:`FRAME` (the payload's length and crc32), the
+        """Write one record: :data:`FRAME` (the payload's length and :attr:`check`), the
         ``payload`` pieces (bytes-like), zeros up to the next block; returns the bytes the
         file grew by (fewer than ``padded(FRAME.size + length, block)`` only if the file
-        system refused the rest). Each piece is checksummed as it is copied into the
-        staging buffer, while it is in the cache."""
+        system refused the rest). The check is computed over the staging buffer, where
+        the pieces lie one after the other."""
         length = sum(len(piece) for piece in payload)
         total = padded(FRAME.size + length, self.block)
         staging = self._buffer(total)
         view = memoryview(staging)
         try:
-            at, crc = FRAME.size, 0
+            at = FRAME.size
             for piece in payload:
                 view[at:at + len(piece)] = piece
-                crc = zlib.crc32(view[at:at + len(piece)], crc)
                 at += len(piece)
-            FRAME.pack_into(view, 0, length, crc)
+            FRAME.pack_into(view, 0, length, SUMS[self.check](view[FRAME.size:at]))
             view[at:total] = bytes(total - at)
             try:
                 return os.write(self.fd, view[:total])

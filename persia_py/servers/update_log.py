@@ -24,8 +24,11 @@ training lookup's ids: the rows it inserted, which the update after it needs; a 
 between the two must not lose them) and ``update`` records (worker id, sequence number,
 and each table's ids and gradients), in the order they were applied.
 
-**Records** are framed ``<length u32><crc32 u32><payload>`` and padded with zeros to a
-multiple of 4 KiB (the header's ``block``; segments written before padding have none): a
+**Records** are framed ``<length u32><check u32><payload>`` and padded with zeros to a
+multiple of 4 KiB (the header's ``block``; segments written before padding have none).
+The check is a crc32 for the header record and the header's ``sum`` for the records
+after it: ``lanes64``, a checksum that runs at memory speed (``servers/record_sum.py``;
+segments written before it have none: crc32 throughout). A
 record cut short by a crash (the process died inside the write) fails its check and is
 dropped with what follows it, at the end of the newest segment only (it was never
 acknowledged; elsewhere it is an error). A record is one ``write`` to a file opened for
@@ -50,7 +53,6 @@ import os
 import re
 import struct
 import threading
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,7 @@ from persia_py.checkpoint import layout as fmt
 from persia_py.ops import safe_files
 from persia_py.ops.private_files import open_private
 from persia_py.servers.block_append import BLOCK, FRAME, BlockAppender, padded
+from persia_py.servers.record_sum import CRC32, LANES64, SUMS
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,8 @@ class Segment:
     """The checkpoint folder this segment continues (None for ``start``)."""
     block: int = 1
     """Records are padded to a multiple of this (1: written before padding)."""
+    check: str = CRC32
+    """The check of the records after the header (a key of ``record_sum.SUMS``)."""
 
 
 class UpdateLog:
@@ -116,8 +121,10 @@ class UpdateLog:
             out = BlockAppender(fd)
             try:
                 header = {"kind": kind, "base": None if base is None else str(base),
-                          "replica_index": self.replica_index, "block": BLOCK}
+                          "replica_index": self.replica_index, "block": BLOCK,
+                          "sum": LANES64}
                 out.append(_payload(json.dumps(header).encode(), []))
+                out.check = LANES64
                 os.fsync(fd)
                 safe_files.fsync_dir(self.folder)
             except BaseException:
@@ -134,7 +141,7 @@ class UpdateLog:
         with self._lock:
             self._close_segment()
             self._fd = open_private(segment.path, os.O_WRONLY | os.O_APPEND)
-            self._out = BlockAppender(self._fd, block=segment.block)
+            self._out = BlockAppender(self._fd, block=segment.block, check=segment.check)
             self._number = max(self._number, segment.number)
             self._bytes = sum(f.path.stat().st_size for f in segment_files(self.folder))
 
@@ -266,7 +273,7 @@ def read_segments(folder: str | os.PathLike) -> list[Segment]:
         if meta.get("kind") not in SEGMENT_KINDS:
             raise ValueError(f"{file.path}: not an update-log segment (header {meta!r})")
         segments.append(Segment(file.number, file.path, meta["kind"], meta.get("base"),
-                                _block(meta, file.path)))
+                                _block(meta, file.path), _check(meta, file.path)))
     return segments
 
 
@@ -277,11 +284,19 @@ def _block(header: dict, path: Path) -> int:
     return block
 
 
+def _check(header: dict, path: Path) -> str:
+    check = header.get("sum", CRC32)  # segments written before lanes64: crc32
+    if check not in SUMS:
+        raise ValueError(f"{path}: the header's sum {check!r} is not one of {sorted(SUMS)}")
+    return check
+
+
 def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, bytes, int]]:
     """``(meta, array bytes, end offset)`` of each record of an open segment, the end
-    past the record's padding (the header's ``block``). A damaged or incomplete record
-    ends the reading when ``tolerate_tail``; else ValueError."""
-    offset, block = 0, 1
+    past the record's padding (the header's ``block``), each record checked with the
+    header's ``sum`` (the header itself with crc32). A damaged or incomplete record ends
+    the reading when ``tolerate_tail``; else ValueError."""
+    offset, block, check = 0, 1, SUMS[CRC32]
     while True:
         frame = f.read(FRAME.size)
         if not frame:
@@ -290,9 +305,9 @@ def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, byte
         if len(frame) < FRAME.size:
             problem = "a record's frame is cut short"
         else:
-            length, crc = FRAME.unpack(frame)
+            length, expected = FRAME.unpack(frame)
             payload = f.read(length) if _META.size <= length <= MAX_RECORD_BYTES else b""
-            if len(payload) != length or zlib.crc32(payload) != crc or length < _META.size:
+            if len(payload) != length or length < _META.size or check(payload) != expected:
                 problem = "a record is cut short or damaged"
         if problem is not None:
             if tolerate_tail:
@@ -301,7 +316,7 @@ def _records(f, path: Path, *, tolerate_tail: bool) -> Iterator[tuple[dict, byte
         (meta_len,) = _META.unpack_from(payload)
         meta = json.loads(payload[_META.size:_META.size + meta_len])
         if offset == 0:
-            block = _block(meta, path)
+            block, check = _block(meta, path), SUMS[_check(meta, path)]
         offset = padded(offset + FRAME.size + length, block)
         f.seek(offset)
         yield meta, payload[_META.size + meta_len:], offset
