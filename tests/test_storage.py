@@ -299,15 +299,20 @@ def test_update_sums_duplicates_and_skips_missing() -> None:
     assert table.num_entries == 2  # the unknown id 9 was not created
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_grads_rejected_and_table_unchanged(bad: float) -> None:
+def test_non_finite_grads_rejected_and_table_unchanged(bad: float, dtype) -> None:
+    """float16 gradients (a float16 wire's, read by the kernels as they arrived) are
+    checked as float32 ones are: the largest finite and subnormal values pass."""
     table = _table(optimizer=AdagradConfig(), num_shards=2)
     ids = np.arange(50, dtype=np.uint64)
     table.lookup(ids, True)
-    table.update(ids, np.ones((50, DIM), dtype=np.float32))
+    finite = np.ones((50, DIM), dtype=dtype)
+    finite[1, 0], finite[2, 1] = np.finfo(dtype).max, np.finfo(dtype).smallest_subnormal
+    table.update(ids, finite)
     before = table.lookup(ids, False)
     state_before = [s.state[: s.size].copy() for s in table._shards]
-    grads = np.ones((50, DIM), dtype=np.float32)
+    grads = np.ones((50, DIM), dtype=dtype)
     grads[37, 3] = bad
     with pytest.raises(ValueError, match="NaN or infinite"):
         table.update(ids, grads)

@@ -136,12 +136,24 @@ def _rows_repeat(rows: np.ndarray, num_rows: int) -> bool:
     return False
 
 
+@njit(cache=True, nogil=True)
+def all_finite_halves(bits: np.ndarray) -> bool:
+    """Whether every float16 (``bits``: their int16 patterns, 1-D) is finite: an
+    exponent of all ones is infinity or NaN. No early exit, so the loop vectorizes."""
+    exponent = np.int16(0x7C00)
+    bad = False
+    for i in range(bits.shape[0]):
+        bad |= (bits[i] & exponent) == exponent
+    return not bad
+
+
 def sum_duplicate_rows(rows: np.ndarray, grads: np.ndarray, num_rows: int
                        ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Distinct found rows and the sum of their gradients, in order of first position.
 
-    Rows -1 (ids not stored) are dropped; every row is ``< num_rows``. When no row
-    repeats, returns ``rows`` and ``grads`` themselves (no copy) with ``False``; the
+    Rows -1 (ids not stored) are dropped; every row is ``< num_rows``. ``grads`` float32,
+    or float16 as int16 bits (:func:`row_types.kernel_view`); sums are float32. When no
+    row repeats, returns ``rows`` and ``grads`` themselves (no copy) with ``False``; the
     caller then skips rows < 0.
     """
     if not _rows_repeat(rows, num_rows):
@@ -161,7 +173,7 @@ def _sum_by_group(inverse: np.ndarray, grads: np.ndarray, num_groups: int) -> np
         if j < 0:
             continue
         for d in range(grads.shape[1]):
-            out[j, d] += grads[i, d]
+            out[j, d] += widen(grads[i, d])
     return out
 
 
@@ -199,9 +211,9 @@ def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: n
         for d in range(dim):
             old = weights[r, d]
             w = widen(old)
-            g = grads[i, d] + weight_decay * w
-            weights[r, d] = narrow(_clamp(w - lr * g, bound), old, key, d, grads[i, d],
-                                   stochastic)
+            grad = widen(grads[i, d])
+            g = grad + weight_decay * w
+            weights[r, d] = narrow(_clamp(w - lr * g, bound), old, key, d, grad, stochastic)
         stamps[r] = tick
     return count
 
@@ -250,7 +262,7 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
         # The gradients first, in a loop of their own that vectorizes (widening float16
         # element by element inside the state's loops keeps those from vectorizing).
         for d in range(dim):
-            g_row[d] = grads[i, d] + weight_decay * widen(weights[r, d])
+            g_row[d] = widen(grads[i, d]) + weight_decay * widen(weights[r, d])
         if kind == ADAGRAD and shared:
             mean_g2 = np.float32(0.0)
             for d in range(dim):
@@ -270,12 +282,12 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
             for d in range(dim):
                 old = weights[r, d]
                 value = _clamp(widen(old) - lr * g_row[d] / denom, bound)
-                weights[r, d] = narrow(value, old, key, d, grads[i, d], stochastic)
+                weights[r, d] = narrow(value, old, key, d, widen(grads[i, d]), stochastic)
         elif kind == ADAGRAD:
             for d in range(dim):
                 old = weights[r, d]
                 value = _clamp(widen(old) - lr * g_row[d] / (np.sqrt(state[r, d]) + eps), bound)
-                weights[r, d] = narrow(value, old, key, d, grads[i, d], stochastic)
+                weights[r, d] = narrow(value, old, key, d, widen(grads[i, d]), stochastic)
         else:
             # Bias corrections in float64: 1 - b2**t is tiny for small t and loses digits in f32.
             t = np.float64(state[r, 2 * dim])
@@ -284,7 +296,7 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
                 old = weights[r, d]
                 m_hat, v_hat = state[r, d] / correction1, state[r, dim + d] / correction2
                 value = _clamp(widen(old) - lr * m_hat / (np.sqrt(v_hat) + eps), bound)
-                weights[r, d] = narrow(value, old, key, d, grads[i, d], stochastic)
+                weights[r, d] = narrow(value, old, key, d, widen(grads[i, d]), stochastic)
         stamps[r] = tick
     return count
 

@@ -298,8 +298,8 @@ class Shard:
         lookup ``tick``; returns how many distinct rows were stepped."""
         with self.lock:
             self._log_changes(ids)
-            rows, grads, merged = kernels.sum_duplicate_rows(self.index.find(ids), grads,
-                                                             self.size)
+            rows, grads, merged = kernels.sum_duplicate_rows(self.index.find(ids),
+                                                             kernel_view(grads), self.size)
             if merged and self.table.row_dtype != "float32":
                 ids = self.ids[rows]  # the ids of the distinct rows, which key rounding
             stamp = self.clock.stamp(tick, self.last_access[:self.size])

@@ -28,13 +28,12 @@ import numpy.typing as npt
 from persia_py.config.table_policy import TablePolicy, check_init_bounds, check_weight_bound
 from persia_py.ids.hashing import HashKey, keyed_buckets
 from persia_py.ids.routing import RESERVED_ID, split_by
-from persia_py.servers import row_types
+from persia_py.servers import kernels, row_types
 from persia_py.servers.lookup_clock import LookupClock
 from persia_py.servers.optimizers import OptimizerConfig, state_width
 from persia_py.servers.row_step import RowStep
 from persia_py.servers.row_transfer import check_import, check_int, exported_rows
 from persia_py.servers.shard import Shard, row_dtypes
-from persia_py.wire.codec import cast_float
 
 __all__ = ["STAT_KEYS", "EmbeddingTable", "row_dtypes"]
 
@@ -220,7 +219,9 @@ class EmbeddingTable:
     def check_update(self, ids: np.ndarray, grads: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, grads)`` as :meth:`apply_update` takes them (contiguous uint64 ids,
-        float32 gradients), or ValueError saying what is wrong: ids, shape, dtype, NaN."""
+        contiguous float32 or float16 gradients: the kernels widen float16 as they read
+        it, so a float16 wire's gradients are not copied), or ValueError saying what is
+        wrong: ids, shape, dtype, NaN."""
         ids = self._check_ids(ids)
         if not isinstance(grads, np.ndarray) or grads.shape != (ids.shape[0], self.dim):
             got = grads.shape if isinstance(grads, np.ndarray) else type(grads).__name__
@@ -228,9 +229,13 @@ class EmbeddingTable:
                              f"{self.dim}: expected ({ids.shape[0]}, {self.dim})")
         if grads.dtype.kind != "f":
             raise ValueError(f"grads must have a floating dtype, got {grads.dtype}")
-        grads = (cast_float(grads, "float32") if grads.dtype == np.float16
-                 else np.ascontiguousarray(grads, dtype=np.float32))
-        if not bool(np.isfinite(grads).all()):
+        if grads.dtype == np.float16:
+            grads = np.ascontiguousarray(grads)
+            finite = kernels.all_finite_halves(grads.view(np.int16).reshape(-1))
+        else:
+            grads = np.ascontiguousarray(grads, dtype=np.float32)
+            finite = bool(np.isfinite(grads).all())
+        if not finite:
             raise ValueError("grads contain NaN or infinite values; nothing was updated")
         return ids, grads
 
