@@ -255,5 +255,24 @@ def test_float16_rows_go_on_a_float16_wire_without_a_conversion(monkeypatch) -> 
     (stored,) = ps.lookup([("a", ids)], training=False, answer=LookupAnswer(fp16=True))
     assert np.array_equal(half.view(np.uint16), stored.view(np.uint16))
     assert np.array_equal(lookup("a", fp16=False), half.astype(np.float32))
-    lookup("b", fp16=True)  # float32 rows are narrowed for the wire, as before
-    assert casts == ["float16"]
+    # float32 rows are narrowed as they are gathered, as numpy's cast narrows them.
+    narrowed = lookup("b", fp16=True)
+    assert narrowed.dtype == np.float16 and casts == []
+    assert np.array_equal(narrowed.view(np.uint16),
+                          lookup("b", fp16=False).astype(np.float16).view(np.uint16))
+
+
+def test_float32_rows_answered_in_float16_round_as_numpy_casts() -> None:
+    """To nearest, ties to even, infinity past float16's range, subnormals kept: the
+    float16 answer of a float32 table is numpy's cast of its float32 answer, bit for bit."""
+    table = EmbeddingTable(dim=8, optimizer=SGDConfig(lr=0.1))
+    step = 2.0 ** -10
+    values = np.array([[1 + step / 2, 1 + 3 * step / 2, -(1 + step / 2), 65504, 65519.9,
+                        65520, -1e6, 3e-8],
+                       np.random.default_rng(0).normal(size=8) * 1e-3], np.float32)
+    ids = np.array([5, 9], np.uint64)
+    table.import_rows(ids, values, np.zeros((2, 0), np.float32), row_dtype="float32")
+    half = table.lookup(np.array([9, 5, 7, 5], np.uint64), False, dtype=np.float16)
+    expected = np.concatenate([values[[1, 0]], np.zeros((1, 8), np.float32), values[[0]]])
+    assert np.array_equal(half.view(np.uint16), expected.astype(np.float16).view(np.uint16))
+    assert half[1, 0] == 1.0 and half[1, 1] == 1 + 2 * step and np.isinf(half[1, 5])

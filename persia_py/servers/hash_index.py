@@ -40,6 +40,7 @@ from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers import memory
 from persia_py.servers.access_clock import STAMP_DTYPE
 from persia_py.servers.kernels import PREFETCH_AHEAD, prefetch_item, prefetch_row
+from persia_py.servers.row_types import as_answered
 
 MIN_SLOTS = 16
 """Fewest slots of an index: one cache line of uint32 slots."""
@@ -122,7 +123,8 @@ def _find_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
     (in cache by now) yields its candidate row, whose id and weights are prefetched; id
     ``i``'s candidate is checked against ``row_ids`` (a tag collision probes on) and,
     when ``out`` has rows, its weights are copied to ``out[positions[i]]`` (``out[i]``
-    when ``positions`` is empty) and its stamp set to ``tick``. Index, id and row misses
+    when ``positions`` is empty; converted if ``out`` has another element type:
+    :func:`row_types.as_answered`) and its stamp set to ``tick``. Index, id and row misses
     of nearby ids overlap.
     """
     gather = out.shape[0] > 0
@@ -159,7 +161,7 @@ def _find_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
                 out[p, d] = 0.0
             continue
         for d in range(dim):
-            out[p, d] = weights[r, d]
+            out[p, d] = as_answered(weights[r, d], out[p, d])
         stamps[r] = tick
     return rows
 

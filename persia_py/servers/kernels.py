@@ -27,7 +27,7 @@ from numba.extending import intrinsic, overload
 
 from persia_py.ids.dedup import rows_in_order
 from persia_py.ids.hashing import mix64_one
-from persia_py.servers.row_types import narrow, row_key, widen
+from persia_py.servers.row_types import as_answered, narrow, row_key, widen
 
 PREFETCH_AHEAD = 8
 """Ids between a prefetch and the use of its row: far enough for the miss to resolve,
@@ -306,11 +306,10 @@ def gather_rows_at(weights: np.ndarray, rows: np.ndarray, positions: np.ndarray,
                    out: np.ndarray, stamps: np.ndarray, tick: int) -> int:
     """``out[positions[i]] = weights[rows[i]]`` (zeros where ``rows[i] < 0``), stamping
     each row read; returns how many rows were found. Bits are copied as they are when
-    ``out`` has the element type of ``weights``, else half-precision rows are widened to
-    float32."""
+    ``out`` has the element type of ``weights``, else converted
+    (:func:`row_types.as_answered`: half rows widened, float32 ones narrowed to float16)."""
     n = rows.shape[0]
     dim = weights.shape[1]
-    same = out.dtype == weights.dtype
     found = 0
     for i in range(n):
         if i + PREFETCH_AHEAD < n:
@@ -326,7 +325,7 @@ def gather_rows_at(weights: np.ndarray, rows: np.ndarray, positions: np.ndarray,
             continue
         found += 1
         for d in range(dim):
-            out[p, d] = weights[r, d] if same else widen(weights[r, d])
+            out[p, d] = as_answered(weights[r, d], out[p, d])
         stamps[r] = tick
     return found
 

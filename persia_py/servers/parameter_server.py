@@ -267,8 +267,8 @@ class ParameterServer:
         """Embeddings ``[n, dim]`` for each ``(table, ids)``; training lookups insert new ids.
 
         ``answer``: how the rows travel back (default float32, uncompressed); float16 tables
-        answer a float16 wire with their rows as stored (no conversion), every other table
-        float32. A lookup whose answer would not fit in ``max_message_bytes``, or that
+        answer a float16 wire with their rows as stored (no conversion), float32 tables
+        with theirs narrowed as they are gathered, bfloat16 tables in float32. A lookup whose answer would not fit in ``max_message_bytes``, or that
         would take too much memory to serve (:mod:`persia_py.servers.call_memory`), is
         refused before anything is inserted or allocated. ``out``: called with each
         answer's shape and dtype name once every check passed, when the rows can go on the
@@ -285,7 +285,7 @@ class ParameterServer:
         (answer or LookupAnswer()).check([ids for _, ids in requests], shapes,
                                          self.global_config.common_config.max_message_bytes)
         wire = answer or LookupAnswer()
-        dtypes = [np.dtype(np.float16 if wire.fp16 and t.row_dtype == "float16"
+        dtypes = [np.dtype(np.float16 if wire.fp16 and t.row_dtype != "bfloat16"
                            else np.float32) for t in tables]
         as_gathered = not wire.lz4 and all(d.name == wire.dtype for d in dtypes)
         outs = (out(shapes, [d.name for d in dtypes]) if out is not None and as_gathered

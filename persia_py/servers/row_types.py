@@ -245,6 +245,24 @@ def _narrow(value, old, row_key, column, grad, stochastic):
     return round_half
 
 
+def as_answered(stored, like):  # pragma: no cover
+    """A stored weight in the element type of ``like`` (numba only): its bits when the
+    types match, half-precision rows widened to float32, float32 rows narrowed to float16
+    bits to nearest even (infinity past 65504), as numpy's and torch's casts do."""
+    raise NotImplementedError
+
+
+@overload(as_answered, inline="always")
+def _as_answered(stored, like):
+    if stored == like:
+        return lambda stored, like: stored
+    if like == types.float32:
+        return lambda stored, like: widen(stored)
+    if stored == types.float32 and like == types.int16:
+        return lambda stored, like: _f16_bits(stored)
+    return None  # a typing error: no such answer
+
+
 def row_key(stored, row_id, salt, sr_key):  # pragma: no cover
     """The rounding key of a row whose weights are of the type of ``stored``, with id
     ``row_id``, after an update that ``salt`` stands for (numba only; 0 for float32 rows,

@@ -114,19 +114,14 @@ class Shard:
     def lookup(self, ids: np.ndarray, insert: bool, tick: int, out: np.ndarray,
                positions: np.ndarray | None) -> None:
         """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``): their
-        bits when ``out`` has the weights' type, else widened to float32."""
+        bits when ``out`` has the weights' type, else converted
+        (:func:`row_types.as_answered`), in the pass that probes the index."""
         weights = kernel_view(self.weights)
-        same = out.dtype == self.weights.dtype
         out = kernel_view(out)
         with self.lock:
             stamp = self.clock.stamp(tick, self.last_access[:self.size])
-            if same:  # probe and copy in one pass
-                rows = self.index.find_gather(ids, weights, out, self.last_access, stamp,
-                                              positions)
-            else:
-                rows = self.index.find(ids)
-                at = np.arange(ids.shape[0]) if positions is None else positions
-                kernels.gather_rows_at(weights, rows, at, out, self.last_access, stamp)
+            rows = self.index.find_gather(ids, weights, out, self.last_access, stamp,
+                                          positions)
             num_missing = int(np.count_nonzero(rows < 0))
             self.hits += ids.shape[0] - num_missing
             self.misses += num_missing

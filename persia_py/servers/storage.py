@@ -179,15 +179,16 @@ class EmbeddingTable:
         least-recently-used rows if the shard is full; ids not stored read as zero
         rows. Raises ValueError if one internal shard cannot fit the batch's new ids
         even after evicting every row the batch does not touch. ``dtype``: float32, or
-        float16 for a float16 table (its rows as stored: no conversion). ``out``: a
+        float16 for a float16 table (its rows as stored: no conversion) or a float32 one
+        (rounded to nearest as they are copied, as numpy's cast does). ``out``: a
         C-contiguous array of that shape and dtype to write the rows to (returned).
         """
         ids = self._check_ids(ids)
         shape = (ids.shape[0], self.dim)
         dtype = np.dtype(dtype)
-        if dtype != np.float32 and not (dtype == np.float16 and self.row_dtype == "float16"):
+        if dtype != np.float32 and not (dtype == np.float16 and self.row_dtype != "bfloat16"):
             raise ValueError(f"dtype: a {self.row_dtype} table answers float32 rows"
-                             f"{' or float16 ones' if self.row_dtype == 'float16' else ''}, "
+                             f"{'' if self.row_dtype == 'bfloat16' else ' or float16 ones'}, "
                              f"not {dtype}")
         if out is None:
             out = np.empty(shape, dtype=dtype)
