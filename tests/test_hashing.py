@@ -94,6 +94,8 @@ def test_unique_in_order_on_random_and_crafted_ids() -> None:
         _, first = np.unique(ids, return_index=True)
         np.testing.assert_array_equal(unique, ids[np.sort(first)])
         assert unique.dtype == np.uint64 and inverse.dtype == np.int64
+    with pytest.raises(ValueError, match="expected a 1-D array"):
+        unique_in_order(np.zeros((2, 2), np.uint64))
 
 
 def test_rows_in_order_drops_absent_rows_and_sum_duplicate_rows_sums() -> None:

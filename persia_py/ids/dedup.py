@@ -24,13 +24,20 @@ _ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
 def _group_in_order(values: np.ndarray, words: np.ndarray, skip_all_ones: bool
                     ) -> tuple[np.ndarray, np.ndarray]:
     """``(unique, inverse)`` with ``values[i] == unique[inverse[i]]``; with
-    ``skip_all_ones``, values equal to 2**64-1 get ``inverse`` -1 and no group."""
+    ``skip_all_ones``, values equal to 2**64-1 get ``inverse`` -1 and no group.
+
+    Every home slot is hashed first, in a loop of its own that vectorizes, so the
+    probing loop waits on the table only; the table holds int32 group numbers (half the
+    cache of int64 ones; fewer than 2**31 values, which the callers check)."""
     n = values.shape[0]
     slots = 16
     while slots < 2 * n:
         slots *= 2
     mask = np.uint64(slots - 1)
-    table = np.full(slots, -1, np.int64)  # slot -> group number
+    home = np.empty(n, np.int64)
+    for i in range(n):
+        home[i] = np.int64(keyed_hash_one(values[i], words) & mask)
+    table = np.full(slots, -1, np.int32)  # slot -> group number
     inverse = np.empty(n, np.int64)
     unique = np.empty(n, np.uint64)
     num_unique = 0
@@ -39,7 +46,7 @@ def _group_in_order(values: np.ndarray, words: np.ndarray, skip_all_ones: bool
         if skip_all_ones and value == _ALL_ONES:
             inverse[i] = -1
             continue
-        s = np.int64(keyed_hash_one(value, words) & mask)
+        s = home[i]
         while True:
             j = table[s]
             if j < 0:
@@ -55,18 +62,25 @@ def _group_in_order(values: np.ndarray, words: np.ndarray, skip_all_ones: bool
     return unique[:num_unique].copy(), inverse
 
 
+def _checked(values: np.ndarray) -> np.ndarray:
+    if values.ndim != 1 or values.shape[0] >= 2**31:
+        raise ValueError(f"expected a 1-D array of fewer than 2**31 values, got shape "
+                         f"{values.shape}")
+    return values
+
+
 def unique_in_order(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(unique, inverse)``: distinct ids in order of first position, ``ids == unique[inverse]``.
 
     ``ids``: 1-D uint64 (every value allowed); ``inverse`` is int64.
     """
-    ids = np.ascontiguousarray(ids, dtype=np.uint64)
+    ids = _checked(np.ascontiguousarray(ids, dtype=np.uint64))
     return _group_in_order(ids, _KEY.words, False)
 
 
 def rows_in_order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`unique_in_order` of int64 row numbers, where row -1 (not stored) is dropped:
     ``inverse`` is -1 there; ``unique`` is int64."""
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    rows = _checked(np.ascontiguousarray(rows, dtype=np.int64))
     unique, inverse = _group_in_order(rows.view(np.uint64), _KEY.words, True)
     return unique.view(np.int64), inverse
