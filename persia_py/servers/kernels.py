@@ -136,17 +136,6 @@ def _rows_repeat(rows: np.ndarray, num_rows: int) -> bool:
     return False
 
 
-@njit(cache=True, nogil=True)
-def all_finite_halves(bits: np.ndarray) -> bool:
-    """Whether every float16 (``bits``: their int16 patterns, 1-D) is finite: an
-    exponent of all ones is infinity or NaN. No early exit, so the loop vectorizes."""
-    exponent = np.int16(0x7C00)
-    bad = False
-    for i in range(bits.shape[0]):
-        bad |= (bits[i] & exponent) == exponent
-    return not bad
-
-
 def sum_duplicate_rows(rows: np.ndarray, grads: np.ndarray, num_rows: int
                        ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Distinct found rows and the sum of their gradients, in order of first position.

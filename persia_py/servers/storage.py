@@ -28,12 +28,13 @@ import numpy.typing as npt
 from persia_py.config.table_policy import TablePolicy, check_init_bounds, check_weight_bound
 from persia_py.ids.hashing import HashKey, keyed_buckets
 from persia_py.ids.routing import RESERVED_ID, split_by
-from persia_py.servers import kernels, row_types
+from persia_py.servers import row_types
 from persia_py.servers.lookup_clock import LookupClock
 from persia_py.servers.optimizers import OptimizerConfig, state_width
 from persia_py.servers.row_step import RowStep
 from persia_py.servers.row_transfer import check_import, check_int, exported_rows
 from persia_py.servers.shard import Shard, row_dtypes
+from persia_py.wire.finite import all_finite
 
 __all__ = ["STAT_KEYS", "EmbeddingTable", "row_dtypes"]
 
@@ -230,13 +231,9 @@ class EmbeddingTable:
                              f"{self.dim}: expected ({ids.shape[0]}, {self.dim})")
         if grads.dtype.kind != "f":
             raise ValueError(f"grads must have a floating dtype, got {grads.dtype}")
-        if grads.dtype == np.float16:
-            grads = np.ascontiguousarray(grads)
-            finite = kernels.all_finite_halves(grads.view(np.int16).reshape(-1))
-        else:
-            grads = np.ascontiguousarray(grads, dtype=np.float32)
-            finite = bool(np.isfinite(grads).all())
-        if not finite:
+        grads = np.ascontiguousarray(grads, dtype=np.float16 if grads.dtype == np.float16
+                                     else np.float32)
+        if not all_finite(grads):
             raise ValueError("grads contain NaN or infinite values; nothing was updated")
         return ids, grads
 

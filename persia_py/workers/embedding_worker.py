@@ -42,6 +42,7 @@ from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.ids.dedup import unique_in_order
 from persia_py.ids.routing import RESERVED_ID, hash_stack
 from persia_py.proto import common_pb2
+from persia_py.wire.finite import all_finite
 from persia_py.wire.rpc import NotFound, Overloaded
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.ps_client import PSClient, UpdateNotApplied
@@ -439,7 +440,7 @@ class EmbeddingWorker:
                 raise ValueError(
                     f"slot {slot!r}: gradients of shape {g.shape}, expected ({unique.size}, {dim})"
                 )
-            if not _all_finite(g):
+            if not all_finite(g):
                 self.num_nonfinite_skipped[slot] = self.num_nonfinite_skipped.get(slot, 0) + 1
                 logger.warning("slot %r: non-finite embedding gradients in batch %d skipped "
                                "(%d so far)", slot, ref, self.num_nonfinite_skipped[slot])
@@ -489,12 +490,3 @@ class EmbeddingWorker:
         self._pool.shutdown(wait=True)
         for client in self.ps_clients:
             client.close()
-
-
-def _all_finite(array: np.ndarray) -> bool:
-    """No NaN or Inf in ``array`` (numpy's isfinite is slow for float16, so those are
-    tested by their exponent bits)."""
-    if array.dtype == np.float16:
-        return bool((np.bitwise_and(array.view(np.uint16), 0x7C00) != 0x7C00).all())
-    return bool(np.isfinite(array).all())
-
