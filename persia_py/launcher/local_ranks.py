@@ -68,7 +68,8 @@ def rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str,
 
 class _Store:
     """torchrun's store (loopback_torchrun's): its socket listens on ``LOOPBACK:port`` from
-    the start; torch is imported and the ``TCPStore`` made on it once a rank dials it."""
+    the start (a rank that dials it early waits in the backlog); torch is imported and
+    the ``TCPStore`` made on it by :meth:`host`."""
 
     def __init__(self, port: int) -> None:
         self.listener = socket.create_server((LOOPBACK, port), backlog=128)
