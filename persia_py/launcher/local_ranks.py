@@ -74,7 +74,7 @@ class _Store:
     def __init__(self, port: int) -> None:
         self.listener = socket.create_server((LOOPBACK, port), backlog=128)
         self.port = self.listener.getsockname()[1]
-        self.store = None
+        self.store: object | None = None  # held: the server lives as long as it
 
     def host(self) -> None:
         from torch.distributed import TCPStore
