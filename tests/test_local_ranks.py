@@ -1,6 +1,6 @@
 """``persia-launcher nn-worker`` on one node with no torchrun restarts starts the ranks
-itself (persia_py/launcher/local_ranks.py): each gets what torchrun would give it, they
-meet in a process group on the wrapper's store, and a failure, a config error, SIGINT
+itself (persia_py/launcher/local_ranks.py): each gets what torchrun would give it, a
+process group meets on the wrapper's store, and a failure, a config error, SIGINT
 and SIGTERM end the node as under torchrun."""
 
 from __future__ import annotations
@@ -57,22 +57,24 @@ def _script(tmp_path, text: str) -> str:
     return str(path)
 
 
-def test_the_ranks_get_what_torchrun_gives_them_and_meet_on_the_store(tmp_path) -> None:
-    script = _script(tmp_path, DUMP)
-    dumps = {}
-    for how in ("torchrun", "direct"):
-        (tmp_path / how).mkdir()
-        # The process group only where it is under test (it costs seconds of CPU).
-        flags = ["--max-restarts", "1"] if how == "torchrun" else []
-        args = [] if how == "torchrun" else ["--process-group"]
-        done = subprocess.run(launcher_command("nn-worker", "--insecure", "--nproc-per-node",
-                                               "2", *flags, script, str(tmp_path / how), *args),
-                              capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0, done.stdout + done.stderr
-        if args:
-            assert "rank 0 sum 3" in done.stdout and "rank 1 sum 3" in done.stdout, done.stdout
-        dumps[how] = [json.loads((tmp_path / how / f"rank-{r}.json").read_text())
-                      for r in range(2)]
+def _dump(tmp_path, how: str, nproc: int, *args: str) -> list[dict]:
+    """Run DUMP's ranks under ``nn-worker`` (``how``: "torchrun", with restarts, or
+    "direct"); what each rank saw."""
+    (tmp_path / how).mkdir()
+    flags = ["--max-restarts", "1"] if how == "torchrun" else []
+    done = subprocess.run(launcher_command("nn-worker", "--insecure", "--nproc-per-node",
+                                           str(nproc), *flags, _script(tmp_path, DUMP),
+                                           str(tmp_path / how), *args),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    if args:
+        for rank in range(nproc):
+            assert f"rank {rank} sum {nproc * (nproc + 1) // 2}" in done.stdout, done.stdout
+    return [json.loads((tmp_path / how / f"rank-{r}.json").read_text()) for r in range(nproc)]
+
+
+def test_the_ranks_get_what_torchrun_gives_them(tmp_path) -> None:
+    dumps = {how: _dump(tmp_path, how, 2) for how in ("torchrun", "direct")}
     # Where they differ: torchrun's own, not the job's, and what --max-restarts says.
     differ = {"MASTER_PORT", "PERSIA_RANK_FAILED_FILE", "TORCHELASTIC_ERROR_FILE",
               "TORCHELASTIC_MAX_RESTARTS"}
@@ -85,6 +87,13 @@ def test_the_ranks_get_what_torchrun_gives_them_and_meet_on_the_store(tmp_path) 
         assert direct["cmdline"].split("\0")[:3] == torchrun["cmdline"].split("\0")[:3]
         assert direct["cmdline"].split("\0")[1] == "-u"
         assert direct["session_leader"] and torchrun["session_leader"]
+
+
+def test_a_single_rank_gets_the_store_once_it_dials_it(tmp_path) -> None:
+    """Several ranks get their store as they start (tests/test_ports.py sees it on
+    loopback); a single one, which TrainCtx makes no process group for, only if it dials
+    it."""
+    _dump(tmp_path, "direct", 1, "--process-group")
 
 
 @pytest.mark.parametrize("failure, code, line", [
