@@ -16,6 +16,7 @@ import pytest
 from persia_py.ops.final_errors import (
     CONFIG_EXIT_CODE,
     ENV_FINAL_CONFIG_ERRORS,
+    ENV_MAX_RESTARTS,
     ENV_RANK_FAILED_FILE,
     RANK_CONFIG_ERROR,
 )
@@ -36,7 +37,7 @@ class Ctx:
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in (ENV_FINAL_CONFIG_ERRORS, ENV_RANK_FAILED_FILE)}
+           if k not in (ENV_FINAL_CONFIG_ERRORS, ENV_RANK_FAILED_FILE, ENV_MAX_RESTARTS)}
     return {**env, **extra}
 
 
@@ -94,3 +95,16 @@ def test_a_rank_reports_it_and_waits_for_its_launcher_to_stop_it(tmp_path) -> No
     finally:
         rank.kill()
         rank.wait(timeout=10)
+
+
+def test_a_rank_nobody_restarts_reports_it_and_exits_at_once(tmp_path) -> None:
+    """With no restarts (persia_py/launcher/local_ranks.py) no wait is needed: the node
+    reads the file once it sees the rank exit."""
+    failed = tmp_path / "rank-failed"
+    done = subprocess.run(
+        _script("raise ConfigError('own.yml: x: unknown key')"),
+        env=_env(**{ENV_FINAL_CONFIG_ERRORS: "1", ENV_RANK_FAILED_FILE: str(failed),
+                    ENV_MAX_RESTARTS: "0", "RANK": "1"}),
+        capture_output=True, text=True, timeout=20)  # the wait would take 30 s
+    assert done.returncode == CONFIG_EXIT_CODE, done.stderr
+    assert failed.read_text() == f"rank 1: {RANK_CONFIG_ERROR}: ConfigError: own.yml: x: unknown key\n"

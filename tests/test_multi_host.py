@@ -229,7 +229,8 @@ def test_local_addr_is_advertised_and_decides_who_hosts_the_rendezvous(monkeypat
         assert roles.run_nn_worker(args) == 0
         assert f"--local-addr={local_addr}" in started[-1]
         assert f"--rdzv-conf=is_host={is_host},read_timeout=60,close_timeout=60" in started[-1]
-    args = build_parser().parse_args(["nn-worker", "--insecure", "train.py"])
+    args = build_parser().parse_args(["nn-worker", "--max-restarts", "1", "--insecure",
+                                      "train.py"])
     roles.run_nn_worker(args)
     assert not [a for a in started[-1] if a.startswith(("--local-addr", "--rdzv-conf"))]
 

@@ -97,8 +97,24 @@ def test_a_local_job_opens_no_port_another_host_can_reach(emulated_hosts, tmp_pa
     assert job.output().count(" done") >= 2, job.output()
 
 
+def _ranks(monkeypatch, *flags: str) -> tuple[list[str], int, dict[str, str], int]:
+    """What ``persia-launcher nn-worker`` with no torchrun restarts starts without torchrun
+    (persia_py/launcher/local_ranks.py): the script and its arguments, the number of
+    ranks, their environment, and the port of their store."""
+    from persia_py.launcher import roles
+    from persia_py.launcher.cli import build_parser
+
+    started = []
+    monkeypatch.setattr(roles, "run_ranks", lambda script, nproc, env, port:
+                        started.append((script, nproc, env, port)) or 0)
+    assert roles.run_nn_worker(build_parser().parse_args(
+        ["nn-worker", "--insecure", *flags, "train.py", "--epochs", "2"])) == 0
+    return started[0]
+
+
 def _nn_worker(monkeypatch, *flags: str) -> tuple[list[str], dict[str, str]]:
-    """The torchrun command line and environment ``persia-launcher nn-worker`` runs."""
+    """The torchrun command line and environment ``persia-launcher nn-worker`` runs (with
+    one node, only where torchrun restarts the ranks)."""
     from persia_py.launcher import roles
     from persia_py.launcher.cli import build_parser
 
@@ -115,16 +131,23 @@ def test_one_node_meets_on_loopback_and_several_as_torch_does(monkeypatch) -> No
 
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)
-    command, env = _nn_worker(monkeypatch, "--nproc-per-node", "2")
+    # No restarts: the ranks start without torchrun, their store on loopback.
+    script, nproc, env, port = _ranks(monkeypatch, "--nproc-per-node", "2")
+    assert (script, nproc, port) == (["train.py", "--epochs", "2"], 2, 0)
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == loopback_interface()
+    assert _ranks(monkeypatch, "--master-port", "29501")[3] == 29501
+    # Ranks torchrun restarts: its loopback rendezvous.
+    command, env = _nn_worker(monkeypatch, "--nproc-per-node", "2", "--max-restarts", "1")
     assert command[1:5] == ["-m", "persia_py.launcher.loopback_torchrun",
                             "--rdzv-backend=persia-loopback", "--rdzv-endpoint=127.0.0.1:0"]
     assert not [a for a in command if a.startswith(("--master", "--node-rank"))], command
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == loopback_interface()
-    command, _ = _nn_worker(monkeypatch, "--master-port", "29501")
+    command, _ = _nn_worker(monkeypatch, "--master-port", "29501", "--max-restarts", "1")
     assert "--rdzv-endpoint=127.0.0.1:29501" in command
     # The user's choice of interface stands.
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
-    assert _nn_worker(monkeypatch)[1]["GLOO_SOCKET_IFNAME"] == "eth7"
+    assert _ranks(monkeypatch)[2]["GLOO_SOCKET_IFNAME"] == "eth7"
+    assert _nn_worker(monkeypatch, "--max-restarts", "1")[1]["GLOO_SOCKET_IFNAME"] == "eth7"
     # Across machines the store must be reachable: torch's own static rendezvous.
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     command, env = _nn_worker(monkeypatch, "--nnodes", "2", "--master-addr", "10.77.0.1")
@@ -138,7 +161,7 @@ def test_torchrun_on_loopback_is_told_apart_from_the_ranks_it_starts(monkeypatch
     is a wrapper of the training script, not a rank, though the script is in its argv."""
     from benchmarks.role_processes import is_wrapper
 
-    command, _ = _nn_worker(monkeypatch)
+    command, _ = _nn_worker(monkeypatch, "--max-restarts", "1")
     assert "train.py" in command and is_wrapper(command)
     assert not is_wrapper([sys.executable, "-u", "train.py"])
 

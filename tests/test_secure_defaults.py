@@ -173,7 +173,7 @@ def test_local_makes_a_token_its_roles_get_by_environment_never_by_argv(tmp_path
         "--data-loader-args", "ParameterServer PERSIA_PS_ADDRS", *EXAMPLE_CONFIGS,
         "--run-dir", str(run_dir), "--no-metrics"), env=env_without_token())
     try:
-        for _ in range(2):  # the NN worker's torchrun rank and the data loader
+        for _ in range(2):  # the NN worker's rank and the data loader
             job.wait_for_line(r"authenticated", timeout=300)
         output = job.output()
         assert "[nn-worker] EmbeddingWorker authenticated" in output, output
@@ -184,7 +184,7 @@ def test_local_makes_a_token_its_roles_get_by_environment_never_by_argv(tmp_path
         assert len(token) == 64 and str(token_file) in output and token not in output
 
         pids = processes_with_marker(job.marker)
-        assert len(pids) >= 6  # launcher, PS, EW, data loader, nn-worker, torchrun, rank
+        assert len(pids) >= 6  # launcher, PS, EW, data loader, nn-worker, rank
         for pid in pids:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 assert token.encode() not in f.read(), pid

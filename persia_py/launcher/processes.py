@@ -9,7 +9,8 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from persia_py.ops.final_errors import CONFIG_EXIT_CODE, ENV_RANK_FAILED_FILE, RANK_CONFIG_ERROR
 
@@ -91,12 +92,15 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     :mod:`persia_py.ops.final_errors`) stops torchrun at once, which would restart the
     ranks into the same error, and the code is ``CONFIG_EXIT_CODE``.
     """
-    fd, failed_file = tempfile.mkstemp(prefix="persia-rank-failed-")
-    os.close(fd)
-    os.unlink(failed_file)
-    # torchrun dies with this wrapper, which dies with the launcher (lifeline.py).
-    child = subprocess.Popen(command, env={**env, ENV_RANK_FAILED_FILE: failed_file},
-                             preexec_fn=die_with_parent())
+    with rank_failed_file() as failed_file:
+        # torchrun dies with this wrapper, which dies with the launcher (lifeline.py).
+        child = subprocess.Popen(command, env={**env, ENV_RANK_FAILED_FILE: failed_file},
+                                 preexec_fn=die_with_parent())
+        return _watch_torchrun(child, failed_file, grace_sec)
+
+
+def _watch_torchrun(child: subprocess.Popen, failed_file: str, grace_sec: float) -> int:
+    """:func:`run_torchrun`'s watch of ``child`` (torchrun) and of the ranks' failures."""
 
     def forward(signum, _frame):
         # SIGTERM goes to the ranks themselves while they run: one that stops cleanly on
@@ -112,38 +116,48 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     idle_since = None
+    while True:
+        try:
+            code = child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        reason = failure(failed_file)
+        if reason is not None and RANK_CONFIG_ERROR in reason:
+            # torchrun would restart the ranks into the same error. The rank that
+            # wrote it waits for this (persia_py/ops/final_errors.py).
+            line = next(x for x in reason.splitlines() if RANK_CONFIG_ERROR in x)
+            print(f"[nn-worker] {line}; not restarting the ranks", flush=True)
+            _kill_tree(child)
+            return CONFIG_EXIT_CODE
+        if code is not None:
+            return code
+        if reason is None or children(child.pid):
+            idle_since = None
+            continue
+        idle_since = idle_since or time.monotonic()
+        if time.monotonic() - idle_since >= grace_sec:
+            print(f"[nn-worker] a rank failed and torchrun did not exit within "
+                  f"{grace_sec:.0f} s (its rendezvous store is unreachable); stopping "
+                  f"it. The rank's error: {reason}", flush=True)
+            _kill_tree(child)
+            return 1
+
+
+@contextmanager
+def rank_failed_file() -> Iterator[str]:
+    """A path no file has yet, for the ranks' ``$PERSIA_RANK_FAILED_FILE``; the file is
+    removed at the end."""
+    fd, failed_file = tempfile.mkstemp(prefix="persia-rank-failed-")
+    os.close(fd)
+    os.unlink(failed_file)
     try:
-        while True:
-            try:
-                code = child.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                code = None
-            reason = _failure(failed_file)
-            if reason is not None and RANK_CONFIG_ERROR in reason:
-                # torchrun would restart the ranks into the same error. The rank that
-                # wrote it waits for this (persia_py/ops/final_errors.py).
-                line = next(x for x in reason.splitlines() if RANK_CONFIG_ERROR in x)
-                print(f"[nn-worker] {line}; not restarting the ranks", flush=True)
-                _kill_tree(child)
-                return CONFIG_EXIT_CODE
-            if code is not None:
-                return code
-            if reason is None or children(child.pid):
-                idle_since = None
-                continue
-            idle_since = idle_since or time.monotonic()
-            if time.monotonic() - idle_since >= grace_sec:
-                print(f"[nn-worker] a rank failed and torchrun did not exit within "
-                      f"{grace_sec:.0f} s (its rendezvous store is unreachable); stopping "
-                      f"it. The rank's error: {reason}", flush=True)
-                _kill_tree(child)
-                return 1
+        yield failed_file
     finally:
         if os.path.exists(failed_file):
             os.unlink(failed_file)
 
 
-def _failure(path: str) -> str | None:
+def failure(path: str) -> str | None:
     """What the ranks wrote into the failure file ``path`` (None: nothing yet)."""
     try:
         with open(path, errors="replace") as f:

@@ -30,6 +30,7 @@ from persia_py.env import (
     PersiaEnv,
 )
 from persia_py.launcher import job_token
+from persia_py.launcher.local_ranks import run_ranks
 from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
 from persia_py.ops import allocator
@@ -270,12 +271,20 @@ def _user_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run_nn_worker(args: argparse.Namespace) -> int:
-    """The user's training script under torchrun (torch.distributed elastic)."""
+    """The user's training script under torchrun (torch.distributed elastic), or, on one
+    node that restarts no rank, as torchrun would run it."""
     env = _user_env(args)
     env.setdefault(ENV_TRAIN_LOG, os.path.abspath(args.train_log))
     deadline = int(min(60, max(5, load_global_config(env.get(ENV_GLOBAL_CONFIG))
                                .common_config.rpc_timeout_sec)))
     one_node = args.nnodes == 1 and not args.rdzv_endpoint
+    if one_node and args.max_restarts == 0:
+        # torchrun's agent would only host the store and watch the ranks: done here,
+        # without its cost (persia_py/launcher/local_ranks.py).
+        if args.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node must be at least 1; got {args.nproc_per_node}")
+        return run_ranks([args.script, *args.script_args], args.nproc_per_node,
+                         loopback_env(env), port=args.master_port or 0)
     if one_node:
         # Every port the ranks open on loopback (persia_py/launcher/loopback.py).
         env = loopback_env(env)

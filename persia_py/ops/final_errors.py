@@ -16,7 +16,8 @@ progress
 * on an NN-worker rank, is written to ``$PERSIA_RANK_FAILED_FILE`` as
   :data:`RANK_CONFIG_ERROR` (torchrun restarts ranks whatever
   their exit code, so ``persia-launcher nn-worker`` stops it on that line and exits 78:
-  :func:`persia_py.launcher.processes.run_torchrun`), and the rank waits to be stopped;
+  :func:`persia_py.launcher.processes.run_torchrun`), and the rank waits to be stopped,
+  unless no restart may follow;
 * ends the process with exit code 78 (a data loader's role passes it on).
 
 Progress (:func:`made_progress`) is a rank's first training step or a loader's first
@@ -63,7 +64,11 @@ _MARK = "_persia_config_error_at_start"
 _STOPPED_WITHIN_SEC = 30.0
 """Longest a rank that reported a config error waits for its node's launcher to stop it.
 The launcher reads the file every second; a rank that exited first would have torchrun
-start the ranks again (its monitor looks every 0.1 s), into the same error."""
+start the ranks again (its monitor looks every 0.1 s), into the same error. A rank
+started with no restarts (:data:`ENV_MAX_RESTARTS` ``0``) exits at once: its launcher
+reads the file when it sees the rank exit (persia_py/launcher/local_ranks.py)."""
+ENV_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+"""torchrun's restarts of this rank (``0``: none)."""
 
 
 def report_failure(rank: int, exc: BaseException, *, config: bool = False) -> None:
@@ -129,7 +134,8 @@ class _StopForGood:
         if os.environ.get(ENV_RANK_FAILED_FILE):
             report_failure(int(os.environ.get("RANK", "0") or 0), exc, config=True)
             sys.stderr.flush()
-            threading.Event().wait(_STOPPED_WITHIN_SEC)  # SIGKILL from the launcher ends it
+            if os.environ.get(ENV_MAX_RESTARTS) != "0":  # else nobody would restart it
+                threading.Event().wait(_STOPPED_WITHIN_SEC)  # SIGKILL from the launcher
         # Raised by the hook, SystemExit sets the exit code of the ending interpreter.
         raise SystemExit(CONFIG_EXIT_CODE)
 
