@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import njit
 
 from persia_py.workers.embedding_worker import SlotRows
 
@@ -52,6 +53,7 @@ def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
     return bag(rows, index, offsets, entries, "sum", weights)
 
 
+_NO_WEIGHTS = np.zeros(0, np.float32)
 _NATIVE_BACKWARD_MAX_ENTRIES = 4
 """Up to this many index entries per sample, pooling keeps torch's own backward: with
 few entries :class:`_Bag`'s gain is small, and its backward runs Python code that must
@@ -63,10 +65,42 @@ def _native_bag(rows, index, offsets, entries, mode, weights):
     return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
 
 
+@njit(cache=True, nogil=True)
+def _add_entry_grads(grad: np.ndarray, index: np.ndarray, entries: np.ndarray,
+                     weights: np.ndarray, mean: bool, out: np.ndarray) -> None:
+    """``out[index[e]] += grad[b] * weights[e]`` (or ``/ entries[b]`` for ``mean``, or as
+    it is) for every entry ``e`` of every sample ``b``, in order of ``e``: the additions
+    ``index_add_`` of the gathered gradients makes, without gathering them."""
+    weighted = weights.shape[0] > 0
+    dim = grad.shape[1]
+    if entries.sum() != index.shape[0] or (weighted and weights.shape[0] != index.shape[0]):
+        raise ValueError("pooling backward: the entries per sample do not add up to the index")
+    e = 0
+    for b in range(entries.shape[0]):
+        count = np.float32(max(entries[b], 1))
+        for _ in range(entries[b]):
+            r = index[e]
+            if r < 0 or r >= out.shape[0]:
+                raise ValueError("pooling backward: an index entry past the rows")
+            if weighted:
+                w = weights[e]
+                for d in range(dim):
+                    out[r, d] += grad[b, d] * w
+            elif mean:
+                for d in range(dim):
+                    out[r, d] += grad[b, d] / count
+            else:
+                for d in range(dim):
+                    out[r, d] += grad[b, d]
+            e += 1
+
+
 class _Bag(torch.autograd.Function):
-    """``F.embedding_bag`` whose backward scatters each entry's gradient onto its row with
-    one ``index_add_``: the built-in dense backward sorts the index and adds row by row,
-    several times slower with many entries per sample (docs/benchmarks.md)."""
+    """``F.embedding_bag`` whose backward adds each entry's gradient onto its row in one
+    pass (:func:`_add_entry_grads`; ``index_add_`` of the gathered gradients off the CPU):
+    the built-in dense backward sorts the index and adds row by row, several times slower
+    with many entries per sample, and gathering a gradient per entry first writes and
+    reads an array ``ids per sample`` times the gradient's size (docs/benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, rows, index, offsets, entries, mode, weights):
@@ -77,11 +111,26 @@ class _Bag(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         index, entries, weights = ctx.saved_tensors
-        sample = torch.repeat_interleave(torch.arange(entries.numel()), entries)
-        per_entry = grad.index_select(0, sample)  # each entry gets its sample's gradient
-        if weights is not None:
-            per_entry = per_entry * weights.unsqueeze(1)
-        elif ctx.mode == "mean":
-            per_entry = per_entry / entries.clamp(min=1).to(grad.dtype)[sample].unsqueeze(1)
-        rows_grad = per_entry.new_zeros(ctx.num_rows, per_entry.shape[1])
-        return rows_grad.index_add_(0, index, per_entry), None, None, None, None, None
+        rows_grad = grad.new_zeros(ctx.num_rows, grad.shape[1])
+        if grad.device.type == "cpu" and grad.dtype == torch.float32:
+            _add_entry_grads(grad.detach().contiguous().numpy(), index.numpy(), entries.numpy(),
+                             _NO_WEIGHTS if weights is None else weights.contiguous().numpy(),
+                             ctx.mode == "mean", rows_grad.numpy())
+        else:
+            _index_add_entry_grads(rows_grad, grad, index, entries, weights, ctx.mode)
+        return rows_grad, None, None, None, None, None
+
+
+def _index_add_entry_grads(rows_grad: torch.Tensor, grad: torch.Tensor, index: torch.Tensor,
+                           entries: torch.Tensor, weights: torch.Tensor | None,
+                           mode: str) -> torch.Tensor:
+    """:func:`_add_entry_grads` in torch ops, for gradients off the CPU or not float32:
+    each entry's gradient gathered, then one ``index_add_``."""
+    sample = torch.repeat_interleave(torch.arange(entries.numel(), device=grad.device),
+                                     entries)
+    per_entry = grad.index_select(0, sample)  # each entry gets its sample's gradient
+    if weights is not None:
+        per_entry = per_entry * weights.unsqueeze(1)
+    elif mode == "mean":
+        per_entry = per_entry / entries.clamp(min=1).to(grad.dtype)[sample].unsqueeze(1)
+    return rows_grad.index_add_(0, index, per_entry)
