@@ -247,6 +247,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # pytest-xdist registers it too; here for a run without it (the marks are then inert)
     config.addinivalue_line("markers", "xdist_group(name): tests run by one xdist worker")
     _guard_process_starts()
+    _sigint_for_children()
+
+
+def _sigint_for_children() -> None:
+    """A shell without job control starts a background command (``pytest ... &``) with
+    SIGINT ignored, and every process started from it inherits that: a launcher that
+    ignores SIGINT makes the tests that press Ctrl-C on a job fail (the report shows
+    SIGINT in its SigIgn), as they did in sessions 13 and 15. Caught here, SIGINT is
+    back to its default in the processes the tests start (exec resets caught signals)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 _running: list[pytest.Item] = []

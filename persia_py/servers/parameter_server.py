@@ -268,8 +268,9 @@ class ParameterServer:
 
         ``answer``: how the rows travel back (default float32, uncompressed); float16 tables
         answer a float16 wire with their rows as stored (no conversion), float32 tables
-        with theirs narrowed as they are gathered, bfloat16 tables in float32. A lookup whose answer would not fit in ``max_message_bytes``, or that
-        would take too much memory to serve (:mod:`persia_py.servers.call_memory`), is
+        with theirs narrowed as they are gathered, bfloat16 tables in float32. A lookup
+        whose answer would not fit in ``max_message_bytes``, or that would take too much
+        memory to serve (:mod:`persia_py.servers.call_memory`), is
         refused before anything is inserted or allocated. ``out``: called with each
         answer's shape and dtype name once every check passed, when the rows can go on the
         wire as gathered (uncompressed, in the wire's type); returns the arrays to write
