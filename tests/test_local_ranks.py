@@ -1,12 +1,14 @@
-"""``persia-launcher nn-worker`` on one node with no torchrun restarts starts the ranks
-itself (persia_py/launcher/local_ranks.py): each gets what torchrun would give it, a
-process group meets on the wrapper's store, and a failure, a config error, SIGINT
-and SIGTERM end the node as under torchrun."""
+"""``persia-launcher nn-worker`` with one rank on one node and no torchrun restarts starts
+it itself (persia_py/launcher/local_ranks.py): it gets what torchrun would give it and a
+process group meets on the wrapper's store. ``run_ranks`` with several ranks (which the
+CLI leaves to torchrun for now, see roles.py): a failure, a config error, SIGINT and
+SIGTERM end the node as under torchrun."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 
 import pytest
@@ -73,8 +75,16 @@ def _dump(tmp_path, how: str, nproc: int, *args: str) -> list[dict]:
     return [json.loads((tmp_path / how / f"rank-{r}.json").read_text()) for r in range(nproc)]
 
 
-def test_the_ranks_get_what_torchrun_gives_them(tmp_path) -> None:
-    dumps = {how: _dump(tmp_path, how, 2) for how in ("torchrun", "direct")}
+def _run_ranks(nproc: int, script: str) -> list[str]:
+    """A command running ``script``'s ``nproc`` ranks through ``run_ranks`` itself."""
+    return [sys.executable, "-c", "import os, sys; from persia_py.launcher.local_ranks "
+            "import run_ranks; from persia_py.ops.final_errors import ENV_FINAL_CONFIG_ERRORS; "
+            "sys.exit(run_ranks(sys.argv[2:], int(sys.argv[1]), "
+            "{**os.environ, ENV_FINAL_CONFIG_ERRORS: '1'}))", str(nproc), script]
+
+
+def test_the_rank_gets_what_torchrun_gives_it(tmp_path) -> None:
+    dumps = {how: _dump(tmp_path, how, 1) for how in ("torchrun", "direct")}
     # Where they differ: torchrun's own, not the job's, and what --max-restarts says.
     differ = {"MASTER_PORT", "PERSIA_RANK_FAILED_FILE", "TORCHELASTIC_ERROR_FILE",
               "TORCHELASTIC_MAX_RESTARTS"}
@@ -108,8 +118,7 @@ def test_a_failed_rank_stops_the_others_at_once(tmp_path, failure: str, code: in
     torchrun's 1, or 78 for a config error before any progress: the rank that reported
     it exits at once, since no restart follows."""
     script = _script(tmp_path, FAILS.format(failure=failure))
-    job = RoleProcess(launcher_command("nn-worker", "--insecure", "--nproc-per-node", "2",
-                                       script))
+    job = RoleProcess(_run_ranks(2, script))
     try:
         start = time.monotonic()
         assert job.wait(timeout=120) == code, job.output()
@@ -126,8 +135,7 @@ def test_a_signal_reaches_every_rank(tmp_path, sig: str, code: int) -> None:
     import signal
 
     script = _script(tmp_path, SIGNALS)
-    job = RoleProcess(launcher_command("nn-worker", "--insecure", "--nproc-per-node", "2",
-                                       script))
+    job = RoleProcess(_run_ranks(2, script))
     try:
         for _ in range(2):
             job.wait_for_line(r"rank \d ready", timeout=120)

@@ -131,12 +131,14 @@ def test_one_node_meets_on_loopback_and_several_as_torch_does(monkeypatch) -> No
 
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)
-    # No restarts: the ranks start without torchrun, their store on loopback.
-    script, nproc, env, port = _ranks(monkeypatch, "--nproc-per-node", "2")
-    assert (script, nproc, port) == (["train.py", "--epochs", "2"], 2, 0)
+    # One rank, no restarts: it starts without torchrun, its store on loopback.
+    script, nproc, env, port = _ranks(monkeypatch, "--nproc-per-node", "1")
+    assert (script, nproc, port) == (["train.py", "--epochs", "2"], 1, 0)
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == loopback_interface()
     assert _ranks(monkeypatch, "--master-port", "29501")[3] == 29501
-    # Ranks torchrun restarts: its loopback rendezvous.
+    # Several ranks, or ranks torchrun restarts: its loopback rendezvous.
+    command, _ = _nn_worker(monkeypatch, "--nproc-per-node", "2")
+    assert command[1:3] == ["-m", "persia_py.launcher.loopback_torchrun"], command
     command, env = _nn_worker(monkeypatch, "--nproc-per-node", "2", "--max-restarts", "1")
     assert command[1:5] == ["-m", "persia_py.launcher.loopback_torchrun",
                             "--rdzv-backend=persia-loopback", "--rdzv-endpoint=127.0.0.1:0"]
