@@ -1,8 +1,8 @@
 """NN ranks on one node with no torchrun restarts, started without torchrun.
 
 torchrun's agent, for one node that restarts nothing, only hosts the rendezvous store
-and watches the ranks; yet it costs a process that imports torch (about 1.3 CPU
-seconds) before any rank starts. ``persia-launcher nn-worker`` (:func:`run_ranks`) does
+and watches the ranks; yet it costs a process that imports torch before any rank starts
+(docs/benchmarks.md#test-suite). ``persia-launcher nn-worker`` (:func:`run_ranks`) does
 both itself instead, so the ranks start at once:
 
 * each rank gets the environment torchrun's ``LocalElasticAgent`` gives it

@@ -284,8 +284,8 @@ def run_nn_worker(args: argparse.Namespace) -> int:
         # torchrun's agent would only host the store and watch the rank: done here,
         # without its cost (persia_py/launcher/local_ranks.py). Several ranks stay under
         # torchrun: there the saving is nil (this process would import torch for the
-        # store too), and a two-rank online job ending by itself exited 1 here one
-        # time in five (tests/test_online_ends.py; cause not found yet).
+        # store too), and a two-rank online job ending by itself sometimes exited 1
+        # here (tests/test_online_ends.py; not understood yet).
         return run_ranks([args.script, *args.script_args], args.nproc_per_node,
                          loopback_env(env), port=args.master_port or 0)
     if one_node:
