@@ -227,9 +227,10 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
 
     One loop for all: the branch on ``kind`` goes the same way for every row and costs
     nothing measurable, where helpers taking the arrays, called per row, cost 10-15 %.
-    A first pass over a row updates its state, a second its weights: the state after the
-    step keys the row's rounding (checkpoints and log replays restore it; the table's
-    step, which evaluation lookups advance, would not do).
+    The state after the step keys the row's rounding (checkpoints and log replays restore
+    it; the table's step, which evaluation lookups advance, would not do): Adagrad and
+    Adam key by column 0's, computed first, and step the row in one pass; row-wise
+    Adagrad's accumulator needs the whole row's gradients, so its weights take a second.
     """
     n = rows.shape[0]
     dim = weights.shape[1]
@@ -248,44 +249,61 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
         if r < 0:
             continue
         count += 1
-        # The gradients first, in a loop of their own that vectorizes (widening float16
-        # element by element inside the state's loops keeps those from vectorizing).
-        for d in range(dim):
-            g_row[d] = widen(grads[i, d]) + weight_decay * widen(weights[r, d])
         if kind == ADAGRAD and shared:
+            # The gradients first, in a loop of their own that vectorizes (widening float16
+            # element by element inside the sum's loop keeps it from vectorizing); the key
+            # needs the row's new accumulator, so the weights take a second pass.
+            for d in range(dim):
+                g_row[d] = widen(grads[i, d]) + weight_decay * widen(weights[r, d])
             mean_g2 = np.float32(0.0)
             for d in range(dim):
                 mean_g2 += g_row[d] * g_row[d]
             state[r, 0] = momentum * state[r, 0] + mean_g2 / np.float32(dim)
-        elif kind == ADAGRAD:
-            for d in range(dim):
-                state[r, d] = momentum * state[r, d] + g_row[d] * g_row[d]
-        else:
-            state[r, 2 * dim] += np.float32(1.0)
-            for d in range(dim):
-                state[r, d] = b1 * state[r, d] + one_minus_b1 * g_row[d]
-                state[r, dim + d] = b2 * state[r, dim + d] + one_minus_b2 * (g_row[d] * g_row[d])
-        key = row_key(weights[r, 0], ids[i], np.float32(state[r, 0]).view(np.uint32), sr_key)
-        if kind == ADAGRAD and shared:
+            key = row_key(weights[r, 0], ids[i], np.float32(state[r, 0]).view(np.uint32), sr_key)
             denom = np.sqrt(state[r, 0]) + eps
             for d in range(dim):
                 old = weights[r, d]
                 value = _clamp(widen(old) - lr * g_row[d] / denom, bound)
                 weights[r, d] = narrow(value, old, key, d, widen(grads[i, d]), stochastic)
         elif kind == ADAGRAD:
+            # One pass: the rounding key needs only column 0's new state, computed first
+            # with the loop's own operations (so the same bits).
+            g0 = widen(grads[i, 0]) + weight_decay * widen(weights[r, 0])
+            acc0 = momentum * state[r, 0] + g0 * g0
+            key = row_key(weights[r, 0], ids[i], np.float32(acc0).view(np.uint32), sr_key)
             for d in range(dim):
                 old = weights[r, d]
-                value = _clamp(widen(old) - lr * g_row[d] / (np.sqrt(state[r, d]) + eps), bound)
-                weights[r, d] = narrow(value, old, key, d, widen(grads[i, d]), stochastic)
+                w = widen(old)
+                grad = widen(grads[i, d])
+                g = grad + weight_decay * w
+                acc = momentum * state[r, d] + g * g
+                state[r, d] = acc
+                value = _clamp(w - lr * g / (np.sqrt(acc) + eps), bound)
+                weights[r, d] = narrow(value, old, key, d, grad, stochastic)
         else:
+            # One pass too: the key is m[0] after the step. m and v as row views: indexed
+            # ``dim + d`` the compiler cannot rule out a negative index and gathers.
+            t = state[r, 2 * dim] + np.float32(1.0)
+            state[r, 2 * dim] = t
+            m, v = state[r, :dim], state[r, dim:2 * dim]
+            g0 = widen(grads[i, 0]) + weight_decay * widen(weights[r, 0])
+            m0 = b1 * m[0] + one_minus_b1 * g0
+            key = row_key(weights[r, 0], ids[i], np.float32(m0).view(np.uint32), sr_key)
             # Bias corrections in float64: 1 - b2**t is tiny for small t and loses digits in f32.
-            t = np.float64(state[r, 2 * dim])
-            correction1, correction2 = np.float32(1.0 - beta1**t), np.float32(1.0 - beta2**t)
+            correction1 = np.float32(1.0 - beta1**np.float64(t))
+            correction2 = np.float32(1.0 - beta2**np.float64(t))
             for d in range(dim):
                 old = weights[r, d]
-                m_hat, v_hat = state[r, d] / correction1, state[r, dim + d] / correction2
-                value = _clamp(widen(old) - lr * m_hat / (np.sqrt(v_hat) + eps), bound)
-                weights[r, d] = narrow(value, old, key, d, widen(grads[i, d]), stochastic)
+                w = widen(old)
+                grad = widen(grads[i, d])
+                g = grad + weight_decay * w
+                m_new = b1 * m[d] + one_minus_b1 * g
+                v_new = b2 * v[d] + one_minus_b2 * (g * g)
+                m[d] = m_new
+                v[d] = v_new
+                value = _clamp(w - lr * (m_new / correction1) / (np.sqrt(v_new / correction2) + eps),
+                               bound)
+                weights[r, d] = narrow(value, old, key, d, grad, stochastic)
         stamps[r] = tick
     return count
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from persia_py.ids.hashing import MIX_M1, mix64_one
@@ -52,12 +53,12 @@ _F16_MAX_F32 = np.uint32(0x477FE000)
 """float32 bits of 65504, float16's largest finite magnitude."""
 _F16_LEAST_F32 = np.uint32(0x33800000)
 """float32 bits of 2**-24, float16's least positive value."""
-_EXP_F16_LEAST, _EXP_F16_NORMAL, _EXP_DROP_ALL = (np.uint32(e) for e in (103, 113, 126))
+_EXP_F16_LEAST, _EXP_F16_NORMAL, _EXP_KEPT_WIDTH = (np.uint32(e) for e in (103, 113, 94))
 """float32 exponents of 2**-24 and 2**-14 (float16's least value and least normal one);
-between them float16 drops ``126 - exponent`` of float32's 23 fraction bits."""
+between them float16 drops ``126 - exponent`` of float32's 23 fraction bits, keeping the
+top ``exponent - 94`` of the 32."""
+_NEAREST_HIGH, _HIGH16 = np.uint32(0x80000000), np.uint32(0xFFFF0000)
 _ZERO = np.uint32(0)
-_TWO_24 = np.float32(2.0**24)
-_RAND_UNIT = np.float32(2.0**-16)
 
 
 def check_row_dtype(value: object, name: str = "row_dtype") -> str:
@@ -173,38 +174,59 @@ def float_to_bf16(value: np.float32, rand16: np.uint32) -> np.uint16:
     return np.uint16(_or32(sign, _min32(kept, _BF16_MAX_BITS)))
 
 
+@intrinsic
+def _tiny_sum(typingctx, magnitude, rand):
+    """``magnitude * 2**24 + rand * 2**-32`` in float32 with one rounding (an fma; the
+    product is exact, so it equals the two-step sum), ``rand`` as an unsigned integer."""
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3),
+                                             "llvm.fma.f32")
+        scaled = builder.fmul(builder.uitofp(args[1], f32), f32(2.0**-32))
+        return builder.call(fma, [args[0], f32(2.0**24), scaled])
+    return types.float32(types.float32, types.uint32), codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
-def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
-    """``value`` as float16 bits, rounded as :func:`float_to_bf16` says; magnitudes past
-    65504 saturate there. No branch: a loop of these vectorizes."""
-    rand16 = np.uint32(rand16)
+def _f16_round(value: np.float32, rand_high: np.uint32) -> np.int16:
+    """:func:`float_to_f16` with its 16 random bits in the top half of ``rand_high`` (the
+    lower half zero), where the kernels' draw leaves them: one shift fewer per value."""
     bits = np.float32(value).view(np.uint32)
     magnitude = _and32(bits, _MAGNITUDE)
     exponent = _shr32(magnitude, _S23)
     # float16 keeps 10 of float32's 23 fraction bits, fewer below its normal range (2**-14):
-    # add random bits below the kept ones (a carry with the probability of the dropped
-    # fraction), clear them, and the CPU converts exactly.
-    drop = _sub32(_EXP_DROP_ALL, _min32(_max32(exponent, _EXP_F16_LEAST), _EXP_F16_NORMAL))
-    noise = _shr32(_shl32(rand16, _S16), _sub32(_S32, drop))
-    kept = _min32(_and32(_add32(magnitude, noise), _shl32(_ALL_ONES, drop)), _F16_MAX_F32)
+    # ``drop = 126 - clamped exponent`` bits go; ``kept_width = 32 - drop``. Add the random
+    # bits below the kept ones (a carry with the probability of the dropped fraction),
+    # clear them, and the CPU converts exactly.
+    kept_width = _sub32(_min32(_max32(exponent, _EXP_F16_LEAST), _EXP_F16_NORMAL), _EXP_KEPT_WIDTH)
+    noise = _shr32(np.uint32(rand_high), kept_width)
+    dropped = _shr32(_ALL_ONES, kept_width)
+    kept = _min32(_and32(_add32(magnitude, noise), _xor32(dropped, _ALL_ONES)), _F16_MAX_F32)
     # Below 2**-24, float16's least step, the choice is between 0 and 2**-24.
-    tiny = np.uint32(magnitude).view(np.float32) * _TWO_24 + np.float32(rand16) * _RAND_UNIT
+    tiny = _tiny_sum(np.uint32(magnitude).view(np.float32), np.uint32(rand_high))  # type: ignore[call-arg]  # numba stub
     kept = _pick32(exponent >= _EXP_F16_LEAST, kept,
                    _pick32(tiny >= np.float32(1.0), _F16_LEAST_F32, _ZERO))
     return _f16_bits(np.uint32(_or32(_and32(bits, _SIGN), kept)).view(np.float32))  # type: ignore[call-arg]  # numba stub
 
 
 @njit(cache=True, nogil=True, inline="always")
-def draw16(row_key: np.uint32, column: int, grad: np.float32, old: np.uint32) -> np.uint32:
-    """16 random bits for rounding column ``column`` of a row: the row's key mixed with
-    the column and the bits of the gradient and of the old value (updates of a row under
-    one key still draw afresh as long as either differs). One 32-bit
-    multiply, which vectorizes: its top bits depend on every bit below them, and the
-    row's key is a full 64-bit mix already."""
+def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
+    """``value`` as float16 bits, rounded as :func:`float_to_bf16` says; magnitudes past
+    65504 saturate there. No branch: a loop of these vectorizes."""
+    return _f16_round(value, _shl32(np.uint32(rand16), _S16))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def draw32(row_key: np.uint32, column: int, grad: np.float32, old: np.uint32) -> np.uint32:
+    """32 bits whose top 16 are random, for rounding column ``column`` of a row: the
+    row's key mixed with the column and the bits of the gradient and of the old value
+    (updates of a row under one key still draw afresh as long as either differs). One
+    32-bit multiply, which vectorizes: its top bits depend on every bit below them, and
+    the row's key is a full 64-bit mix already."""
     z = _xor32(_xor32(np.uint32(row_key), np.float32(grad).view(np.uint32)),
                _shl32(np.uint32(old), _S16))
     z = _add32(z, _mul32(np.uint32(column), _GOLDEN32))
-    return _shr32(_mul32(z, _MIX32_1), _S16)
+    return _mul32(z, _MIX32_1)
 
 
 # -- per-element access, specialized on the stored element type -----------------------------
@@ -237,12 +259,16 @@ def narrow(value, old, row_key, column, grad, stochastic):  # pragma: no cover
 def _narrow(value, old, row_key, column, grad, stochastic):
     if old == types.float32:
         return lambda value, old, row_key, column, grad, stochastic: value
-    to_bits = float_to_f16 if old == types.int16 else float_to_bf16
+    if old == types.int16:
+        def round_f16(value, old, row_key, column, grad, stochastic):
+            draw = draw32(row_key, column, grad, np.uint32(np.uint16(old)))
+            return _f16_round(value, _and32(_pick32(stochastic, draw, _NEAREST_HIGH), _HIGH16))
+        return round_f16
 
-    def round_half(value, old, row_key, column, grad, stochastic):
-        draw = draw16(row_key, column, grad, np.uint32(np.uint16(old)))
-        return to_bits(value, _pick32(stochastic, draw, NEAREST))
-    return round_half
+    def round_bf16(value, old, row_key, column, grad, stochastic):
+        draw = draw32(row_key, column, grad, np.uint32(np.uint16(old)))
+        return float_to_bf16(value, _shr32(_pick32(stochastic, draw, _NEAREST_HIGH), _S16))
+    return round_bf16
 
 
 def as_answered(stored, like):  # pragma: no cover
