@@ -58,6 +58,7 @@ _EXP_F16_LEAST, _EXP_F16_NORMAL, _EXP_KEPT_WIDTH = (np.uint32(e) for e in (103, 
 between them float16 drops ``126 - exponent`` of float32's 23 fraction bits, keeping the
 top ``exponent - 94`` of the 32."""
 _NEAREST_HIGH, _HIGH16 = np.uint32(0x80000000), np.uint32(0xFFFF0000)
+_TWO_32 = np.float32(2.0**32)
 _ZERO = np.uint32(0)
 
 
@@ -175,15 +176,15 @@ def float_to_bf16(value: np.float32, rand16: np.uint32) -> np.uint16:
 
 
 @intrinsic
-def _tiny_sum(typingctx, magnitude, rand):
-    """``magnitude * 2**24 + rand * 2**-32`` in float32 with one rounding (an fma; the
-    product is exact, so it equals the two-step sum), ``rand`` as an unsigned integer."""
+def _tiny_scaled(typingctx, magnitude, rand_high):
+    """``magnitude * 2**56 + rand_high`` in float32 with one rounding (an fma), i.e.
+    ``2**32`` times ``magnitude * 2**24 + (rand_high >> 16) * 2**-16`` rounded once: both
+    products are exact and scaling by a power of two commutes with rounding here."""
     def codegen(context, builder, signature, args):
         f32 = ir.FloatType()
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3),
                                              "llvm.fma.f32")
-        scaled = builder.fmul(builder.uitofp(args[1], f32), f32(2.0**-32))
-        return builder.call(fma, [args[0], f32(2.0**24), scaled])
+        return builder.call(fma, [args[0], f32(2.0**56), builder.uitofp(args[1], f32)])
     return types.float32(types.float32, types.uint32), codegen
 
 
@@ -203,10 +204,11 @@ def _f16_round(value: np.float32, rand_high: np.uint32) -> np.int16:
     dropped = _shr32(_ALL_ONES, kept_width)
     kept = _min32(_and32(_add32(magnitude, noise), _xor32(dropped, _ALL_ONES)), _F16_MAX_F32)
     # Below 2**-24, float16's least step, the choice is between 0 and 2**-24.
-    tiny = _tiny_sum(np.uint32(magnitude).view(np.float32), np.uint32(rand_high))  # type: ignore[call-arg]  # numba stub
+    # (|value| * 2**24 plus the draw reaching one, in float32.)
+    tiny: np.float32 = _tiny_scaled(np.uint32(magnitude).view(np.float32), np.uint32(rand_high))  # type: ignore[call-arg]  # numba stub
     kept = _pick32(exponent >= _EXP_F16_LEAST, kept,
-                   _pick32(tiny >= np.float32(1.0), _F16_LEAST_F32, _ZERO))
-    return _f16_bits(np.uint32(_or32(_and32(bits, _SIGN), kept)).view(np.float32))  # type: ignore[call-arg]  # numba stub
+                   _pick32(tiny >= _TWO_32, _F16_LEAST_F32, _ZERO))
+    return _f16_bits(np.uint32(_or32(_and32(bits, _SIGN), kept)).view(np.float32))
 
 
 @njit(cache=True, nogil=True, inline="always")
