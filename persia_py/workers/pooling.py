@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from numba import njit
 
-from persia_py.workers.embedding_worker import SlotRows
+from persia_py.workers.slots import SlotRows
 
 __all__ = ["pool_slot"]
 
