@@ -36,12 +36,15 @@ dist.destroy_process_group()
 SIGNALS = """
 import os, signal, sys, threading
 rank, got = os.environ["RANK"], threading.Event()
+def say(line):  # in one write: unbuffered, print writes the newline apart, and two
+    sys.stdout.write(line + "\\n")  # ranks' lines could interleave on the shared pipe
+    sys.stdout.flush()
 def on(signum, _frame):
-    print(f"rank {rank} got {signal.Signals(signum).name}", flush=True)
+    say(f"rank {rank} got {signal.Signals(signum).name}")
     got.set()
 signal.signal(signal.SIGTERM, on)
 signal.signal(signal.SIGINT, on)
-print(f"rank {rank} ready", flush=True)
+say(f"rank {rank} ready")
 got.wait(120)
 """
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import filecmp
+import os
 import shutil
 import subprocess
 import sys
@@ -45,10 +46,13 @@ def test_wheel_installs_servers_and_workers_subpackages(tmp_path: Path) -> None:
     subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                     str(wheel)], check=True)
     # The package imports nothing heavy at import time, so this needs none of its deps.
+    # Without PYTHONPATH: a checkout named there (a git worktree's tests) would be found
+    # before the installed wheel.
     out = subprocess.run(
         [python, "-c", "import persia_py.servers as s, persia_py.workers as w; "
                        "print(s.__file__); print(w.__file__)"],
         check=True, capture_output=True, text=True, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     ).stdout.split()
     assert all(str(env_dir) in path for path in out), out
     assert (env_dir / "bin" / "persia-launcher").exists()

@@ -38,10 +38,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
-from numba import njit
-
-from persia_py.ids.hashing import mix64
-from persia_py.ids.routing import RESERVED_ID
 
 if TYPE_CHECKING:  # only for the annotation: hashing ids does not import torch
     import torch
@@ -52,57 +48,12 @@ FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 """FNV-1a 64's offset basis."""
 FNV_PRIME = np.uint64(0x100000001B3)
 """FNV-1a 64's prime."""
+RESERVED_ID = np.uint64(0xFFFFFFFFFFFFFFFF)
+"""The one id value a table cannot store (it marks empty slots of the hash index)."""
 
-
-@njit(inline="always")
-def _fnv_byte(h: np.uint64, byte: int) -> np.uint64:
-    return (h ^ np.uint64(byte)) * FNV_PRIME
-
-
-@njit(inline="always")
-def _row_length(data: np.ndarray, i: int) -> int:
-    """Row ``i``'s length: up to its last non-zero element (numpy's strings are padded
-    with zeros)."""
-    length = data.shape[1]
-    while length > 0 and data[i, length - 1] == 0:
-        length -= 1
-    return length
-
-
-@njit(cache=True, nogil=True)
-def _fnv1a64_rows(data: np.ndarray) -> np.ndarray:
-    """FNV-1a 64 of each row of a uint8 matrix, up to its last non-zero byte."""
-    out = np.empty(data.shape[0], np.uint64)
-    for i in range(data.shape[0]):
-        h = FNV_OFFSET
-        for j in range(_row_length(data, i)):
-            h = _fnv_byte(h, data[i, j])
-        out[i] = h
-    return out
-
-
-@njit(cache=True, nogil=True)
-def _fnv1a64_utf8_rows(data: np.ndarray) -> np.ndarray:
-    """FNV-1a 64 of the UTF-8 encoding of each row of a matrix of code points (numpy's
-    ``U`` dtype viewed as uint32), up to its last non-zero code point: the same hash as
-    of the encoded bytes, without encoding them first."""
-    out = np.empty(data.shape[0], np.uint64)
-    for i in range(data.shape[0]):
-        h = FNV_OFFSET
-        for j in range(_row_length(data, i)):
-            c = int(data[i, j])
-            if c < 0x80:
-                h = _fnv_byte(h, c)
-            elif c < 0x800:
-                h = _fnv_byte(_fnv_byte(h, 0xC0 | (c >> 6)), 0x80 | (c & 0x3F))
-            elif c < 0x10000:
-                h = _fnv_byte(h, 0xE0 | (c >> 12))
-                h = _fnv_byte(_fnv_byte(h, 0x80 | ((c >> 6) & 0x3F)), 0x80 | (c & 0x3F))
-            else:
-                h = _fnv_byte(_fnv_byte(h, 0xF0 | (c >> 18)), 0x80 | ((c >> 12) & 0x3F))
-                h = _fnv_byte(_fnv_byte(h, 0x80 | ((c >> 6) & 0x3F)), 0x80 | (c & 0x3F))
-        out[i] = h
-    return out
+# numba (and the modules whose kernels it compiles) is imported on the first string hashed,
+# not here: every process imports this package (the launcher's through persia_py.env),
+# and most of them, the launcher's own and a data loader's, never compile a kernel.
 
 
 def fnv1a64(strings: np.ndarray) -> np.ndarray:
@@ -118,11 +69,13 @@ def fnv1a64(strings: np.ndarray) -> np.ndarray:
     flat = strings.reshape(-1)
     if strings.dtype.itemsize == 0 or flat.shape[0] == 0:
         return np.full(strings.shape, FNV_OFFSET, dtype=np.uint64)
+    from persia_py.ids.fnv import fnv1a64_rows, fnv1a64_utf8_rows
+
     if strings.dtype.kind == "S":
         data = flat.view(np.uint8).reshape(flat.shape[0], strings.dtype.itemsize)
-        return _fnv1a64_rows(data).reshape(strings.shape)
+        return fnv1a64_rows(data).reshape(strings.shape)
     code_points = flat.view(np.uint32).reshape(flat.shape[0], strings.dtype.itemsize // 4)
-    return _fnv1a64_utf8_rows(code_points).reshape(strings.shape)
+    return fnv1a64_utf8_rows(code_points).reshape(strings.shape)
 
 
 def salt_of(salt: str | int) -> np.uint64:
@@ -145,6 +98,8 @@ def hash_values(values: np.ndarray | Sequence | object, *, salt: str | int = "")
     list of those, or a torch integer tensor. Anything else (floats, ``None`` among
     strings, mixed types) is a ``TypeError`` saying what to pass; map missing values to a
     string such as ``""`` first."""
+    from persia_py.ids.hashing import mix64
+
     if _is_tensor(values):
         values = values.detach().cpu().numpy()
     array = np.asarray(values)

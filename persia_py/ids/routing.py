@@ -12,13 +12,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from persia_py.ids import RESERVED_ID
 from persia_py.ids.hashing import HASH_STACK_SALT, REPLICA_SALT, mix64
 
 __all__ = ["RESERVED_ID", "hash_stack", "mix64", "replica_of", "split_by"]
-
-RESERVED_ID = np.uint64(0xFFFFFFFFFFFFFFFF)
-"""The one id value a table cannot store (it marks empty slots of the hash index)."""
-
 
 def replica_of(ids: np.ndarray, num_replicas: int) -> np.ndarray:
     """Index of the parameter-server replica that owns each id (int64 array)."""

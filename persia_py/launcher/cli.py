@@ -58,22 +58,18 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="embedding_config.yml (default: $PERSIA_EMBEDDING_CONFIG)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every subcommand (one function each below)."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand (one function each below), or of ``command`` alone
+    where it names one: a role's process then does not import what the other commands'
+    flags need (``plan``'s choices come with the parameter server's sizing, and numba)."""
     parser = argparse.ArgumentParser(
         prog="persia-launcher",
         description="Launch the roles of a persia_py training job.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    _parameter_server_parser(sub)
-    _embedding_worker_parser(sub)
-    _nn_worker_parser(sub)
-    _data_loader_parser(sub)
-    _local_parser(sub)
-    _serve_parser(sub)
-    _k8s_parser(sub)
-    _plan_parser(sub)
-    _plot_parser(sub)
+    for name, add in _SUBCOMMANDS.items():
+        if command is None or command not in _SUBCOMMANDS or name == command:
+            add(sub)
     return parser
 
 
@@ -263,12 +259,27 @@ def _plot_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default="curves.png", help="PNG to write")
 
 
+_SUBCOMMANDS = {
+    "embedding-parameter-server": _parameter_server_parser,
+    "embedding-worker": _embedding_worker_parser,
+    "nn-worker": _nn_worker_parser,
+    "data-loader": _data_loader_parser,
+    "local": _local_parser,
+    "serve": _serve_parser,
+    "k8s": _k8s_parser,
+    "plan": _plan_parser,
+    "plot": _plot_parser,
+}
+"""Each subcommand's name and the function that adds its parser, in ``--help``'s order."""
+
+
 def main(argv: list[str] | None = None) -> int:
     from persia_py.launcher.lifeline import watch_lifeline
 
     # Started by a launcher: this role (and all it starts) stops when that launcher dies.
     watch_lifeline()
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from persia_py.launcher import k8s, local, roles

@@ -16,7 +16,7 @@ import torch
 from persia_py.config import CommonConfig
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.wire.rpc import OutageLog, call
-from persia_py.workers.embedding_worker import SlotRows
+from persia_py.workers.slots import SlotRows
 
 __all__ = ["LoaderBatch", "LoaderLink", "TrainingBatch", "ref_gone"]
 

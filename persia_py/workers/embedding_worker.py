@@ -47,6 +47,7 @@ from persia_py.wire.rpc import NotFound, Overloaded
 from persia_py.workers.budget import ByteBudget
 from persia_py.workers.ps_client import PSClient, UpdateNotApplied
 from persia_py.workers.routing_plan import RoutingPlan
+from persia_py.workers.slots import SlotIds, SlotRows
 
 logger = logging.getLogger(__name__)
 
@@ -60,34 +61,6 @@ _STREAM = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _PUT_WAIT_SEC = 1.0
 """How long put_batch waits for room before answering RESOURCE_EXHAUSTED (the data loader
 retries; nothing is dropped)."""
-
-
-@dataclass(frozen=True)
-class SlotIds:
-    """One slot of a batch: ids in CSR form (``lengths[i]`` ids for sample i).
-
-    Once validated, a hash-stacked slot holds ``hash_stack_rounds`` ids per raw id
-    (consecutive), while ``lengths`` still counts raw ids.
-    """
-
-    slot: str
-    ids: np.ndarray  # uint64 [num_ids]
-    lengths: np.ndarray  # int32 [batch_size]
-
-
-@dataclass(frozen=True)
-class SlotRows:
-    """A slot's lookup answer: distinct rows and, per id occurrence, the row it reads."""
-
-    slot: str
-    rows: np.ndarray  # float32 or, as the parameter servers sent them, float16 [num_unique, dim]
-    index: np.ndarray  # int64 [num_ids * hash_stack_rounds]
-    lengths: np.ndarray  # int32 [batch_size], in raw ids
-    pooling: str
-    sqrt_scaling: bool
-    sample_fixed_size: int
-    hash_stack_rounds: int = 1
-    """Consecutive index entries per raw id; their rows are summed into the id's embedding."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -14,7 +15,10 @@ from persia_py.proto import embedding_worker_pb2 as pb
 from persia_py.wire import codec
 from persia_py.wire import raw_methods as wire_rpc
 from persia_py.wire.rpc import ServiceClient, create_server, grpc_method
-from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds, SlotRows
+from persia_py.workers.slots import SlotIds, SlotRows
+
+if TYPE_CHECKING:  # the servicer's; a client does not import the worker
+    from persia_py.workers.embedding_worker import EmbeddingWorker
 
 logger = logging.getLogger(__name__)
 
