@@ -190,8 +190,10 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
             needed = shm.layout(_answer_specs(rows, request.wire))[1]
             use = pb.ShmUse(refused=f"the answer needs {needed} bytes of segment, it has "
                             f"{segment.size}", needed_bytes=needed)
-        else:
+        elif refused:
             use = pb.ShmUse(refused=refused)
+        else:
+            return _encode_rows(rows, request.wire)
         return codec.join([_encode_rows(rows, request.wire),
                            *codec.message_field(2, [use.SerializeToString()])])
 
@@ -323,13 +325,23 @@ class EmbeddingWorkerClient(ServiceClient):
             return _decode_rows(self._call(self._lookup, request, idempotent=True))
         request.answer_segment.CopyFrom(_segment_message(segment.descriptor))
         request.forget_segments.extend(_segment_message(d) for d in pool.take_forget())
+        attempts = 0
+
+        def attempt(*args, **kwargs):
+            nonlocal attempts
+            attempts += 1
+            return self._lookup(*args, **kwargs)
+
         try:
-            answer = self._call(self._lookup, request, idempotent=True)
+            answer = self._call(attempt, request, idempotent=True)
             if answer.shm.used:
                 segment.used = True
                 rows = _decode_rows(answer, segment)  # copies the arrays out
                 self.num_shm_lookups += 1
-                pool.give_back(segment)
+                if attempts == 1:
+                    pool.give_back(segment)
+                else:  # an attempt given up may still be writing into it
+                    pool.discard(segment)
                 return rows
         except BaseException:
             pool.discard(segment)  # the call may still be writing into it
