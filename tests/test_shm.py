@@ -117,6 +117,51 @@ def test_a_pool_turns_itself_off_when_the_peer_is_elsewhere() -> None:
     assert a.name_gone() and b.name_gone()
 
 
+def test_a_pool_retires_every_segment_its_peer_lost() -> None:
+    """A restarted peer knows none of the segments it had mapped: the first refusal
+    retires them all, so that the next calls make new ones instead of each being refused."""
+    pool = shm.SegmentPool(1 << 20, max_segments=4)
+    segments = [pool.acquire() for _ in range(3)]
+    for s in segments:
+        assert s is not None
+        shm.Segment.open(s.descriptor, 1 << 20)  # the peer maps it (and unlinks the name)
+        s.used = True
+        pool.give_back(s)
+    first = pool.acquire()
+    pool.refused(first, "not on this host")
+    assert pool.enabled
+    fresh = pool.acquire()
+    assert fresh not in segments and not fresh.name_gone()
+    assert {d.name for d in pool.take_forget()} == {s.descriptor.name for s in segments}
+    pool.close()
+
+
+def test_the_cache_drops_segments_idle_too_long_and_beyond_its_bounds() -> None:
+    made = [shm.Segment.create(4096) for _ in range(3)]
+    try:
+        now = [0.0]
+        idle = shm.SegmentCache(1 << 20, max_idle_sec=60.0, clock=lambda: now[0])
+        idle.get(made[0].descriptor)
+        now[0] = 61.0
+        # Opening another finds the first idle: a dead NN worker's would go this way.
+        idle.get(made[1].descriptor)
+        assert len(idle) == 1
+        with pytest.raises(shm.ShmUnavailable, match="not on this host"):
+            idle.get(made[0].descriptor)  # dropped; its name was unlinked when mapped
+        bounded = shm.SegmentCache(1 << 20, max_segments=1)
+        bounded.get(made[2].descriptor)
+        with pytest.raises(shm.ShmUnavailable):  # mapped by the cache above: unlinked
+            bounded.get(made[1].descriptor)
+        assert len(bounded) == 1
+        bounded.forget([shm.Descriptor(made[2].descriptor.name, "0" * 32, 4096)])
+        assert len(bounded) == 1  # a forget needs the nonce
+        bounded.forget([made[2].descriptor])
+        assert len(bounded) == 0
+    finally:
+        for m in made:
+            m.unlink()
+
+
 # -- a real embedding worker ---------------------------------------------------------
 
 

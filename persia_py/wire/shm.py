@@ -38,8 +38,10 @@ import re
 import secrets
 import stat
 import threading
+import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -299,12 +301,19 @@ class SegmentPool:
 
     def refused(self, segment: Segment, reason: str) -> None:
         """The peer could not use ``segment``: if its name is still there, the peer is
-        elsewhere (off for good); if gone, it mapped it and restarted since (a new
-        segment next time)."""
+        elsewhere (off for good); if gone, it mapped it and lost it since (it restarted,
+        or dropped it idle): so did it every other segment it mapped, so all of those are
+        retired too, and new ones made next time."""
         gone = segment.name_gone()
         self.discard(segment)
         if not gone:
             self.disable(reason)
+            return
+        with self._lock:
+            stale = [s for s in self._free if s.used]
+            self._free = [s for s in self._free if not s.used]
+            for s in stale:
+                self._retire(s)
 
     def close(self) -> None:
         self._finalizer()
@@ -320,11 +329,15 @@ class SegmentCache:
     recently used dropped beyond ``max_segments`` or ``max_total_bytes``."""
 
     def __init__(self, max_bytes: int, *, max_segments: int = 256,
-                 max_total_bytes: int | None = None) -> None:
+                 max_total_bytes: int | None = None, max_idle_sec: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._max_bytes = max_bytes
         self._max_segments = max_segments
         self._max_total = max_total_bytes if max_total_bytes is not None else 4 * max_bytes
+        self._max_idle_sec = max_idle_sec
+        self._clock = clock
         self._segments: OrderedDict[str, Segment] = OrderedDict()
+        self._last_used: dict[str, float] = {}
         self._total = 0
         self._lock = threading.Lock()
 
@@ -337,27 +350,39 @@ class SegmentCache:
                     raise ShmError(f"segment {descriptor.name}: nonce or size differ from "
                                    "the segment mapped under that name")
                 self._segments.move_to_end(descriptor.name)
+                self._last_used[descriptor.name] = self._clock()
                 return segment
         segment = Segment.open(descriptor, self._max_bytes)
+        now = self._clock()
         with self._lock:
             old = self._segments.pop(descriptor.name, None)
             if old is not None:
                 self._total -= old.size
             self._segments[descriptor.name] = segment
+            self._last_used[descriptor.name] = now
             self._total += segment.size
-            while self._segments and (len(self._segments) > self._max_segments
-                                      or self._total > self._max_total):
-                _, dropped = self._segments.popitem(last=False)
-                self._total -= dropped.size
+            # The least recently used first: beyond the bounds, or idle (a dead NN
+            # worker's segments, whose memory the mapping alone keeps).
+            while self._segments:
+                name, oldest = next(iter(self._segments.items()))
+                if (len(self._segments) <= self._max_segments and self._total <= self._max_total
+                        and now - self._last_used[name] <= self._max_idle_sec):
+                    break
+                self._drop(name)
         return segment
+
+    def _drop(self, name: str) -> None:
+        """Under the lock: unmapped once no array views it any more."""
+        segment = self._segments.pop(name)
+        del self._last_used[name]
+        self._total -= segment.size
 
     def forget(self, descriptors: list[Descriptor]) -> None:
         with self._lock:
             for d in descriptors:
                 segment = self._segments.get(d.name)
                 if segment is not None and hmac.compare_digest(segment.descriptor.nonce, d.nonce):
-                    del self._segments[d.name]
-                    self._total -= segment.size
+                    self._drop(d.name)
 
     def __len__(self) -> int:
         return len(self._segments)

@@ -321,7 +321,7 @@ class EmbeddingWorkerClient(ServiceClient):
         request = pb.LookupBatchRequest(ref=ref, wire=self._wire())
         pool = self._answer_segments
         segment = pool.acquire() if pool is not None else None
-        if segment is None:
+        if pool is None or segment is None:
             return _decode_rows(self._call(self._lookup, request, idempotent=True))
         request.answer_segment.CopyFrom(_segment_message(segment.descriptor))
         request.forget_segments.extend(_segment_message(d) for d in pool.take_forget())
