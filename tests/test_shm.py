@@ -63,10 +63,11 @@ def test_a_segment_opens_only_with_its_nonce_and_is_unlinked_once_mapped() -> No
 
 @pytest.mark.parametrize("descriptor, message", [
     (shm.Descriptor("../etc/passwd", "0" * 32, 4096), "is not persia-shm-"),
-    (shm.Descriptor("persia-shm-" + "a" * 31 + "/", "0" * 32, 4096), "is not persia-shm-"),
-    (shm.Descriptor("persia-shm-" + "a" * 32, "xyz", 4096), "nonce is not 32 hex"),
-    (shm.Descriptor("persia-shm-" + "a" * 32, "0" * 32, 2**40), "max_message_bytes"),
-    (shm.Descriptor("persia-shm-" + "a" * 32, "0" * 32, 8), "outside"),
+    (shm.Descriptor("persia-shm-1-" + "a" * 31 + "/", "0" * 32, 4096), "is not persia-shm-"),
+    (shm.Descriptor("persia-shm-" + "a" * 32, "0" * 32, 4096), "is not persia-shm-"),
+    (shm.Descriptor("persia-shm-1-" + "a" * 32, "xyz", 4096), "nonce is not 32 hex"),
+    (shm.Descriptor("persia-shm-1-" + "a" * 32, "0" * 32, 2**40), "max_message_bytes"),
+    (shm.Descriptor("persia-shm-1-" + "a" * 32, "0" * 32, 8), "outside"),
 ])
 def test_malformed_descriptors_are_refused_before_anything_is_opened(descriptor,
                                                                     message) -> None:
@@ -115,6 +116,28 @@ def test_a_pool_turns_itself_off_when_the_peer_is_elsewhere() -> None:
     assert pool.acquire() is a  # lent again once given back
     pool.close()
     assert a.name_gone() and b.name_gone()
+
+
+@pytest.mark.processes
+def test_segments_of_makers_that_ended_are_removed_once_old() -> None:
+    """A maker killed between making a segment and its peer mapping it leaves the name
+    behind: the next pool made on the host removes it (its maker gone, old enough)."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    dead_pid = int(ended.stdout)
+    orphan = os.path.join(shm.SHM_DIR, f"persia-shm-{dead_pid}-{'e' * 32}")
+    os.close(os.open(orphan, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    ours = shm.Segment.create(4096)  # this process runs: kept however old
+    try:
+        young = shm.remove_orphans()
+        assert os.path.basename(orphan) not in young and os.path.exists(orphan)
+        later = os.stat(orphan).st_mtime + 61
+        assert os.path.basename(orphan) in shm.remove_orphans(now=later)
+        assert not os.path.exists(orphan) and not ours.name_gone()
+    finally:
+        ours.unlink()
+        if os.path.exists(orphan):
+            os.unlink(orphan)
 
 
 def test_a_pool_retires_every_segment_its_peer_lost() -> None:
@@ -271,7 +294,7 @@ def test_bad_descriptors_are_refused_with_a_clear_error_and_the_server_keeps_ser
     seg = embedding_worker_pb2.ShmSegment
     refused("answer_segment", seg(name="/etc/passwd", nonce="0" * 32, size=4096),
             "is not persia-shm-")
-    refused("answer_segment", seg(name="persia-shm-" + "0" * 32, nonce="0" * 32,
+    refused("answer_segment", seg(name="persia-shm-1-" + "0" * 32, nonce="0" * 32,
                                   size=2**40), "max_message_bytes")
     refused("grads_segment", seg(name="../x", nonce="0" * 32, size=4096), "is not persia-shm-",
             method="UpdateGradients")
@@ -300,7 +323,7 @@ def test_bad_descriptors_are_refused_with_a_clear_error_and_the_server_keeps_ser
         made.unlink()
     # A segment that is not on this host: the answer comes in the message, saying why.
     elsewhere = stub.Lookup(embedding_worker_pb2.LookupBatchRequest(
-        ref=ref, answer_segment=seg(name="persia-shm-" + "f" * 32, nonce="0" * 32,
+        ref=ref, answer_segment=seg(name="persia-shm-1-" + "f" * 32, nonce="0" * 32,
                                     size=4096)), timeout=10)
     assert not elsewhere.shm.used and "not on this host" in elsewhere.shm.refused
     assert elsewhere.slots[0].rows.data
@@ -310,6 +333,32 @@ def test_bad_descriptors_are_refused_with_a_clear_error_and_the_server_keeps_ser
     again = shared.lookup(shared.put_batch(features, batch, False))
     for a, b in zip(slots, again):
         np.testing.assert_allclose(b.rows, a.rows - 0.5, rtol=1e-6)
+
+
+@pytest_processes
+def test_an_embedding_worker_that_cannot_map_gets_the_arrays_in_messages(cluster,
+                                                                         tmp_path) -> None:
+    """An embedding worker on another host finds no segment; one with shared memory off
+    refuses it alike: the client falls back to messages for good, nothing lost or repeated."""
+    (configured, _), procs, ew_args = cluster
+    global_config = tmp_path / "global_config.yml"
+    global_config.write_text("common_config:\n  shared_memory: false\n")
+    elsewhere, port = start_server("embedding-worker", *ew_args,
+                                   "--global-config", str(global_config))
+    client = EmbeddingWorkerClient(f"127.0.0.1:{port}", COMMON)
+    before = _our_segments()
+    try:
+        features, batch = _features(np.random.default_rng(4))
+        first = _train_step(client, features, batch)
+        second = _train_step(client, features, batch)  # sees the first update once
+        for a, b in zip(first, second):
+            np.testing.assert_allclose(b.rows, a.rows - 0.5 * _grads(a.rows), rtol=1e-6)
+        assert client.num_shm_lookups == client.num_shm_updates == 0
+        assert not client._answer_segments.enabled and not client._grad_segments.enabled
+        assert _our_segments() == before  # the maker unlinked what was never mapped
+    finally:
+        client.close()
+        elsewhere.stop()
 
 
 NN_WORKER_DIES = textwrap.dedent("""

@@ -49,7 +49,7 @@ import numpy as np
 from persia_py.wire import codec
 
 __all__ = ["HEADER_BYTES", "Descriptor", "Segment", "SegmentCache", "SegmentPool",
-           "ShmError", "ShmUnavailable", "layout"]
+           "ShmError", "ShmUnavailable", "layout", "remove_orphans"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,11 @@ HEADER_BYTES = 64
 """Magic (16 bytes), the maker's nonce (16), the rest zero; arrays start after it."""
 _MAGIC = b"persia-shm-v1\0\0\0"
 _ALIGN = 64
-_NAME = re.compile(r"persia-shm-[0-9a-f]{32}")
+_NAME = re.compile(r"persia-shm-(\d{1,10})-[0-9a-f]{32}")
+"""The maker's PID, then 128 random bits."""
+_ORPHAN_AGE_SEC = 60.0
+"""A segment whose maker is gone is removed by the next pool made on this host once it is
+this old (a maker killed between making one and its peer mapping it leaves it behind)."""
 _NONCE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -113,7 +117,7 @@ class Segment:
     @classmethod
     def create(cls, size: int) -> Segment:
         """A new segment of ``size`` bytes (header included), its pages reserved."""
-        name = f"persia-shm-{secrets.token_hex(16)}"
+        name = f"persia-shm-{os.getpid()}-{secrets.token_hex(16)}"
         nonce = secrets.token_bytes(16)
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -134,7 +138,8 @@ class Segment:
         """Map the segment a peer made on this host; checks in the module docstring."""
         name, size = descriptor.name, descriptor.size
         if not _NAME.fullmatch(name):
-            raise ShmError(f"segment name {name[:80]!r} is not persia-shm- and 32 hex digits")
+            raise ShmError(f"segment name {name[:80]!r} is not persia-shm-, a PID, - and 32 "
+                           "hex digits")
         if not _NONCE.fullmatch(descriptor.nonce):
             raise ShmError(f"segment {name}: nonce is not 32 hex digits")
         if not HEADER_BYTES <= size <= max_bytes + HEADER_BYTES:
@@ -237,6 +242,7 @@ class SegmentPool:
         self.enabled = True
         """False once the peer proved not to be on this host, or ``/dev/shm`` failed."""
         self._finalizer = weakref.finalize(self, _unlink_all, self._free, self._lent)
+        remove_orphans()
 
     def acquire(self, num_bytes: int = 0) -> Segment | None:
         """A segment of at least ``num_bytes`` (or of the size answers needed so far),
@@ -317,6 +323,46 @@ class SegmentPool:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def remove_orphans(now: float | None = None) -> list[str]:
+    """Unlink this user's segments in ``/dev/shm`` whose maker is no longer running and
+    that are older than :data:`_ORPHAN_AGE_SEC` (by ``now``, default the time); returns
+    their names. A PID of another PID namespace sharing ``/dev/shm`` may look dead here:
+    its segment then costs its maker one call through messages (:meth:`SegmentPool.refused`)."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or _running(int(match.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            info = os.lstat(path)
+            if (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+                    and now - info.st_mtime > _ORPHAN_AGE_SEC):
+                os.unlink(path)
+                removed.append(name)
+        except OSError:  # gone meanwhile
+            continue
+    if removed:
+        logger.info("removed %d shared-memory segments left by processes that ended",
+                    len(removed))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _unlink_all(free: list[Segment], lent: set[Segment]) -> None:
