@@ -354,7 +354,9 @@ def test_an_embedding_worker_that_cannot_map_gets_the_arrays_in_messages(cluster
         for a, b in zip(first, second):
             np.testing.assert_allclose(b.rows, a.rows - 0.5 * _grads(a.rows), rtol=1e-6)
         assert client.num_shm_lookups == client.num_shm_updates == 0
+        # The first lookup's refusal turned both directions off: no gradients were offered.
         assert not client._answer_segments.enabled and not client._grad_segments.enabled
+        assert client._grad_segments.num_made == 0
         assert _our_segments() == before  # the maker unlinked what was never mapped
     finally:
         client.close()

@@ -241,6 +241,8 @@ class SegmentPool:
         self._lock = threading.Lock()
         self.enabled = True
         """False once the peer proved not to be on this host, or ``/dev/shm`` failed."""
+        self.num_made = 0
+        """Segments made so far."""
         self._finalizer = weakref.finalize(self, _unlink_all, self._free, self._lent)
         remove_orphans()
 
@@ -268,6 +270,7 @@ class SegmentPool:
                 self.enabled = False
                 logger.warning("shared memory unavailable (%s); arrays travel in messages", exc)
                 return None
+            self.num_made += 1
             self._lent.add(segment)
             return segment
 
@@ -331,7 +334,7 @@ def remove_orphans(now: float | None = None) -> list[str]:
     their names. A PID of another PID namespace sharing ``/dev/shm`` may look dead here:
     its segment then costs its maker one call through messages (:meth:`SegmentPool.refused`)."""
     now = time.time() if now is None else now
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:

@@ -351,8 +351,18 @@ class EmbeddingWorkerClient(ServiceClient):
             pool.need(answer.shm.needed_bytes)
             pool.discard(segment)
         else:
-            pool.refused(segment, f"embedding worker {self.address}: {answer.shm.refused}")
+            self._refused(pool, segment, answer.shm.refused)
         return _decode_rows(answer)
+
+    def _refused(self, pool: shm.SegmentPool, segment: shm.Segment, reason: str) -> None:
+        """The embedding worker could not use ``segment``; when that shows it elsewhere
+        (or too old to know segments: it answers without saying why), both directions
+        go back to messages."""
+        pool.refused(segment, f"embedding worker {self.address}: {reason or 'no reason given'}")
+        if not pool.enabled:
+            for other in (self._answer_segments, self._grad_segments):
+                if other is not None:
+                    other.disable(f"embedding worker {self.address}: {reason}")
 
     def lookup_direct(self, features: list[tuple[str, np.ndarray, np.ndarray]],
                       batch_size: int) -> list[SlotRows]:
@@ -412,7 +422,7 @@ class EmbeddingWorkerClient(ServiceClient):
             pool.discard(segment)  # the call may still be reading it
             raise
         if not answer.shm.used:
-            pool.refused(segment, f"embedding worker {self.address}: {answer.shm.refused}")
+            self._refused(pool, segment, answer.shm.refused)
             return None
         segment.used = True
         pool.give_back(segment)
