@@ -7,7 +7,7 @@ call itself stays a gRPC call (the token interceptor, deadlines, retries, status
 but its arrays lie in a segment both processes map, and the message carries only where.
 
 Trust model. Segments are made only by the NN worker's side (:class:`SegmentPool`): a
-random name ``persia-shm-<32 hex>`` in ``/dev/shm``, created exclusively, mode 0600, its
+name ``persia-shm-<maker's PID>-<32 random hex>`` in ``/dev/shm``, created exclusively, mode 0600, its
 pages reserved at once (``posix_fallocate``: a full ``/dev/shm`` fails here, not as a
 SIGBUS on a later write), and a random nonce in its header. The embedding worker
 (:class:`SegmentCache`) opens nothing else: a name that is not of that form, a file that
@@ -15,7 +15,9 @@ is not a regular file of this user with no access for others, a size other than 
 described or above ``common_config.max_message_bytes``, or a header without the nonce the
 caller sent (which proves that the caller made the segment, on this host) is refused
 before or right after mapping. Once mapped and checked it unlinks the name, so nothing is
-left in ``/dev/shm`` by either side dying later; the maker unlinks what was never mapped.
+left in ``/dev/shm`` by either side dying later; the maker unlinks what was never mapped,
+and a maker killed before its peer mapped one leaves a name that the next pool on the host
+removes (:func:`remove_orphans`).
 Every offset a peer names is checked against the mapping (:meth:`Segment.at`), and a
 mapping is never unmapped by hand: dropping it drops a reference, and it is unmapped
 when the last array viewing it is gone, so a wrong or stale descriptor is an error,
