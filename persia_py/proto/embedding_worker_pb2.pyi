@@ -35,13 +35,37 @@ class WireOptions(_message.Message):
     lz4: bool
     def __init__(self, fp16: _Optional[bool] = ..., lz4: _Optional[bool] = ...) -> None: ...
 
+class ShmSegment(_message.Message):
+    __slots__ = ("name", "nonce", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    nonce: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ShmUse(_message.Message):
+    __slots__ = ("used", "refused", "needed_bytes")
+    USED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    used: bool
+    refused: str
+    needed_bytes: int
+    def __init__(self, used: _Optional[bool] = ..., refused: _Optional[str] = ..., needed_bytes: _Optional[int] = ...) -> None: ...
+
 class LookupBatchRequest(_message.Message):
-    __slots__ = ("ref", "wire")
+    __slots__ = ("ref", "wire", "answer_segment", "forget_segments")
     REF_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    FORGET_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     ref: int
     wire: WireOptions
-    def __init__(self, ref: _Optional[int] = ..., wire: _Optional[_Union[WireOptions, _Mapping]] = ...) -> None: ...
+    answer_segment: ShmSegment
+    forget_segments: _containers.RepeatedCompositeFieldContainer[ShmSegment]
+    def __init__(self, ref: _Optional[int] = ..., wire: _Optional[_Union[WireOptions, _Mapping]] = ..., answer_segment: _Optional[_Union[ShmSegment, _Mapping]] = ..., forget_segments: _Optional[_Iterable[_Union[ShmSegment, _Mapping]]] = ...) -> None: ...
 
 class LookupDirectRequest(_message.Message):
     __slots__ = ("features", "batch_size", "wire")
@@ -54,7 +78,7 @@ class LookupDirectRequest(_message.Message):
     def __init__(self, features: _Optional[_Iterable[_Union[_common_pb2.IdFeature, _Mapping]]] = ..., batch_size: _Optional[int] = ..., wire: _Optional[_Union[WireOptions, _Mapping]] = ...) -> None: ...
 
 class SlotEmbedding(_message.Message):
-    __slots__ = ("slot", "rows", "index", "lengths", "pooling", "sqrt_scaling", "sample_fixed_size", "hash_stack_rounds")
+    __slots__ = ("slot", "rows", "index", "lengths", "pooling", "sqrt_scaling", "sample_fixed_size", "hash_stack_rounds", "shm_offsets")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +87,7 @@ class SlotEmbedding(_message.Message):
     SQRT_SCALING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIXED_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_STACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     slot: str
     rows: _common_pb2.Tensor
     index: _common_pb2.Tensor
@@ -71,34 +96,45 @@ class SlotEmbedding(_message.Message):
     sqrt_scaling: bool
     sample_fixed_size: int
     hash_stack_rounds: int
-    def __init__(self, slot: _Optional[str] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., index: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., pooling: _Optional[str] = ..., sqrt_scaling: _Optional[bool] = ..., sample_fixed_size: _Optional[int] = ..., hash_stack_rounds: _Optional[int] = ...) -> None: ...
+    shm_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slot: _Optional[str] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., index: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., pooling: _Optional[str] = ..., sqrt_scaling: _Optional[bool] = ..., sample_fixed_size: _Optional[int] = ..., hash_stack_rounds: _Optional[int] = ..., shm_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupBatchResponse(_message.Message):
-    __slots__ = ("slots",)
+    __slots__ = ("slots", "shm")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[SlotEmbedding]
-    def __init__(self, slots: _Optional[_Iterable[_Union[SlotEmbedding, _Mapping]]] = ...) -> None: ...
+    shm: ShmUse
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotEmbedding, _Mapping]]] = ..., shm: _Optional[_Union[ShmUse, _Mapping]] = ...) -> None: ...
 
 class SlotRowGradients(_message.Message):
-    __slots__ = ("slot", "grads")
+    __slots__ = ("slot", "grads", "shm_offset")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     slot: str
     grads: _common_pb2.Tensor
-    def __init__(self, slot: _Optional[str] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    shm_offset: int
+    def __init__(self, slot: _Optional[str] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class UpdateGradientsRequest(_message.Message):
-    __slots__ = ("ref", "slots", "rerouted")
+    __slots__ = ("ref", "slots", "rerouted", "grads_segment", "forget_segments")
     REF_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     REROUTED_FIELD_NUMBER: _ClassVar[int]
+    GRADS_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    FORGET_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     ref: int
     slots: _containers.RepeatedCompositeFieldContainer[SlotRowGradients]
     rerouted: bool
-    def __init__(self, ref: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRowGradients, _Mapping]]] = ..., rerouted: _Optional[bool] = ...) -> None: ...
+    grads_segment: ShmSegment
+    forget_segments: _containers.RepeatedCompositeFieldContainer[ShmSegment]
+    def __init__(self, ref: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRowGradients, _Mapping]]] = ..., rerouted: _Optional[bool] = ..., grads_segment: _Optional[_Union[ShmSegment, _Mapping]] = ..., forget_segments: _Optional[_Iterable[_Union[ShmSegment, _Mapping]]] = ...) -> None: ...
 
 class UpdateGradientsResponse(_message.Message):
-    __slots__ = ("num_updated",)
+    __slots__ = ("num_updated", "shm")
     NUM_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     num_updated: int
-    def __init__(self, num_updated: _Optional[int] = ...) -> None: ...
+    shm: ShmUse
+    def __init__(self, num_updated: _Optional[int] = ..., shm: _Optional[_Union[ShmUse, _Mapping]] = ...) -> None: ...

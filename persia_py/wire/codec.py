@@ -100,6 +100,7 @@ def decode(
     ndim: int | None = None,
     as_float32: bool = False,
     copy: bool = True,
+    data: Any = None,
 ) -> np.ndarray:
     """Decode a Tensor (or a :class:`RawMessage` of one), checking it against what the
     caller expects.
@@ -107,6 +108,8 @@ def decode(
     ``name`` is used in error messages; ``dtypes`` and ``ndim`` restrict what is
     accepted; ``as_float32`` widens float16 payloads to float32. ``copy=False`` may
     return a read-only view of the message's bytes (for arrays only read, then sent on).
+    ``data``: the array's bytes when they did not travel in the message (a bounds-checked
+    piece of a shared-memory segment, :mod:`persia_py.wire.shm`); checked the same way.
     """
     if tensor.dtype not in WIRE_DTYPES:
         raise CodecError(f"{name}: unknown dtype {tensor.dtype!r}; allowed: {sorted(WIRE_DTYPES)}")
@@ -122,7 +125,10 @@ def decode(
         raise CodecError(f"{name}: shape {shape} has more than {MAX_ELEMENTS} elements")
     dtype = np.dtype(tensor.dtype).newbyteorder("<")
     expected_bytes = num_elements * dtype.itemsize
-    data = tensor.data
+    if data is None:
+        data = tensor.data
+    elif tensor.lz4 or len(tensor.data):
+        raise CodecError(f"{name}: an array outside the message has no data or lz4 in it")
     if tensor.lz4:
         # LZ4 cannot expand data more than ~255x; a claim beyond that is a lie, and
         # believing it would allocate the claimed size before decompression fails.
@@ -195,14 +201,14 @@ def check_decoded_size(message: Any, wire_bytes: int, limit: int, *, what: str) 
     """
     total = wire_bytes
     for name, tensor in _lz4_tensors(message, ""):
-        total += _claimed_bytes(tensor) - len(tensor.data)
+        total += claimed_bytes(tensor) - len(tensor.data)
         if total > limit:
-            raise CodecError(f"{name}: lz4 payload claims {_claimed_bytes(tensor)} decoded bytes, "
+            raise CodecError(f"{name}: lz4 payload claims {claimed_bytes(tensor)} decoded bytes, "
                              f"which makes the message larger than max ({total} vs. {limit}, "
                              f"{what})")
 
 
-def _claimed_bytes(tensor: Any) -> int:
+def claimed_bytes(tensor: Any) -> int:
     """Bytes ``tensor`` would decode to by its shape and dtype (0 for what decode refuses)."""
     if tensor.dtype not in WIRE_DTYPES:
         return 0

@@ -10,9 +10,10 @@ import grpc
 import numpy as np
 
 from persia_py.checkpoint import rewind
+from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, embedding_worker_pb2_grpc
 from persia_py.proto import embedding_worker_pb2 as pb
-from persia_py.wire import codec
+from persia_py.wire import codec, shm
 from persia_py.wire import raw_methods as wire_rpc
 from persia_py.wire.rpc import ServiceClient, create_server, grpc_method
 from persia_py.workers.slots import SlotIds, SlotRows
@@ -21,6 +22,10 @@ if TYPE_CHECKING:  # the servicer's; a client does not import the worker
     from persia_py.workers.embedding_worker import EmbeddingWorker
 
 logger = logging.getLogger(__name__)
+
+_MAX_SEGMENTS = 16
+"""Shared-memory segments an NN worker makes per embedding worker and direction: more than
+the calls it has in flight at once (lookup threads; gradient sends, 8)."""
 
 
 def _features(request_features, worker: EmbeddingWorker) -> list[SlotIds]:
@@ -60,14 +65,72 @@ def _encode_rows(rows: list[SlotRows], wire: pb.WireOptions) -> bytes:
     return codec.join(pieces)
 
 
-def _decode_rows(response: pb.LookupBatchResponse) -> list[SlotRows]:
+def _answer_specs(rows: list[SlotRows], wire: pb.WireOptions) -> list[tuple[str, tuple]]:
+    """(wire dtype, shape) of each slot's rows, index and lengths, as :func:`_encode_rows`
+    would send them (lz4 aside: arrays in shared memory are not compressed)."""
+    specs = []
+    for r in rows:
+        narrow = wire.fp16 and r.rows.dtype.kind == "f"
+        specs += [("float16" if narrow else r.rows.dtype.name, r.rows.shape),
+                  (r.index.dtype.name, r.index.shape), (r.lengths.dtype.name, r.lengths.shape)]
+    return specs
+
+
+def _encode_rows_in(rows: list[SlotRows], wire: pb.WireOptions,
+                    segment: shm.Segment) -> bytes | None:
+    """The answer with its arrays written into ``segment`` (one copy, as :func:`codec.join`
+    makes), or None if they do not fit."""
+    specs = _answer_specs(rows, wire)
+    offsets, size = shm.layout(specs)
+    if size > segment.size:
+        return None
+    slots = []
+    for i, r in enumerate(rows):
+        tensors = []
+        for k, source in enumerate((r.rows, r.index, r.lengths)):
+            dtype_name, shape = specs[3 * i + k]
+            out = segment.array(offsets[3 * i + k], dtype_name, shape)
+            if source.dtype.name != dtype_name:
+                codec.cast_float(source, dtype_name, out=out)
+            else:
+                np.copyto(out, source)
+            tensors.append(common_pb2.Tensor(dtype=dtype_name, shape=shape))
+        slots.append(pb.SlotEmbedding(
+            slot=r.slot, pooling=r.pooling, sqrt_scaling=r.sqrt_scaling,
+            sample_fixed_size=r.sample_fixed_size, hash_stack_rounds=r.hash_stack_rounds,
+            rows=tensors[0], index=tensors[1], lengths=tensors[2],
+            shm_offsets=offsets[3 * i:3 * i + 3]))
+    return pb.LookupBatchResponse(slots=slots, shm=pb.ShmUse(used=True)).SerializeToString()
+
+
+def _descriptor(message) -> shm.Descriptor:
+    return shm.Descriptor(name=message.name, nonce=message.nonce, size=message.size)
+
+
+def _segment_message(descriptor: shm.Descriptor) -> pb.ShmSegment:
+    return pb.ShmSegment(name=descriptor.name, nonce=descriptor.nonce, size=descriptor.size)
+
+
+def _decode_rows(response: pb.LookupBatchResponse,
+                 segment: shm.Segment | None = None) -> list[SlotRows]:
+    """The answer's slots; with ``segment``, their arrays are read (copied) from it."""
     out = []
     for i, s in enumerate(response.slots):
+        data: list = [None, None, None]
+        if segment is not None:
+            if len(s.shm_offsets) != 3:
+                raise codec.CodecError(f"slots[{i}]: {len(s.shm_offsets)} shared-memory "
+                                       "offsets, expected 3 (rows, index, lengths)")
+            data = [segment.tensor_data(t, o)
+                    for t, o in zip((s.rows, s.index, s.lengths), s.shm_offsets)]
         out.append(SlotRows(
             slot=s.slot,
-            rows=codec.decode(s.rows, name=f"slots[{i}].rows", ndim=2, as_float32=True),
-            index=codec.decode(s.index, name=f"slots[{i}].index", dtypes=("int64",), ndim=1),
-            lengths=codec.decode(s.lengths, name=f"slots[{i}].lengths", dtypes=("int32",), ndim=1),
+            rows=codec.decode(s.rows, name=f"slots[{i}].rows", ndim=2, as_float32=True,
+                              data=data[0]),
+            index=codec.decode(s.index, name=f"slots[{i}].index", dtypes=("int64",), ndim=1,
+                               data=data[1]),
+            lengths=codec.decode(s.lengths, name=f"slots[{i}].lengths", dtypes=("int32",),
+                                 ndim=1, data=data[2]),
             pooling=s.pooling, sqrt_scaling=s.sqrt_scaling, sample_fixed_size=s.sample_fixed_size,
             hash_stack_rounds=max(1, s.hash_stack_rounds),
         ))
@@ -77,6 +140,26 @@ def _decode_rows(response: pb.LookupBatchResponse) -> list[SlotRows]:
 class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer):
     def __init__(self, worker: EmbeddingWorker) -> None:
         self.worker = worker
+        common = worker.global_config.common_config
+        self.segments = (shm.SegmentCache(common.max_message_bytes) if common.shared_memory
+                         else None)
+        """NN workers' shared-memory segments mapped here (None: shared memory off)."""
+        self.num_shm_answers = 0
+        """Lookup answers written into shared memory (for metrics and tests)."""
+        self.num_shm_updates = 0
+        """Gradient updates read from shared memory."""
+
+    def _segment(self, message) -> shm.Segment:
+        """The segment ``message`` describes, mapped; ShmUnavailable if it is not here
+        (the caller then uses messages), ShmError if the descriptor is malformed."""
+        if self.segments is None:
+            raise shm.ShmUnavailable("shared memory is off on this embedding worker "
+                                     "(common_config.shared_memory)")
+        return self.segments.get(_descriptor(message))
+
+    def _forget(self, messages) -> None:
+        if self.segments is not None and messages:
+            self.segments.forget([_descriptor(m) for m in messages])
 
     @grpc_method
     def Configure(self, request, context):
@@ -92,7 +175,31 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
     @grpc_method
     def Lookup(self, request, context):
-        return _encode_rows(self.worker.lookup(request.ref), request.wire)
+        self._forget(request.forget_segments)
+        segment, refused = None, ""
+        if request.HasField("answer_segment"):
+            try:
+                segment = self._segment(request.answer_segment)
+            except shm.ShmUnavailable as exc:
+                refused = str(exc)
+        rows = self.worker.lookup(request.ref)
+        if segment is not None:
+            answer = _encode_rows_in(rows, request.wire, segment)
+            if answer is not None:
+                self.num_shm_answers += 1
+                if self.num_shm_answers == 1:
+                    logger.info("embedding worker: lookup answers go through shared memory "
+                                "(an NN worker on this host)")
+                return answer
+            needed = shm.layout(_answer_specs(rows, request.wire))[1]
+            use = pb.ShmUse(refused=f"the answer needs {needed} bytes of segment, it has "
+                            f"{segment.size}", needed_bytes=needed)
+        elif refused:
+            use = pb.ShmUse(refused=refused)
+        else:
+            return _encode_rows(rows, request.wire)
+        return codec.join([_encode_rows(rows, request.wire),
+                           *codec.message_field(2, [use.SerializeToString()])])
 
     @grpc_method
     def LookupDirect(self, request, context):
@@ -101,16 +208,33 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
     @grpc_method
     def UpdateGradients(self, request, context):
+        self._forget(request.forget_segments)
+        segment = None
+        if request.grads_segment.name:  # a RawMessage: an absent one has an empty name
+            try:
+                segment = self._segment(request.grads_segment)
+            except shm.ShmUnavailable as exc:  # nothing applied: the caller sends them again
+                return pb.UpdateGradientsResponse(shm=pb.ShmUse(refused=str(exc)))
         grads = {}
         for i, s in enumerate(request.slots):
             if s.slot in grads:
                 raise ValueError(f"slot {s.slot!r} appears twice")
-            # Kept in the precision they arrived in, as views of the request: this worker
-            # only routes them (the parameter servers widen to float32 before the step).
+            # Kept in the precision they arrived in, as views of the request (or of the
+            # segment, which the NN worker does not touch until this call is answered):
+            # this worker only routes them (the parameter servers widen to float32).
+            data = None if segment is None else segment.tensor_data(s.grads, s.shm_offset)
             grads[s.slot] = codec.decode(s.grads, name=f"slots[{i}].grads",
-                                         dtypes=("float16", "float32"), ndim=2, copy=False)
-        return pb.UpdateGradientsResponse(num_updated=self.worker.update_gradients(
+                                         dtypes=("float16", "float32"), ndim=2, copy=False,
+                                         data=data)
+        answer = pb.UpdateGradientsResponse(num_updated=self.worker.update_gradients(
             request.ref, grads, rerouted=request.rerouted))
+        if segment is not None:
+            answer.shm.used = True
+            self.num_shm_updates += 1
+            if self.num_shm_updates == 1:
+                logger.info("embedding worker: gradients come through shared memory "
+                            "(an NN worker on this host)")
+        return answer
 
     @grpc_method
     def Health(self, request, context):
@@ -158,6 +282,25 @@ class EmbeddingWorkerClient(ServiceClient):
     _lookup_direct: Callable[..., codec.RawMessage]
     _update_gradients: Callable[..., pb.UpdateGradientsResponse]
 
+    def __init__(self, address: str, common: CommonConfig) -> None:
+        super().__init__(address, common)
+        # Lent one call at a time (persia_py/wire/shm.py): lookups in flight and gradient
+        # sends in flight bound how many exist.
+        self._answer_segments = (shm.SegmentPool(common.max_message_bytes, _MAX_SEGMENTS)
+                                 if common.shared_memory else None)
+        self._grad_segments = (shm.SegmentPool(common.max_message_bytes, _MAX_SEGMENTS)
+                               if common.shared_memory else None)
+        self.num_shm_lookups = 0
+        """Lookup answers read from shared memory (for metrics and tests)."""
+        self.num_shm_updates = 0
+        """Gradient updates sent through shared memory."""
+
+    def close(self) -> None:
+        for pool in (self._answer_segments, self._grad_segments):
+            if pool is not None:
+                pool.close()
+        super().close()
+
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
 
@@ -180,7 +323,50 @@ class EmbeddingWorkerClient(ServiceClient):
     def lookup(self, ref: int) -> list[SlotRows]:
         # Safe to retry: a lookup that failed leaves the batch unclaimed.
         request = pb.LookupBatchRequest(ref=ref, wire=self._wire())
-        return _decode_rows(self._call(self._lookup, request, idempotent=True))
+        pool = self._answer_segments
+        segment = pool.acquire() if pool is not None else None
+        if pool is None or segment is None:
+            return _decode_rows(self._call(self._lookup, request, idempotent=True))
+        request.answer_segment.CopyFrom(_segment_message(segment.descriptor))
+        request.forget_segments.extend(_segment_message(d) for d in pool.take_forget())
+        attempts = 0
+
+        def attempt(*args, **kwargs):
+            nonlocal attempts
+            attempts += 1
+            return self._lookup(*args, **kwargs)
+
+        try:
+            answer = self._call(attempt, request, idempotent=True)
+            if answer.shm.used:
+                segment.used = True
+                rows = _decode_rows(answer, segment)  # copies the arrays out
+                self.num_shm_lookups += 1
+                if attempts == 1:
+                    pool.give_back(segment)
+                else:  # an attempt given up may still be writing into it
+                    pool.discard(segment)
+                return rows
+        except BaseException:
+            pool.discard(segment)  # the call may still be writing into it
+            raise
+        if answer.shm.needed_bytes:  # mapped, too small: a bigger one next time
+            segment.used = True
+            pool.need(answer.shm.needed_bytes)
+            pool.discard(segment)
+        else:
+            self._refused(pool, segment, answer.shm.refused)
+        return _decode_rows(answer)
+
+    def _refused(self, pool: shm.SegmentPool, segment: shm.Segment, reason: str) -> None:
+        """The embedding worker could not use ``segment``; when that shows it elsewhere
+        (or too old to know segments: it answers without saying why), both directions
+        go back to messages."""
+        pool.refused(segment, f"embedding worker {self.address}: {reason or 'no reason given'}")
+        if not pool.enabled:
+            for other in (self._answer_segments, self._grad_segments):
+                if other is not None:
+                    other.disable(f"embedding worker {self.address}: {reason}")
 
     def lookup_direct(self, features: list[tuple[str, np.ndarray, np.ndarray]],
                       batch_size: int) -> list[SlotRows]:
@@ -192,6 +378,13 @@ class EmbeddingWorkerClient(ServiceClient):
 
     def update_gradients(self, ref: int, grads: list[tuple[str, np.ndarray]], *,
                          rerouted: bool = False) -> int:
+        # Safe to retry: the embedding worker keeps the batch and its update's sequence
+        # numbers until every parameter server acknowledged, and answers a repeat of a
+        # finished ref without applying it again.
+        if self._grad_segments is not None:
+            num_updated = self._update_gradients_in_segment(ref, grads, rerouted)
+            if num_updated is not None:
+                return num_updated
         pieces = [pb.UpdateGradientsRequest(ref=ref, rerouted=rerouted).SerializeToString()]
         for s, g in grads:
             pieces += codec.message_field(2, [  # UpdateGradientsRequest.slots
@@ -199,8 +392,43 @@ class EmbeddingWorkerClient(ServiceClient):
                 *codec.tensor_field(2, g, fp16=self.common.embedding_fp16,
                                     compress=self.common.lz4_compression),
             ])
-        request = codec.join(pieces)
-        # Safe to retry: the embedding worker keeps the batch and its update's sequence
-        # numbers until every parameter server acknowledged, and answers a repeat of a
-        # finished ref without applying it again.
-        return self._call(self._update_gradients, request, idempotent=True).num_updated
+        return self._call(self._update_gradients, codec.join(pieces),
+                          idempotent=True).num_updated
+
+    def _update_gradients_in_segment(self, ref: int, grads: list[tuple[str, np.ndarray]],
+                                     rerouted: bool) -> int | None:
+        """:meth:`update_gradients` with the gradients in a shared-memory segment; None if
+        none is available or the embedding worker cannot map it (nothing was applied)."""
+        pool = self._grad_segments
+        assert pool is not None
+        arrays = [np.asarray(g) for _, g in grads]
+        specs = [("float16" if self.common.embedding_fp16 and g.dtype.kind == "f"
+                  else g.dtype.name, g.shape) for g in arrays]
+        offsets, size = shm.layout(specs)
+        segment = pool.acquire(size)
+        if segment is None:
+            return None
+        request = pb.UpdateGradientsRequest(
+            ref=ref, rerouted=rerouted, grads_segment=_segment_message(segment.descriptor),
+            forget_segments=[_segment_message(d) for d in pool.take_forget()])
+        try:
+            for (slot, _), g, (dtype_name, shape), offset in zip(grads, arrays, specs, offsets):
+                out = segment.array(offset, dtype_name, shape)
+                if g.dtype.name != dtype_name:
+                    codec.cast_float(g, dtype_name, out=out)
+                else:
+                    np.copyto(out, g)
+                request.slots.add(slot=slot, grads=common_pb2.Tensor(dtype=dtype_name,
+                                                                      shape=shape),
+                                  shm_offset=offset)
+            answer = self._call(self._update_gradients, request, idempotent=True)
+        except BaseException:
+            pool.discard(segment)  # the call may still be reading it
+            raise
+        if not answer.shm.used:
+            self._refused(pool, segment, answer.shm.refused)
+            return None
+        segment.used = True
+        pool.give_back(segment)
+        self.num_shm_updates += 1
+        return answer.num_updated
