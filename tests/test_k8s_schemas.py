@@ -14,7 +14,8 @@ import pytest
 from conftest import ROOT
 from test_k8s import FLAGS, _render
 
-from persia_py.launcher.k8s import KUBERNETES_VERSION, MAX_JOB_NAME
+from persia_py.launcher.k8s import KUBERNETES_VERSION
+from persia_py.launcher.k8s_flags import MAX_JOB_NAME
 
 BASE = FLAGS[:FLAGS.index("--num-ps")]  # job, image, configs, scripts; no counts or sizes
 SECURITY = {  # token (generated / referenced / none) x TLS (none / a Secret)

@@ -241,7 +241,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def _k8s_parser(sub) -> None:
     p = sub.add_parser("k8s", help="render Kubernetes manifests for a job")
-    from persia_py.launcher.k8s import add_k8s_flags
+    from persia_py.launcher.k8s_flags import add_k8s_flags
 
     add_k8s_flags(p)
 

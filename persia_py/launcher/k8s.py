@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import shlex
 import sys
 
@@ -50,6 +49,7 @@ import yaml
 from persia_py.config import load_embedding_config, load_global_config
 from persia_py.env import job_env
 from persia_py.launcher import job_token
+from persia_py.launcher.k8s_flags import TLS_DIR, check_k8s_args
 from persia_py.launcher.role_kinds import ROLE_KINDS
 from persia_py.launcher.roles import HOLD_ON_CONFIG_ERROR
 from persia_py.ops import allocator
@@ -60,95 +60,15 @@ logger = logging.getLogger("persia_py.launcher")
 
 CONFIG_DIR = "/etc/persia"
 TOKEN_DIR = "/etc/persia-token"
-TLS_DIR = "/etc/persia-tls"
 TLS_FILES = {"tls_cert_file": "tls.crt", "tls_key_file": "tls.key", "tls_ca_file": "ca.crt"}
 """``common_config`` key -> key in the TLS Secret (as cert-manager writes them)."""
 IMAGE_UID = 1000
+"""The Dockerfile's user ``persia``: pods run as it, and can read the mounted Secrets."""
 POD_WORKDIR = "/app"
 """The Dockerfile's ``WORKDIR``: the pods' checkpoint root unless the config sets one."""
-"""The Dockerfile's user ``persia``: pods run as it, and can read the mounted Secrets."""
 KUBERNETES_VERSION = "1.35"
 """The Kubernetes release whose API schemas the manifests are validated against (tests)."""
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # Service names must start with a letter
 _ROLES = {kind.command: kind.short for kind in ROLE_KINDS}  # role -> short name in object names
-MAX_STATEFUL_SET_NAME = 52
-"""A StatefulSet labels its pods ``controller-revision-hash: <name>-<hash of up to 10
-characters>``, and a label value has at most 63 characters."""
-MAX_JOB_NAME = MAX_STATEFUL_SET_NAME - len("-") - max(len(short) for short in _ROLES.values())
-
-
-def add_k8s_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--job-name", required=True, help="name of the job; prefixes every object")
-    p.add_argument("--namespace", default="default", help="Kubernetes namespace")
-    p.add_argument("--image", required=True, help="container image (built from the Dockerfile)")
-    p.add_argument("--image-pull-policy", default="IfNotPresent",
-                   choices=["Always", "IfNotPresent", "Never"], help="imagePullPolicy")
-    p.add_argument("--embedding-config", required=True,
-                   help="embedding_config.yml (validated, then put into the ConfigMap)")
-    p.add_argument("--global-config", default=None,
-                   help="global_config.yml (validated, then put into the ConfigMap)")
-    p.add_argument("--nn-worker", required=True, help="training script, as a path in the image")
-    p.add_argument("--nn-worker-args", default="", help="arguments of the training script")
-    p.add_argument("--data-loader", required=True,
-                   help="data-loader script, as a path in the image")
-    p.add_argument("--data-loader-args", default="", help="arguments of the data-loader script")
-    p.add_argument("--num-ps", type=int, default=1, help="parameter-server replicas")
-    p.add_argument("--num-embedding-workers", type=int, default=1, help="embedding workers")
-    p.add_argument("--num-data-loaders", type=int, default=1, help="data loaders")
-    p.add_argument("--num-nn-worker-nodes", type=int, default=1,
-                   help="NN-worker pods (torchrun nodes)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="NN-worker ranks per pod")
-    p.add_argument("--ps-port", type=int, default=23000, help="gRPC port of the parameter servers")
-    p.add_argument("--embedding-worker-port", type=int, default=23001,
-                   help="gRPC port of the embedding workers")
-    p.add_argument("--data-loader-port", type=int, default=23002,
-                   help="gRPC port of the data loaders")
-    p.add_argument("--rdzv-port", type=int, default=29500, help="torchrun c10d rendezvous port")
-    p.add_argument("--metrics-port", type=int, default=9090,
-                   help="Prometheus metrics port of every container (NN-worker rank r: +r)")
-    for role, short in (("ps", "parameter server"), ("embedding-worker", "embedding worker"),
-                        ("nn-worker", "NN worker"), ("data-loader", "data loader")):
-        p.add_argument(f"--{role}-cpu", default="1", help=f"CPU request of a {short} pod")
-        p.add_argument(f"--{role}-memory", default="2Gi", help=f"memory request of a {short} pod")
-    p.add_argument("--nn-worker-gpus", type=int, default=0,
-                   help="nvidia.com/gpu per NN-worker pod (0: CPU only)")
-    p.add_argument("--auth-secret-name", default=None, metavar="NAME",
-                   help="existing Secret whose key 'token' is the job token (default: a new "
-                        "Secret <job>-token with a random token is part of the output)")
-    job_token.add_insecure_flag(p, "every role", "the token from the Secret, mounted as a "
-                                "file that common_config.auth_token_file names")
-    p.add_argument("--tls-secret-name", default=None, metavar="NAME",
-                   help=f"TLS Secret (keys tls.crt, tls.key, ca.crt) mounted at {TLS_DIR}; "
-                        "the config's tls_*_file point at it (mutual TLS). Its certificate "
-                        "must name every address dialed, e.g. *.<job>-ps.<namespace>.svc")
-    p.add_argument("--metrics-scraper-namespace", default="kubernetes.io/metadata.name=monitoring",
-                   metavar="K=V[,K=V]",
-                   help="labels of the namespaces the NetworkPolicy lets reach the metrics "
-                        "ports ('': every namespace; default: %(default)s)")
-    p.add_argument("--metrics-scraper-pods", default="app.kubernetes.io/name=prometheus",
-                   metavar="K=V[,K=V]",
-                   help="labels of the pods in those namespaces that may scrape the metrics "
-                        "('': every pod; default: %(default)s)")
-    p.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
-
-
-def _check(args: argparse.Namespace) -> None:
-    if not _JOB_NAME.match(args.job_name) or len(args.job_name) > MAX_JOB_NAME:
-        raise SystemExit(f"--job-name {args.job_name!r}: a lowercase letter, then lowercase "
-                         f"letters, digits and '-', at most {MAX_JOB_NAME} characters (it "
-                         "prefixes object and pod names)")
-    for flag in ("auth_secret_name", "tls_secret_name"):
-        name = getattr(args, flag)
-        if name is not None and (not _NAME.match(name) or len(name) > 253):
-            raise SystemExit(f"--{flag.replace('_', '-')} {name!r}: not a Secret name "
-                             "(lowercase letters, digits and '-')")
-    if args.insecure and args.auth_secret_name:
-        raise SystemExit("--insecure and --auth-secret-name: choose one (a token, or none)")
-    for name in ("num_ps", "num_embedding_workers", "num_data_loaders", "num_nn_worker_nodes",
-                 "nproc_per_node"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
 
 
 def _job_labels(args: argparse.Namespace) -> dict[str, str]:
@@ -387,7 +307,7 @@ def _token_secret_object(args: argparse.Namespace) -> list[dict]:
 
 def render(args: argparse.Namespace) -> list[dict]:
     """Every object of the job, in the order to apply them."""
-    _check(args)
+    check_k8s_args(args)
     # As the pods will see them: a folder outside the root is refused before any apply.
     check_checkpoint_paths(load_global_config(args.global_config).checkpoint_config,
                            pod_dir=POD_WORKDIR)
