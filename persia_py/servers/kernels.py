@@ -27,7 +27,7 @@ from numba.extending import intrinsic, overload
 
 from persia_py.ids.dedup import rows_in_order
 from persia_py.ids.hashing import mix64_one
-from persia_py.servers.row_types import as_answered, narrow, row_key, widen
+from persia_py.servers.row_types import as_answered, narrow, next_column_key, row_key, widen
 
 PREFETCH_AHEAD = 8
 """Ids between a prefetch and the use of its row: far enough for the miss to resolve,
@@ -168,11 +168,11 @@ def _sum_by_group(inverse: np.ndarray, grads: np.ndarray, num_groups: int) -> np
 
 @njit(cache=True, nogil=True, inline="always")
 def _clamp(value: np.float32, bound: np.float32) -> np.float32:
-    if value > bound:
-        return bound
-    if value < -bound:
-        return -bound
-    return value
+    """``value`` clamped to ``[-bound, bound]`` (NaN passes through). Each comparison is
+    written in the operand order of x86's ``minps``/``maxps``, so each side is one
+    instruction; written as two tests of ``value``, the pair took four."""
+    below = bound if bound < value else value
+    return -bound if -bound > below else below
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -202,7 +202,8 @@ def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: n
             w = widen(old)
             grad = widen(grads[i, d])
             g = grad + weight_decay * w
-            weights[r, d] = narrow(_clamp(w - lr * g, bound), old, key, d, grad, stochastic)
+            weights[r, d] = narrow(_clamp(w - lr * g, bound), old, key, grad, stochastic)
+            key = next_column_key(key)
         stamps[r] = tick
     return count
 
@@ -264,7 +265,8 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
             for d in range(dim):
                 old = weights[r, d]
                 value = _clamp(widen(old) - lr * g_row[d] / denom, bound)
-                weights[r, d] = narrow(value, old, key, d, widen(grads[i, d]), stochastic)
+                weights[r, d] = narrow(value, old, key, widen(grads[i, d]), stochastic)
+                key = next_column_key(key)
         elif kind == ADAGRAD:
             # One pass: the rounding key needs only column 0's new state, computed first
             # with the loop's own operations (so the same bits).
@@ -279,7 +281,8 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
                 acc = momentum * state[r, d] + g * g
                 state[r, d] = acc
                 value = _clamp(w - lr * g / (np.sqrt(acc) + eps), bound)
-                weights[r, d] = narrow(value, old, key, d, grad, stochastic)
+                weights[r, d] = narrow(value, old, key, grad, stochastic)
+                key = next_column_key(key)
         else:
             # One pass too: the key is m[0] after the step. m and v as row views: indexed
             # ``dim + d`` the compiler cannot rule out a negative index and gathers.
@@ -303,7 +306,8 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
                 v[d] = v_new
                 value = _clamp(w - lr * (m_new / correction1) / (np.sqrt(v_new / correction2) + eps),
                                bound)
-                weights[r, d] = narrow(value, old, key, d, grad, stochastic)
+                weights[r, d] = narrow(value, old, key, grad, stochastic)
+                key = next_column_key(key)
         stamps[r] = tick
     return count
 

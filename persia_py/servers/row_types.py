@@ -7,9 +7,11 @@ Rounding to nearest would lose every update smaller than half a unit in the last
 stop learning; **stochastic rounding** rounds away from zero with probability equal to
 the fraction dropped, so the stored value is right on average (what FBGEMM does for its
 float16 rows). Its random bits are a hash of (table seed, id, column, the row's optimizer
-state after the step, the gradient's and the old value's bits; SGD, which keeps no
-state: the table's step instead): no generator state, so a rerun with the same calls and
-a replay of the update log make the same choices.
+state after the step, the gradient's bits; SGD, which keeps no state: the table's step
+instead): no generator state, so a rerun with the same calls and a replay of the update
+log make the same choices. The draw does not depend on the value it rounds, so the
+rounding stays unbiased, and an update draws afresh whenever the row's state (or the
+step) or its gradient differs from the update before.
 
 numba has no float16 on the CPU, and numpy has no bfloat16: kernels see float16 rows as
 ``int16`` bit patterns and bfloat16 rows as ``uint16`` ones (:func:`kernel_view`), so
@@ -219,16 +221,20 @@ def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def draw32(row_key: np.uint32, column: int, grad: np.float32, old: np.uint32) -> np.uint32:
-    """32 bits whose top 16 are random, for rounding column ``column`` of a row: the
-    row's key mixed with the column and the bits of the gradient and of the old value
-    (updates of a row under one key still draw afresh as long as either differs). One
-    32-bit multiply, which vectorizes: its top bits depend on every bit below them, and
-    the row's key is a full 64-bit mix already."""
-    z = _xor32(_xor32(np.uint32(row_key), np.float32(grad).view(np.uint32)),
-               _shl32(np.uint32(old), _S16))
-    z = _add32(z, _mul32(np.uint32(column), _GOLDEN32))
-    return _mul32(z, _MIX32_1)
+def next_column_key(key: np.uint32) -> np.uint32:
+    """The rounding key of the next column: column ``d`` of a row is keyed by
+    ``row_key + d * 0x9E3779B9`` (mod 2**32). The kernels step it column by column: a
+    running sum vectorizes to one add per vector, the product with ``d`` to two."""
+    return _add32(np.uint32(key), _GOLDEN32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def draw32(key: np.uint32, grad: np.float32) -> np.uint32:
+    """32 bits whose top 16 are random, for rounding one column of a row: the column's
+    ``key`` (:func:`next_column_key`) mixed with the bits of the gradient. One 32-bit
+    multiply, which vectorizes: its top bits depend on every bit below them, and the
+    row's key is a full 64-bit mix already."""
+    return _mul32(_xor32(np.uint32(key), np.float32(grad).view(np.uint32)), _MIX32_1)
 
 
 # -- per-element access, specialized on the stored element type -----------------------------
@@ -250,25 +256,25 @@ def _widen(stored):
     return lambda stored: bf16_to_float(stored)
 
 
-def narrow(value, old, row_key, column, grad, stochastic):  # pragma: no cover
+def narrow(value, old, key, grad, stochastic):  # pragma: no cover
     """float32 ``value`` in the type of the stored ``old`` it replaces (numba only):
-    rounded stochastically with bits drawn from the row's key, ``column``, ``grad`` and
-    ``old`` (``stochastic``), else to nearest."""
+    rounded stochastically with bits drawn from the column's ``key``
+    (:func:`next_column_key`) and ``grad`` (``stochastic``), else to nearest."""
     raise NotImplementedError
 
 
 @overload(narrow, inline="always")
-def _narrow(value, old, row_key, column, grad, stochastic):
+def _narrow(value, old, key, grad, stochastic):
     if old == types.float32:
-        return lambda value, old, row_key, column, grad, stochastic: value
+        return lambda value, old, key, grad, stochastic: value
     if old == types.int16:
-        def round_f16(value, old, row_key, column, grad, stochastic):
-            draw = draw32(row_key, column, grad, np.uint32(np.uint16(old)))
+        def round_f16(value, old, key, grad, stochastic):
+            draw = draw32(key, grad)
             return _f16_round(value, _and32(_pick32(stochastic, draw, _NEAREST_HIGH), _HIGH16))
         return round_f16
 
-    def round_bf16(value, old, row_key, column, grad, stochastic):
-        draw = draw32(row_key, column, grad, np.uint32(np.uint16(old)))
+    def round_bf16(value, old, key, grad, stochastic):
+        draw = draw32(key, grad)
         return float_to_bf16(value, _shr32(_pick32(stochastic, draw, _NEAREST_HIGH), _S16))
     return round_bf16
 
@@ -316,7 +322,7 @@ def _row_key(stored, row_id, salt, sr_key):
 def _encode(values: np.ndarray, out: np.ndarray) -> None:
     for i in range(values.shape[0]):
         for d in range(values.shape[1]):
-            out[i, d] = narrow(values[i, d], out[i, d], np.uint32(0), d, np.float32(0.0), False)
+            out[i, d] = narrow(values[i, d], out[i, d], np.uint32(0), np.float32(0.0), False)
 
 
 @njit(cache=True, nogil=True)
