@@ -22,6 +22,7 @@ from conftest import (
     auc_like_reference,
     env_without_token,
     launcher_command,
+    stop_all,
 )
 from netns import HOST_IFACE
 
@@ -186,8 +187,7 @@ def test_three_hosts_train_like_one_machine(emulated_hosts, tmp_path) -> None:
     assert probe.wait(timeout=120) == 0, probe.output()
     assert "plaintext UNAVAILABLE" in probe.output(), probe.output()
     assert "no-token UNAUTHENTICATED" in probe.output(), probe.output()
-    for proc in procs["a"]:
-        proc.stop()
+    stop_all(procs["a"])
 
     # The same job on one machine: same config, data, roles and ranks; the 3-host job's
     # AUC lies within 0.005 of the range of its runs (conftest.auc_like_reference).
