@@ -37,6 +37,7 @@ class RoleProcess:
             stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd or ROOT,
         )
         self.lines: list[str] = []
+        self._terminated = False
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -95,15 +96,33 @@ class RoleProcess:
         assert code == 0, out[-20000:]
         return out
 
+    def terminate(self) -> None:
+        """SIGTERM the process's group, once, without waiting (:meth:`stop` waits)."""
+        if self.process.poll() is None and not self._terminated:
+            self._terminated = True
+            os.killpg(self.process.pid, signal.SIGTERM)
+
     def stop(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            self.terminate()
             try:
                 self.process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=15)
         kill_marked(self.marker)
+
+
+def stop_all(procs: Sequence[RoleProcess]) -> None:
+    """Stop every one of ``procs``: all are sent SIGTERM first, so that they shut down
+    side by side (a server's shutdown waits out the calls in flight) rather than in
+    turn; then each is waited for as :meth:`RoleProcess.stop` does."""
+    try:
+        for proc in procs:
+            proc.terminate()
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 AUC_TOLERANCE = 0.005

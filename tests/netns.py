@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from conftest import RoleProcess
+from conftest import RoleProcess, stop_all
 
 SUBNET = "10.77.0"
 """The hosts' /24: host i (from 0) is SUBNET.(i + 1)."""
@@ -110,9 +110,7 @@ class Network:
     def close(self) -> None:
         """Stop every host's processes, then delete the namespaces (and so their links)."""
         try:
-            for host in self.hosts.values():
-                for proc in host.processes:
-                    proc.stop()
+            stop_all([proc for host in self.hosts.values() for proc in host.processes])
         finally:
             for name in reversed(self._namespaces):
                 subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import ROOT, RoleProcess, env_without_token, launcher_command
+from conftest import ROOT, RoleProcess, env_without_token, launcher_command, stop_all
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig
@@ -165,10 +165,13 @@ def test_the_serving_page_runs_as_written_with_the_jobs_token(tmp_path: Path) ->
     assert export == ["export", "PERSIA_AUTH_TOKEN=$(cat", "RUN_DIR/auth_token)"]
     metrics_port = str(free_ports(1, "127.0.0.1")[0])
     serve_fresh = [metrics_port if a == "9400" else a for a in serve_fresh]
-    for command in (serve, serve_fresh):
-        server = RoleProcess(_launcher(command), env={**env_without_token(),
-                                                      ENV_AUTH_TOKEN: token}, cwd=tmp_path)
-        try:
+    # Both serve commands at once (each loads the checkpoint itself); then each is queried.
+    servers = []
+    try:
+        for command in (serve, serve_fresh):
+            servers.append(RoleProcess(_launcher(command), env={
+                **env_without_token(), ENV_AUTH_TOKEN: token}, cwd=tmp_path))
+        for command, server in zip((serve, serve_fresh), servers):
             port = server.wait_for_line(r"serve ready on port (\d+)", timeout=240).group(1)
             probabilities = _client_code(tmp_path, port, token)
             assert probabilities.shape == (2, 1) and ((0 < probabilities) & (
@@ -185,8 +188,8 @@ def test_the_serving_page_runs_as_written_with_the_jobs_token(tmp_path: Path) ->
                                   [np.zeros((1, 1), np.float32)])
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             anonymous.close()
-        finally:
-            server.stop()
+    finally:
+        stop_all(servers)
 
 
 def _client_code(work: Path, port: str, token: str) -> np.ndarray:

@@ -36,7 +36,9 @@ def test_example_learns_with_two_ps_and_two_ranks(tmp_path) -> None:
     job = RoleProcess(_local(
         "--run-dir", str(run_dir), "--num-ps", "2", "--num-embedding-workers", "1", "--nproc-per-node", "2",
         "--num-data-loaders", "1",
-        "--data-loader-args", "--train-samples 60000",
+        # Test AUC 0.741-0.748 in three runs of 30,000 samples (0.762-0.779 with 60,000):
+        # well above the 0.70 that says the example learns (chance is 0.5).
+        "--data-loader-args", "--train-samples 30000",
         "--nn-worker-args", "--test-samples 10000",
     ))
     try:

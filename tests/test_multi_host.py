@@ -22,6 +22,7 @@ from conftest import (
     auc_like_reference,
     env_without_token,
     launcher_command,
+    stop_all,
 )
 from netns import HOST_IFACE
 
@@ -186,8 +187,7 @@ def test_three_hosts_train_like_one_machine(emulated_hosts, tmp_path) -> None:
     assert probe.wait(timeout=120) == 0, probe.output()
     assert "plaintext UNAVAILABLE" in probe.output(), probe.output()
     assert "no-token UNAUTHENTICATED" in probe.output(), probe.output()
-    for proc in procs["a"]:
-        proc.stop()
+    stop_all(procs["a"])
 
     # The same job on one machine: same config, data, roles and ranks; the 3-host job's
     # AUC lies within 0.005 of the range of its runs (conftest.auc_like_reference).
@@ -286,7 +286,13 @@ def test_a_link_down_then_a_partition_lose_and_repeat_no_batch(emulated_hosts, t
     assert len(c_ids.split(",")) >= 60, c.output()
 
 
-RPC_TIMEOUT_SEC = 10
+RPC_TIMEOUT_SEC = 5
+"""The job's ``common_config.rpc_timeout_sec``, what the test waits out after the cut:
+host C's calls give up after it, host B's collective after twice it, and host C's node
+stops its torchrun (whose rendezvous store, on host B, is out of reach) after it too (5 s
+at least). Short, so that the test waits seconds, not minutes; long enough that no call or
+collective runs out of it before the cut on a loaded machine (a step takes well under a
+second here)."""
 
 
 def test_a_link_down_past_the_rpc_deadline_stops_the_job_naming_the_peer(

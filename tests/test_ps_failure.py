@@ -26,7 +26,10 @@ from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds
 from persia_py.workers.ps_client import PSClient, configure_request
 
 JOB = ROOT / "tests" / "ps_failure_job"
-NUM_BATCHES = 240
+NUM_BATCHES = 100
+"""Batches the job trains: the kill comes at step 30, after the step-20 checkpoint, and the
+70 after it are trained through the restart (the server's outage, its update log replayed,
+its calls going on)."""
 
 
 GLOBAL = GlobalConfig(common_config=CommonConfig(rpc_timeout_sec=20, startup_timeout_sec=20))

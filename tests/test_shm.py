@@ -425,27 +425,31 @@ def test_a_local_job_trains_the_same_through_shared_memory_and_through_messages(
         tmp_path: Path) -> None:
     """Reproducible mode, one rank: the same loss at every step either way, and the
     embedding worker says it used shared memory only when it is on."""
-    logs, outputs = [], []
-    for shared_memory in ("true", "false"):
-        global_config = tmp_path / f"global_{shared_memory}.yml"
-        global_config.write_text((EXAMPLE / "global_config.yml").read_text().replace(
-            "  job_type: Train\n", f"  job_type: Train\n  shared_memory: {shared_memory}\n"))
-        log = tmp_path / f"losses_{shared_memory}.txt"
-        job = RoleProcess(launcher_command(
-            "local", "--nn-worker", str(EXAMPLE / "train.py"),
-            "--data-loader", str(EXAMPLE / "data_loader.py"),
-            "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
-            "--global-config", str(global_config),
-            "--data-loader-args", "--train-samples 4000",
-            "--nn-worker-args", f"--reproducible --embedding-staleness 1 --test-samples 1000 "
-                                f"--loss-log {log}",
-        ))
-        try:
+    # Both jobs at once (reproducible mode: the losses depend on no timing).
+    paths, jobs = [], []
+    try:
+        for shared_memory in ("true", "false"):
+            global_config = tmp_path / f"global_{shared_memory}.yml"
+            global_config.write_text((EXAMPLE / "global_config.yml").read_text().replace(
+                "  job_type: Train\n", f"  job_type: Train\n  shared_memory: {shared_memory}\n"))
+            paths.append(tmp_path / f"losses_{shared_memory}.txt")
+            jobs.append(RoleProcess(launcher_command(
+                "local", "--nn-worker", str(EXAMPLE / "train.py"),
+                "--data-loader", str(EXAMPLE / "data_loader.py"),
+                "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+                "--global-config", str(global_config),
+                "--run-dir", str(tmp_path / f"run_{shared_memory}"),
+                "--data-loader-args", "--train-samples 4000",
+                "--nn-worker-args", f"--reproducible --embedding-staleness 1 "
+                                    f"--test-samples 1000 --loss-log {paths[-1]}",
+            )))
+        for job in jobs:
             assert job.wait(timeout=300) == 0, job.output()
-        finally:
+    finally:
+        for job in jobs:
             job.stop()
-        logs.append(log.read_text().split())
-        outputs.append(job.output())
+    logs = [log.read_text().split() for log in paths]
+    outputs = [job.output() for job in jobs]
     assert len(logs[0]) == 4000 // 256 + 1
     assert logs[0] == logs[1]
     for flow in ("lookup answers go", "gradients come"):
