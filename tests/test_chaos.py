@@ -31,7 +31,7 @@ from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command
 
 from benchmarks.role_processes import ROLE_KINDS, role_pid
 from persia_py.checkpoint import layout as fmt
-from persia_py.checkpoint.coordinator import data_positions
+from persia_py.checkpoint.layout import data_positions
 from persia_py.ids.positions import DataPositions, batch_id
 from persia_py.ops import safe_files
 

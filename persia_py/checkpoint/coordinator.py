@@ -52,9 +52,6 @@ from persia_py.wire.rpc import call, create_channel, wait_for_ready
 
 logger = logging.getLogger(__name__)
 
-ENV_RESUME_DIR = "PERSIA_RESUME_DIR"
-"""A checkpoint (root or folder) that ``TrainCtx`` loads on entry."""
-
 
 class PSCheckpointClient:
     """Dump and Load calls to the parameter-server replicas at ``addresses``.
@@ -150,14 +147,6 @@ def _gather(values: list[int], device: torch.device) -> list[list[int]]:
     every = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(every, padded)
     return [t[:int(n.item())].tolist() for t, n in zip(every, sizes)]
-
-
-def data_positions(manifest: Mapping) -> dict:
-    """A checkpoint's data positions (JSON). A checkpoint written before they were kept
-    has only batch counts: exact with one data loader (its first ``step`` batches)."""
-    if "data_positions" in manifest:
-        return manifest["data_positions"]
-    return {"0": {"next": int(manifest["step"]), "also": []}}
 
 
 def _share(counts: list[int], rank: int, world: int) -> int:
@@ -265,7 +254,7 @@ class Checkpointer(WorldJoinable):
         in the periodic folder (``checkpoint_config.dir``) if there is one: a job
         restarted after a failure goes on from its last checkpoint by itself. Returns
         the checkpoint folder loaded (None: none)."""
-        chosen = path or os.environ.get(ENV_RESUME_DIR)
+        chosen = path or os.environ.get(fmt.ENV_RESUME_DIR)
         if not chosen and self.periodic_dir:
             chosen = fmt.latest(self.periodic_dir)
         if not chosen:
@@ -405,7 +394,7 @@ class Checkpointer(WorldJoinable):
         self._load_dense(folder)
         self.train_state.load_state_dict({
             "steps": steps, "job_step": job_step, "samples": samples,
-            "data_positions": data_positions(manifest)})
+            "data_positions": fmt.data_positions(manifest)})
         self._cut(folder.parent, folder, steps)
         rng = safe_files.load_array(folder / "torch-rng-state.npy")
         torch.set_rng_state(torch.from_numpy(np.array(rng)))

@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,8 @@ if TYPE_CHECKING:  # torch is imported by the dense functions only: servers neve
 
 FORMAT = "persia_py-checkpoint"
 VERSION = 1
+ENV_RESUME_DIR = "PERSIA_RESUME_DIR"
+"""A checkpoint (root or folder) that ``TrainCtx`` loads on entry."""
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 DCP_METADATA = "dense-dcp.json"
@@ -257,3 +260,11 @@ def read_optimizer(folder: Path, name: str) -> dict:
         }
     groups = [{k: _from_json(v) for k, v in g.items()} for g in data["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def data_positions(manifest: Mapping) -> dict:
+    """A checkpoint's data positions (JSON). A checkpoint written before they were kept
+    has only batch counts: exact with one data loader (its first ``step`` batches)."""
+    if "data_positions" in manifest:
+        return manifest["data_positions"]
+    return {"0": {"next": int(manifest["step"]), "also": []}}

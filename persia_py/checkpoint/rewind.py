@@ -188,7 +188,6 @@ def rewind_after_restart(*, periodic_dir: str | None, loaders: list[str],
     if not restarted_by_torchrun():
         return None
     from persia_py.checkpoint import layout as fmt
-    from persia_py.checkpoint.coordinator import data_positions
 
     folder = fmt.latest(periodic_dir) if periodic_dir else None
     count = os.environ.get(ENV_RESTART_COUNT)
@@ -200,7 +199,7 @@ def rewind_after_restart(*, periodic_dir: str | None, loaders: list[str],
             "first periodic checkpoint cannot be healed), or restart the whole job")
     if rank == 0:
         manifest = safe_files.load_json(Path(folder) / fmt.MANIFEST)
-        positions = DataPositions.from_json(data_positions(manifest), f"{folder} data_positions")
+        positions = DataPositions.from_json(fmt.data_positions(manifest), f"{folder} data_positions")
         logger.warning("NN ranks restarted by torchrun (restart %s): going back to checkpoint "
                        "%s; rewinding %d data loaders and restarting %d embedding workers",
                        count, folder, len(loaders), len(embedding_workers))

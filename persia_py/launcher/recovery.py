@@ -33,7 +33,6 @@ def resume_env(path: str) -> dict[str, str]:
     """Environment that makes a job continue from the checkpoint ``path`` names: the NN
     workers load it, each data loader skips the batches of its own it holds as trained."""
     from persia_py.checkpoint import layout as checkpoint_format
-    from persia_py.checkpoint.coordinator import ENV_RESUME_DIR, data_positions
     from persia_py.ids.positions import DataPositions
 
     try:
@@ -41,10 +40,11 @@ def resume_env(path: str) -> dict[str, str]:
     except safe_files.CheckpointError as exc:
         raise SystemExit(f"--resume: {exc}") from None
     manifest = safe_files.load_json(folder / checkpoint_format.MANIFEST)
-    positions = DataPositions.from_json(data_positions(manifest), f"{folder} data_positions")
+    positions = DataPositions.from_json(checkpoint_format.data_positions(manifest),
+                                        f"{folder} data_positions")
     print(f"[launcher] resuming from {folder} ({manifest['step']} batches trained)",
           flush=True)
-    return {ENV_RESUME_DIR: str(folder), ENV_DATA_POSITIONS: positions.to_text()}
+    return {checkpoint_format.ENV_RESUME_DIR: str(folder), ENV_DATA_POSITIONS: positions.to_text()}
 
 
 def checkpoint_root(args: argparse.Namespace, env: dict[str, str]) -> str | None:
@@ -99,7 +99,7 @@ class TrainingRecovery:
         if latest is None:
             self.cluster.stop(self.servers)
             restarted = self.servers + restarted
-        from persia_py.checkpoint.coordinator import ENV_RESUME_DIR
+        from persia_py.checkpoint.layout import ENV_RESUME_DIR
 
         env = self.cluster.env
         for key in (ENV_RESUME_DIR, ENV_DATA_POSITIONS):  # the newest checkpoint decides
