@@ -40,7 +40,9 @@ HERE = Path(__file__).resolve().parent / "throughput"
 sys.path.insert(0, str(HERE))
 from workloads import SLOT_NAMES, WARMUP_STEPS, WORKLOADS  # noqa: E402
 
-TARGETS = {"dense_heavy": 0.85, "embedding_heavy": 1.0}
+TARGETS = {"dense_heavy": 1.0, "embedding_heavy": 1.6}
+"""Issue 29's bars, throughput over plain PyTorch's (TorchRec's reach on these
+workloads); embedding-heavy also at <= 0.6x plain's CPU per sample."""
 
 
 def _configs(workdir: Path, workload: str, fp16: bool = True) -> tuple[Path, Path]:
