@@ -325,7 +325,10 @@ class LocalCluster:
             try:
                 role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pass
+                # A role that outlives its grace hangs on shutdown (a bug to report, and
+                # a pod that would hang as long): say so before it is killed.
+                print(f"[launcher] {role.name} did not stop within {_STOP_GRACE_SEC:.0f} s "
+                      "of SIGTERM; killing it", flush=True)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)

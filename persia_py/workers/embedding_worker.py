@@ -460,6 +460,11 @@ class EmbeddingWorker:
             raise
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Close the parameter-server channels, then wait for the pool. Call it after the
+        gRPC server has stopped: the pool only runs work of calls in flight, whose callers
+        no longer get an answer and send again what was not acknowledged. Closing the
+        channels first cancels their attempts; waiting first would let a call to a
+        parameter server that stopped too retry for ``rpc_timeout_sec``."""
         for client in self.ps_clients:
             client.close()
+        self._pool.shutdown(wait=True)
