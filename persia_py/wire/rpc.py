@@ -190,9 +190,14 @@ def create_channel(address: str, common: CommonConfig) -> grpc.Channel:
 
 def wait_for_ready(channel: grpc.Channel, address: str, timeout: float) -> None:
     """Block until ``channel`` connects; TimeoutError naming ``address`` after ``timeout`` s."""
+    ready = grpc.channel_ready_future(channel)
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
+        ready.result(timeout=timeout)
     except grpc.FutureTimeoutError:
+        # Unsubscribe it: gRPC's polling thread serves a channel as long as any future
+        # waits on it, and one that was still at it when the caller closed the channel
+        # printed "Cannot invoke RPC: Channel closed!" from that thread.
+        ready.cancel()
         raise TimeoutError(f"service at {address} not reachable within {timeout:.0f}s") from None
 
 
