@@ -37,6 +37,9 @@ CASES = [  # (file, text, message after "<path>: ")
     ("global", "embedding_worker_config:\n  forward_buffer_size: 0\n",
      "embedding_worker_config.forward_buffer_size: 0 is out of range; expected 1 <= "
      "forward_buffer_size <= 1000000"),
+    ("global", "common_config:\n  keepalive_sec: 0.2\n",
+     "common_config.keepalive_sec: 0.2 is out of range; expected 1.0 <= keepalive_sec <= "
+     "3600.0"),
     ("embedding", "slots_config:\n  a:\n    dim: 0\n",
      "slots_config.a.dim: 0 is out of range; expected 1 <= dim <= 65536"),
     # missing required key

@@ -42,6 +42,13 @@ class CommonConfig:
     Stats, Health, checkpoint calls, a lookup by ref); checked before parsing."""
     rpc_timeout_sec: float = 120.0
     """Deadline of every RPC; idempotent calls are retried until it passes."""
+    keepalive_sec: float = 10.0
+    """How often a client with calls in flight pings its server, and how long it waits for
+    the answer before giving the connection up: a peer behind a dead link (cable pulled,
+    host gone) then fails its calls UNAVAILABLE within about twice this, and idempotent
+    ones retry on a new connection, instead of waiting out their deadline. Servers accept
+    pings this often. Shorter finds dead links sooner at the cost of more pings, and of
+    false alarms where a busy host answers pings late."""
     startup_timeout_sec: float = 300.0
     """How long a role waits for the services it depends on to come up."""
     embedding_fp16: bool = False
@@ -73,6 +80,7 @@ class CommonConfig:
         _check_range(self, "max_control_message_bytes", 64 * 1024, 2**31 - 1)
         _check_range(self, "rpc_timeout_sec", 0.1, 86400.0)
         _check_range(self, "startup_timeout_sec", 1.0, 86400.0)
+        _check_range(self, "keepalive_sec", 1.0, 3600.0)
         tls = ("tls_cert_file", "tls_key_file", "tls_ca_file")
         given = [name for name in tls if getattr(self, name) is not None]
         if given and len(given) != len(tls):

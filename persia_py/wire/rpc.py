@@ -52,23 +52,18 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-_KEEPALIVE_MS = 10_000
-"""A client with calls in flight pings its server this often and gives the connection up
-when a ping goes unanswered as long: a peer behind a dead link (cable pulled, host gone)
-then fails its calls UNAVAILABLE within ~20 s, and idempotent ones retry on a new
-connection, instead of every call waiting out its whole deadline on a dead one."""
+def _client_keepalive(common: CommonConfig) -> list[tuple[str, int]]:
+    # common_config.keepalive_sec says why: dead links found in seconds, not deadlines.
+    ms = int(common.keepalive_sec * 1000)
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.max_pings_without_data", 0)]  # long polls carry no data for a while
 
-_CLIENT_KEEPALIVE = [
-    ("grpc.keepalive_time_ms", _KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", _KEEPALIVE_MS),
-    ("grpc.http2.max_pings_without_data", 0),  # long polls carry no data for a while
-]
-_SERVER_KEEPALIVE = [
+
+def _server_keepalive(common: CommonConfig) -> list[tuple[str, int]]:
     # Accept the clients' pings (gRPC's default allows one per 5 min, then GOAWAY).
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+    return [("grpc.http2.min_recv_ping_interval_without_data_ms",
+             int(common.keepalive_sec * 1000) // 2),
+            ("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1)]
 
 
 def _carries_arrays(descriptor: Any) -> bool:
@@ -162,7 +157,7 @@ def create_server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         # The token is checked first: an unauthenticated body is never read (security.py).
         interceptors=[*security.server_interceptors(), _ParseRequests(common)],
-        options=[*_options(common.max_message_bytes), *_SERVER_KEEPALIVE],
+        options=[*_options(common.max_message_bytes), *_server_keepalive(common)],
         maximum_concurrent_rpcs=_MAX_QUEUED_PER_WORKER * max_workers,
     )
     if security.tls:
@@ -178,7 +173,7 @@ def create_channel(address: str, common: CommonConfig) -> grpc.Channel:
     """A channel to ``address`` with the configured message-size limit, TLS and token."""
     security = TransportSecurity.from_common(common)
     # A restarted server is found within a second (gRPC's default backoff grows to 2 min).
-    options = [*_options(common.max_message_bytes), *_CLIENT_KEEPALIVE,
+    options = [*_options(common.max_message_bytes), *_client_keepalive(common),
                ("grpc.max_reconnect_backoff_ms", 1000)]
     if security.tls:
         channel = grpc.secure_channel(address, security.channel_credentials(), options=options)
