@@ -6,9 +6,11 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -352,6 +354,44 @@ def run_ranks(target, *args, world_size: int = 2, timeout: float = 240) -> None:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=30)
+
+
+TYPE_CHECK = "tests/test_types.py::test_package_type_checks"
+_type_check: list[tuple[subprocess.Popen, Path]] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Starts the type check (mypy, one process needing only the source) as soon as the
+    tests are chosen, if it is one of them: it runs beside the tests before it, whose
+    jobs leave part of the cores idle, instead of on its own near the end."""
+    if (any(item.nodeid == TYPE_CHECK for item in session.items)
+            and not hasattr(session.config, "workerinput")):  # xdist: in the test itself
+        _type_check.append(start_type_check(Path(tempfile.mkdtemp(prefix="type-check-"))))
+
+
+def start_type_check(folder: Path) -> tuple[subprocess.Popen, Path]:
+    """``python -m mypy`` over the package, writing into ``folder/output.txt``."""
+    output = folder / "output.txt"
+    with output.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mypy"], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=ROOT)
+    return proc, output
+
+
+@pytest.fixture
+def type_check(tmp_path: Path) -> str:
+    """What the type check printed, once it exited 0 (started early when it could be)."""
+    proc, output = _type_check.pop() if _type_check else start_type_check(tmp_path)
+    try:
+        code = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = output.read_text()
+    if output.parent.name.startswith("type-check-"):  # not a test's own tmp_path
+        shutil.rmtree(output.parent, ignore_errors=True)
+    assert code == 0, text
+    return text
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

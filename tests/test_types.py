@@ -1,13 +1,12 @@
 """The package type-checks: mypy, configured in pyproject.toml (``[tool.mypy]``), finds
-no error in persia_py. It runs in its own process (a first run in a checkout reads the
-stubs of torch and numpy and takes about half a minute, too long for the unit set; its
-cache, ``.mypy_cache``, ignored by git, makes later runs fast)."""
+no error in persia_py. It runs in its own process, started by conftest as soon as the
+tests are chosen so that it overlaps them (a first run in a checkout reads the stubs of
+torch and numpy: too long for the unit set; its cache, ``.mypy_cache``, ignored by git,
+makes later runs fast)."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 from conftest import ROOT
@@ -22,10 +21,7 @@ def _checked_files() -> int:
 
 
 @pytest.mark.processes
-def test_package_type_checks() -> None:
-    done = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+def test_package_type_checks(type_check: str) -> None:
+    # conftest.type_check: mypy started as soon as the tests were chosen, checked here.
     # The whole package was checked, not a part the configuration happened to name.
-    assert f"no issues found in {_checked_files()} source files" in output, output
+    assert f"no issues found in {_checked_files()} source files" in type_check, type_check
