@@ -44,9 +44,7 @@ GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MIX_M1 = np.uint64(0xBF58476D1CE4E5B9)
 MIX_M2 = np.uint64(0x94D049BB133111EB)
 """splitmix64's two multipliers (odd, so each multiplication is invertible mod 2**64)."""
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)  # the finalizer's shifts
 
 # Public salts of the stable hashes, pairwise distinct so that no two uses see correlated
 # hashes of one id (tests/test_hashing.py checks it). The hash index used

@@ -177,12 +177,12 @@ class StreamReader:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if idle_timeout_sec is not None and not idle_timeout_sec > 0:
             raise ValueError(f"idle_timeout_sec must be > 0 or None, got {idle_timeout_sec}")
+        self.stop = stop or threading.Event()
         self.fmt = fmt
         self.pattern = pattern
         self.poll_interval_sec = poll_interval_sec
         self.max_wait_sec = max_wait_sec
         self.idle_timeout_sec = idle_timeout_sec
-        self.stop = stop or threading.Event()
         self._seen: set[str] = set()
         self._table: tuple[str, Any] | None = None  # the Parquet file being read
 

@@ -24,6 +24,16 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _add_dir_flag(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """An optional folder argument ``flag DIR`` (default None)."""
+    p.add_argument(flag, default=None, metavar="DIR", help=help)
+
+
+def _add_max_restarts(p: argparse.ArgumentParser, default: int, help: str) -> None:
+    p.add_argument("--max-restarts", type=_non_negative, default=default, metavar="N",
+                   help=help)
+
+
 def _add_server_flags(p: argparse.ArgumentParser, who: str = "this server",
                       bind_default: str | None = "127.0.0.1") -> None:
     """Port, bind address, replica index and count, metrics, configs, --insecure and
@@ -76,18 +86,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _parameter_server_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("embedding-parameter-server", help="serve a shard of the embedding tables")
     _add_server_flags(p)
-    p.add_argument("--load-checkpoint", default=None, metavar="DIR",
-                   help="load this replica's rows (and the optimizer settings) from the "
-                        "checkpoint DIR (a root: its LATEST; or one checkpoint folder) "
-                        "before serving")
-    p.add_argument("--checkpoint-root", default=None, metavar="DIR",
-                   help="the only folder whose checkpoints Dump and Load calls may name "
-                        "(default: checkpoint_config.root, else the current directory)")
-    p.add_argument("--update-log", default=None, metavar="DIR",
-                   help="append every applied update to a log in DIR (a folder this server "
-                        "owns), cut at each checkpoint, so that a restart with "
-                        "--replay-update-log loses nothing; without --replay-update-log, "
-                        "what DIR holds is deleted at start")
+    _add_dir_flag(p, "--load-checkpoint",
+                  "load this replica's rows (and the optimizer settings) from the "
+                  "checkpoint DIR (a root: its LATEST; or one checkpoint folder) "
+                  "before serving")
+    _add_dir_flag(p, "--checkpoint-root",
+                  "the only folder whose checkpoints Dump and Load calls may name "
+                  "(default: checkpoint_config.root, else the current directory)")
+    _add_dir_flag(p, "--update-log",
+                  "append every applied update to a log in DIR (a folder this server "
+                  "owns), cut at each checkpoint, so that a restart with "
+                  "--replay-update-log loses nothing; without --replay-update-log, "
+                  "what DIR holds is deleted at start")
     p.add_argument("--update-log-max-bytes", type=int, default=8 << 30, metavar="N",
                    help="most bytes the update log may hold (default 8 GiB); past that (no "
                         "checkpoint cut it for that long) it is deleted and logging stops "
@@ -99,9 +109,9 @@ def _parameter_server_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inference", action="store_true",
                    help="read-only serving replica: lookups never insert rows, updates are "
                         "refused (also when common_config.job_type is Infer)")
-    p.add_argument("--follow-increments", default=None, metavar="DIR",
-                   help="with --inference: apply the incremental exports in DIR (after those "
-                        "--load-checkpoint already holds) as they appear")
+    _add_dir_flag(p, "--follow-increments",
+                  "with --inference: apply the incremental exports in DIR (after those "
+                  "--load-checkpoint already holds) as they appear")
 
 
 def _embedding_worker_parser(sub: argparse._SubParsersAction) -> None:
@@ -136,11 +146,11 @@ def _nn_worker_parser(sub: argparse._SubParsersAction) -> None:
                    help="this machine's address as the other nodes reach it (default: its "
                         "hostname); with --rdzv-endpoint, the node whose ADDR is the "
                         "endpoint's host hosts the rendezvous")
-    p.add_argument("--max-restarts", type=_non_negative, default=0, metavar="N",
-                   help="torchrun restarts of the ranks after one died (default 0); a "
-                        "restarted training rewinds the data loaders and embedding workers "
-                        "to its last checkpoint, so they must run under a supervisor "
-                        "(persia-launcher local, Kubernetes)")
+    _add_max_restarts(p, 0,
+                      "torchrun restarts of the ranks after one died (default 0); a "
+                      "restarted training rewinds the data loaders and embedding workers "
+                      "to its last checkpoint, so they must run under a supervisor "
+                      "(persia-launcher local, Kubernetes)")
     p.add_argument("--train-log", default="train_log.jsonl",
                    help="JSON-lines training log rank 0 writes (default: train_log.jsonl; "
                         "$PERSIA_TRAIN_LOG takes precedence)")
@@ -192,15 +202,15 @@ def _local_parser(sub: argparse._SubParsersAction) -> None:
                       "to the roles by environment and written to RUN_DIR/auth_token, mode "
                       "0600, for clients outside the job")
     add_insecure_token_flag(p)
-    p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue a job from its last checkpoint in DIR (a checkpoint root or "
-                        "folder): the NN workers load it, the data loaders skip the batches "
-                        "it had trained")
-    p.add_argument("--max-restarts", type=_non_negative, default=3, metavar="N",
-                   help="restarts of each role after it died (a parameter server, embedding "
-                        "worker or data loader alone; the training, from the last checkpoint, "
-                        "for an NN worker) or exited when asked to by a Restart or Rewind "
-                        "call, before the job stops; 0: the first death stops it")
+    _add_dir_flag(p, "--resume",
+                  "continue a job from its last checkpoint in DIR (a checkpoint root or "
+                  "folder): the NN workers load it, the data loaders skip the batches "
+                  "it had trained")
+    _add_max_restarts(p, 3,
+                      "restarts of each role after it died (a parameter server, embedding "
+                      "worker or data loader alone; the training, from the last checkpoint, "
+                      "for an NN worker) or exited when asked to by a Restart or Rewind "
+                      "call, before the job stops; 0: the first death stops it")
     p.add_argument("--nn-restarts", choices=("launcher", "torchrun"), default="launcher",
                    help="who restarts dead NN ranks: the launcher (it restarts the training "
                         "roles from the last checkpoint) or torchrun (--max-restarts; the "
@@ -225,12 +235,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-id", type=int, default=None,
                    help="CUDA device of the dense model (default: cuda:LOCAL_RANK where "
                         "CUDA is available, else the CPU)")
-    p.add_argument("--follow-increments", default=None, metavar="DIR",
-                   help="the parameter servers apply the training job's incremental exports "
-                        "in DIR (checkpoint_config.incremental_dir) as they appear")
-    p.add_argument("--follow-dense", default=None, metavar="DIR",
-                   help="swap in each new dense model version the training job writes to DIR "
-                        "(checkpoint_config.dense_export_dir), atomically")
+    _add_dir_flag(p, "--follow-increments",
+                  "the parameter servers apply the training job's incremental exports "
+                  "in DIR (checkpoint_config.incremental_dir) as they appear")
+    _add_dir_flag(p, "--follow-dense",
+                  "swap in each new dense model version the training job writes to DIR "
+                  "(checkpoint_config.dense_export_dir), atomically")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics (dense model freshness) on this port (0: any "
                         "free port); the parameter servers then serve theirs (increment "

@@ -31,13 +31,9 @@ from persia_py.ids.hashing import mix64_one
 CRC32 = "crc32"
 LANES64 = "lanes64"
 
-_P1 = np.uint64(0x9E3779B185EBCA87)
-_P2 = np.uint64(0xC2B2AE3D27D4EB4F)
-_ROT = np.uint64(31)
-_ROT_BACK = np.uint64(33)
-_LOW32 = np.uint64(0xFFFFFFFF)
-_HALF = np.uint64(32)
-_BYTE = np.uint64(8)
+_P1, _P2 = np.uint64(0x9E3779B185EBCA87), np.uint64(0xC2B2AE3D27D4EB4F)
+_ROT, _ROT_BACK = np.uint64(31), np.uint64(33)
+_LOW32, _HALF, _BYTE = np.uint64(0xFFFFFFFF), np.uint64(32), np.uint64(8)
 
 
 @njit(cache=True, nogil=True, inline="always")
