@@ -68,11 +68,13 @@ def test_bfloat16_keeps_the_upper_half_of_float32_and_its_range() -> None:
 ], ids=lambda v: f"{v:g}" if isinstance(v, float) else "float16" if v is F16 else "bfloat16")
 def test_stochastic_rounding_is_exact_on_average(fmt, value) -> None:
     """Over every 16-bit draw, the mean of the rounded values is the value itself (to the
-    draw's resolution), where rounding to nearest is off by up to half a unit."""
+    draw's resolution: float16 uses its top 13 bits, bfloat16 all 16), where rounding to
+    nearest is off by up to half a unit."""
     rounded = _rounded(value, fmt, ALL_RAND)
     lo, hi = rounded.min(), rounded.max()
     assert lo < np.float32(value) < hi and set(np.unique(rounded)) == {lo, hi}
-    assert abs(rounded.mean() - np.float64(np.float32(value))) <= (hi - lo) * 2.0**-16
+    resolution = 2.0**-13 if fmt is F16 else 2.0**-16
+    assert abs(rounded.mean() - np.float64(np.float32(value))) <= (hi - lo) * resolution
     nearest = _rounded(value, fmt, np.array([NEAREST]))[0]
     assert nearest == (lo if value - lo < hi - value else hi)
 
@@ -92,18 +94,16 @@ def _round_each(values: np.ndarray, rands: np.ndarray, out: np.ndarray) -> None:
 
 def _stochastic_f16_reference(values: np.ndarray, rands: np.ndarray) -> np.ndarray:
     """The rule :func:`float_to_f16` documents, in float64 numpy: the float16 below
-    ``|value|`` or the one above, the one above when the dropped fraction plus the draw
-    (its top bits, as many as the bits dropped) reaches one; 0 or 2**-24 below 2**-24
-    (the sum taken in float32, as the kernel does); saturated at 65504."""
+    ``|value|`` or the one above, the one above when the dropped fraction plus the draw's
+    top 13 bits (as a fraction) reaches one; 0 or 2**-24 below 2**-24 (the sum taken in
+    float32, as the kernel does); saturated at 65504."""
     a = np.abs(values.astype(np.float64))
     exponent = np.frexp(a)[1] - 1
     ulp = np.exp2(np.maximum(exponent, -14) - 10.0)
     lo = np.floor(a / ulp) * ulp
-    drop = np.minimum(13 + np.maximum(-14 - exponent, 0), 23)
-    kept_bits = np.minimum(drop, 16)
-    draw = (rands >> (16 - kept_bits)).astype(np.float64) / np.exp2(kept_bits)
+    draw = (rands >> 3).astype(np.float64) / 2.0**13
     out = np.where((a - lo) / ulp + draw >= 1.0, lo + ulp, lo)
-    tiny = np.abs(values) * np.float32(2.0**24) + rands.astype(np.float32) * np.float32(2.0**-16)
+    tiny = np.abs(values) * np.float32(2.0**24) + draw.astype(np.float32)
     out = np.where(a < 2.0**-24, np.where(tiny >= np.float32(1.0), 2.0**-24, 0.0), out)
     return np.copysign(np.minimum(out, 65504.0), values)
 
