@@ -52,7 +52,6 @@ _S16 = np.uint32(16)
 _GOLDEN32, _MIX32_1 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
 _MAGNITUDE, _SIGN = np.uint32(0x7FFFFFFF), np.uint32(0x80000000)
 _BF16_SIGN = np.uint32(0x8000)
-_F16_MAX_VALUE = np.float32(F16_MAX)
 _EXPONENT_BITS, _F16_NORMAL_BASE = np.uint32(0x7F800000), np.uint32(0x38800000)
 """float32's exponent field, and the bits of 2**-14 (float16's least normal value)."""
 _INV_ULP_LESS_BASE, _ULP_BELOW_BASE = np.uint32((254 + 10) << 23), np.uint32(10 << 23)
@@ -209,20 +208,45 @@ def _below32(typingctx, x, bound):
 
 
 @intrinsic
-def _draw_fraction(typingctx, rand_high):
+def _draw_fraction(typingctx, rand_high, scale):
     """The top 13 bits of ``rand_high`` as a fraction in ``[0, 1)``: ``(rand_high >> 19) *
-    2**-13`` in float32 (exact)."""
+    scale`` in float32 (exact), ``scale`` being 2**-13."""
     def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
         top = builder.lshr(args[0], ir.Constant(ir.IntType(32), 19))
-        return builder.fmul(builder.sitofp(top, f32), f32(2.0**-13))
-    return types.float32(types.uint32), codegen
+        return builder.fmul(builder.sitofp(top, ir.FloatType()), args[1])
+    return types.float32(types.uint32, types.float32), codegen
+
+
+@intrinsic
+def _opaque32(typingctx, value):
+    """``value`` (uint32) through an empty inline asm, so LLVM cannot fold it back into a
+    constant (see :data:`_F16_CONSTANTS`)."""
+    if value != types.uint32:
+        return None
+    def codegen(context, builder, signature, args):
+        # Held in a vector register ("x"): the vector loops are what use them.
+        f32 = ir.FloatType()
+        value = builder.asm(ir.FunctionType(f32, [f32]), "", "=x,0",
+                            [builder.bitcast(args[0], f32)], False)
+        return builder.bitcast(value, ir.IntType(32))
+    return types.uint32(types.uint32), codegen
+
+
+_F16_CONSTANTS = (_EXPONENT_BITS, _F16_NORMAL_BASE, _INV_ULP_LESS_BASE, _ULP_BELOW_BASE,
+                  _MAGNITUDE, _SIGN, np.float32(F16_MAX).view(np.uint32),
+                  np.float32(2.0**-13).view(np.uint32), _MIX32_1, _NEAREST_HIGH)
+"""The constants of float16 rounding, as uint32 bits. numba JIT-compiles with LLVM's large
+code model, where a vector loop reaches each constant through a 10-byte ``movabs`` of its
+address, per use and iteration: ten of them in the float16 update loops, a few percent of
+their time at 4M rows (docs/benchmarks.md, "Parameter server"). The kernels pass them as
+values LLVM cannot fold (:func:`rounding_args`), which it keeps in registers (or on the
+stack) instead; :func:`float_to_f16` alone uses them as constants."""
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _f16_round(value: np.float32, rand_high: np.uint32) -> np.int16:
+def _f16_round(value: np.float32, rand_high: np.uint32, k: tuple) -> np.int16:
     """:func:`float_to_f16` with its random bits in the top of ``rand_high``, where the
-    kernels' draw leaves them (the lower bits are ignored).
+    kernels' draw leaves them (the lower bits are ignored); ``k``: :data:`_F16_CONSTANTS`.
 
     One formula for every range, in float32 arithmetic, no case apart: ``|value|``
     counted in float16 steps (``ulp``: 2**-10 of its binade, at least 2**-24, float16's
@@ -236,14 +260,14 @@ def _f16_round(value: np.float32, rand_high: np.uint32) -> np.int16:
     to the conversion, where shifting bit fields took 17 (docs/benchmarks.md, "Parameter
     server")."""
     bits = np.float32(value).view(np.uint32)
-    base = _max32(_and32(bits, _EXPONENT_BITS), _F16_NORMAL_BASE)
-    inv_ulp = np.uint32(_sub32(_INV_ULP_LESS_BASE, base)).view(np.float32)
-    ulp = np.uint32(_sub32(base, _ULP_BELOW_BASE)).view(np.float32)
-    magnitude = np.uint32(_and32(bits, _MAGNITUDE)).view(np.float32)
-    draw: np.float32 = _draw_fraction(np.uint32(rand_high))  # type: ignore[call-arg]  # numba stub
+    base = _max32(_and32(bits, k[0]), k[1])
+    inv_ulp = np.uint32(_sub32(k[2], base)).view(np.float32)
+    ulp = np.uint32(_sub32(base, k[3])).view(np.float32)
+    magnitude = np.uint32(_and32(bits, k[4])).view(np.float32)
+    draw: np.float32 = _draw_fraction(np.uint32(rand_high), np.uint32(k[7]).view(np.float32))  # type: ignore[call-arg]  # numba stub
     quanta = _floor32(_fma32(magnitude, inv_ulp, draw))
-    kept: np.float32 = _below32(quanta * ulp, _F16_MAX_VALUE)  # NaN saturates too
-    return _f16_bits(np.uint32(_or32(_and32(bits, _SIGN), np.float32(kept).view(np.uint32))).view(np.float32))
+    kept: np.float32 = _below32(quanta * ulp, np.uint32(k[6]).view(np.float32))  # NaN saturates too
+    return _f16_bits(np.uint32(_or32(_and32(bits, k[5]), np.float32(kept).view(np.uint32))).view(np.float32))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -254,7 +278,7 @@ def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
     draw's resolution is ``2**-13`` of a unit where it could be finer, and below 2**-24
     the sum is rounded once in float32. Magnitudes past 65504 (and NaN) saturate there.
     No branch: a loop of these vectorizes."""
-    return _f16_round(value, _shl32(np.uint32(rand16), _S16))
+    return _f16_round(value, _shl32(np.uint32(rand16), _S16), _F16_CONSTANTS)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -272,6 +296,12 @@ def draw32(key: np.uint32, grad: np.float32) -> np.uint32:
     multiply, which vectorizes: its top bits depend on every bit below them, and the
     row's key is a full 64-bit mix already."""
     return _mul32(_xor32(np.uint32(key), np.float32(grad).view(np.uint32)), _MIX32_1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _draw32_by(key: np.uint32, grad: np.float32, multiplier: np.uint32) -> np.uint32:
+    """:func:`draw32` with its multiplier passed (``_MIX32_1``)."""
+    return _mul32(_xor32(np.uint32(key), np.float32(grad).view(np.uint32)), multiplier)
 
 
 # -- per-element access, specialized on the stored element type -----------------------------
@@ -293,10 +323,32 @@ def _widen(stored):
     return lambda stored: bf16_to_float(stored)
 
 
+def rounding_args(weights, stochastic):  # pragma: no cover
+    """What :func:`narrow` takes as ``stochastic`` in a kernel stepping ``weights`` (numba
+    only): ``stochastic`` itself, or for float16 rows ``(stochastic, constants)``, the
+    rounding's constants as values LLVM cannot fold (:data:`_F16_CONSTANTS`). Made once per
+    kernel call, before its loops."""
+    raise NotImplementedError
+
+
+@overload(rounding_args, inline="always")
+def _rounding_args(weights, stochastic):
+    if weights.dtype != types.int16:
+        return lambda weights, stochastic: stochastic
+
+    def f16_args(weights, stochastic):
+        k = _F16_CONSTANTS
+        return (stochastic, (_opaque32(k[0]), _opaque32(k[1]), _opaque32(k[2]), _opaque32(k[3]),
+                             _opaque32(k[4]), _opaque32(k[5]), _opaque32(k[6]), _opaque32(k[7]),
+                             _opaque32(k[8]), _opaque32(k[9])))
+    return f16_args
+
+
 def narrow(value, old, key, grad, stochastic):  # pragma: no cover
     """float32 ``value`` in the type of the stored ``old`` it replaces (numba only):
     rounded stochastically with bits drawn from the column's ``key``
-    (:func:`next_column_key`) and ``grad`` (``stochastic``), else to nearest."""
+    (:func:`next_column_key`) and ``grad`` (``stochastic``), else to nearest.
+    ``stochastic``: a bool, or what :func:`rounding_args` made of it."""
     raise NotImplementedError
 
 
@@ -304,10 +356,16 @@ def narrow(value, old, key, grad, stochastic):  # pragma: no cover
 def _narrow(value, old, key, grad, stochastic):
     if old == types.float32:
         return lambda value, old, key, grad, stochastic: value
+    if old == types.int16 and isinstance(stochastic, types.BaseTuple):
+        def round_f16_args(value, old, key, grad, stochastic):
+            flag, k = stochastic
+            draw = _draw32_by(key, grad, k[8])
+            return _f16_round(value, _pick32(flag, draw, k[9]), k)
+        return round_f16_args
     if old == types.int16:
         def round_f16(value, old, key, grad, stochastic):
             draw = draw32(key, grad)
-            return _f16_round(value, _pick32(stochastic, draw, _NEAREST_HIGH))
+            return _f16_round(value, _pick32(stochastic, draw, _NEAREST_HIGH), _F16_CONSTANTS)
         return round_f16
 
     def round_bf16(value, old, key, grad, stochastic):
