@@ -124,6 +124,35 @@ def test_float16_stochastic_rounding_follows_its_rule_in_every_range() -> None:
     assert np.array_equal(ours, _stochastic_f16_reference(values, rands))
 
 
+@njit
+def _draws(ids: np.ndarray, steps: int, sr_key: np.uint64) -> np.ndarray:
+    """Column 0's 13-bit draws of rows ``ids`` over ``steps`` Adagrad-like updates with the
+    same gradient each time (only the row's state, creeping up, tells them apart)."""
+    out = np.empty((steps, ids.shape[0]), np.int64)
+    grad = np.float32(0.01)
+    for i in range(ids.shape[0]):
+        acc = np.float32(1e-3)
+        for t in range(steps):
+            acc = acc + grad * grad
+            key = row_types.row_key(np.int16(0), ids[i], np.float32(acc).view(np.uint32), sr_key)
+            out[t, i] = row_types.draw32(key, grad) >> np.uint32(19)
+    return out
+
+
+def test_rounding_draws_are_uniform_and_uncorrelated_on_structured_rows() -> None:
+    """Sequential ids, a state that moves by little, one gradient: the draws that decide
+    the rounding look like independent uniform ones, across rows and across steps."""
+    draws = _draws(np.arange(1, 2001, dtype=np.uint64), 40, np.uint64(0x5DEECE66D1234567))
+    counts = np.bincount((draws >> 5).ravel(), minlength=256)
+    expected = draws.size / 256
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert 170 < chi2 < 340  # 255 degrees of freedom: each side p < 1e-3
+    x = draws / 8192.0 - 0.5
+    for a, b in ((x[:-1], x[1:]), (x[:, :-1], x[:, 1:])):  # step to step, row to row
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.02
+    assert abs((draws / 8192.0 + 0.3 >= 1.0).mean() - 0.3) < 0.01
+
+
 def _tiny_steps(row_dtype: str, stochastic: bool, steps: int = 1000) -> np.ndarray:
     """Rows at 1.0 after ``steps`` SGD steps of +1e-4 each (under half a float16 unit)."""
     table = EmbeddingTable(dim=16, optimizer=SGDConfig(lr=1.0), init_lower=1.0, init_upper=1.0,
