@@ -58,6 +58,7 @@ _INV_ULP_LESS_BASE, _ULP_BELOW_BASE = np.uint32((254 + 10) << 23), np.uint32(10 
 """For a power of two ``base`` (its float32 bits ``B``): ``_INV_ULP_LESS_BASE - B`` are
 the bits of ``2**10 / base`` and ``B - _ULP_BELOW_BASE`` those of ``base * 2**-10``."""
 _NEAREST_HIGH = np.uint32(0x80000000)
+_ALL_BITS, _NO_BITS = np.uint32(0xFFFFFFFF), np.uint32(0)
 
 
 def check_row_dtype(value: object, name: str = "row_dtype") -> str:
@@ -235,7 +236,8 @@ def _opaque32(typingctx, value):
 _F16_CONSTANTS = (_EXPONENT_BITS, _F16_NORMAL_BASE, _INV_ULP_LESS_BASE, _ULP_BELOW_BASE,
                   _MAGNITUDE, _SIGN, np.float32(F16_MAX).view(np.uint32),
                   np.float32(2.0**-13).view(np.uint32), _MIX32_1, _NEAREST_HIGH)
-"""The constants of float16 rounding, as uint32 bits. numba JIT-compiles with LLVM's large
+"""The constants of float16 rounding, as uint32 bits (the last: the draw to round to
+nearest). numba JIT-compiles with LLVM's large
 code model, where a vector loop reaches each constant through a 10-byte ``movabs`` of its
 address, per use and iteration: ten of them in the float16 update loops, a few percent of
 their time at 4M rows (docs/benchmarks.md, "Parameter server"). The kernels pass them as
@@ -325,9 +327,12 @@ def _widen(stored):
 
 def rounding_args(weights, stochastic):  # pragma: no cover
     """What :func:`narrow` takes as ``stochastic`` in a kernel stepping ``weights`` (numba
-    only): ``stochastic`` itself, or for float16 rows ``(stochastic, constants)``, the
-    rounding's constants as values LLVM cannot fold (:data:`_F16_CONSTANTS`). Made once per
-    kernel call, before its loops."""
+    only): ``stochastic`` itself, or for float16 rows ``(keep, constants)``: the rounding's
+    constants as values LLVM cannot fold (:data:`_F16_CONSTANTS`), the last one the bits
+    that replace the draw (0, or :data:`_NEAREST_HIGH` to round to nearest), and ``keep``
+    the mask of the draw's bits kept (all, or none). ``draw & keep | fixed`` is one vector
+    operation where a select on ``stochastic`` was a test and a branch per vector, which
+    LLVM did not hoist. Made once per kernel call, before its loops."""
     raise NotImplementedError
 
 
@@ -338,9 +343,12 @@ def _rounding_args(weights, stochastic):
 
     def f16_args(weights, stochastic):
         k = _F16_CONSTANTS
-        return (stochastic, (_opaque32(k[0]), _opaque32(k[1]), _opaque32(k[2]), _opaque32(k[3]),
-                             _opaque32(k[4]), _opaque32(k[5]), _opaque32(k[6]), _opaque32(k[7]),
-                             _opaque32(k[8]), _opaque32(k[9])))
+        keep = _pick32(stochastic, _ALL_BITS, _NO_BITS)
+        fixed = _pick32(stochastic, _NO_BITS, k[9])
+        return (_opaque32(keep), (_opaque32(k[0]), _opaque32(k[1]), _opaque32(k[2]),
+                                  _opaque32(k[3]), _opaque32(k[4]), _opaque32(k[5]),
+                                  _opaque32(k[6]), _opaque32(k[7]), _opaque32(k[8]),
+                                  _opaque32(fixed)))
     return f16_args
 
 
@@ -358,9 +366,9 @@ def _narrow(value, old, key, grad, stochastic):
         return lambda value, old, key, grad, stochastic: value
     if old == types.int16 and isinstance(stochastic, types.BaseTuple):
         def round_f16_args(value, old, key, grad, stochastic):
-            flag, k = stochastic
+            keep, k = stochastic
             draw = _draw32_by(key, grad, k[8])
-            return _f16_round(value, _pick32(flag, draw, k[9]), k)
+            return _f16_round(value, _or32(_and32(draw, keep), k[9]), k)  # k[9]: 0 or nearest
         return round_f16_args
     if old == types.int16:
         def round_f16(value, old, key, grad, stochastic):
