@@ -404,10 +404,10 @@ def _as_answered(stored, like):
 def _fold_mix32(typingctx, value):
     """The top 32 bits of ``hi ^ lo``, the halves of the 128-bit product ``value *
     MIX_M2``: every bit of ``value`` reaches them (through the high half's carries), in
-    one multiply where :func:`mix64_one` takes two and a chain of shifts. As a row key it
-    measured 7-8 % of the float16 Adagrad update (docs/benchmarks.md, "Parameter server");
-    its draws on sequential ids and slowly moving state were as uniform and as
-    uncorrelated as those of ``mix64_one``."""
+    one multiply where :func:`mix64_one` takes two and a chain of shifts, which cost the
+    float16 updates about as much as their rounding (docs/benchmarks.md, "Parameter
+    server"). Its draws on sequential ids and a slowly moving state are as uniform and as
+    uncorrelated as those of ``mix64_one`` (tests/test_row_types.py)."""
     if value != types.uint64:
         return None
     def codegen(context, builder, signature, args):
