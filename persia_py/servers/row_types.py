@@ -225,11 +225,9 @@ def _opaque32(typingctx, value):
     if value != types.uint32:
         return None
     def codegen(context, builder, signature, args):
-        # Held in a vector register ("x"): the vector loops are what use them.
-        f32 = ir.FloatType()
-        value = builder.asm(ir.FunctionType(f32, [f32]), "", "=x,0",
-                            [builder.bitcast(args[0], f32)], False)
-        return builder.bitcast(value, ir.IntType(32))
+        # "r", a general register: a constraint every target LLVM compiles for knows.
+        i32 = ir.IntType(32)
+        return builder.asm(ir.FunctionType(i32, [i32]), "", "=r,0", [args[0]], False)
     return types.uint32(types.uint32), codegen
 
 
