@@ -68,11 +68,13 @@ def test_bfloat16_keeps_the_upper_half_of_float32_and_its_range() -> None:
 ], ids=lambda v: f"{v:g}" if isinstance(v, float) else "float16" if v is F16 else "bfloat16")
 def test_stochastic_rounding_is_exact_on_average(fmt, value) -> None:
     """Over every 16-bit draw, the mean of the rounded values is the value itself (to the
-    draw's resolution), where rounding to nearest is off by up to half a unit."""
+    draw's resolution: float16 uses its top 13 bits, bfloat16 all 16), where rounding to
+    nearest is off by up to half a unit."""
     rounded = _rounded(value, fmt, ALL_RAND)
     lo, hi = rounded.min(), rounded.max()
     assert lo < np.float32(value) < hi and set(np.unique(rounded)) == {lo, hi}
-    assert abs(rounded.mean() - np.float64(np.float32(value))) <= (hi - lo) * 2.0**-16
+    resolution = 2.0**-13 if fmt is F16 else 2.0**-16
+    assert abs(rounded.mean() - np.float64(np.float32(value))) <= (hi - lo) * resolution
     nearest = _rounded(value, fmt, np.array([NEAREST]))[0]
     assert nearest == (lo if value - lo < hi - value else hi)
 
@@ -92,18 +94,16 @@ def _round_each(values: np.ndarray, rands: np.ndarray, out: np.ndarray) -> None:
 
 def _stochastic_f16_reference(values: np.ndarray, rands: np.ndarray) -> np.ndarray:
     """The rule :func:`float_to_f16` documents, in float64 numpy: the float16 below
-    ``|value|`` or the one above, the one above when the dropped fraction plus the draw
-    (its top bits, as many as the bits dropped) reaches one; 0 or 2**-24 below 2**-24
-    (the sum taken in float32, as the kernel does); saturated at 65504."""
+    ``|value|`` or the one above, the one above when the dropped fraction plus the draw's
+    top 13 bits (as a fraction) reaches one; 0 or 2**-24 below 2**-24 (the sum taken in
+    float32, as the kernel does); saturated at 65504."""
     a = np.abs(values.astype(np.float64))
     exponent = np.frexp(a)[1] - 1
     ulp = np.exp2(np.maximum(exponent, -14) - 10.0)
     lo = np.floor(a / ulp) * ulp
-    drop = np.minimum(13 + np.maximum(-14 - exponent, 0), 23)
-    kept_bits = np.minimum(drop, 16)
-    draw = (rands >> (16 - kept_bits)).astype(np.float64) / np.exp2(kept_bits)
+    draw = (rands >> 3).astype(np.float64) / 2.0**13
     out = np.where((a - lo) / ulp + draw >= 1.0, lo + ulp, lo)
-    tiny = np.abs(values) * np.float32(2.0**24) + rands.astype(np.float32) * np.float32(2.0**-16)
+    tiny = np.abs(values) * np.float32(2.0**24) + draw.astype(np.float32)
     out = np.where(a < 2.0**-24, np.where(tiny >= np.float32(1.0), 2.0**-24, 0.0), out)
     return np.copysign(np.minimum(out, 65504.0), values)
 
@@ -122,6 +122,35 @@ def test_float16_stochastic_rounding_follows_its_rule_in_every_range() -> None:
     _round_each(values, rands, bits)
     ours = bits.view(np.float16).astype(np.float64)
     assert np.array_equal(ours, _stochastic_f16_reference(values, rands))
+
+
+@njit
+def _draws(ids: np.ndarray, steps: int, sr_key: np.uint64) -> np.ndarray:
+    """Column 0's 13-bit draws of rows ``ids`` over ``steps`` Adagrad-like updates with the
+    same gradient each time (only the row's state, creeping up, tells them apart)."""
+    out = np.empty((steps, ids.shape[0]), np.int64)
+    grad = np.float32(0.01)
+    for i in range(ids.shape[0]):
+        acc = np.float32(1e-3)
+        for t in range(steps):
+            acc = acc + grad * grad
+            key = row_types.row_key(np.int16(0), ids[i], np.float32(acc).view(np.uint32), sr_key)
+            out[t, i] = row_types.draw32(key, grad) >> np.uint32(19)
+    return out
+
+
+def test_rounding_draws_are_uniform_and_uncorrelated_on_structured_rows() -> None:
+    """Sequential ids, a state that moves by little, one gradient: the draws that decide
+    the rounding look like independent uniform ones, across rows and across steps."""
+    draws = _draws(np.arange(1, 2001, dtype=np.uint64), 40, np.uint64(0x5DEECE66D1234567))
+    counts = np.bincount((draws >> 5).ravel(), minlength=256)
+    expected = draws.size / 256
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert 170 < chi2 < 340  # 255 degrees of freedom: each side p < 1e-3
+    x = draws / 8192.0 - 0.5
+    for a, b in ((x[:-1], x[1:]), (x[:, :-1], x[:, 1:])):  # step to step, row to row
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.02
+    assert abs((draws / 8192.0 + 0.3 >= 1.0).mean() - 0.3) < 0.01
 
 
 def _tiny_steps(row_dtype: str, stochastic: bool, steps: int = 1000) -> np.ndarray:

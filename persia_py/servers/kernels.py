@@ -27,7 +27,7 @@ from numba.extending import intrinsic, overload
 
 from persia_py.ids.dedup import rows_in_order
 from persia_py.ids.hashing import mix64_one
-from persia_py.servers.row_types import as_answered, narrow, next_column_key, row_key, widen
+from persia_py.servers.row_types import as_answered, narrow, next_column_key, rounding_args, row_key, widen
 
 PREFETCH_AHEAD = 8
 """Ids between a prefetch and the use of its row: far enough for the miss to resolve,
@@ -186,6 +186,7 @@ def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: n
     """
     n = rows.shape[0]
     dim = weights.shape[1]
+    rounding = rounding_args(weights, stochastic)
     count = 0
     for i in range(n):
         if i + PREFETCH_AHEAD < n and rows[i + PREFETCH_AHEAD] >= 0:
@@ -202,7 +203,7 @@ def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: n
             w = widen(old)
             grad = widen(grads[i, d])
             g = grad + weight_decay * w
-            weights[r, d] = narrow(_clamp(w - lr * g, bound), old, key, grad, stochastic)
+            weights[r, d] = narrow(_clamp(w - lr * g, bound), old, key, grad, rounding)
             key = next_column_key(key)
         stamps[r] = tick
     return count
@@ -239,6 +240,7 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
     b1, b2 = np.float32(beta1), np.float32(beta2)
     one_minus_b1, one_minus_b2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
     g_row = np.empty(dim, np.float32)
+    rounding = rounding_args(weights, stochastic)
     count = 0
     for i in range(n):
         if i + PREFETCH_AHEAD < n and rows[i + PREFETCH_AHEAD] >= 0:
@@ -265,7 +267,7 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
             for d in range(dim):
                 old = weights[r, d]
                 value = _clamp(widen(old) - lr * g_row[d] / denom, bound)
-                weights[r, d] = narrow(value, old, key, widen(grads[i, d]), stochastic)
+                weights[r, d] = narrow(value, old, key, widen(grads[i, d]), rounding)
                 key = next_column_key(key)
         elif kind == ADAGRAD:
             # One pass: the rounding key needs only column 0's new state, computed first
@@ -281,7 +283,7 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
                 acc = momentum * state[r, d] + g * g
                 state[r, d] = acc
                 value = _clamp(w - lr * g / (np.sqrt(acc) + eps), bound)
-                weights[r, d] = narrow(value, old, key, grad, stochastic)
+                weights[r, d] = narrow(value, old, key, grad, rounding)
                 key = next_column_key(key)
         else:
             # One pass too: the key is m[0] after the step. m and v as row views: indexed
@@ -306,7 +308,7 @@ def adaptive_step(kind: int, weights: np.ndarray, state: np.ndarray, rows: np.nd
                 v[d] = v_new
                 value = _clamp(w - lr * (m_new / correction1) / (np.sqrt(v_new / correction2) + eps),
                                bound)
-                weights[r, d] = narrow(value, old, key, grad, stochastic)
+                weights[r, d] = narrow(value, old, key, grad, rounding)
                 key = next_column_key(key)
         stamps[r] = tick
     return count

@@ -5,7 +5,8 @@ Every optimizer step computes in float32 and writes back rounded to the storage 
 Rounding to nearest would lose every update smaller than half a unit in the last place
 (at 1.0, float16 steps by 2**-10 and bfloat16 by 2**-7), so rows with small updates would
 stop learning; **stochastic rounding** rounds away from zero with probability equal to
-the fraction dropped, so the stored value is right on average (what FBGEMM does for its
+the fraction dropped (to the draw's resolution: 2**-13 of a unit for float16, 2**-16 for
+bfloat16), so the stored value is right on average (what FBGEMM does for its
 float16 rows). Its random bits are a hash of (table seed, id, column, the row's optimizer
 state after the step, the gradient's bits; SGD, which keeps no state: the table's step
 instead): no generator state, so a rerun with the same calls and a replay of the update
@@ -34,7 +35,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from persia_py.ids.hashing import MIX_M1, mix64_one
+from persia_py.ids.hashing import MIX_M1, MIX_M2
 
 ROW_DTYPES = ("float32", "float16", "bfloat16")
 """Names of the storage types a slot may choose (``slots_config.<slot>.row_dtype``)."""
@@ -47,21 +48,17 @@ F16_MAX_BITS = 0x7BFF
 """float16's largest finite magnitude (65504), where float16 rows saturate."""
 F16_MAX = 65504.0
 _BF16_MAX_BITS = np.uint32(0x7F7F)
-_S16, _S23, _S32 = np.uint32(16), np.uint32(23), np.uint32(32)
+_S16 = np.uint32(16)
 _GOLDEN32, _MIX32_1 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
 _MAGNITUDE, _SIGN = np.uint32(0x7FFFFFFF), np.uint32(0x80000000)
-_BF16_SIGN, _ALL_ONES = np.uint32(0x8000), np.uint32(0xFFFFFFFF)
-_F16_MAX_F32 = np.uint32(0x477FE000)
-"""float32 bits of 65504, float16's largest finite magnitude."""
-_F16_LEAST_F32 = np.uint32(0x33800000)
-"""float32 bits of 2**-24, float16's least positive value."""
-_EXP_F16_LEAST, _EXP_F16_NORMAL, _EXP_KEPT_WIDTH = (np.uint32(e) for e in (103, 113, 94))
-"""float32 exponents of 2**-24 and 2**-14 (float16's least value and least normal one);
-between them float16 drops ``126 - exponent`` of float32's 23 fraction bits, keeping the
-top ``exponent - 94`` of the 32."""
-_NEAREST_HIGH, _HIGH16 = np.uint32(0x80000000), np.uint32(0xFFFF0000)
-_TWO_32 = np.float32(2.0**32)
-_ZERO = np.uint32(0)
+_BF16_SIGN = np.uint32(0x8000)
+_EXPONENT_BITS, _F16_NORMAL_BASE = np.uint32(0x7F800000), np.uint32(0x38800000)
+"""float32's exponent field, and the bits of 2**-14 (float16's least normal value)."""
+_INV_ULP_LESS_BASE, _ULP_BELOW_BASE = np.uint32((254 + 10) << 23), np.uint32(10 << 23)
+"""For a power of two ``base`` (its float32 bits ``B``): ``_INV_ULP_LESS_BASE - B`` are
+the bits of ``2**10 / base`` and ``B - _ULP_BELOW_BASE`` those of ``base * 2**-10``."""
+_NEAREST_HIGH = np.uint32(0x80000000)
+_ALL_BITS, _NO_BITS = np.uint32(0xFFFFFFFF), np.uint32(0)
 
 
 def check_row_dtype(value: object, name: str = "row_dtype") -> str:
@@ -177,47 +174,111 @@ def float_to_bf16(value: np.float32, rand16: np.uint32) -> np.uint16:
     return np.uint16(_or32(sign, _min32(kept, _BF16_MAX_BITS)))
 
 
+def _llvm_f32(builder: ir.IRBuilder, name: str, *args: ir.Value) -> ir.Value:
+    """A call of LLVM's float32 intrinsic ``name`` (which vectorizes)."""
+    f32 = ir.FloatType()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * len(args)),
+                                        name)
+    return builder.call(fn, list(args))
+
+
 @intrinsic
-def _tiny_scaled(typingctx, magnitude, rand_high):
-    """``magnitude * 2**56 + rand_high`` in float32 with one rounding (an fma), i.e.
-    ``2**32`` times ``magnitude * 2**24 + (rand_high >> 16) * 2**-16`` rounded once: both
-    products are exact and scaling by a power of two commutes with rounding here."""
+def _fma32(typingctx, x, y, z):
+    """``x * y + z`` in float32, rounded once."""
     def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3),
-                                             "llvm.fma.f32")
-        return builder.call(fma, [args[0], f32(2.0**56), builder.uitofp(args[1], f32)])
-    return types.float32(types.float32, types.uint32), codegen
+        return _llvm_f32(builder, "llvm.fma.f32", *args)
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _floor32(typingctx, x):
+    """The largest integer not above ``x``, in float32 (one instruction, which numba's
+    ``math.floor`` is not: it answers an integer)."""
+    def codegen(context, builder, signature, args):
+        return _llvm_f32(builder, "llvm.floor.f32", *args)
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def _below32(typingctx, x, bound):
+    """``x if x < bound else bound`` for float32 values, as one select (x86's ``minps``:
+    NaN gives ``bound``); numba would lower the conditional expression to branches."""
+    def codegen(context, builder, signature, args):
+        return builder.select(builder.fcmp_ordered("<", args[0], args[1]), args[0], args[1])
+    return types.float32(types.float32, types.float32), codegen
+
+
+@intrinsic
+def _draw_fraction(typingctx, rand_high, scale):
+    """The top 13 bits of ``rand_high`` as a fraction in ``[0, 1)``: ``(rand_high >> 19) *
+    scale`` in float32 (exact), ``scale`` being 2**-13."""
+    def codegen(context, builder, signature, args):
+        top = builder.lshr(args[0], ir.Constant(ir.IntType(32), 19))
+        return builder.fmul(builder.sitofp(top, ir.FloatType()), args[1])
+    return types.float32(types.uint32, types.float32), codegen
+
+
+@intrinsic
+def _opaque32(typingctx, value):
+    """``value`` (uint32) through an empty inline asm, so LLVM cannot fold it back into a
+    constant (see :data:`_F16_CONSTANTS`)."""
+    if value != types.uint32:
+        return None
+    def codegen(context, builder, signature, args):
+        # "r", a general register: a constraint every target LLVM compiles for knows.
+        i32 = ir.IntType(32)
+        return builder.asm(ir.FunctionType(i32, [i32]), "", "=r,0", [args[0]], False)
+    return types.uint32(types.uint32), codegen
+
+
+_F16_CONSTANTS = (_EXPONENT_BITS, _F16_NORMAL_BASE, _INV_ULP_LESS_BASE, _ULP_BELOW_BASE,
+                  _MAGNITUDE, _SIGN, np.float32(F16_MAX).view(np.uint32),
+                  np.float32(2.0**-13).view(np.uint32), _MIX32_1, _NEAREST_HIGH)
+"""The constants of float16 rounding, as uint32 bits (the last: the draw to round to
+nearest). numba JIT-compiles with LLVM's large
+code model, where a vector loop reaches each constant through a 10-byte ``movabs`` of its
+address, per use and iteration: ten of them in the float16 update loops, a few percent of
+their time at 4M rows (docs/benchmarks.md, "Parameter server"). The kernels pass them as
+values LLVM cannot fold (:func:`rounding_args`), which it keeps in registers (or on the
+stack) instead; :func:`float_to_f16` alone uses them as constants."""
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _f16_round(value: np.float32, rand_high: np.uint32) -> np.int16:
-    """:func:`float_to_f16` with its 16 random bits in the top half of ``rand_high`` (the
-    lower half zero), where the kernels' draw leaves them: one shift fewer per value."""
+def _f16_round(value: np.float32, rand_high: np.uint32, k: tuple) -> np.int16:
+    """:func:`float_to_f16` with its random bits in the top of ``rand_high``, where the
+    kernels' draw leaves them (the lower bits are ignored); ``k``: :data:`_F16_CONSTANTS`.
+
+    One formula for every range, in float32 arithmetic, no case apart: ``|value|``
+    counted in float16 steps (``ulp``: 2**-10 of its binade, at least 2**-24, float16's
+    least step) plus the draw as a fraction ``r`` of 13 bits, floored: ``kept =
+    floor(|value| / ulp + r) * ulp``. ``1 / ulp`` and ``ulp`` are powers of two made from
+    the exponent's bits, so the product is exact, and for ``|value| >= 2**-24`` so is the
+    floor of the sum (an fma): below the next integer the sum has at most 24 significant
+    bits on a grid of 2**-13 or finer, and rounding never carries it past one. Below
+    2**-24 the sum is rounded once, as the rule says. The CPU then converts ``kept``,
+    which float16 holds, exactly: 14 vector operations per 16 values from the draw's bits
+    to the conversion, where shifting bit fields took 17 (docs/benchmarks.md, "Parameter
+    server")."""
     bits = np.float32(value).view(np.uint32)
-    magnitude = _and32(bits, _MAGNITUDE)
-    exponent = _shr32(magnitude, _S23)
-    # float16 keeps 10 of float32's 23 fraction bits, fewer below its normal range (2**-14):
-    # ``drop = 126 - clamped exponent`` bits go; ``kept_width = 32 - drop``. Add the random
-    # bits below the kept ones (a carry with the probability of the dropped fraction),
-    # clear them, and the CPU converts exactly.
-    kept_width = _sub32(_min32(_max32(exponent, _EXP_F16_LEAST), _EXP_F16_NORMAL), _EXP_KEPT_WIDTH)
-    noise = _shr32(np.uint32(rand_high), kept_width)
-    dropped = _shr32(_ALL_ONES, kept_width)
-    kept = _min32(_and32(_add32(magnitude, noise), _xor32(dropped, _ALL_ONES)), _F16_MAX_F32)
-    # Below 2**-24, float16's least step, the choice is between 0 and 2**-24.
-    # (|value| * 2**24 plus the draw reaching one, in float32.)
-    tiny: np.float32 = _tiny_scaled(np.uint32(magnitude).view(np.float32), np.uint32(rand_high))  # type: ignore[call-arg]  # numba stub
-    kept = _pick32(exponent >= _EXP_F16_LEAST, kept,
-                   _pick32(tiny >= _TWO_32, _F16_LEAST_F32, _ZERO))
-    return _f16_bits(np.uint32(_or32(_and32(bits, _SIGN), kept)).view(np.float32))
+    base = _max32(_and32(bits, k[0]), k[1])
+    inv_ulp = np.uint32(_sub32(k[2], base)).view(np.float32)
+    ulp = np.uint32(_sub32(base, k[3])).view(np.float32)
+    magnitude = np.uint32(_and32(bits, k[4])).view(np.float32)
+    draw: np.float32 = _draw_fraction(np.uint32(rand_high), np.uint32(k[7]).view(np.float32))  # type: ignore[call-arg]  # numba stub
+    quanta = _floor32(_fma32(magnitude, inv_ulp, draw))
+    kept: np.float32 = _below32(quanta * ulp, np.uint32(k[6]).view(np.float32))  # NaN saturates too
+    return _f16_bits(np.uint32(_or32(_and32(bits, k[5]), np.float32(kept).view(np.uint32))).view(np.float32))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def float_to_f16(value: np.float32, rand16: np.uint32) -> np.int16:
-    """``value`` as float16 bits, rounded as :func:`float_to_bf16` says; magnitudes past
-    65504 saturate there. No branch: a loop of these vectorizes."""
-    return _f16_round(value, _shl32(np.uint32(rand16), _S16))
+    """``value`` as float16 bits, rounded as :func:`float_to_bf16` says but with the top 13
+    bits of ``rand16`` (``(rand16 >> 3) / 2**13``): every float32 value of float16's normal
+    range drops 13 fraction bits, so there the rule is the same; below it (2**-14) the
+    draw's resolution is ``2**-13`` of a unit where it could be finer, and below 2**-24
+    the sum is rounded once in float32. Magnitudes past 65504 (and NaN) saturate there.
+    No branch: a loop of these vectorizes."""
+    return _f16_round(value, _shl32(np.uint32(rand16), _S16), _F16_CONSTANTS)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -235,6 +296,12 @@ def draw32(key: np.uint32, grad: np.float32) -> np.uint32:
     multiply, which vectorizes: its top bits depend on every bit below them, and the
     row's key is a full 64-bit mix already."""
     return _mul32(_xor32(np.uint32(key), np.float32(grad).view(np.uint32)), _MIX32_1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _draw32_by(key: np.uint32, grad: np.float32, multiplier: np.uint32) -> np.uint32:
+    """:func:`draw32` with its multiplier passed (``_MIX32_1``)."""
+    return _mul32(_xor32(np.uint32(key), np.float32(grad).view(np.uint32)), multiplier)
 
 
 # -- per-element access, specialized on the stored element type -----------------------------
@@ -256,10 +323,38 @@ def _widen(stored):
     return lambda stored: bf16_to_float(stored)
 
 
+def rounding_args(weights, stochastic):  # pragma: no cover
+    """What :func:`narrow` takes as ``stochastic`` in a kernel stepping ``weights`` (numba
+    only): ``stochastic`` itself, or for float16 rows ``(keep, constants)``: the rounding's
+    constants as values LLVM cannot fold (:data:`_F16_CONSTANTS`), the last one the bits
+    that replace the draw (0, or :data:`_NEAREST_HIGH` to round to nearest), and ``keep``
+    the mask of the draw's bits kept (all, or none). ``draw & keep | fixed`` is one vector
+    operation where a select on ``stochastic`` was a test and a branch per vector, which
+    LLVM did not hoist. Made once per kernel call, before its loops."""
+    raise NotImplementedError
+
+
+@overload(rounding_args, inline="always")
+def _rounding_args(weights, stochastic):
+    if weights.dtype != types.int16:
+        return lambda weights, stochastic: stochastic
+
+    def f16_args(weights, stochastic):
+        k = _F16_CONSTANTS
+        keep = _pick32(stochastic, _ALL_BITS, _NO_BITS)
+        fixed = _pick32(stochastic, _NO_BITS, k[9])
+        return (_opaque32(keep), (_opaque32(k[0]), _opaque32(k[1]), _opaque32(k[2]),
+                                  _opaque32(k[3]), _opaque32(k[4]), _opaque32(k[5]),
+                                  _opaque32(k[6]), _opaque32(k[7]), _opaque32(k[8]),
+                                  _opaque32(fixed)))
+    return f16_args
+
+
 def narrow(value, old, key, grad, stochastic):  # pragma: no cover
     """float32 ``value`` in the type of the stored ``old`` it replaces (numba only):
     rounded stochastically with bits drawn from the column's ``key``
-    (:func:`next_column_key`) and ``grad`` (``stochastic``), else to nearest."""
+    (:func:`next_column_key`) and ``grad`` (``stochastic``), else to nearest.
+    ``stochastic``: a bool, or what :func:`rounding_args` made of it."""
     raise NotImplementedError
 
 
@@ -267,10 +362,16 @@ def narrow(value, old, key, grad, stochastic):  # pragma: no cover
 def _narrow(value, old, key, grad, stochastic):
     if old == types.float32:
         return lambda value, old, key, grad, stochastic: value
+    if old == types.int16 and isinstance(stochastic, types.BaseTuple):
+        def round_f16_args(value, old, key, grad, stochastic):
+            keep, k = stochastic
+            draw = _draw32_by(key, grad, k[8])
+            return _f16_round(value, _or32(_and32(draw, keep), k[9]), k)  # k[9]: 0 or nearest
+        return round_f16_args
     if old == types.int16:
         def round_f16(value, old, key, grad, stochastic):
             draw = draw32(key, grad)
-            return _f16_round(value, _and32(_pick32(stochastic, draw, _NEAREST_HIGH), _HIGH16))
+            return _f16_round(value, _pick32(stochastic, draw, _NEAREST_HIGH), _F16_CONSTANTS)
         return round_f16
 
     def round_bf16(value, old, key, grad, stochastic):
@@ -297,10 +398,29 @@ def _as_answered(stored, like):
     return None  # a typing error: no such answer
 
 
+@intrinsic
+def _fold_mix32(typingctx, value):
+    """The top 32 bits of ``hi ^ lo``, the halves of the 128-bit product ``value *
+    MIX_M2``: every bit of ``value`` reaches them (through the high half's carries), in
+    one multiply where :func:`mix64_one` takes two and a chain of shifts, which cost the
+    float16 updates about as much as their rounding (docs/benchmarks.md, "Parameter
+    server"). Its draws on sequential ids and a slowly moving state are as uniform and as
+    uncorrelated as those of ``mix64_one`` (tests/test_row_types.py)."""
+    if value != types.uint64:
+        return None
+    def codegen(context, builder, signature, args):
+        i64, i128 = ir.IntType(64), ir.IntType(128)
+        product = builder.mul(builder.zext(args[0], i128), ir.Constant(i128, int(MIX_M2)))
+        high = builder.trunc(builder.lshr(product, ir.Constant(i128, 64)), i64)
+        folded = builder.xor(high, builder.trunc(product, i64))
+        return builder.trunc(builder.lshr(folded, ir.Constant(i64, 32)), ir.IntType(32))
+    return types.uint32(types.uint64), codegen
+
+
 def row_key(stored, row_id, salt, sr_key):  # pragma: no cover
     """The rounding key of a row whose weights are of the type of ``stored``, with id
     ``row_id``, after an update that ``salt`` stands for (numba only; 0 for float32 rows,
-    which never round)."""
+    which never round): ``row_id ^ sr_key ^ salt * MIX_M1`` mixed by :func:`_fold_mix32`."""
     raise NotImplementedError
 
 
@@ -310,8 +430,7 @@ def _row_key(stored, row_id, salt, sr_key):
         return lambda stored, row_id, salt, sr_key: np.uint32(0)
 
     def key(stored, row_id, salt, sr_key):
-        z = mix64_one(row_id ^ sr_key ^ (np.uint64(salt) * MIX_M1))
-        return np.uint32(z >> np.uint64(32))
+        return _fold_mix32(row_id ^ sr_key ^ (np.uint64(salt) * MIX_M1))
     return key
 
 
