@@ -369,6 +369,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _type_check.append(start_type_check(Path(tempfile.mkdtemp(prefix="type-check-"))))
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A type check started early whose test did not run (the session stopped first)."""
+    for proc, output in _type_check:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(output.parent, ignore_errors=True)
+    _type_check.clear()
+
+
 def start_type_check(folder: Path) -> tuple[subprocess.Popen, Path]:
     """``python -m mypy`` over the package, writing into ``folder/output.txt``."""
     output = folder / "output.txt"
