@@ -26,7 +26,12 @@ from persia_py.ctx.embedding_ctx import check_looked_up
 from persia_py.ctx.train_checkpoints import CheckpointedCtx, entered
 from persia_py.dense.graceful_stop import StopOnSignal
 from persia_py.dense.grad_control import GradControl
-from persia_py.dense.process_group import PeerFailure, init_process_group, naming_peers
+from persia_py.dense.process_group import (
+    PeerFailure,
+    init_process_group,
+    naming_peers,
+    settle_finished_collectives,
+)
 from persia_py.distributed import (
     DDPOption,
     DenseParallel,
@@ -273,6 +278,10 @@ class TrainCtx(CheckpointedCtx):
                 self.stop.restore()
             if self._reporter is not None:
                 self._reporter.close()
+            if exc_type is None and self.dense.sharded and not self._peer_failed:
+                # gloo's worker threads must free the FSDP collectives they finished
+                # while the interpreter runs, or the rank may abort at its exit (see there).
+                settle_finished_collectives()
             if self._owns_process_group and dist.is_initialized() and not self._peer_failed:
                 # After a peer failed, tearing the group down would wait on the store
                 # behind the same dead link; exiting releases it anyway.

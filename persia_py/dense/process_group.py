@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,6 +70,37 @@ def _local_address() -> str:
             return probe.getsockname()[0]
     except OSError:
         return socket.gethostname()
+
+
+SETTLE_SEC = 0.05
+"""How long :func:`settle_finished_collectives` leaves the GIL to gloo's worker threads."""
+
+
+def settle_finished_collectives(settle_sec: float = SETTLE_SEC) -> None:
+    """Wait for every rank's collectives, then leave the GIL to the gloo group's worker
+    threads for ``settle_sec``, so that they drop the collectives they finished while the
+    interpreter still runs. Nothing to do without a gloo group of several ranks.
+
+    Why: the worker thread that ran a collective drops its work object only after the
+    waiter was woken, and that object may hold the last reference to a Python object: a
+    tensor whose Python side is gone (an ``async_op`` allreduce nobody waits for, e.g.
+    ``Join``'s per-step notice, or a result already read), or the autograd context that
+    ``torch.autograd.backward`` stashes (FSDP's collectives during the backward). Freeing
+    it needs the GIL. Once the interpreter finalizes, CPython 3.11 ends a thread that
+    takes the GIL (``pthread_exit``), here inside a ``noexcept`` C++ destructor:
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT) or a
+    SIGSEGV, after the script itself finished. It happens when the script's tail after
+    its last collective is short, and the group's threads live as long as the FSDP
+    model that holds the group, usually to the end. The barrier waits for every
+    collective before it (gloo's barrier waits on them), and for a worker already
+    freeing one under the queue's lock (the call releases the GIL); the pause covers a
+    worker that has not got there yet. Call it on every rank, before
+    ``destroy_process_group``."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1
+            and dist.get_backend() == "gloo"):
+        return
+    dist.barrier()
+    time.sleep(settle_sec)
 
 
 class PeerFailure(RuntimeError):
