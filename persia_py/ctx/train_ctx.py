@@ -278,9 +278,10 @@ class TrainCtx(CheckpointedCtx):
                 self.stop.restore()
             if self._reporter is not None:
                 self._reporter.close()
-            if exc_type is None and self.dense.sharded and not self._peer_failed:
-                # gloo's worker threads must free the FSDP collectives they finished
-                # while the interpreter runs, or the rank may abort at its exit (see there).
+            if exc_type is None and not self._peer_failed:
+                # gloo's worker threads must free the collectives they finished while the
+                # interpreter runs, or the rank may abort at its exit (see there): FSDP's,
+                # and DDP's too (its gradient allreduces' futures).
                 settle_finished_collectives()
             if self._owns_process_group and dist.is_initialized() and not self._peer_failed:
                 # After a peer failed, tearing the group down would wait on the store

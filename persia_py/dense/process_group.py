@@ -90,8 +90,8 @@ def settle_finished_collectives(settle_sec: float = SETTLE_SEC) -> None:
     takes the GIL (``pthread_exit``), here inside a ``noexcept`` C++ destructor:
     ``std::terminate`` ("terminate called without an active exception", SIGABRT) or a
     SIGSEGV, after the script itself finished. It happens when the script's tail after
-    its last collective is short, and the group's threads live as long as the FSDP
-    model that holds the group, usually to the end. The barrier waits for every
+    its last collective is short, and the group's threads live as long as the FSDP or
+    DDP model that holds the group, usually to the end. The barrier waits for every
     collective before it (gloo's barrier waits on them), and for a worker already
     freeing one under the queue's lock (the call releases the GIL); the pause covers a
     worker that has not got there yet. Call it on every rank, before
