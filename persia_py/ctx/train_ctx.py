@@ -280,9 +280,10 @@ class TrainCtx(CheckpointedCtx):
                 self._reporter.close()
             if exc_type is None and not self._peer_failed:
                 # gloo's worker threads must free the collectives they finished while the
-                # interpreter runs, or the rank may abort at its exit (see there): FSDP's,
-                # and DDP's too (its gradient allreduces' futures).
-                settle_finished_collectives()
+                # interpreter runs, or the rank may abort at its exit (see there). FSDP's
+                # ranks leave together (every forward is collective); DDP's may not (rank
+                # 0 evaluating alone), so they only pause.
+                settle_finished_collectives(barrier=self.dense.sharded)
             if self._owns_process_group and dist.is_initialized() and not self._peer_failed:
                 # After a peer failed, tearing the group down would wait on the store
                 # behind the same dead link; exiting releases it anyway.

@@ -76,10 +76,12 @@ SETTLE_SEC = 0.05
 """How long :func:`settle_finished_collectives` leaves the GIL to gloo's worker threads."""
 
 
-def settle_finished_collectives(settle_sec: float = SETTLE_SEC) -> None:
-    """Wait for every rank's collectives, then leave the GIL to the gloo group's worker
-    threads for ``settle_sec``, so that they drop the collectives they finished while the
-    interpreter still runs. Nothing to do without a gloo group of several ranks.
+def settle_finished_collectives(settle_sec: float = SETTLE_SEC, *, barrier: bool = True
+                                ) -> None:
+    """Wait for every rank's collectives (``barrier``), then leave the GIL to the gloo
+    group's worker threads for ``settle_sec``, so that they drop the collectives they
+    finished while the interpreter still runs. Nothing to do without a gloo group of
+    several ranks.
 
     Why: the worker thread that ran a collective drops its work object only after the
     waiter was woken, and that object may hold the last reference to a Python object: a
@@ -94,12 +96,15 @@ def settle_finished_collectives(settle_sec: float = SETTLE_SEC) -> None:
     DDP model that holds the group, usually to the end. The barrier waits for every
     collective before it (gloo's barrier waits on them), and for a worker already
     freeing one under the queue's lock (the call releases the GIL); the pause covers a
-    worker that has not got there yet. Call it on every rank, before
-    ``destroy_process_group``."""
+    worker that has not got there yet. With ``barrier``, call it on every rank, before
+    ``destroy_process_group``. Without, it only pauses: for ranks that leave at different
+    times (a DDP rank 0 evaluating alone while the others are done), which a barrier
+    would keep waiting, and fail past the group's timeout."""
     if not (dist.is_initialized() and dist.get_world_size() > 1
             and dist.get_backend() == "gloo"):
         return
-    dist.barrier()
+    if barrier:
+        dist.barrier()
     time.sleep(settle_sec)
 
 
