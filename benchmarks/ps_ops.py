@@ -16,7 +16,10 @@ medians holds up on a noisy machine where either figure alone would not.
 4. ``memory``: resident bytes per stored row over the row's payload, (dim + state) * 4;
 5. ``grpc``: lookup of existing ids through one parameter-server process on loopback;
 6. ``fp16``: lookup (rows as stored: what a float16 wire sends) and Adagrad update
-   (stochastic rounding) of a table of float16 rows, 1 internal shard.
+   (stochastic rounding) of a table of float16 rows, 1 internal shard; then the update
+   with each other optimizer (SGD, row-wise Adagrad, Adam), a float16 and a float32
+   table of its own each, since what float16 rows save depends on the optimizer's
+   float32 state beside them.
 
 The baseline of 1-3 is ``numpy.take`` of as many random rows from a plain float32 array
 of the table's shape: the floor of any gather, without hashing, locking or bookkeeping.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import multiprocessing
 import os
@@ -48,7 +52,14 @@ from benchmarks.ps_process import parameter_server_process
 from persia_py.config import CommonConfig
 from persia_py.ids.routing import mix64
 from persia_py.ops import allocator
-from persia_py.servers.optimizers import AdagradConfig, optimizer_to_dict, state_width
+from persia_py.servers.optimizers import (
+    AdagradConfig,
+    AdamConfig,
+    OptimizerConfig,
+    SGDConfig,
+    optimizer_to_dict,
+    state_width,
+)
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.workers.ps_client import PSClient, configure_request
 
@@ -57,6 +68,10 @@ OPTIMIZER = AdagradConfig()
 FILL_CHUNK = 1_000_000
 """New ids per insert call when filling a table (the memory figure's batch size too)."""
 PS_START_TIMEOUT_S = 120.0
+HALF_OPTIMIZERS: dict[str, OptimizerConfig] = {
+    "sgd": SGDConfig(lr=1e-2), "rowwise_adagrad": AdagradConfig(vectorwise_shared=True),
+    "adam": AdamConfig()}
+"""The optimizers of 6's other update figures (``fp16_update_ratio_<name>``)."""
 
 TARGETS = {
     "lookup_ratio": (">=", 0.5),
@@ -216,11 +231,12 @@ def bench_update(table: EmbeddingTable, take: Take, rng: np.random.Generator, nu
 
 
 def filled_table(num_shards: int, num_rows: int, dim: int, batch: int, repeats: int,
-                 row_dtype: str = "float32") -> tuple[EmbeddingTable, float]:
+                 row_dtype: str = "float32", optimizer: OptimizerConfig = OPTIMIZER
+                 ) -> tuple[EmbeddingTable, float]:
     """A table holding ``num_rows`` rows, with room for the inserts of :func:`bench_insert`
     (nothing evicted), and its fill rate in ids/s."""
     capacity = num_rows + (repeats + 1) * batch
-    table = EmbeddingTable(dim=dim, optimizer=OPTIMIZER, num_shards=num_shards,
+    table = EmbeddingTable(dim=dim, optimizer=optimizer, num_shards=num_shards,
                            capacity=capacity, row_dtype=row_dtype)
     start = time.perf_counter()
     fill(table, num_rows)
@@ -259,13 +275,42 @@ def bench_half(full: EmbeddingTable, rng: np.random.Generator, num_rows: int, di
                "update": (lambda ids: half.update(ids, grads),
                           lambda ids: full.update(ids, grads))}
         for op, (ours, baseline) in ops.items():
-            seconds, base_seconds = paired_medians(
-                ours, existing_batches(rng, num_rows, batch, repeats),
-                baseline, existing_batches(rng, num_rows, batch, repeats))
-            out[f"fp16_{op}_ids_per_s"] = batch / seconds
-            out[f"fp16_{op}_fp32_ids_per_s"] = batch / base_seconds
-            out[f"fp16_{op}_ratio"] = base_seconds / seconds
+            out.update(_half_figures(f"fp16_{op}", "", ours, baseline, rng, num_rows, batch,
+                                     repeats))
     return out
+
+
+def bench_half_optimizers(rng: np.random.Generator, num_rows: int, dim: int, batch: int,
+                          repeats: int) -> dict[str, float]:
+    """The update of :func:`bench_half` with each of :data:`HALF_OPTIMIZERS`: a float32 and
+    a float16 table of its own each (one optimizer's pair in memory at a time)."""
+    out: dict[str, float] = {}
+    grads = rng.standard_normal((batch, dim), dtype=np.float32) * np.float32(0.01)
+    for name, optimizer in HALF_OPTIMIZERS.items():
+        full, _ = filled_table(1, num_rows, dim, batch, repeats, optimizer=optimizer)
+        half, _ = filled_table(1, num_rows, dim, batch, repeats, "float16", optimizer)
+        with full, half:
+            for table in (full, half):  # compiles this optimizer's kernel for the type
+                table.update(existing_batches(rng, num_rows, batch, 1)[0], grads)
+            out.update(_half_figures("fp16_update", f"_{name}",
+                                     functools.partial(half.update, grads=grads),
+                                     functools.partial(full.update, grads=grads),
+                                     rng, num_rows, batch, repeats))
+    return out
+
+
+def _half_figures(prefix: str, suffix: str, ours: Callable[[Any], object],
+                  baseline: Callable[[Any], object], rng: np.random.Generator, num_rows: int,
+                  batch: int, repeats: int) -> dict[str, float]:
+    """``ours`` (on float16 rows) paired call by call with ``baseline`` (float32 rows) on
+    batches of existing ids: ids/s of each and their ratio, keyed ``prefix`` + what +
+    ``suffix``."""
+    seconds, base_seconds = paired_medians(
+        ours, existing_batches(rng, num_rows, batch, repeats),
+        baseline, existing_batches(rng, num_rows, batch, repeats))
+    return {f"{prefix}_ids_per_s{suffix}": batch / seconds,
+            f"{prefix}_fp32_ids_per_s{suffix}": batch / base_seconds,
+            f"{prefix}_ratio{suffix}": base_seconds / seconds}
 
 
 # -- 4: memory -------------------------------------------------------------------------
@@ -416,6 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     for op in ("lookup", "update"):
         print(ratio_line(f"fp16 {op}", half[f"fp16_{op}_ids_per_s"],
                          half[f"fp16_{op}_fp32_ids_per_s"], "float32", f"fp16_{op}_ratio"),
+              flush=True)
+    others = bench_half_optimizers(rng, rows, dim, batch, repeats)
+    figures.update(others)
+    for name in HALF_OPTIMIZERS:
+        print(ratio_line(f"fp16 update {name.split('_')[0]}",
+                         others[f"fp16_update_ids_per_s_{name}"],
+                         others[f"fp16_update_fp32_ids_per_s_{name}"], "float32", None),
               flush=True)
 
     with tables[1] as table:

@@ -29,9 +29,12 @@ from persia_py.ids.dedup import rows_in_order
 from persia_py.ids.hashing import mix64_one
 from persia_py.servers.row_types import as_answered, narrow, next_column_key, rounding_args, row_key, widen
 
-PREFETCH_AHEAD = 8
+PREFETCH_AHEAD = 16
 """Ids between a prefetch and the use of its row: far enough for the miss to resolve,
-near enough that the line is still cached (4-32 were tried; 8-16 did best)."""
+near enough that the line is still cached. The best distance depends on the machine
+(how many misses a core keeps in flight, how long each takes): 8 did best on an older
+VM, 16-24 on a newer one; 16 is within the best range of both (docs/benchmarks.md,
+"Parameter server")."""
 _LINE_BYTES = 64
 _S40 = np.uint64(40)
 
