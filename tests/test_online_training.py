@@ -56,11 +56,14 @@ def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -
     stream = tmp_path / "stream"
     stream.mkdir()
     write_config(tmp_path, every_steps=4)
-    total = sum(add_file(stream, i) for i in range(3))
+    # More batches (24) than one rank's DataLoader holds (about 11): a rank that starts
+    # late still finds some, where with 9 the first could take them all and wait in its
+    # first step for the other, which waits for data (docs/online_training.md#the-stream).
+    total = sum(add_file(stream, i) for i in range(8))
     job = start(tmp_path, "run1", num_ranks=2)
     try:
         _wait_trained(job, 64)
-        total += sum(add_file(stream, i) for i in range(3, 11))  # files arrive as it trains
+        total += sum(add_file(stream, i) for i in range(8, 11))  # files arrive as it trains
         _wait_trained(job, 384)  # both ranks past their first report (4 steps of 32)
     except BaseException:
         job.stop()
