@@ -11,24 +11,33 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-_F16_EXPONENT = np.int16(0x7C00)
+F16_EXPONENT, BF16_EXPONENT = 0x7C00, 0x7F80
+"""The exponent fields of float16 and bfloat16 bit patterns: all ones is infinity or NaN."""
 
 
 @njit(cache=True, nogil=True)
-def _finite_halves(bits: np.ndarray) -> bool:
-    """Whether no float16 of ``bits`` (their int16 patterns, 1-D) has an exponent of all
-    ones (infinity or NaN). No early exit, so the loop vectorizes."""
+def _finite_halves(bits: np.ndarray, exponent: np.int16) -> bool:
+    """Whether no 16-bit pattern of ``bits`` (int16, 1-D) has all of ``exponent``'s bits
+    set. No early exit, so the loop vectorizes."""
     bad = False
     for i in range(bits.shape[0]):
-        bad |= (bits[i] & _F16_EXPONENT) == _F16_EXPONENT
+        bad |= (bits[i] & exponent) == exponent
     return not bad
+
+
+def halves_finite(array: np.ndarray, exponent: int) -> bool:
+    """No infinity or NaN in ``array``, 16-bit floats of any shape (float16, or bfloat16
+    kept as uint16) whose exponent field is ``exponent`` (:data:`F16_EXPONENT`,
+    :data:`BF16_EXPONENT`)."""
+    bits = np.ascontiguousarray(array).view(np.int16).reshape(-1)
+    return bool(_finite_halves(bits, np.int16(exponent)))
 
 
 def all_finite(array: np.ndarray) -> bool:
     """No NaN or infinity in ``array`` (a float array of any shape)."""
     if array.dtype == np.float16:
-        return bool(_finite_halves(np.ascontiguousarray(array).view(np.int16).reshape(-1)))
+        return halves_finite(array, F16_EXPONENT)
     return bool(np.isfinite(array).all())
 
 
-__all__ = ["all_finite"]
+__all__ = ["BF16_EXPONENT", "F16_EXPONENT", "all_finite", "halves_finite"]
