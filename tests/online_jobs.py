@@ -49,7 +49,8 @@ def write_config(work: Path, every_steps: int) -> None:
         """))
 
 
-def start(work: Path, run: str, num_ranks: int, loader_args: str = "") -> RoleProcess:
+def start(work: Path, run: str, num_ranks: int, loader_args: str = "", nn_args: str = ""
+          ) -> RoleProcess:
     return RoleProcess(launcher_command(
         "local", "--nn-worker", str(JOB / "train.py"), "--data-loader", str(JOB / "data_loader.py"),
         "--embedding-config", str(JOB / "embedding_config.yml"),
@@ -57,7 +58,7 @@ def start(work: Path, run: str, num_ranks: int, loader_args: str = "") -> RolePr
         "--run-dir", str(work / run), "--no-metrics",
         "--data-loader-args",
         f"--stream {work / 'stream'} --positions {work / 'positions'} {loader_args}",
-        "--nn-worker-args", f"--out {work / run}"))
+        "--nn-worker-args", f"--out {work / run} {nn_args}"))
 
 
 def trained_ids(run_dir: Path) -> np.ndarray:

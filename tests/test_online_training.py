@@ -56,14 +56,11 @@ def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -
     stream = tmp_path / "stream"
     stream.mkdir()
     write_config(tmp_path, every_steps=4)
-    # More batches (24) than one rank's DataLoader holds (about 11): a rank that starts
-    # late still finds some, where with 9 the first could take them all and wait in its
-    # first step for the other, which waits for data (docs/online_training.md#the-stream).
-    total = sum(add_file(stream, i) for i in range(8))
+    total = sum(add_file(stream, i) for i in range(3))
     job = start(tmp_path, "run1", num_ranks=2)
     try:
         _wait_trained(job, 64)
-        total += sum(add_file(stream, i) for i in range(8, 11))  # files arrive as it trains
+        total += sum(add_file(stream, i) for i in range(3, 11))  # files arrive as it trains
         _wait_trained(job, 384)  # both ranks past their first report (4 steps of 32)
     except BaseException:
         job.stop()
@@ -107,6 +104,28 @@ def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -
     first_step = next(r["step"] for r in logs[1] if "loss" in r)
     assert first_step == resumed["step"] + 1 and resumed["step"] >= 4, logs[1][:3]
     assert resumed["samples"] > 0 and resumed["checkpoint"] in out, resumed
+
+
+@pytest.mark.processes
+def test_a_rank_that_starts_late_still_gets_batches_of_the_first_burst(tmp_path: Path) -> None:
+    """The stream starts with 9 batches, fewer than one rank's DataLoader holds, and rank 1
+    takes its first 5 s after rank 0: the loader hands rank 0 at most ``MAX_LEAD`` batches
+    beyond rank 1, so both train without more data arriving. (Unbounded, rank 0 took all
+    9 and waited in its first step for rank 1, which waited for data.)"""
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    write_config(tmp_path, every_steps=4)
+    for i in range(3):
+        add_file(stream, i)
+    job = start(tmp_path, "run1", num_ranks=2, nn_args="--late-rank-sec 5")
+    try:
+        _wait_trained(job, 2 * 2 * 32, timeout=60)  # two steps of both ranks
+    except BaseException:
+        job.stop()
+        raise
+    out = _stop(job)
+    assert len(re.findall(r"rank \d stopped cleanly", out)) == 2, out[-5000:]
+    assert trained_ids(tmp_path / "run1").size >= 128
 
 
 # -- readers ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from persia_py.checkpoint import rewind
@@ -24,10 +25,18 @@ logger = logging.getLogger(__name__)
 
 _POLL_SEC = 0.5
 """How long NextBatch holds a request open waiting for a batch (long poll)."""
+MAX_LEAD = 4
+"""Most batches a rank is handed beyond the rank handed the fewest (of those the stream
+has not ended for). The ranks train in step, so a rank whose buffer took a whole burst
+would wait in its first collective for a rank that found none: bounded, the burst is
+shared. Never binding while the ranks pull at the pace they train (a rank that many
+ahead holds that many more untrained batches than the other, whose buffer then has
+room and asks)."""
 
 
 class BatchQueue:
     """Batches waiting for NN workers, and which ranks have seen the end of the stream.
+    A rank is handed at most :data:`MAX_LEAD` batches beyond the others.
 
     ``next`` answers a repeated request (same consumer and request sequence) with the
     answer the first one got: a reply lost on the wire is asked for again and loses no
@@ -48,6 +57,9 @@ class BatchQueue:
         self._rebuilt: dict[int, Callable[[], pb.NextBatchResponse]] = {}
         self._ready = threading.Event()
         self._ready.set()
+        self._handed = [0] * num_consumers
+        self._turns = threading.Condition()
+        """Notified when a rank is handed a batch or ended: a rank past the lead may go."""
         self.log = log
         self.num_repeated = 0
         """Answers given again to a retried request."""
@@ -105,12 +117,18 @@ class BatchQueue:
             return answer
 
     def _answer(self, rank: int, wait: float) -> pb.NextBatchResponse:
+        deadline = time.monotonic() + wait
         # Once finished, no batch can arrive: an empty queue is the end, answered at once.
-        if not self._finished.is_set() or not self._queue.empty():
+        if (not self._finished.is_set() or not self._queue.empty()) and self._turn(rank, deadline):
             try:
-                return pb.NextBatchResponse(batch=self._queue.get(timeout=wait), has_batch=True)
+                batch = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 pass
+            else:
+                with self._turns:
+                    self._handed[rank] += 1
+                    self._turns.notify_all()
+                return pb.NextBatchResponse(batch=batch, has_batch=True)
         if self._finished.is_set() and self._queue.empty():
             if self.log is not None and rank not in self._ended_ranks:
                 self.log.ended(rank)
@@ -118,11 +136,27 @@ class BatchQueue:
             return pb.NextBatchResponse(end_of_stream=True)
         return pb.NextBatchResponse()
 
+    def _turn(self, rank: int, deadline: float) -> bool:
+        """Wait until ``rank`` is less than :data:`MAX_LEAD` batches ahead of every rank the
+        stream has not ended for (False at ``deadline``: the rank asks again)."""
+        with self._turns:
+            while True:
+                with self._lock:
+                    behind = [n for r, n in enumerate(self._handed) if r not in self._ended_ranks]
+                if not behind or self._handed[rank] < min(behind) + MAX_LEAD:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._turns.wait(left)
+
     def _end(self, rank: int) -> None:
         with self._lock:
             self._ended_ranks.add(rank)
             if len(self._ended_ranks) == self.num_consumers:
                 self._all_ended.set()
+        with self._turns:
+            self._turns.notify_all()
 
     def wait_all_ended(self, timeout: float) -> bool:
         return self._all_ended.wait(timeout)

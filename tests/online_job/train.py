@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -32,6 +33,8 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--late-rank-sec", type=float, default=0.0,
+                        help="rank 1 starts taking batches this much later (a slow start)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Model()
@@ -45,6 +48,8 @@ if __name__ == "__main__":
                   stop_on_signal=True, progressive_validation=ProgressiveValidation(
                       every_steps=4, group_by=lambda b: np.frombuffer(b.meta, np.int64) % 7),
                   ) as ctx:
+        if rank == 1:
+            time.sleep(args.late_rank_sec)
         for batch in DataLoader(StreamingDataset(buffer_size=4), embedding_staleness=2):
             output, labels = ctx.forward(batch)
             ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
