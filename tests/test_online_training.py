@@ -32,6 +32,7 @@ from persia_py.input.readers import BadRecordError, CsvColumn, CsvReaderConfig
 from persia_py.input.stream_reader import CsvFormat, ParquetFormat, StreamPosition, StreamReader
 from persia_py.launcher.plot import read_training_log
 from persia_py.stream_source import PositionLog
+from persia_py.workers.loader_service import MAX_LEAD
 
 COLUMNS = (CsvColumn(name="sid", kind="int"), CsvColumn(name="label", kind="float"),
            CsvColumn(name="x", kind="float"), CsvColumn(name="user", kind="ids"),
@@ -109,15 +110,15 @@ def test_sigterm_then_restart_trains_every_sample_exactly_once(tmp_path: Path) -
 @pytest.mark.processes
 def test_a_rank_that_starts_late_still_gets_batches_of_the_first_burst(tmp_path: Path) -> None:
     """The stream starts with 9 batches, fewer than one rank's DataLoader holds, and rank 1
-    takes its first 5 s after rank 0: the loader hands rank 0 at most ``MAX_LEAD`` batches
-    beyond rank 1, so both train without more data arriving. (Unbounded, rank 0 took all
-    9 and waited in its first step for rank 1, which waited for data.)"""
+    asks for its first 2 s after rank 0 has been handed ``MAX_LEAD``: the loader hands rank
+    0 no more beyond rank 1, so both train without more data arriving. (Unbounded, rank 0
+    took all 9 and waited in its first step for rank 1, which waited for data.)"""
     stream = tmp_path / "stream"
     stream.mkdir()
     write_config(tmp_path, every_steps=4)
     for i in range(3):
         add_file(stream, i)
-    job = start(tmp_path, "run1", num_ranks=2, nn_args="--late-rank-sec 5")
+    job = start(tmp_path, "run1", num_ranks=2, nn_args=f"--rank1-after {MAX_LEAD}")
     try:
         _wait_trained(job, 2 * 2 * 32, timeout=60)  # two steps of both ranks
     except BaseException:

@@ -58,7 +58,7 @@ class BatchQueue:
         self._ready = threading.Event()
         self._ready.set()
         self._handed = [0] * num_consumers
-        self._turns = threading.Condition()
+        self._turns = threading.Condition(self._lock)
         """Notified when a rank is handed a batch or ended: a rank past the lead may go."""
         self.log = log
         self.num_repeated = 0
@@ -141,8 +141,7 @@ class BatchQueue:
         stream has not ended for (False at ``deadline``: the rank asks again)."""
         with self._turns:
             while True:
-                with self._lock:
-                    behind = [n for r, n in enumerate(self._handed) if r not in self._ended_ranks]
+                behind = [n for r, n in enumerate(self._handed) if r not in self._ended_ranks]
                 if not behind or self._handed[rank] < min(behind) + MAX_LEAD:
                     return True
                 left = deadline - time.monotonic()
@@ -151,11 +150,10 @@ class BatchQueue:
                 self._turns.wait(left)
 
     def _end(self, rank: int) -> None:
-        with self._lock:
+        with self._turns:
             self._ended_ranks.add(rank)
             if len(self._ended_ranks) == self.num_consumers:
                 self._all_ended.set()
-        with self._turns:
             self._turns.notify_all()
 
     def wait_all_ended(self, timeout: float) -> bool:

@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -18,6 +19,7 @@ from persia_py.data import DataLoader, StreamingDataset
 from persia_py.embedding.optim import Adagrad
 from persia_py.env import get_rank
 from persia_py.progressive import ProgressiveValidation
+from persia_py.workers.handover_log import read_handovers
 
 
 class Model(torch.nn.Module):
@@ -29,12 +31,29 @@ class Model(torch.nn.Module):
         return torch.sigmoid(self.linear(torch.cat([dense[0], *embeddings], dim=1)))
 
 
+LATE_START_SEC = 2.0
+"""How much later than rank 0 reaching ``--rank1-after`` rank 1 starts taking batches."""
+
+
+def _wait_for_rank0(run_dir: str, count: int, timeout: float = 60.0) -> None:
+    """Until the data loader's handover log (in the run folder) says it handed rank 0 at
+    least ``count`` batches; TimeoutError after ``timeout`` seconds."""
+    log = os.path.join(run_dir, "data-loader-0-handovers.log")
+    deadline = time.monotonic() + timeout
+    while sum(h.rank == 0 for h in read_handovers(log).in_training.values()) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 was not handed {count} batches within {timeout} s")
+        threading.Event().wait(0.02)  # the log is a file: no event to wait on but its lines
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--late-rank-sec", type=float, default=0.0,
-                        help="rank 1 starts taking batches this much later (a slow start)")
+    parser.add_argument("--rank1-after", type=int, default=0,
+                        help="rank 1 starts taking batches only once the loader has handed "
+                             f"rank 0 this many, and {LATE_START_SEC:g} s after that (a rank "
+                             "that starts late)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Model()
@@ -48,8 +67,11 @@ if __name__ == "__main__":
                   stop_on_signal=True, progressive_validation=ProgressiveValidation(
                       every_steps=4, group_by=lambda b: np.frombuffer(b.meta, np.int64) % 7),
                   ) as ctx:
-        if rank == 1:
-            time.sleep(args.late_rank_sec)
+        if rank == 1 and args.rank1_after:
+            _wait_for_rank0(args.out, args.rank1_after)
+            # The late start itself (not a wait for a result): time for rank 0 to take
+            # the rest of the stream if nothing bounded it, as it did before MAX_LEAD.
+            time.sleep(LATE_START_SEC)
         for batch in DataLoader(StreamingDataset(buffer_size=4), embedding_staleness=2):
             output, labels = ctx.forward(batch)
             ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
