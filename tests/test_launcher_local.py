@@ -6,6 +6,7 @@ import functools
 import os
 import select
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -75,6 +76,32 @@ def test_ctrl_c_stops_every_process() -> None:
         assert "did not stop within" not in job.output(), job.output()
     finally:
         job.stop()
+
+
+_SIGNAL_ON_ANOTHER_THREAD = textwrap.dedent("""
+    import signal, threading
+    from persia_py.launcher import roles
+    stop = roles._stop_event()
+    ready = threading.Event()
+    def take_it():  # the kernel may hand a process's SIGTERM to any of its threads
+        ready.wait()
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        threading.Event().wait()  # this thread lives on, as gRPC's do
+    threading.Thread(target=take_it, daemon=True).start()
+    ready.set()
+    roles._wait_for_signal(stop)
+    print("stopped", flush=True)
+""")
+
+
+def test_a_sigterm_taken_by_another_thread_still_stops_a_server_role() -> None:
+    # The main thread waits for the signal; the C handler runs on the other thread and
+    # only flags it. An untimed wait slept through it until the launcher's SIGKILL
+    # (test_ctrl_c_stops_every_process, a few runs in a hundred under load).
+    result = subprocess.run([sys.executable, "-c", _SIGNAL_ON_ANOTHER_THREAD],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "stopped", result.stdout
 
 
 def _gone(marker: str, timeout: float) -> list[int]:

@@ -142,7 +142,9 @@ def _watch(ranks: list[subprocess.Popen], store: _Store, failed_file: str) -> in
             events.register(os.pidfd_open(rank.pid), selectors.EVENT_READ, rank)
         try:
             while any(rank.returncode is None for rank in ranks):
-                for key, _ in events.select():
+                # Timed: a signal the kernel hands to another thread (the store's) would
+                # not wake an untimed select, nor run ``forward`` until a rank exits.
+                for key, _ in events.select(timeout=1.0):
                     events.unregister(key.fileobj)
                     if key.data is None:
                         store.host()

@@ -89,11 +89,28 @@ _stopping = threading.Event()
 script that exits 78 at that moment still stops the hold that follows."""
 
 
+STOP_POLL_SEC = 0.5
+"""How often the main thread looks at :data:`_stopping` while it waits for a signal."""
+
+
 def _stop_event() -> threading.Event:
     """An event that SIGTERM and SIGINT set from now on (set already if one came)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: _stopping.set())
     return _stopping
+
+
+def _wait_for_signal(stop: threading.Event) -> None:
+    """Return once ``stop`` is set, i.e. once SIGTERM or SIGINT has come.
+
+    The wait is timed on purpose. Python runs a signal's handler on the main thread,
+    the next time that thread runs bytecode; the kernel may hand the signal to any of
+    the process's threads (gRPC's, numba's: those are most of them), and then nothing
+    interrupts the main thread's untimed lock wait, which sleeps through the signal
+    until its supervisor kills it (seen as "did not stop within 10 s of SIGTERM", in a
+    few runs in a hundred under load)."""
+    while not stop.wait(STOP_POLL_SEC):
+        pass
 
 
 def hold_after_config_error(command: str) -> int:
@@ -106,14 +123,14 @@ def hold_after_config_error(command: str) -> int:
           "its message is above); holding instead of exiting, so that its supervisor does "
           "not restart it into the same error: fix the config and apply the job again, or "
           f"delete it (exits {CONFIG_EXIT_CODE} on SIGTERM)", file=sys.stderr, flush=True)
-    stop.wait()
+    _wait_for_signal(stop)
     return CONFIG_EXIT_CODE
 
 
 def _serve_until_signal(server, what: str) -> int:
     stop = _stop_event()
     print(f"{what} ready", flush=True)
-    stop.wait()
+    _wait_for_signal(stop)
     server.stop(grace=2.0).wait(10.0)
     return 0
 
