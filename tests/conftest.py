@@ -338,7 +338,7 @@ def run_ranks(target, *args, world_size: int = 2, timeout: float = 240) -> None:
     after ``timeout`` s, and leaves no process behind."""
     import multiprocessing
 
-    from persia_py.launcher.local import free_ports
+    from persia_py.launcher.ports import free_ports
 
     [port] = free_ports(1, "127.0.0.1")
     spawn = multiprocessing.get_context("spawn")

@@ -28,7 +28,7 @@ from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig
 from persia_py.input.readers import CsvColumn, CsvReaderConfig
 from persia_py.input.stream_reader import CsvFormat, StreamReader
-from persia_py.launcher.local import free_ports
+from persia_py.launcher.ports import free_ports
 from persia_py.serving import ServingClient
 from persia_py.wire.security import ENV_AUTH_TOKEN
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
 import pytest
 from conftest import EXAMPLE, ROOT, launcher_command
+
+from persia_py.launcher import ports
 
 pytestmark = pytest.mark.processes
 
@@ -202,3 +205,22 @@ def _listeners(port: int) -> list[str]:
                     found.append(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0))
                                  if len(address) == 8 else address)
     return found
+
+
+def test_role_ports_lie_below_the_ephemeral_range_where_no_connection_takes_them() -> None:
+    # A port in the ephemeral range may be taken by any connect() between the launcher's
+    # choice and the role's bind (seen as a parameter server restarting into "Address
+    # already in use" on a loaded machine); below it, only an explicit bind takes one.
+    span = ports.ephemeral_range()
+    assert span is not None, "this kernel's ephemeral range could not be read"
+    low = span[0]
+    chosen = ports.free_ports(8, "127.0.0.1")
+    assert len(set(chosen)) == 8
+    assert all(ports.LOWEST_PORT <= port < low for port in chosen), (chosen, low)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a connection's own port
+        with socket.create_connection(listener.getsockname()) as client:
+            assert client.getsockname()[1] >= low
+    # Where the range leaves no room below it (or cannot be read), any free ports.
+    anywhere = ports.free_ports(3, "127.0.0.1", ephemeral=(ports.LOWEST_PORT + 10, 65535))
+    assert len(set(anywhere)) == 3 and all(port > 0 for port in anywhere)
+    assert ports.ephemeral_range("/nonexistent/ip_local_port_range") is None

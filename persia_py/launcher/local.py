@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -47,6 +46,7 @@ from persia_py.env import job_env
 from persia_py.launcher import job_token
 from persia_py.launcher.job_roles import Role, job_roles
 from persia_py.launcher.lifeline import Lifeline
+from persia_py.launcher.ports import free_ports
 from persia_py.launcher.processes import descendants, die_with_parent
 from persia_py.launcher.recovery import (
     BatchCounts,
@@ -75,27 +75,13 @@ GRACEFUL_STOP_SEC = 300.0
 of large tables takes a while); a second SIGTERM stops everything at once."""
 
 
-
-
 class GracefulStop(Exception):
     """The launcher got SIGTERM: stop the training cleanly, then the other roles."""
+
+
 MAX_RESTARTS = 3
 """Restarts each role may make (``--max-restarts``): alone, or of the training
 (persia_py.launcher.recovery)."""
-
-
-def free_ports(count: int, host: str) -> list[int]:
-    """``count`` distinct ports that are free right now (bound to port 0, then released)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class LocalCluster:

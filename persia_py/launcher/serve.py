@@ -94,7 +94,8 @@ def _follow_dense(args: argparse.Namespace, slot: DenseModelSlot,
 
 def run_serve(args: argparse.Namespace) -> int:
     from persia_py.env import ENV_EMBEDDING_CONFIG, ENV_GLOBAL_CONFIG, ENV_PS_ADDRS
-    from persia_py.launcher.local import LocalCluster, Role, free_ports
+    from persia_py.launcher.local import LocalCluster, Role
+    from persia_py.launcher.ports import free_ports
     from persia_py.launcher.roles import validate_configs
 
     if args.num_ps < 1:
