@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import subprocess
 import sys
-import threading
 
 from persia_py.config import (
     ConfigError,
@@ -33,6 +31,7 @@ from persia_py.launcher import job_token
 from persia_py.launcher.local_ranks import run_ranks
 from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
+from persia_py.launcher.stop_signals import on_stop_signals, wait_for_stop_signal
 from persia_py.ops import allocator
 from persia_py.ops.final_errors import ENV_FINAL_CONFIG_ERRORS
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
@@ -84,53 +83,24 @@ def add_hold_flag(p: argparse.ArgumentParser) -> None:
                         "it into the same error again and again")
 
 
-_stopping = threading.Event()
-"""Set by SIGTERM or SIGINT, whichever handler takes it: one forwarded to a data loader's
-script that exits 78 at that moment still stops the hold that follows."""
-
-
-STOP_POLL_SEC = 0.5
-"""How often the main thread looks at :data:`_stopping` while it waits for a signal."""
-
-
-def _stop_event() -> threading.Event:
-    """An event that SIGTERM and SIGINT set from now on (set already if one came)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: _stopping.set())
-    return _stopping
-
-
-def _wait_for_signal(stop: threading.Event) -> None:
-    """Return once ``stop`` is set, i.e. once SIGTERM or SIGINT has come.
-
-    The wait is timed on purpose. Python runs a signal's handler on the main thread,
-    the next time that thread runs bytecode; the kernel may hand the signal to any of
-    the process's threads (gRPC's, numba's: those are most of them), and then nothing
-    interrupts the main thread's untimed lock wait, which sleeps through the signal
-    until its supervisor kills it (seen as "did not stop within 10 s of SIGTERM", in a
-    few runs in a hundred under load)."""
-    while not stop.wait(STOP_POLL_SEC):
-        pass
-
-
 def hold_after_config_error(command: str) -> int:
     """``--hold-on-config-error``: the role ``command`` stopped on a config error (its
     message printed); wait for SIGTERM or SIGINT, then return :data:`CONFIG_EXIT_CODE`.
     A StatefulSet restarts its pods whatever their exit code, and a restart would meet
     the same error: the pod holds until the job is deleted, or fixed and applied again."""
-    stop = _stop_event()
+    on_stop_signals()
     print(f"persia-launcher {command}: stopped on a config error (code {CONFIG_EXIT_CODE}; "
           "its message is above); holding instead of exiting, so that its supervisor does "
           "not restart it into the same error: fix the config and apply the job again, or "
           f"delete it (exits {CONFIG_EXIT_CODE} on SIGTERM)", file=sys.stderr, flush=True)
-    _wait_for_signal(stop)
+    wait_for_stop_signal()
     return CONFIG_EXIT_CODE
 
 
 def _serve_until_signal(server, what: str) -> int:
-    stop = _stop_event()
+    on_stop_signals()
     print(f"{what} ready", flush=True)
-    _wait_for_signal(stop)
+    wait_for_stop_signal()
     server.stop(grace=2.0).wait(10.0)
     return 0
 
@@ -257,12 +227,7 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
     process (persia_py/launcher/lifeline.py)."""
     child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
 
-    def forward(signum, _frame):
-        _stopping.set()
-        child.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
+    on_stop_signals(also=child.send_signal)  # Popen's poll in it takes no lock if busy
     return child.wait()
 
 
