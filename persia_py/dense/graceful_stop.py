@@ -16,7 +16,9 @@ a collective the others do not make.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -45,7 +47,9 @@ class StopOnSignal(WorldJoinable):
                  signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> None:
         self._device = device
         self._signals = signals
-        self._requested = threading.Event()
+        # A plain flag, no Event: the handler runs between any two bytecodes of the main
+        # thread, and Event.set would wait for a lock that thread may hold (request()).
+        self._requested = False
         self._previous: dict[signal.Signals, _Handler] = {}
         self.stopped = False
         """Every rank agreed to stop (after :meth:`agreed` returned True)."""
@@ -64,20 +68,21 @@ class StopOnSignal(WorldJoinable):
         self._previous.clear()
 
     def _on_signal(self, signum, _frame) -> None:
-        if not self._requested.is_set():
-            # print, not the logger: a handler may run while the logger holds its lock.
-            print(f"{signal.Signals(signum).name}: stopping after the current step "
-                  "(final checkpoint follows)", flush=True)
-        self._requested.set()
+        if not self._requested:
+            # A raw write, neither print nor the logger: the handler may run while the
+            # main thread holds stdout's lock or the logger's, and would fail or hang.
+            _write_out(f"{signal.Signals(signum).name}: stopping after the current step "
+                       "(final checkpoint follows)\n")
+        self._requested = True
 
     def request(self) -> None:
         """Ask to stop, as the signal does (for code that decides to stop by itself)."""
-        self._requested.set()
+        self._requested = True
 
     @property
     def requested(self) -> bool:
         """This rank was asked to stop (the ranks may not have agreed yet)."""
-        return self._requested.is_set()
+        return self._requested
 
     def agreed(self) -> bool:
         """After a training step: whether any rank was asked to stop (then all stop)."""
@@ -94,6 +99,14 @@ class StopOnSignal(WorldJoinable):
 
     def join_hook(self, **kwargs) -> JoinHook:
         return _AgreeJoinHook(self)
+
+
+def _write_out(text: str) -> None:
+    """``text`` onto standard output's file descriptor, in one system call."""
+    try:
+        os.write(sys.stdout.fileno(), text.encode())
+    except (OSError, ValueError, AttributeError):  # no descriptor there (a test's capture)
+        pass
 
 
 class _AgreeJoinHook(JoinHook):

@@ -33,8 +33,8 @@ then exits 78 still ends the hold that follows."""
 
 
 def on_stop_signals(also: Callable[[int], None] | None = None) -> None:
-    """From now on SIGTERM and SIGINT are noted (:func:`stop_requested`), and passed to
-    ``also`` (which must take no lock the main thread may hold, as the handler)."""
+    """From now on SIGTERM and SIGINT are noted (for :func:`wait_for_stop_signal`), and
+    passed to ``also`` (which must take no lock the main thread may hold, as the handler)."""
     def handler(signum: int, _frame: object) -> None:
         _taken.append(signum)
         if also is not None:
@@ -42,11 +42,6 @@ def on_stop_signals(also: Callable[[int], None] | None = None) -> None:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
-
-
-def stop_requested() -> bool:
-    """Whether SIGTERM or SIGINT has come since :func:`on_stop_signals`."""
-    return bool(_taken)
 
 
 def wait_for_stop_signal() -> None:
