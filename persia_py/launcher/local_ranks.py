@@ -33,6 +33,7 @@ import sys
 import time
 from datetime import timedelta
 
+from persia_py.launcher import stop_signals
 from persia_py.launcher.loopback import LOOPBACK
 from persia_py.launcher.processes import die_with_parent, failure, rank_failed_file
 from persia_py.ops.final_errors import CONFIG_EXIT_CODE, ENV_RANK_FAILED_FILE, RANK_CONFIG_ERROR
@@ -93,6 +94,7 @@ def run_ranks(script: list[str], nproc: int, env: dict[str, str], *, port: int =
     """Run ``nproc`` ranks of ``script`` (its path and arguments) in the foreground, their
     store on ``LOOPBACK:port`` (0: any free port); return the node's code (the module
     docstring says which)."""
+    stop_signals.on_stop_signals()  # read by the watch (persia_py/launcher/stop_signals.py)
     store = _Store(port)
     python = os.getenv("PYTHON_EXEC", sys.executable)
     with rank_failed_file() as failed_file:
@@ -103,7 +105,6 @@ def run_ranks(script: list[str], nproc: int, env: dict[str, str], *, port: int =
                                   start_new_session=True, preexec_fn=die_with_parent())
                  for r in range(nproc)]
         stop_with = signal.SIGTERM
-        _on_signals(ranks, interrupt=True)
         try:
             if nproc > 1:  # they will dial it (TrainCtx does): made while they start
                 store.host()
@@ -111,40 +112,40 @@ def run_ranks(script: list[str], nproc: int, env: dict[str, str], *, port: int =
         except _Interrupted:
             stop_with = signal.SIGINT
             return 1
-        finally:
-            _on_signals(ranks, interrupt=False)  # a second Ctrl-C must not cut the stop short
+        finally:  # a second Ctrl-C does not cut the stop short: signals are only noted
             _stop(ranks, stop_with)
             store.close()
 
 
-def _on_signals(ranks: list[subprocess.Popen], *, interrupt: bool) -> None:
+def _forward(ranks: list[subprocess.Popen], signals: list[int]) -> None:
     """SIGTERM goes to the ranks: one that stops cleanly on it (TrainCtx(stop_on_signal=True))
-    exits 0, and the node with it. SIGINT ends the watch (``interrupt``), as it ends
-    torchrun's, or, while the ranks are being stopped, is passed on to them."""
-    def forward(signum, _frame):
-        if signum == signal.SIGINT and interrupt:
+    exits 0, and the node with it. SIGINT ends the watch, as it ends torchrun's."""
+    for signum in signals:
+        if signum == signal.SIGINT:
             raise _Interrupted
         for rank in ranks:
             if rank.returncode is None:
                 _signal(rank.pid, signum, group=False)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
 
 
 def _watch(ranks: list[subprocess.Popen], store: _Store, failed_file: str) -> int:
     """Wait for every rank to exit 0 (0) or one to fail (the code of :func:`_failed`);
     host the store once a rank dials it."""
     with selectors.DefaultSelector() as events:
+        events.register(stop_signals.wakeup_fd(), selectors.EVENT_READ, "signals")
+        forwarded = 0
         if store.store is None:
             events.register(store.listener, selectors.EVENT_READ, None)
         for rank in ranks:  # a pidfd reads as ready once its process exited
             events.register(os.pidfd_open(rank.pid), selectors.EVENT_READ, rank)
         try:
             while any(rank.returncode is None for rank in ranks):
-                # Timed: a signal the kernel hands to another thread (the store's) would
-                # not wake an untimed select, nor run ``forward`` until a rank exits.
-                for key, _ in events.select(timeout=1.0):
+                for key, _ in events.select(timeout=stop_signals.STOP_POLL_SEC):
+                    if key.data == "signals":
+                        signals = stop_signals.taken()
+                        _forward(ranks, signals[forwarded:])
+                        forwarded = len(signals)
+                        continue
                     events.unregister(key.fileobj)
                     if key.data is None:
                         store.host()
@@ -154,7 +155,7 @@ def _watch(ranks: list[subprocess.Popen], store: _Store, failed_file: str) -> in
                         return _failed(ranks.index(key.data), code, failure(failed_file))
         finally:
             for key in list(events.get_map().values()):
-                if key.data is not None:
+                if isinstance(key.data, subprocess.Popen):
                     os.close(key.fd)
     return 0
 

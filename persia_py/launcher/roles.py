@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ from persia_py.env import (
     ENV_PS_ADDRS,
     PersiaEnv,
 )
-from persia_py.launcher import job_token
+from persia_py.launcher import job_token, stop_signals
 from persia_py.launcher.local_ranks import run_ranks
 from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
@@ -225,10 +226,21 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
 def _run_child(command: list[str], env: dict[str, str]) -> int:
     """Run a child in the foreground; pass SIGTERM/SIGINT on to it. It dies with this
     process (persia_py/launcher/lifeline.py)."""
+    on_stop_signals()
     child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
-
-    on_stop_signals(also=child.send_signal)  # Popen's poll in it takes no lock if busy
-    return child.wait()
+    exited = os.pidfd_open(child.pid)  # readable once the child has exited
+    try:
+        forwarded = 0
+        while child.poll() is None:
+            select.select([exited, stop_signals.wakeup_fd()], [], [],
+                          stop_signals.STOP_POLL_SEC)
+            signals = stop_signals.taken()
+            for sig in signals[forwarded:]:
+                child.send_signal(sig)
+            forwarded = len(signals)
+        return child.returncode
+    finally:
+        os.close(exited)
 
 
 def _user_env(args: argparse.Namespace) -> dict[str, str]:
