@@ -43,7 +43,7 @@ from collections.abc import Callable
 from persia_py.checkpoint import rewind
 from persia_py.config import load_global_config
 from persia_py.env import job_env
-from persia_py.launcher import job_token
+from persia_py.launcher import job_token, stop_signals
 from persia_py.launcher.job_roles import Role, job_roles
 from persia_py.launcher.lifeline import Lifeline
 from persia_py.launcher.ports import free_ports
@@ -255,7 +255,7 @@ class LocalCluster:
         self.log("training stopped" + ("" if code == 0 else f" with code {code}"))
         return code
 
-    def supervise(self, stop: threading.Event) -> int:
+    def supervise(self, stop: threading.Event | stop_signals.Requested) -> int:
         """Keep long-running roles (servers) up until ``stop`` is set.
 
         A role that dies is restarted when it may be (see ``Role.restart``); otherwise its

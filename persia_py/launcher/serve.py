@@ -7,9 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -20,6 +18,7 @@ from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.dense_export import DenseFollower, DenseModelSlot
 from persia_py.config import CommonConfig, load_global_config
 from persia_py.ctx import InferCtx
+from persia_py.launcher import stop_signals
 from persia_py.launcher.role_kinds import EMBEDDING_WORKER, PARAMETER_SERVER
 from persia_py.ops import safe_files
 from persia_py.serving import (
@@ -37,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 def _wait_for_roles(cluster, addresses: list[str], common: CommonConfig,
-                    stop: threading.Event) -> bool:
+                    stop: stop_signals.Requested) -> bool:
     """Wait until every address accepts connections; False if ``stop`` was set first.
     A role that exits meanwhile (e.g. a checkpoint it cannot load) ends the wait."""
     deadline = time.monotonic() + common.startup_timeout_sec
@@ -135,9 +134,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                                    "--port", str(ew_port), "--bind", host,
                                                    *insecure], kind=EMBEDDING_WORKER))
     cluster = LocalCluster(roles, env)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_signals.on_stop_signals()  # read from a descriptor (persia_py/launcher/stop_signals.py)
+    stop = stop_signals.Requested()
     try:
         cluster.start()
         ew_addr = f"{host}:{ew_port}"

@@ -76,3 +76,11 @@ def wait_for_stop_signal() -> int:
     while not (signals := taken()):
         select.select([wakeup_fd()], [], [], STOP_POLL_SEC)
     return signals[0]
+
+
+class Requested:
+    """Reads as an Event's ``is_set``, for loops that poll one: whether SIGTERM or SIGINT
+    has come (after :func:`on_stop_signals`)."""
+
+    def is_set(self) -> bool:
+        return bool(taken())
