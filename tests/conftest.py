@@ -127,9 +127,12 @@ def stop_all(procs: Sequence[RoleProcess]) -> None:
             proc.stop()
 
 
-AUC_TOLERANCE = 0.005
+AUC_TOLERANCE = 0.01
 """How far a job's test AUC may lie from the range of the same job's runs without the
-thing under test (faults, several hosts)."""
+thing under test (several hosts). At 0.005 the three-host job fell outside in about one
+full suite run in five or six (0.79833, 0.79917, 0.80109 against runs of 0.804-0.809,
+each 0.0005-0.003 past the bound); a job that did not train like one
+machine would lie much further off (chance is 0.5)."""
 MAX_REFERENCE_RUNS = 3
 
 

@@ -103,6 +103,19 @@ _SIGNALS_ON_ANOTHER_THREAD = textwrap.dedent("""
         stop_signals._taken.clear()
         os.system(f"kill -TERM {os.getpid()}")  # from another process, as a supervisor's
         assert stop_signals.wait_for_stop_signal() == signal.SIGTERM
+    # And taken by a Python thread (pthread_kill: to that thread), many times, so that
+    # the handler's run lands anywhere in the main thread's wait.
+    for _ in range(10 * ROUNDS):
+        stop_signals._taken.clear()
+        go = threading.Event()
+        def take_it():
+            go.wait()
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        taker = threading.Thread(target=take_it)
+        taker.start()
+        go.set()
+        assert stop_signals.wait_for_stop_signal() == signal.SIGINT
+        taker.join()
     print("stopped", ROUNDS, "times", flush=True)
 """)
 

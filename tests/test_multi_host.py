@@ -182,7 +182,7 @@ def test_three_hosts_train_like_one_machine(emulated_hosts, tmp_path) -> None:
     dl_args, nn_args = parsed["b"][0], parsed["b"][1]
 
     # The same job on one machine: same config, data, roles and ranks; the 3-host job's
-    # AUC lies within 0.005 of the range of its runs (conftest.auc_like_reference).
+    # AUC lies within conftest.AUC_TOLERANCE of the range of its runs (auc_like_reference).
     def start_one_machine(name: str) -> RoleProcess:
         return RoleProcess(launcher_command(
             "local", "--nn-worker", str(EXAMPLE / "train.py"),
