@@ -133,7 +133,7 @@ def _watch(ranks: list[subprocess.Popen], store: _Store, failed_file: str) -> in
     host the store once a rank dials it."""
     with selectors.DefaultSelector() as events:
         events.register(stop_signals.wakeup_fd(), selectors.EVENT_READ, "signals")
-        forwarded = 0
+        unread = stop_signals.Unread()
         if store.store is None:
             events.register(store.listener, selectors.EVENT_READ, None)
         for rank in ranks:  # a pidfd reads as ready once its process exited
@@ -142,9 +142,7 @@ def _watch(ranks: list[subprocess.Popen], store: _Store, failed_file: str) -> in
             while any(rank.returncode is None for rank in ranks):
                 for key, _ in events.select(timeout=stop_signals.STOP_POLL_SEC):
                     if key.data == "signals":
-                        signals = stop_signals.taken()
-                        _forward(ranks, signals[forwarded:])
-                        forwarded = len(signals)
+                        _forward(ranks, unread.new())
                         continue
                     events.unregister(key.fileobj)
                     if key.data is None:

@@ -32,7 +32,6 @@ from persia_py.launcher import job_token, stop_signals
 from persia_py.launcher.local_ranks import run_ranks
 from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
-from persia_py.launcher.stop_signals import on_stop_signals, wait_for_stop_signal
 from persia_py.ops import allocator
 from persia_py.ops.final_errors import ENV_FINAL_CONFIG_ERRORS
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
@@ -89,19 +88,19 @@ def hold_after_config_error(command: str) -> int:
     message printed); wait for SIGTERM or SIGINT, then return :data:`CONFIG_EXIT_CODE`.
     A StatefulSet restarts its pods whatever their exit code, and a restart would meet
     the same error: the pod holds until the job is deleted, or fixed and applied again."""
-    on_stop_signals()
+    stop_signals.on_stop_signals()
     print(f"persia-launcher {command}: stopped on a config error (code {CONFIG_EXIT_CODE}; "
           "its message is above); holding instead of exiting, so that its supervisor does "
           "not restart it into the same error: fix the config and apply the job again, or "
           f"delete it (exits {CONFIG_EXIT_CODE} on SIGTERM)", file=sys.stderr, flush=True)
-    wait_for_stop_signal()
+    stop_signals.wait_for_stop_signal()
     return CONFIG_EXIT_CODE
 
 
 def _serve_until_signal(server, what: str) -> int:
-    on_stop_signals()
+    stop_signals.on_stop_signals()
     print(f"{what} ready", flush=True)
-    wait_for_stop_signal()
+    stop_signals.wait_for_stop_signal()
     server.stop(grace=2.0).wait(10.0)
     return 0
 
@@ -226,18 +225,16 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
 def _run_child(command: list[str], env: dict[str, str]) -> int:
     """Run a child in the foreground; pass SIGTERM/SIGINT on to it. It dies with this
     process (persia_py/launcher/lifeline.py)."""
-    on_stop_signals()
+    stop_signals.on_stop_signals()
     child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
     exited = os.pidfd_open(child.pid)  # readable once the child has exited
     try:
-        forwarded = 0
+        unread = stop_signals.Unread()
         while child.poll() is None:
             select.select([exited, stop_signals.wakeup_fd()], [], [],
                           stop_signals.STOP_POLL_SEC)
-            signals = stop_signals.taken()
-            for sig in signals[forwarded:]:
+            for sig in unread.new():
                 child.send_signal(sig)
-            forwarded = len(signals)
         return child.returncode
     finally:
         os.close(exited)

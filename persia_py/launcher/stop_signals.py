@@ -71,6 +71,19 @@ def taken() -> list[int]:
     return list(_taken)
 
 
+class Unread:
+    """Hands out each stop signal once, for a loop that passes them on: :meth:`new`
+    returns those taken since its last call."""
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    def new(self) -> list[int]:
+        signals = taken()
+        fresh, self._count = signals[self._count:], len(signals)
+        return fresh
+
+
 def wait_for_stop_signal() -> int:
     """The first stop signal, once one has come (at once if one has)."""
     while not (signals := taken()):
