@@ -1,7 +1,7 @@
 """A config error that ends a user's script started by persia-launcher before its role made
 progress ends the role for good (persia_py/ops/final_errors.py): exit code 78, and on an
 NN-worker rank a line in the rank-failed file that makes ``persia-launcher nn-worker``
-stop torchrun. Any other error, one after progress, or one in a process the launcher did
+stop torchrun. A data error (input that cannot be parsed) is final at any time: exit 65. Any other error, one after progress, or one in a process the launcher did
 not start, exits as usual (1)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 from persia_py.ops.final_errors import (
     CONFIG_EXIT_CODE,
+    DATA_EXIT_CODE,
     ENV_FINAL_CONFIG_ERRORS,
     ENV_MAX_RESTARTS,
     ENV_RANK_FAILED_FILE,
@@ -57,6 +58,12 @@ def _script(body: str) -> list[str]:
     # After the first training step (or batch sent), even a config error is not one at start.
     ("made_progress()\nraise ConfigError('own.yml: late')", 1),
     ("made_progress()\nCtx(buffer_size=0)", 1),
+    # Input that cannot be parsed: final in a data loader, before progress or after.
+    ("from persia_py.input.readers import BadRecordError\n"
+     "raise BadRecordError('a.csv', 3, \"column 'x': 'abc' is not a valid float\")",
+     DATA_EXIT_CODE),
+    ("from persia_py.ops.final_errors import DataError\nmade_progress()\n"
+     "raise DataError('b.csv: row 9: column y: bad')", DATA_EXIT_CODE),
     # Caught and handled: no effect.
     ("try:\n    Ctx(buffer_size=0)\nexcept ValueError:\n    pass", 0),
 ])
@@ -64,7 +71,11 @@ def test_an_uncaught_config_error_before_progress_exits_78(body: str, code: int)
     done = subprocess.run(_script(body), env=_env(**{ENV_FINAL_CONFIG_ERRORS: "1"}),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == code, done.stderr
-    if code:  # the traceback, as without the hook
+    if code == DATA_EXIT_CODE:  # where the data is wrong, without a traceback
+        assert done.stderr.startswith("data error: ") and ".csv: row " in done.stderr, \
+            done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+    elif code:  # the traceback, as without the hook
         assert done.stderr.startswith("Traceback (most recent call last):"), done.stderr
 
 

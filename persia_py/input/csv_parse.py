@@ -29,7 +29,14 @@ import numpy as np
 
 from persia_py.ids import hash_values
 from persia_py.ids.routing import RESERVED_ID
-from persia_py.input.readers import BadRecordError, CsvBatch, CsvColumn, CsvReaderConfig, record_too_long
+from persia_py.input.readers import (
+    BadRecordError,
+    CsvBatch,
+    CsvColumn,
+    CsvReaderConfig,
+    field_count_error,
+    record_too_long,
+)
 
 _NEWLINE, _CR, _QUOTE = ord("\n"), ord("\r"), ord('"')
 _SLACK = 4
@@ -120,7 +127,7 @@ def _split_fields(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, lines: 
     bad = np.flatnonzero(counts != num_fields)
     if bad.size:
         raise BadRecordError(path, int(lines[bad[0]]),
-                             f"{int(counts[bad[0]])} fields, expected {num_fields}")
+                             field_count_error(int(counts[bad[0]]), config))
     inner = delims.reshape(ends.size, num_fields - 1)
     return (np.concatenate([starts[:, None], inner + 1], axis=1),
             np.concatenate([inner, ends[:, None]], axis=1))

@@ -32,14 +32,17 @@ import numpy as np
 from persia_py.ids import hash_values
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.input.reader_share import ReaderShare
+from persia_py.ops.final_errors import DataError
 
 logger = logging.getLogger(__name__)
 _FLOAT32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)
 """The smallest magnitude a float64 rounds to infinity at in float32."""
 
 
-class BadRecordError(ValueError):
-    """A malformed record; the message names the file and the row."""
+class BadRecordError(DataError):
+    """A malformed record; the message names the file and the row (and the column, where
+    one field is wrong). A :class:`~persia_py.ops.final_errors.DataError`: final in a data
+    loader."""
 
     def __init__(self, path: str, row: int, reason: str) -> None:
         super().__init__(f"{path}: row {row}: {reason}")
@@ -51,6 +54,17 @@ def record_too_long(limit: int, num_bytes: int | None = None) -> str:
     size = f"more than {limit}" if num_bytes is None else str(num_bytes)
     return (f"a line of {size} bytes, over max_record_bytes ({limit}); raise "
             "CsvReaderConfig(max_record_bytes=...) if such records are meant")
+
+
+def field_count_error(found: int, config: CsvReaderConfig) -> str:
+    """The reason of a :class:`BadRecordError` for a record of ``found`` fields: which
+    column is missing, or that fields past the last column are extra."""
+    names = [c.name for c in config.columns]
+    if found < len(names):
+        where = f"no field for column {names[found]!r} or after it"
+    else:
+        where = f"{found - len(names)} field(s) after the last column {names[-1]!r}"
+    return f"{found} fields, expected {len(names)} ({', '.join(names)}): {where}"
 
 
 def check_header(config: CsvReaderConfig, fields: list[str], path: str) -> None:
@@ -270,7 +284,7 @@ class CsvReader:
     def _parse(self, fields: list[str]) -> list:
         columns = self.config.columns
         if len(fields) != len(columns):
-            raise ValueError(f"{len(fields)} fields, expected {len(columns)}")
+            raise ValueError(field_count_error(len(fields), self.config))
         parsed: list = []
         value: float | list[int]
         for column, text in zip(columns, fields):

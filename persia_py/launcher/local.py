@@ -64,6 +64,7 @@ from persia_py.launcher.role_kinds import (
 from persia_py.launcher.roles import validate_configs
 from persia_py.launcher.run_folder import make_run_folder, remove_update_logs
 from persia_py.ops import allocator
+from persia_py.ops.final_errors import DATA_EXIT_CODE
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
 from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import LauncherMetrics, serve_metrics
@@ -154,6 +155,8 @@ class LocalCluster:
             self.log(f"{role.name} stopped on a config error ({how}; its message is above); "
                      "not restarting it: it would stop the same way")
             return False
+        if code == DATA_EXIT_CODE and role.kind is DATA_LOADER:
+            return False  # _watch ends the job once its batches are trained
         if role.restart is None:
             return self.restart_training is not None and self.restart_training(role, how)
         # Asked to exit by NN ranks that torchrun restarted (Restart, Rewind:
@@ -212,13 +215,21 @@ class LocalCluster:
             self.stop()
 
     def _watch(self) -> int:
+        data_errors: list[Role] = []
         while True:
             self._exited.wait(timeout=1.0)
             self._exited.clear()
             nn = [r for r in self.roles if r.kind is NN_WORKER]
             for role in self.roles:
                 code = role.started.poll()
-                if code is None:
+                if code is None or role in data_errors:
+                    continue
+                if code == DATA_EXIT_CODE and role.kind is DATA_LOADER:
+                    data_errors.append(role)
+                    self.log(f"{role.name} stopped on a data error (code {code}; its message "
+                             "is above) after every batch it made was trained; not restarting "
+                             "it: it would stop the same way. The job ends with code "
+                             f"{code}; fix or remove the input and run the same command again")
                     continue
                 if code != 0:
                     if self._try_restart(role, code):
@@ -230,6 +241,11 @@ class LocalCluster:
                     return 1
             if all(r.started.poll() == 0 for r in nn):
                 return self._finish()
+            if data_errors and any(r.started.poll() is None for r in self.roles
+                                   if r.kind is DATA_LOADER):
+                # The other loaders' streams go on: the training stops as on SIGTERM, its
+                # final checkpoint holding every batch the failed loader made.
+                return self.stop_training() or DATA_EXIT_CODE
 
     def stop_training(self) -> int:
         """SIGTERM the NN workers alone and wait for them: with
@@ -284,6 +300,10 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     self.log(f"{role.name} still running 60s after training ended")
                     return 1
+                if code == DATA_EXIT_CODE:
+                    self.log("training finished: every batch made before the data error was "
+                             f"trained; the job ends with code {code}")
+                    return code
                 if code != 0:
                     self.log(f"{role.name} exited with code {code}")
                     return code
@@ -292,8 +312,18 @@ class LocalCluster:
 
     def stop(self, roles: list[Role] | None = None) -> None:
         """SIGTERM the processes of ``roles`` (all) and their children; SIGKILL what is
-        left after a grace period."""
-        roles = self.roles if roles is None else roles
+        left after a grace period. All of them: the NN workers first, while the servers
+        their last step and final checkpoint need still run."""
+        if roles is None:
+            self._stop([r for r in self.roles if r.kind is NN_WORKER])
+            self._stop([r for r in self.roles if r.kind is not NN_WORKER])
+            if self._lifeline is not None:
+                self._lifeline.close()  # every role is gone; a later spawn makes a new one
+                self._lifeline = None
+        else:
+            self._stop(roles)
+
+    def _stop(self, roles: list[Role]) -> None:
         pids = []
         for role in roles:
             if role.process is not None and role.process.poll() is None:
@@ -325,9 +355,6 @@ class LocalCluster:
                 role.process.wait()
             if role.reader is not None:
                 role.reader.join(timeout=5.0)
-        if roles is self.roles and self._lifeline is not None:
-            self._lifeline.close()  # every role is gone; a later spawn makes a new one
-            self._lifeline = None
 
 
 def run_local(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 
@@ -224,7 +225,8 @@ def run_embedding_worker(args: argparse.Namespace) -> int:
 
 def _run_child(command: list[str], env: dict[str, str]) -> int:
     """Run a child in the foreground; pass SIGTERM/SIGINT on to it. It dies with this
-    process (persia_py/launcher/lifeline.py)."""
+    process (persia_py/launcher/lifeline.py); this process ends as it did (its exit code,
+    or the signal that killed it)."""
     stop_signals.on_stop_signals()
     child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent())
     exited = os.pidfd_open(child.pid)  # readable once the child has exited
@@ -235,9 +237,16 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
                           stop_signals.STOP_POLL_SEC)
             for sig in unread.new():
                 child.send_signal(sig)
-        return child.returncode
     finally:
         os.close(exited)
+    if child.returncode < 0:
+        # Killed by a signal: end by the same one, so that the supervisor says what
+        # killed the script (an exit code of -9 would read as 247).
+        if -child.returncode != signal.SIGKILL:  # whose disposition cannot change
+            signal.signal(-child.returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -child.returncode)
+        return 128 - child.returncode  # a signal that does not end a process
+    return child.returncode
 
 
 def _user_env(args: argparse.Namespace) -> dict[str, str]:

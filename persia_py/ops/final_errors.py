@@ -25,6 +25,14 @@ batch sent. An error after it, a config error too, is an ordinary failure: the r
 restarted and goes on from its progress (a checkpoint, its handover log). A network
 error is never a config error (none is a ConfigError, nor raised inside
 :func:`refusals_are_config_errors` as a ValueError or TypeError).
+
+A :class:`DataError` (input that cannot be parsed: a bad value, a missing or extra
+column, bad encoding; :class:`persia_py.input.readers.BadRecordError` is one) is final
+at any time in a data loader: the same input is there again after a restart. Its
+``DataCtx`` ends the stream for the NN workers, so every batch made before it is
+trained (and, online, checkpointed), then the process prints the error, which names the
+file, row and column, and exits :data:`DATA_EXIT_CODE`. ``persia-launcher`` never
+restarts it: fixed or removed, the same command goes on from the checkpoint.
 """
 
 from __future__ import annotations
@@ -40,13 +48,16 @@ from types import TracebackType
 # Only the standard library below: every import of persia_py loads this module.
 from persia_py.ops.private_files import append_private
 
-__all__ = ["CONFIG_EXIT_CODE", "RANK_CONFIG_ERROR", "config_errors_are_final",
-           "install_from_environ", "is_config_error", "made_progress",
-           "refusals_are_config_errors", "report_failure"]
+__all__ = ["CONFIG_EXIT_CODE", "DATA_EXIT_CODE", "DataError", "RANK_CONFIG_ERROR",
+           "config_errors_are_final", "install_from_environ", "is_config_error",
+           "made_progress", "refusals_are_config_errors", "report_failure"]
 
 CONFIG_EXIT_CODE = 78
 """Exit code of a role that stopped on a config error (``EX_CONFIG`` of sysexits.h):
 final, never restarted."""
+DATA_EXIT_CODE = 65
+"""Exit code of a data loader that stopped on input it cannot parse (``EX_DATAERR`` of
+sysexits.h, :class:`DataError`): final, never restarted."""
 RANK_CONFIG_ERROR = "stopped on a config error"
 """What an NN-worker rank's line in ``$PERSIA_RANK_FAILED_FILE`` says when it stopped on
 a config error before its first training step (its script's, or ``TrainCtx``'s refusal
@@ -69,6 +80,13 @@ started with no restarts (:data:`ENV_MAX_RESTARTS` ``0``) exits at once: its lau
 reads the file when it sees the rank exit (persia_py/launcher/local_ranks.py)."""
 ENV_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 """torchrun's restarts of this rank (``0``: none)."""
+
+
+class DataError(ValueError):
+    """Input a data loader cannot parse; the message says where (file, row, column).
+    Final: raised uncaught in a data loader ``persia-launcher`` started, it ends the
+    loader with :data:`DATA_EXIT_CODE` after the batches made before it are trained
+    (module docstring). A user's own reader may raise it too."""
 
 
 def report_failure(rank: int, exc: BaseException, *, config: bool = False) -> None:
@@ -120,16 +138,25 @@ def is_config_error(exc: BaseException) -> bool:
             or getattr(exc, _MARK, False) is True)
 
 
-class _StopForGood:
-    """``sys.excepthook`` of a user's script until it made progress."""
+class _FinalErrors:
+    """``sys.excepthook`` of a user's script that ``persia-launcher`` started: a config
+    error before progress, or a data error in a data loader, ends it for good."""
 
     def __init__(self, previous: Callable[..., object]) -> None:
         self.previous = previous
+        self.progress = False
 
     def __call__(self, exc_type: type[BaseException], exc: BaseException,
                  tb: TracebackType | None) -> None:
+        if isinstance(exc, DataError) and not os.environ.get(ENV_RANK_FAILED_FILE):
+            # Where the data is wrong is the whole message: no traceback into the reader.
+            print(f"data error: {exc}\nthe data loader stops for good (exit code "
+                  f"{DATA_EXIT_CODE}) after the batches made before it are trained: fix or "
+                  "remove the input, then run the same command again (it goes on from the "
+                  "last checkpoint)", file=sys.stderr, flush=True)
+            raise SystemExit(DATA_EXIT_CODE)
         self.previous(exc_type, exc, tb)  # the traceback, as without this hook
-        if not is_config_error(exc):
+        if self.progress or not is_config_error(exc):
             return
         if os.environ.get(ENV_RANK_FAILED_FILE):
             report_failure(int(os.environ.get("RANK", "0") or 0), exc, config=True)
@@ -143,15 +170,16 @@ class _StopForGood:
 def install_from_environ() -> None:
     """In a process ``persia-launcher`` started for a user's script
     (``$PERSIA_FINAL_CONFIG_ERRORS``), make an uncaught config error end it with
-    ``CONFIG_EXIT_CODE`` until :func:`made_progress`; elsewhere, nothing."""
+    ``CONFIG_EXIT_CODE`` until :func:`made_progress`, and a data error with
+    ``DATA_EXIT_CODE`` (not on an NN rank); elsewhere, nothing."""
     if os.environ.get(ENV_FINAL_CONFIG_ERRORS) and not isinstance(sys.excepthook,
-                                                                  _StopForGood):
-        sys.excepthook = _StopForGood(sys.excepthook)
+                                                                  _FinalErrors):
+        sys.excepthook = _FinalErrors(sys.excepthook)
 
 
 def made_progress() -> None:
     """The role made progress (a rank's training step, a loader's batch sent): from now on
     an uncaught config error is an ordinary failure, which the role's supervisor may
     restart. Cheap, and nothing after the first call."""
-    if isinstance(sys.excepthook, _StopForGood):
-        sys.excepthook = sys.excepthook.previous
+    if isinstance(sys.excepthook, _FinalErrors):
+        sys.excepthook.progress = True

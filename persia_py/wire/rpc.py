@@ -30,7 +30,13 @@ logger = logging.getLogger(__name__)
 _MAX_QUEUED_PER_WORKER = 8
 """Calls a server accepts at once, per worker thread (running plus queued)."""
 
-RETRYABLE = frozenset([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
+RETRYABLE = frozenset([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       grpc.StatusCode.CANCELLED])
+"""Codes an idempotent call is retried on. CANCELLED: a server that stops (its process
+dying, or restarting) cancels the calls it holds, such as an NN worker's long poll for
+its next batch; the role is restarted and answers again, so to the caller it is an
+outage like UNAVAILABLE, not a reason to fail."""
+_GONE = frozenset([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
 
 
 class NotFound(LookupError):
@@ -229,6 +235,11 @@ def _over_size_limit(exc: grpc.RpcError) -> bool:
             and "larger than max" in (exc.details() or ""))
 
 
+def _closed_here(exc: grpc.RpcError) -> bool:
+    """Whether a CANCELLED call was cancelled by this side closing its channel."""
+    return "channel closed" in (exc.details() or "").lower()
+
+
 def call(
     method: Callable[..., Any],
     request: Any,
@@ -238,7 +249,7 @@ def call(
     what: str,
     outages: OutageLog | None = None,
 ) -> Any:
-    """Call ``method`` with a deadline; retry idempotent calls on UNAVAILABLE/RESOURCE_EXHAUSTED.
+    """Call ``method`` with a deadline; retry idempotent calls on :data:`RETRYABLE` codes.
 
     Retries back off exponentially (10 ms .. 1 s) until ``timeout`` seconds have
     passed in all; then the last error is raised. Non-idempotent calls are retried
@@ -257,9 +268,11 @@ def call(
             answer = method(request, timeout=max(remaining, 0.001), wait_for_ready=False)
         except grpc.RpcError as exc:
             code = exc.code()
-            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if code not in (*_GONE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 outages.recovered(what)  # the server answered
             retryable = code in RETRYABLE if idempotent else code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if code == grpc.StatusCode.CANCELLED and _closed_here(exc):
+                raise  # this client closed its channel: nobody is left to wait
             if _over_size_limit(exc):  # the same message would be refused again
                 logger.error("%s: %s; raise common_config.max_message_bytes on both sides "
                              "or send smaller batches", what, exc.details())
@@ -271,7 +284,7 @@ def call(
                     logger.warning("%s did not answer within %.0f s "
                                    "(common_config.rpc_timeout_sec)", what, timeout)
                 raise
-            if code == grpc.StatusCode.UNAVAILABLE:
+            if code in _GONE:
                 outages.failed(what, exc.details(), timeout)
             logger.debug("%s: %s (%s), retrying in %.2fs", what, code.name, exc.details(), delay)
             time.sleep(delay)

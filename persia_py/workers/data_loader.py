@@ -23,7 +23,7 @@ from persia_py.config.checks import check_type
 from persia_py.embedding.data import PersiaBatch
 from persia_py.env import ENV_EMBEDDING_WORKER_ADDRS, PersiaEnv
 from persia_py.ids.positions import Position, batch_id
-from persia_py.ops.final_errors import config_errors_are_final, made_progress
+from persia_py.ops.final_errors import DataError, config_errors_are_final, made_progress
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
 from persia_py.proto import data_loader_pb2 as pb
 from persia_py.telemetry.events import Event, emit
@@ -304,6 +304,24 @@ class DataCtx:
                     last_log = now
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        # The stream ends for the NN workers only when it really ended: its script's end,
+        # or input that cannot be parsed (a DataError, final: the batches made before it
+        # are trained, then the process exits DATA_EXIT_CODE). Any other error is a
+        # crash its restart goes on from (the handover log): ranks told the end now
+        # would stop training with the stream still going.
+        try:
+            if exc_type is None or isinstance(exc, DataError):
+                if exc is not None:
+                    logger.error("data loader %d: %s; the stream ends after the %d batches "
+                                 "made before it", self.env.data_loader_replica_index, exc,
+                                 self.num_made)
+                self._end_stream()
+        finally:
+            self._close()
+
+    def _end_stream(self) -> None:
+        """Tell the NN workers the stream ended; wait until every rank knows and every
+        batch is done."""
         self._queue.finish()
         if self._in_training:
             logger.warning("data loader %d: the script ended before making again %d batches "
@@ -312,39 +330,37 @@ class DataCtx:
             self.kept.done(batch_id(self.env.data_loader_replica_index, s)
                            for s in self._in_training)
             self._queue.ready()
-        try:
-            if exc_type is None:
-                started = time.monotonic()
-                while not self._queue.wait_all_ended(60.0):
-                    logger.info("waiting %.0fs for %d NN-worker ranks to drain the stream",
-                                time.monotonic() - started, self._queue.num_consumers)
-                # Batches still in training may need a resend (their embedding worker
-                # restarting): kept until the NN workers say they finished.
-                if not self.kept.wait_empty(self.common.rpc_timeout_sec):
-                    logger.warning("%d batches not acknowledged by the NN workers within %.0f s "
-                                   "after the stream ended; no longer kept for a resend",
-                                   len(self.kept), self.common.rpc_timeout_sec)
-                logger.info("data loader %d sent %d batches (%d skipped: trained before the "
-                            "checkpoint resumed, or handed over before a restart; %d re-sent "
-                            "to restarted embedding workers)",
-                            self.env.data_loader_replica_index, self.num_sent,
-                            self.num_skipped, self.kept.num_resent)
-                emit(Event.LOADER_FINISHED, loader=self.env.data_loader_replica_index,
-                     sent=self.num_sent, skipped=self.num_skipped, resent=self.kept.num_resent)
-                # The stop below gives calls in flight only a short grace; a loaded
-                # machine can take longer to send the answer that ended the stream.
-                if self._servicer is not None and not self._servicer.wait_answered(
-                        self.common.rpc_timeout_sec):
-                    logger.warning("an answer to the NN workers was still on its way %.0f s "
-                                   "after the stream ended; stopping anyway",
-                                   self.common.rpc_timeout_sec)
-        finally:
-            if self._server is not None:
-                self._server.stop(grace=1.0).wait(5.0)
-            if self.log is not None:
-                self.log.close()
-            if self._metrics_server is not None:
-                self._metrics_server.close()
-            for w in self._workers:
-                w.close()
+        started = time.monotonic()
+        while not self._queue.wait_all_ended(60.0):
+            logger.info("waiting %.0fs for %d NN-worker ranks to drain the stream",
+                        time.monotonic() - started, self._queue.num_consumers)
+        # Batches still in training may need a resend (their embedding worker
+        # restarting): kept until the NN workers say they finished.
+        if not self.kept.wait_empty(self.common.rpc_timeout_sec):
+            logger.warning("%d batches not acknowledged by the NN workers within %.0f s "
+                           "after the stream ended; no longer kept for a resend",
+                           len(self.kept), self.common.rpc_timeout_sec)
+        logger.info("data loader %d sent %d batches (%d skipped: trained before the "
+                    "checkpoint resumed, or handed over before a restart; %d re-sent "
+                    "to restarted embedding workers)",
+                    self.env.data_loader_replica_index, self.num_sent,
+                    self.num_skipped, self.kept.num_resent)
+        emit(Event.LOADER_FINISHED, loader=self.env.data_loader_replica_index,
+             sent=self.num_sent, skipped=self.num_skipped, resent=self.kept.num_resent)
+        # The stop below gives calls in flight only a short grace; a loaded
+        # machine can take longer to send the answer that ended the stream.
+        if self._servicer is not None and not self._servicer.wait_answered(
+                self.common.rpc_timeout_sec):
+            logger.warning("an answer to the NN workers was still on its way %.0f s "
+                           "after the stream ended; stopping anyway",
+                           self.common.rpc_timeout_sec)
 
+    def _close(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait(5.0)
+        if self.log is not None:
+            self.log.close()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        for w in self._workers:
+            w.close()

@@ -6,7 +6,8 @@ How its stream ends: never (the job is stopped by SIGTERM); ``--idle-timeout-sec
 that long without data; ``--end-after-batches N`` after N batches of this run (the script
 ends the stream: ``reader.stop``); ``--finite``: no stream at all, the files there at
 start are read once, each a batch at a time (a loader's natural end; started again it
-makes the same batches again, and skips those trained)."""
+makes the same batches again, and skips those trained). ``--crash-after-batches``: a
+crash of its own, once."""
 
 import argparse
 import logging
@@ -46,6 +47,11 @@ if __name__ == "__main__":
     parser.add_argument("--idle-timeout-sec", type=float, default=None)
     parser.add_argument("--end-after-batches", type=int, default=None)
     parser.add_argument("--finite", action="store_true")
+    parser.add_argument("--crash-after-batches", type=int, default=None,
+                        help="fail with an error of its own (not a data error) after this "
+                             "many batches of a run, once: the first run to get there "
+                             "creates --crash-marker")
+    parser.add_argument("--crash-marker", default=None)
     args = parser.parse_args()
     index = PersiaEnv.from_environ().data_loader_replica_index
     config = CsvReaderConfig(columns=COLUMNS, header=True)
@@ -64,5 +70,9 @@ if __name__ == "__main__":
                     ctx, reader, batch_size=args.batch_size,
                     position_log=f"{args.positions}/loader-{index}.positions"), 1):
                 _send(ctx, part.records)
+                if num_sent == args.crash_after_batches and not os.path.exists(
+                        args.crash_marker):
+                    open(args.crash_marker, "w").close()
+                    raise RuntimeError("the loader's own bug (injected by the test)")
                 if num_sent == args.end_after_batches:
                     reader.stop.set()

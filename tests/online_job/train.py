@@ -1,8 +1,9 @@
 """NN worker of tests/test_online_training.py: trains the stream until SIGTERM
 (``TrainCtx(stop_on_signal=True)``), with progressive validation every 4 steps (GAUC
 grouped by sample id modulo 7). After each step a rank appends the sample ids it
-trained to ``OUT/ids-rank<r>.txt`` and prints its running sample count, each in one
-write: the launcher's roles run unbuffered, and two ranks' lines must not interleave."""
+trained to ``OUT/ids-rank<r>.txt`` (a line per step; each start of the rank appends that
+file's line count to ``OUT/starts-rank<r>.txt``) and prints its running sample count, each
+in one write: the launcher's roles run unbuffered, and two ranks' lines must not interleave."""
 
 import argparse
 import logging
@@ -59,8 +60,13 @@ if __name__ == "__main__":
     model = Model()
     rank = get_rank()
     os.makedirs(args.out, exist_ok=True)
-    ids_file = os.open(os.path.join(args.out, f"ids-rank{rank}.txt"),
-                       os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    ids_path = os.path.join(args.out, f"ids-rank{rank}.txt")
+    ids_file = os.open(ids_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    with open(ids_path, "rb") as f, open(os.path.join(args.out, f"starts-rank{rank}.txt"),
+                                          "a") as starts:
+        # Where this run of the rank starts in its ids file (a line per step): a rank
+        # restarted from a checkpoint trains the steps after it again.
+        starts.write(f"{sum(1 for _ in f)}\n")
     num_samples = 0
     with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.05),
                   dense_optimizer=torch.optim.Adagrad(model.parameters(), lr=0.05),
