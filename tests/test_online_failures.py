@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import RoleProcess
+from conftest import RoleProcess, launcher_command
 from online_jobs import ROWS_PER_FILE, add_file, csv_rows, run_to_its_end, start, write_config
 
 from benchmarks.role_processes import role_pid
@@ -155,3 +155,23 @@ def test_a_file_that_cannot_be_parsed_ends_the_job_and_the_fixed_stream_goes_on(
     assert re.search(r"resuming from .*ckpt-000000000010-", out), out[-20000:]
     every = np.sort(np.concatenate([first, second]))
     np.testing.assert_array_equal(every, np.arange(5 * ROWS_PER_FILE))  # none lost, none twice
+
+
+def test_a_loader_role_told_to_hold_holds_on_a_data_error(tmp_path: Path) -> None:
+    """A StatefulSet restarts a pod whatever its exit code; a data error would come back:
+    the role holds, saying why, and exits 65 on SIGTERM."""
+    script = tmp_path / "loader.py"
+    script.write_text("from persia_py.input.readers import BadRecordError\n"
+                      "raise BadRecordError('day-7.csv', 12, \"column 'x': 'a' is not a valid "
+                      "float\")\n")
+    job = RoleProcess(launcher_command("data-loader", "--insecure", "--hold-on-config-error",
+                                       str(script)))
+    try:
+        job.wait_for_line(r"data error: day-7\.csv: row 12: column 'x'", timeout=60)
+        job.wait_for_line(r"persia-launcher data-loader: stopped on a data error \(code 65; "
+                          r"its message is above\); holding instead of exiting", timeout=60)
+        assert job.process.poll() is None, job.output()
+        job.process.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=30) == DATA_EXIT_CODE, job.output()
+    finally:
+        job.stop()

@@ -10,6 +10,7 @@ import sys
 from persia_py.config import ConfigError
 from persia_py.launcher.job_token import add_insecure_flag, add_insecure_token_flag
 from persia_py.launcher.role_kinds import ROLE_KINDS
+from persia_py.ops.final_errors import DATA_EXIT_CODE
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 from persia_py.wire.security import ENV_INSECURE_TOKEN
 
@@ -316,9 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         # Final: a supervisor that restarted the role would meet the same error.
         print(f"persia-launcher {args.command}: config error: {exc}", file=sys.stderr)
         code = CONFIG_EXIT_CODE
-    if code == CONFIG_EXIT_CODE and getattr(args, "hold_on_config_error", False):
-        # The role's own config error (above), or its script's (a data loader's code).
-        return roles.hold_after_config_error(args.command)
+    if code in (CONFIG_EXIT_CODE, DATA_EXIT_CODE) and getattr(args, "hold_on_config_error",
+                                                           False):
+        # The role's own config error (above), or its script's (a data loader's code):
+        # a restart would meet it again.
+        return roles.hold_after_config_error(args.command, code)
     return code
 
 

@@ -16,9 +16,14 @@ checkpoint its update log starts from plus the log replayed; an embedding worker
 on the same port (the data loaders put the batches it lost there again); a data loader
 alone, on the same port (its handover log says where it left off). Only an NN rank's
 death rolls the training back to its last checkpoint (persia_py/launcher/recovery.py).
-Past the limit, or when a server exits cleanly before training ended, everything stops;
-so does a role that stopped on a config error (exit code 78,
-:data:`persia_py.ops.start_checks.CONFIG_EXIT_CODE`), which is never restarted.
+Past the limit, or when a server exits cleanly before training ended, everything stops
+(the NN workers first, while the servers their final checkpoint needs still run); so does
+a role that stopped on a config error (exit code 78,
+:data:`persia_py.ops.start_checks.CONFIG_EXIT_CODE`), which is never restarted. A data
+loader that stopped on a data error (exit code 65,
+:data:`persia_py.ops.final_errors.DATA_EXIT_CODE`) is not restarted either: it ended its
+stream after the batches it made, the NN workers train them and checkpoint, and the job
+exits 65.
 
 Both config files are validated before any process starts, the checkpoint folders
 against the checkpoint root included. Every role gets the job

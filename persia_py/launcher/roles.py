@@ -34,7 +34,7 @@ from persia_py.launcher.local_ranks import run_ranks
 from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
 from persia_py.ops import allocator
-from persia_py.ops.final_errors import ENV_FINAL_CONFIG_ERRORS
+from persia_py.ops.final_errors import DATA_EXIT_CODE, ENV_FINAL_CONFIG_ERRORS
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
 from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import ENV_METRICS_PORT, serve_metrics
@@ -78,24 +78,29 @@ config error holds instead of exiting (:func:`hold_after_config_error`)."""
 def add_hold_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(HOLD_ON_CONFIG_ERROR, action="store_true",
                    help=f"when the role stops on a config error (exit code {CONFIG_EXIT_CODE}; "
-                        "a data loader's script's too), say so and wait for SIGTERM or SIGINT, "
-                        f"then exit {CONFIG_EXIT_CODE}: for a supervisor that restarts the role "
+                        "a data loader's script's too) or a data loader's script on a data "
+                        f"error (exit code {DATA_EXIT_CODE}), say so and wait for SIGTERM or "
+                        "SIGINT, then exit with that code: for a supervisor that restarts the role "
                         "whatever its exit code (a Kubernetes StatefulSet), which would start "
                         "it into the same error again and again")
 
 
-def hold_after_config_error(command: str) -> int:
-    """``--hold-on-config-error``: the role ``command`` stopped on a config error (its
-    message printed); wait for SIGTERM or SIGINT, then return :data:`CONFIG_EXIT_CODE`.
-    A StatefulSet restarts its pods whatever their exit code, and a restart would meet
-    the same error: the pod holds until the job is deleted, or fixed and applied again."""
+def hold_after_config_error(command: str, code: int = CONFIG_EXIT_CODE) -> int:
+    """``--hold-on-config-error``: the role ``command`` stopped on a config error, or a
+    data loader's script on a data error (``code``: :data:`CONFIG_EXIT_CODE` or
+    :data:`DATA_EXIT_CODE`; its message printed); wait for SIGTERM or SIGINT, then return
+    ``code``. A StatefulSet restarts its pods whatever their exit code, and a restart would
+    meet the same error: the pod holds until the job is deleted, or fixed and applied
+    again."""
     stop_signals.on_stop_signals()
-    print(f"persia-launcher {command}: stopped on a config error (code {CONFIG_EXIT_CODE}; "
-          "its message is above); holding instead of exiting, so that its supervisor does "
-          "not restart it into the same error: fix the config and apply the job again, or "
-          f"delete it (exits {CONFIG_EXIT_CODE} on SIGTERM)", file=sys.stderr, flush=True)
+    what, fix = (("a data error", "fix or remove the input") if code == DATA_EXIT_CODE
+                 else ("a config error", "fix the config"))
+    print(f"persia-launcher {command}: stopped on {what} (code {code}; its message is above); "
+          "holding instead of exiting, so that its supervisor does not restart it into the "
+          f"same error: {fix} and apply the job again, or delete it (exits {code} on "
+          "SIGTERM)", file=sys.stderr, flush=True)
     stop_signals.wait_for_stop_signal()
-    return CONFIG_EXIT_CODE
+    return code
 
 
 def _serve_until_signal(server, what: str) -> int:
