@@ -153,3 +153,21 @@ def test_a_filled_parameter_server_holds_what_the_plan_says(tmp_path, row_dtype,
         2_000_000, 32, 1 if optimizer == "rowwise-adagrad" else 32,
         weight_bytes=2 if row_dtype == "float16" else 4).total
     assert abs(measured["rss_bytes"] / planned - 1) <= 0.10, (measured, planned)
+
+
+def test_a_table_without_capacity_is_planned_within_the_capacity_a_server_derives() -> None:
+    """The servers are counted so that an unset table's rows per server stay within the
+    bound each server derives from its memory (servers/sizing.py), as it will at run time."""
+    from persia_py.launcher.plan import derived_capacity, rows_per_replica
+
+    table = TableDemand(name="t", dim=16, distinct_ids=10**9, capacity=None, state_width=16)
+    machine, workload = Machine(memory_bytes=64 << 30, cores=64), Workload()
+    plan = make_plan([table], machine=machine, workload=workload)
+    bound = derived_capacity([table], machine)
+    assert bound == sizing.derived_capacity([table.row_bytes], 0, sizing.MemoryLimit(64 << 30, ""))
+    (planned,) = plan["tables"]
+    assert planned["rows_per_server"] <= bound and plan["tables_evicting"] == []
+    # One server fewer would hold more rows each than the bound (it is what counts here).
+    fewer = plan["parameter_servers"] - 1
+    assert rows_per_replica(table, fewer) > bound
+    assert any("capacity unset for t:" in note for note in plan["notes"]), plan["notes"]

@@ -120,15 +120,36 @@ def _prune(root: Path, keep: str) -> None:
             path.unlink(missing_ok=True)
 
 
+class NoCheckpointYet(safe_files.CheckpointError):
+    """:func:`resolve`'s error for a path that holds no checkpoint at all, as a root does
+    before its first checkpoint is complete: the folder does not exist, or holds neither
+    ``LATEST`` nor a checkpoint's own files (a ``tmp-*`` folder being written may be
+    there). A folder with a checkpoint's files but no manifest is a torn checkpoint: a
+    plain :class:`safe_files.CheckpointError`."""
+
+
+def _holds_checkpoint_files(folder: Path) -> bool:
+    """Whether ``folder`` itself holds a checkpoint's files (``.json``, ``.npy``)."""
+    return any(entry.is_file() and entry.suffix in (".json", ".npy")
+               for entry in folder.iterdir())
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """The complete checkpoint folder that ``path`` names.
 
     ``path`` is a checkpoint root (its ``LATEST`` is followed) or one checkpoint folder.
-    Raises :class:`safe_files.CheckpointError` unless the folder has a manifest of this format.
+    Raises :class:`NoCheckpointYet` where ``path`` holds no checkpoint yet, and
+    :class:`safe_files.CheckpointError` unless the folder has a manifest of this format.
     """
     path = Path(path)
+    if not path.exists():
+        raise NoCheckpointYet(f"{path} does not exist")
+    if not path.is_dir():
+        raise safe_files.CheckpointError(f"{path} is not a folder")
     if (path / LATEST).is_file():
         path = path / safe_files.check_name((path / LATEST).read_text().strip(), f"{path / LATEST}")
+    elif not (path / MANIFEST).is_file() and not _holds_checkpoint_files(path):
+        raise NoCheckpointYet(f"{path} holds no checkpoint yet (no {LATEST}, no {MANIFEST})")
     manifest = path / MANIFEST
     if not manifest.is_file():
         raise safe_files.CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}; an "

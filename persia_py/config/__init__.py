@@ -94,14 +94,17 @@ class CommonConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParameterServerConfig:
-    capacity: int = 1_000_000_000
+    capacity: int | None = None
     """Most rows one parameter-server replica holds per table; beyond it the least
-    recently used rows are evicted. A slot's own ``capacity`` takes precedence."""
+    recently used rows are evicted. A slot's own ``capacity`` takes precedence. Unset:
+    as many as the replica's memory allows (``persia_py.servers.sizing.derived_capacity``:
+    the tables, full, take at most half of its cgroup's limit or the machine's memory)."""
     num_hashmap_internal_shards: int = 1
     """Internal shards per table; shards are locked and served independently."""
 
     def __post_init__(self) -> None:
-        _check_range(self, "capacity", 1, 2**62)
+        if self.capacity is not None:
+            _check_range(self, "capacity", 1, 2**62)
         _check_range(self, "num_hashmap_internal_shards", 1, 4096)
 
 

@@ -223,6 +223,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="answer predictions over gRPC from a checkpoint")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="checkpoint root (its LATEST) or one checkpoint folder")
+    p.add_argument("--wait", action="store_true",
+                   help="if --checkpoint holds no checkpoint yet (the folder is missing or "
+                        "empty: training has not written its first one), wait until the "
+                        "first one is complete, then serve it; SIGTERM or Ctrl-C stops the "
+                        "wait (default: exit with a message)")
     p.add_argument("--embedding-config", required=True, help="embedding_config.yml")
     p.add_argument("--global-config", default=None,
                    help="global_config.yml (default: all defaults)")

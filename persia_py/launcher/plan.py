@@ -82,8 +82,9 @@ class TableDemand:
     dim: int
     distinct_ids: int
     """Distinct ids the whole job will store in this table."""
-    capacity: int
-    """Most rows per replica (beyond it rows are evicted)."""
+    capacity: int | None
+    """Most rows per replica (beyond it rows are evicted); None: unset, so each server
+    derives it from its memory (:func:`persia_py.servers.sizing.derived_capacity`)."""
     state_width: int
     """Optimizer state columns (float32) of a row."""
     ids_per_sample: float = 1.0
@@ -100,6 +101,11 @@ class TableDemand:
     def weight_bytes(self) -> int:
         """Bytes of one stored weight."""
         return WEIGHT_BYTES[self.row_dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        """Resident bytes of one full row (:func:`persia_py.servers.sizing.row_bytes`)."""
+        return sizing.row_bytes(self.dim, self.state_width, self.weight_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,10 +167,22 @@ def tables_from_config(embedding: EmbeddingTablesConfig, global_config: GlobalCo
 
 def rows_per_replica(table: TableDemand, num_servers: int) -> int:
     """Rows one replica holds of ``table``: its share of the ids, at the high end of the
-    hash's spread, bounded by the capacity."""
+    hash's spread, bounded by the capacity (when set)."""
     mean = table.distinct_ids / num_servers
-    return min(math.ceil(mean + ROUTING_SIGMAS * math.sqrt(mean)), table.distinct_ids,
-               table.capacity)
+    rows = min(math.ceil(mean + ROUTING_SIGMAS * math.sqrt(mean)), table.distinct_ids)
+    return rows if table.capacity is None else min(rows, table.capacity)
+
+
+def derived_capacity(tables: list[TableDemand], machine: Machine) -> int | None:
+    """The capacity a server on ``machine`` gives each table whose capacity is unset
+    (the one the parameter server derives: :func:`persia_py.servers.sizing.derived_capacity`);
+    None: every table has one."""
+    unset = [t.row_bytes for t in tables if t.capacity is None]
+    if not unset:
+        return None
+    configured = sum(t.capacity * t.row_bytes for t in tables if t.capacity is not None)
+    return sizing.derived_capacity(unset, configured, sizing.MemoryLimit(
+        machine.memory_bytes, "the machine's memory"))
 
 
 def server_memory(tables: list[TableDemand], num_servers: int,
@@ -204,12 +222,20 @@ def _servers_by_memory(tables: list[TableDemand], machine: Machine,
     """Fewest servers whose each one's memory fits ``machine`` (bisection: a server's
     bytes only shrink as servers are added)."""
     budget = machine.memory_bytes * machine.usable
+    derived = derived_capacity(tables, machine)
 
-    def fits(n: int) -> bool:
-        return server_memory(tables, n, workload)["total"] <= budget
+    def fits(n: int) -> bool:  # and the unset tables' rows within the derived capacity
+        return (server_memory(tables, n, workload)["total"] <= budget
+                and all(rows_per_replica(t, n) <= derived for t in tables
+                        if t.capacity is None))
 
     if not fits(MAX_SERVERS):
         least = server_memory(tables, MAX_SERVERS, workload)["total"]
+        if least <= budget:
+            raise ValueError(f"no number of parameter servers holds the ids of the tables "
+                             f"whose capacity is unset within the {derived:,} rows a server "
+                             f"of {_gib(machine.memory_bytes)} derives for each beside the "
+                             f"tables whose capacity is set: lower those capacities")
         raise ValueError(f"no number of parameter servers fits machines of "
                          f"{_gib(machine.memory_bytes)}: the process and messages in flight "
                          f"alone take {_gib(least)}")
@@ -229,12 +255,19 @@ def make_plan(tables: list[TableDemand], *, machine: Machine, workload: Workload
     by_cpu = math.ceil(workload.num_nn_workers * PS_CORES_PER_NN_WORKER / machine.cores)
     num_servers = max(by_memory, by_cpu)
     memory = server_memory(tables, num_servers, workload)
-    evicting = [t.name for t in tables
-                if t.capacity < math.ceil(t.distinct_ids / num_servers)]
+    evicting = [t.name for t in tables if t.capacity is not None
+                and t.capacity < math.ceil(t.distinct_ids / num_servers)]
     checkpoint = sum(rows_per_replica(t, num_servers) * checkpoint_row_bytes(
         t.dim, t.state_width, t.weight_bytes) for t in tables)
     nodes = math.ceil(workload.num_nn_workers / workload.nn_workers_per_node)
     notes = _index_notes(tables, num_servers, workload.num_internal_shards)
+    derived = derived_capacity(tables, machine)
+    if derived is not None:
+        unset = ", ".join(t.name for t in tables if t.capacity is None)
+        notes.insert(0, f"capacity unset for {unset}: each server bounds each of them at "
+                        f"{derived:,} rows (with the tables whose capacity is set, "
+                        f"{sizing.TABLE_MEMORY_SHARE:.0%} of its memory; docs/sizing.md); the "
+                        f"servers are counted so that their rows stay within it")
     params = sum(t.distinct_ids * t.dim for t in tables)
     return {
         "parameter_servers": num_servers,

@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +35,10 @@ if TYPE_CHECKING:
     from persia_py.telemetry.monitoring import MetricsServer
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINT_POLL_SEC = 0.5
+"""How often ``--wait`` looks for the first checkpoint (as often as the followers look
+for new increments)."""
 
 
 def _wait_for_roles(cluster, addresses: list[str], common: CommonConfig,
@@ -62,6 +68,33 @@ def _wait_for_roles(cluster, addresses: list[str], common: CommonConfig,
         finally:
             channel.close()
     return True
+
+
+def _checkpoint_to_serve(path: str, *, wait: bool, stop: stop_signals.Requested
+                         ) -> Path | None:
+    """The complete checkpoint ``path`` names. Before training's first one, SystemExit
+    saying so, or with ``wait`` the first one once complete (None: ``stop`` came first)."""
+    announced = False
+    while True:
+        try:
+            return fmt.resolve(path)
+        except fmt.NoCheckpointYet as exc:
+            if not wait:
+                raise SystemExit(
+                    f"--checkpoint: {exc}: the training job has not written its first "
+                    f"checkpoint there yet (or the path is not its checkpoint_config.dir); "
+                    f"start serve once it has, or pass --wait to serve that checkpoint as "
+                    f"soon as it is complete") from None
+            if not announced:
+                print(f"serve: waiting for the training job's first checkpoint in {path} "
+                      f"({exc})", flush=True)
+                announced = True
+        except safe_files.CheckpointError as exc:
+            raise SystemExit(f"--checkpoint: {exc}") from None
+        # Wakes at once on SIGTERM or SIGINT (their wakeup descriptor turns readable).
+        select.select([stop_signals.wakeup_fd()], [], [], CHECKPOINT_POLL_SEC)
+        if stop.is_set():
+            return None
 
 
 def _follow_dense(args: argparse.Namespace, slot: DenseModelSlot,
@@ -101,10 +134,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--num-ps must be >= 1")
     validate_configs(args.global_config, args.embedding_config)
     global_config = load_global_config(args.global_config)
-    try:
-        folder = fmt.resolve(args.checkpoint)
-    except safe_files.CheckpointError as exc:
-        raise SystemExit(f"--checkpoint: {exc}") from None
+    stop_signals.on_stop_signals()  # read from a descriptor (persia_py/launcher/stop_signals.py)
+    stop = stop_signals.Requested()
+    folder = _checkpoint_to_serve(args.checkpoint, wait=args.wait, stop=stop)
+    if folder is None:
+        print("serve: stopped while waiting for the first checkpoint", flush=True)
+        return 0
     factory = load_factory(args.model)
     model = load_dense_model(factory, folder)
     print(f"serve: dense model {args.model} loaded from {folder}", flush=True)
@@ -134,8 +169,6 @@ def run_serve(args: argparse.Namespace) -> int:
                                                    "--port", str(ew_port), "--bind", host,
                                                    *insecure], kind=EMBEDDING_WORKER))
     cluster = LocalCluster(roles, env)
-    stop_signals.on_stop_signals()  # read from a descriptor (persia_py/launcher/stop_signals.py)
-    stop = stop_signals.Requested()
     try:
         cluster.start()
         ew_addr = f"{host}:{ew_port}"

@@ -44,7 +44,12 @@ from persia_py.ids.routing import RESERVED_ID, replica_of
 from persia_py.servers import call_memory
 from persia_py.servers.call_memory import LookupAnswer
 from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict
-from persia_py.servers.sizing import capacity_warning, memory_limit, table_sizes
+from persia_py.servers.sizing import (
+    capacity_warning,
+    derived_capacity_note,
+    memory_limit,
+    table_sizes,
+)
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.servers.swap_lock import SwapLock
 from persia_py.servers.update_window import UpdateWindow, check_worker_id, checked_window
@@ -149,6 +154,10 @@ class ParameterServer:
         self.update_log: UpdateLog | None = None
         """A ``persia_py.servers.update_log.UpdateLog`` where applied updates and settings
         are logged for a restart (None: not logged; see ``servers/replica_start.py``)."""
+        self.memory = memory_limit()
+        """The memory this process can have, read once: it bounds the tables whose
+        capacity is unset and is what :meth:`warn_if_too_big` compares the others with."""
+        self._capacity_note: str | None = None
         self.warn_if_too_big(None)
 
     # -- configuration -------------------------------------------------------------
@@ -185,6 +194,13 @@ class ParameterServer:
         """New, empty tables of the embedding config with ``settings``."""
         opt = optimizer_from_dict(settings.optimizer)
         ps_cfg = self.global_config.embedding_parameter_server_config
+        sizes = table_sizes(self.embedding_config, self.global_config, settings.optimizer,
+                            self.memory)
+        capacity = {t.name: t.capacity for t in sizes}
+        note = derived_capacity_note(sizes, self.memory)
+        if note is not None and note != self._capacity_note:  # once, unless it changes
+            logger.info("parameter server %d: %s", self.replica_index, note)
+            self._capacity_note = note
         tables = {}
         for name, slots in self.embedding_config.tables.items():
             # A group's slots agree on dim and capacity (checked by the config).
@@ -196,7 +212,7 @@ class ParameterServer:
                 init_upper=settings.init_upper,
                 seed=settings.seed,
                 num_shards=ps_cfg.num_hashmap_internal_shards,
-                capacity=slot.capacity or ps_cfg.capacity,
+                capacity=capacity[name],
                 weight_bound=settings.weight_bound,
                 admit_probability=slot.admit_probability,
                 min_occurrences=slot.min_occurrences,
@@ -212,14 +228,15 @@ class ParameterServer:
         return tables
 
     def warn_if_too_big(self, optimizer: dict | None) -> str | None:
-        """Log (and return) a warning when the tables, full, outgrow the memory this
-        process can get (see persia_py.servers.sizing): at start, counting weights and
-        index only, and when configure brings the optimizer, counting its state."""
+        """Log (and return) a warning when the tables whose capacity is configured, full,
+        outgrow the memory this process can have (see persia_py.servers.sizing): at
+        start, counting weights and index only, and when configure brings the
+        optimizer, counting its state."""
         what = ("weights, optimizer state and index" if optimizer is not None else
                 "weights and index only: the optimizer's state is added when training "
                 "configures the tables")
-        sizes = table_sizes(self.embedding_config, self.global_config, optimizer)
-        message = capacity_warning(sizes, memory_limit(), what=what)
+        sizes = table_sizes(self.embedding_config, self.global_config, optimizer, self.memory)
+        message = capacity_warning(sizes, self.memory, what=what)
         if message is not None:
             logger.warning("parameter server %d: %s", self.replica_index, message)
         return message

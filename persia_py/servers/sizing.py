@@ -1,11 +1,12 @@
-"""How much memory a parameter server's tables can take, against what it can get.
+"""How much memory a parameter server's tables can take, against what it can have.
 
 A table's arrays are reserved for its whole ``capacity`` as address space (see
 :mod:`persia_py.servers.memory`), so a capacity larger than memory is not refused at
-start: it is found out when the rows fill and the process is killed. This module says so
-before: :func:`capacity_warning` compares the bytes the configured capacities take when
-full with the memory this process can get, and the parameter server logs it at start and
-again when the optimizer is known (the tables are built).
+start: it is found out when the rows fill and the process is killed. This module
+measures the memory a parameter server can have (:func:`memory_limit`: its cgroup's
+limit, else the machine's), bounds the tables whose capacity is unset by it
+(:func:`derived_capacity`), and says when the capacities that are set, full, cannot fit
+(:func:`capacity_warning`).
 
 Bytes of one row (:func:`row_bytes`), from the arrays of ``servers/shard.py`` and
 ``servers/hash_index.py``: the weights (4 bytes each, 2 in float16 or bfloat16 rows),
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
+from persia_py.config.table_policy import MAX_CAPACITY
 from persia_py.servers.hash_index import index_bytes
 from persia_py.servers.memory import HUGE_PAGE
 from persia_py.servers.optimizers import optimizer_from_dict, state_width
@@ -36,6 +38,16 @@ INDEX_BYTES_PER_ROW = 8
 growth step (6.7 to 8.3)."""
 _UNLIMITED = 1 << 60
 """A cgroup v1 limit at or above this means no limit (the kernel writes ~2**63)."""
+TABLE_MEMORY_SHARE = 0.5
+"""Share of :func:`memory_limit` that the tables whose capacity is unset may fill,
+together with the full tables whose capacity is set. The rest is the process's own
+(Python, numba, gRPC: about 175 MiB; messages in flight; a checkpoint or export being
+written) and, without a cgroup limit, the machine's other processes."""
+MIN_DERIVED_ROWS = 100_000
+"""The least capacity an unset table gets, even where the set ones leave less room
+(those warn)."""
+UNKNOWN_MEMORY_CAPACITY = 1_000_000_000
+"""An unset table's capacity where the memory cannot be read (not Linux)."""
 
 
 def row_bytes(dim: int, state_width: int, weight_bytes: int = FLOAT_BYTES) -> int:
@@ -90,17 +102,14 @@ class MemoryLimit:
 
 
 def memory_limit(root: str = "/") -> MemoryLimit | None:
-    """The least of this process's cgroup memory limit (v2 ``memory.max``, v1
-    ``memory.limit_in_bytes``) and the machine's ``MemAvailable``; None where neither
-    can be read (not Linux). ``root`` prefixes the paths (for tests)."""
+    """The memory this process can have: the least of its cgroup's memory limit (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``; the group's own or an ancestor's) and
+    the machine's (``MemTotal``). Both are fixed while the process runs, unlike the
+    memory free at one moment, so capacities derived from it do not change between two
+    starts on the same machine. None where neither can be read (not Linux). ``root``
+    prefixes the paths (for tests)."""
     base = Path(root)
-    found = []
-    cgroup = _cgroup_limit(base)
-    if cgroup is not None:
-        found.append(cgroup)
-    available = _mem_available(base)
-    if available is not None:
-        found.append(available)
+    found = [m for m in (_cgroup_limit(base), _mem_total(base)) if m is not None]
     return min(found, key=lambda m: m.bytes) if found else None
 
 
@@ -112,57 +121,73 @@ def _read(path: Path) -> str | None:
 
 
 def _cgroup_limit(base: Path) -> MemoryLimit | None:
-    lines = (_read(base / "proc/self/cgroup") or "").splitlines()
-    for line in lines:
+    """The least memory limit of this process's cgroup and its ancestors. A group's
+    path in ``/proc/self/cgroup`` is relative to the hierarchy's root; in a container
+    with its own cgroup namespace, or whose group is mounted as the root, the path may
+    not exist under the mount: then the mount's own limit is the group's."""
+    found = []
+    for line in (_read(base / "proc/self/cgroup") or "").splitlines():
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        rel = path.lstrip("/")
         if hierarchy == "0" and controllers == "":  # cgroup v2
-            candidates = [base / "sys/fs/cgroup" / rel / "memory.max",
-                          base / "sys/fs/cgroup/memory.max"]
-            name = "memory.max"
+            mount, name = base / "sys/fs/cgroup", "memory.max"
         elif "memory" in controllers.split(","):  # cgroup v1
-            candidates = [base / "sys/fs/cgroup/memory" / rel / "memory.limit_in_bytes",
-                          base / "sys/fs/cgroup/memory/memory.limit_in_bytes"]
-            name = "memory.limit_in_bytes"
+            mount, name = base / "sys/fs/cgroup/memory", "memory.limit_in_bytes"
         else:
             continue
-        for candidate in candidates:
-            text = _read(candidate)
-            if text is None or text == "max":
-                continue
-            if text.isdigit() and int(text) < _UNLIMITED:
-                return MemoryLimit(int(text), f"the cgroup limit ({name})")
-    return None
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the group, then each ancestor
+            text = _read(mount.joinpath(*parts[:depth], name))
+            if text is not None and text.isdigit() and int(text) < _UNLIMITED:
+                found.append(MemoryLimit(int(text), f"the cgroup limit ({name})"))
+    return min(found, key=lambda m: m.bytes) if found else None
 
 
-def _mem_available(base: Path) -> MemoryLimit | None:
+def _mem_total(base: Path) -> MemoryLimit | None:
     for line in (_read(base / "proc/meminfo") or "").splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith("MemTotal:"):
             fields = line.split()
             if len(fields) >= 2 and fields[1].isdigit():
-                return MemoryLimit(int(fields[1]) * 1024, "MemAvailable in /proc/meminfo")
+                return MemoryLimit(int(fields[1]) * 1024,
+                                   "the machine's memory, MemTotal in /proc/meminfo")
     return None
 
 
 @dataclass(frozen=True)
 class TableSize:
-    """One table of this replica: its name, rows at most, and bytes of a row."""
+    """One table of this replica: its name, rows at most, bytes of a row, and whether
+    its capacity was configured (else it is derived from the memory)."""
 
     name: str
     capacity: int
     row_bytes: int
+    configured: bool = True
 
     @property
     def bytes(self) -> int:
         return self.capacity * self.row_bytes
 
 
+def derived_capacity(unset_row_bytes: list[int], configured_bytes: int,
+                     limit: MemoryLimit | None) -> int:
+    """Rows each table whose capacity is unset may hold: together, full, with the tables
+    whose capacity is set (``configured_bytes``, full), they take at most
+    :data:`TABLE_MEMORY_SHARE` of ``limit``. ``unset_row_bytes``: a row's bytes in each
+    unset table; all of them get the same rows."""
+    if limit is None:
+        return UNKNOWN_MEMORY_CAPACITY
+    room = int(limit.bytes * TABLE_MEMORY_SHARE) - configured_bytes
+    rows = room // max(1, sum(unset_row_bytes))
+    return int(min(max(rows, MIN_DERIVED_ROWS), MAX_CAPACITY))
+
+
 def capacity_warning(tables: list[TableSize], limit: MemoryLimit | None, *,
                      what: str) -> str | None:
-    """A message when the tables, full, take more than ``limit``; None when they fit
-    (or nothing is known of the memory). ``what`` says which optimizer state is
-    counted."""
+    """A message when the tables whose capacity is configured, full, take more than
+    ``limit``; None when they fit (or nothing is known of the memory). The others are
+    bounded by it already (:func:`derived_capacity`). ``what`` says which optimizer
+    state is counted."""
+    tables = [t for t in tables if t.configured]
     if limit is None or not tables:
         return None
     total = sum(t.bytes for t in tables)
@@ -174,10 +199,28 @@ def capacity_warning(tables: list[TableSize], limit: MemoryLimit | None, *,
     fit = max(1, limit.bytes * max(t.capacity for t in tables) // total)
     return (f"the configured capacity of this parameter server's {len(tables)} table(s), "
             f"full, takes {_gib(total)} ({what}), more than the {_gib(limit.bytes)} it can "
-            f"get ({limit.source}); largest: {detail}. The process will be killed when the "
+            f"have ({limit.source}); largest: {detail}. The process will be killed when the "
             f"rows fill; lower embedding_parameter_server_config.capacity (or "
             f"slots_config.<slot>.capacity; about {fit:,} rows for the largest table, "
-            f"scaled alike for the others), or add parameter servers (see docs/sizing.md)")
+            f"scaled alike for the others), leave it unset (bounded by the memory), or add "
+            f"parameter servers (see docs/sizing.md)")
+
+
+def derived_capacity_note(tables: list[TableSize], limit: MemoryLimit | None) -> str | None:
+    """What the tables whose capacity is unset were bounded to, and why (None: every
+    table has a capacity)."""
+    unset = [t for t in tables if not t.configured]
+    if not unset:
+        return None
+    names = ", ".join(t.name for t in unset)
+    rows = f"{unset[0].capacity:,} rows"
+    if limit is None:
+        return (f"capacity unset for table(s) {names}: {rows} each (this process cannot "
+                f"read its memory); set capacity to change it")
+    return (f"capacity unset for table(s) {names}: {rows} each, so that the tables, "
+            f"full, take at most {TABLE_MEMORY_SHARE:.0%} of the {_gib(limit.bytes)} this "
+            f"process can have ({limit.source}); past that the least recently used rows "
+            f"are evicted. Set capacity to change it (see docs/sizing.md)")
 
 
 def _gib(num_bytes: int) -> str:
@@ -185,9 +228,10 @@ def _gib(num_bytes: int) -> str:
 
 
 def table_sizes(embedding_config: EmbeddingTablesConfig, global_config: GlobalConfig,
-                optimizer: dict | None) -> list[TableSize]:
+                optimizer: dict | None, limit: MemoryLimit | None = None) -> list[TableSize]:
     """Each table's capacity on one replica and bytes of a full row, with the optimizer
-    ``optimizer`` (a slot's own wins; None: none, as before configure)."""
+    ``optimizer`` (a slot's own wins; None: none, as before configure). A capacity unset
+    (the slot's and the global one) is derived from ``limit`` (:func:`derived_capacity`)."""
     default_capacity = global_config.embedding_parameter_server_config.capacity
     sizes = []
     for name, slots in embedding_config.tables.items():
@@ -195,6 +239,11 @@ def table_sizes(embedding_config: EmbeddingTablesConfig, global_config: GlobalCo
         chosen = slot.optimizer or optimizer
         width = 0 if chosen is None else state_width(optimizer_from_dict(chosen), slot.dim)
         weight_bytes = bytes_per_weight(embedding_config.row_dtype_of(name))
-        sizes.append(TableSize(name, slot.capacity or default_capacity,
-                               row_bytes(slot.dim, width, weight_bytes)))
-    return sizes
+        capacity = slot.capacity or default_capacity
+        sizes.append(TableSize(name, capacity or 0, row_bytes(slot.dim, width, weight_bytes),
+                               configured=capacity is not None))
+    configured = sum(t.bytes for t in sizes if t.configured)
+    rows = derived_capacity([t.row_bytes for t in sizes if not t.configured], configured,
+                            limit)
+    return [t if t.configured else TableSize(t.name, rows, t.row_bytes, configured=False)
+            for t in sizes]
