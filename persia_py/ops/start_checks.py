@@ -242,7 +242,7 @@ def check_writable(written: Iterable[Written]) -> None:
     a file is made and removed in the folder, or, where the folder is missing, in its
     nearest existing parent (the role would make the folder there); a log that exists
     already is opened for writing."""
-    problems = {}
+    problems: dict[str, str] = {}
     for target in written:
         problem = _problem(target)
         if problem is not None:
