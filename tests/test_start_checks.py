@@ -514,3 +514,21 @@ def test_a_position_log_its_loader_cannot_write_stops_the_loader_for_good(
         assert "a batch was made" not in out and os.listdir(locked) == []
     finally:
         job.stop()
+
+
+def test_a_role_told_to_hold_holds_on_a_folder_it_cannot_write(unwritable: Unwritable) -> None:
+    """A parameter server of a StatefulSet whose volume it cannot write: restarted, it
+    would meet the same folder; it says why and holds instead."""
+    locked = unwritable.locked
+    job = RoleProcess(unwritable.command(
+        "embedding-parameter-server", "--hold-on-config-error", "--port", "0",
+        "--embedding-config", str(EXAMPLE / "embedding_config.yml"),
+        "--update-log", str(locked / "updates")))
+    try:
+        _held_until_sigterm(job, "embedding-parameter-server")
+        out = job.output()
+        assert re.search(_cannot_write("--update-log", locked / "updates", unwritable,
+                                       _MADE_IN.format(locked)), out), out
+        assert "ready" not in out and os.listdir(locked) == [], out
+    finally:
+        job.stop()
