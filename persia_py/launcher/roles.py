@@ -339,7 +339,6 @@ def run_data_loader(args: argparse.Namespace) -> int:
         raise ConfigError("--replay-handovers needs --handover-log FILE")
     if args.handover_log:
         check_writable([Written(args.handover_log, "--handover-log", file=True)])
-    if args.handover_log:
         env[ENV_DATA_LOADER_HANDOVER_LOG] = os.path.abspath(args.handover_log)
         env[ENV_DATA_LOADER_REPLAY] = "1" if args.replay_handovers else "0"
     return _run_child([sys.executable, args.script, *args.script_args], env)

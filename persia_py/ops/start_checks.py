@@ -194,7 +194,7 @@ def _existing(path: str) -> tuple[str, str | None]:
             if parent == path:
                 return path, None
             path = parent
-        except OSError as exc:  # a folder on the way this user may not enter, a file
+        except OSError as exc:  # a folder on the way this user may not enter
             return path, f"{path!r} cannot be reached ({_why(exc)})"
 
 
