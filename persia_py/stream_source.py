@@ -42,6 +42,7 @@ from pathlib import Path
 
 from persia_py.input.stream_reader import StreamBatch, StreamPosition, StreamReader
 from persia_py.ops.private_files import open_private
+from persia_py.ops.start_checks import Written, check_writable
 from persia_py.workers.data_loader import DataCtx
 
 __all__ = ["PositionLog", "follow"]
@@ -52,6 +53,9 @@ class PositionLog:
 
     def __init__(self, path: str | os.PathLike, *, keep_from: int = 0) -> None:
         self.path = Path(path)
+        # Before the loader's first batch: a ConfigError there is final (no restart would
+        # write it: persia_py/ops/final_errors.py).
+        check_writable([Written(self.path, "follow(position_log=...)", file=True)])
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: dict[int, tuple[StreamPosition, StreamPosition]] = {}
         if self.path.exists():

@@ -126,3 +126,65 @@ def test_kubernetes_pods_are_checked_in_their_working_folder() -> None:
     with pytest.raises(ConfigError, match=r"^checkpoint_config.dir: '/data/job/ckpt' lies "
                                           r"outside the checkpoint root /app \("):
         check_checkpoint_paths(CheckpointConfig(dir="/data/job/ckpt"), pod_dir="/app")
+
+
+# -- folders a role writes (persia_py.ops.start_checks.check_writable) -----------------------
+# A folder the role's user cannot write: tests/test_start_checks.py (real processes).
+
+
+def test_trying_a_folder_leaves_nothing_behind_and_makes_no_folder(tmp_path) -> None:
+    from persia_py.ops.start_checks import Written, check_writable
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "old.log").write_text("kept\n")
+    check_writable([Written(tmp_path, "a"), Written(tmp_path / "x" / "y", "b"),
+                    Written(tmp_path / "logs" / "old.log", "c", file=True),
+                    Written(tmp_path / "logs" / "new.log", "d", file=True)])
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["logs", "old.log"]
+    assert (tmp_path / "logs" / "old.log").read_text() == "kept\n"
+
+
+def test_what_cannot_be_a_folder_or_a_log_is_named_each_with_its_key(tmp_path) -> None:
+    import os
+    import pwd
+
+    from persia_py.ops.start_checks import Written, check_writable
+
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-folder").mkdir()
+    with pytest.raises(ConfigError) as info:
+        check_writable([Written(tmp_path / "a-file" / "ckpt", "checkpoint_config.dir"),
+                        Written(tmp_path / "a-folder", "--train-log", file=True),
+                        Written(tmp_path / "fine", "checkpoint_config.incremental_dir")])
+    user = f"user {pwd.getpwuid(os.geteuid()).pw_name} (uid {os.geteuid()})"
+    assert str(info.value) == (
+        f"checkpoint_config.dir: '{tmp_path}/a-file/ckpt' cannot be written by {user}: "
+        f"'{tmp_path}/a-file' is a file, not a folder\n"
+        f"--train-log: '{tmp_path}/a-folder' cannot be written by {user}: it is a folder, "
+        "not a file\n"
+        "The job writes there: make each writable for that user (chown, chmod, or the "
+        "volume's owner or mount options), or configure a folder it can write")
+
+
+def test_each_role_tries_only_what_it_writes(tmp_path) -> None:
+    """A checkpoint root that exists is not tried (a job may only load from it); one
+    that is missing is (a server makes it); an export folder only while exporting."""
+    from persia_py.config import CheckpointConfig
+    from persia_py.ops.start_checks import Written, written_by_servers, written_by_training
+
+    root, missing = str(tmp_path), str(tmp_path / "missing")
+    assert written_by_servers(CheckpointConfig(root=root)) == []
+    assert written_by_servers(CheckpointConfig(root=missing)) == [
+        Written(missing, "checkpoint_config.root")]
+    assert written_by_servers(CheckpointConfig(root=root), root=missing) == [
+        Written(missing, "--checkpoint-root")]
+    both = CheckpointConfig(root=root, dir=f"{root}/ckpt", incremental_dir=f"{root}/inc",
+                            dense_export_dir=f"{root}/dense")
+    assert written_by_servers(both) == [Written(f"{root}/ckpt", "checkpoint_config.dir")]
+    assert written_by_training(both) == [Written(f"{root}/ckpt", "checkpoint_config.dir")]
+    exporting = dataclasses.replace(both, incremental_every_sec=10.0,
+                                    dense_export_every_steps=100)
+    assert written_by_servers(exporting)[1:] == [
+        Written(f"{root}/inc", "checkpoint_config.incremental_dir")]
+    assert written_by_training(exporting)[1:] == [
+        Written(f"{root}/dense", "checkpoint_config.dense_export_dir")]

@@ -40,7 +40,7 @@ from persia_py.embedding.data import (
 from persia_py.embedding.optim import SGD, Adagrad
 from persia_py.env import PersiaEnv
 from persia_py.launcher.job_token import require_token
-from persia_py.ops.start_checks import check_checkpoint_paths
+from persia_py.ops.start_checks import Written, check_checkpoint_paths, check_writable, this_user
 from persia_py.wire.security import ENV_AUTH_TOKEN, TransportSecurity
 
 FAQ = ROOT / "docs" / "faq.md"
@@ -346,6 +346,16 @@ def replay_without_update_log(fx: Fixtures):
     return raised(lambda: roles.run_parameter_server(args)), {}
 
 
+def folder_not_writable(fx: Fixtures) -> tuple[BaseException, dict[str, str]]:
+    # Root writes anywhere but through a file (tests/test_start_checks.py makes a folder
+    # read-only for a role's process).
+    (fx.tmp_path / "a-file").write_text("")
+    folder = fx.tmp_path / "a-file" / "inc"
+    exc = raised(lambda: check_writable([Written(folder, "checkpoint_config.incremental_dir")]))
+    return exc, {"key": "checkpoint_config.incremental_dir", "folder": str(folder),
+                 "user": this_user(), "why": f"'{fx.tmp_path}/a-file' is a file, not a folder"}
+
+
 TRIGGERS: dict[str, Trigger] = {
     "No job token": no_job_token,
     "Job token too weak": weak_token,
@@ -379,6 +389,7 @@ TRIGGERS: dict[str, Trigger] = {
     "Checkpoint folder outside the checkpoint root": lambda fx: (raised(
         lambda: check_checkpoint_paths(CheckpointConfig(root=str(fx.tmp_path), dir="/data/x"))),
         {"value": "/data/x", "root": str(fx.tmp_path.resolve()), "where": "checkpoint_config.root"}),
+    "Folder the job cannot write": folder_not_writable,
     "Stop on signal without a checkpoint folder":
         lambda fx: (raised(lambda: train_ctx(stop_on_signal=True)), {}),
     "Update log replay without a log folder": replay_without_update_log,

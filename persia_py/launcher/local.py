@@ -70,7 +70,13 @@ from persia_py.launcher.roles import validate_configs
 from persia_py.launcher.run_folder import make_run_folder, remove_update_logs
 from persia_py.ops import allocator
 from persia_py.ops.final_errors import DATA_EXIT_CODE
-from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
+from persia_py.ops.start_checks import (
+    CONFIG_EXIT_CODE,
+    check_checkpoint_paths,
+    check_writable,
+    written_by_servers,
+    written_by_training,
+)
 from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import LauncherMetrics, serve_metrics
 from persia_py.wire.security import ENV_AUTH_TOKEN
@@ -369,8 +375,12 @@ def run_local(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     validate_configs(args.global_config, args.embedding_config)
-    # Every role starts in this folder: its checkpoint root, unless the config sets one.
-    check_checkpoint_paths(load_global_config(args.global_config).checkpoint_config)
+    # Every role starts in this folder: its checkpoint root, unless the config sets one;
+    # and as this user, who must be able to write what they write (the run folder is
+    # tried as it is made).
+    checkpoints = load_global_config(args.global_config).checkpoint_config
+    check_checkpoint_paths(checkpoints)
+    check_writable([*written_by_servers(checkpoints), *written_by_training(checkpoints)])
     run_dir, train_log = make_run_folder(args)
     metrics = [] if args.no_metrics else ["--metrics-port", "0"]
     # The NN ranks' rendezvous store takes its port itself (persia_py/launcher/loopback.py).

@@ -35,7 +35,14 @@ from persia_py.launcher.loopback import loopback_env, torchrun_command
 from persia_py.launcher.processes import die_with_parent, run_torchrun
 from persia_py.ops import allocator
 from persia_py.ops.final_errors import DATA_EXIT_CODE, ENV_FINAL_CONFIG_ERRORS
-from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
+from persia_py.ops.start_checks import (
+    CONFIG_EXIT_CODE,
+    Written,
+    check_checkpoint_paths,
+    check_writable,
+    written_by_servers,
+    written_by_training,
+)
 from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import ENV_METRICS_PORT, serve_metrics
 
@@ -137,6 +144,10 @@ def run_parameter_server(args: argparse.Namespace) -> int:
         raise ConfigError("--replay-update-log needs --update-log DIR")
     if args.follow_increments and not inference:
         raise ConfigError("--follow-increments needs --inference (a serving replica)")
+    if not inference:  # a folder it cannot write stops it at its first write, every restart
+        check_writable([
+            *written_by_servers(global_config.checkpoint_config, root=args.checkpoint_root),
+            *([Written(args.update_log, "--update-log")] if args.update_log else [])])
     ps = ParameterServer(global_config, embedding_config,
                          replica_index=args.replica_index, replica_size=args.replica_size,
                          inference=inference)
@@ -279,12 +290,17 @@ def run_nn_worker(args: argparse.Namespace) -> int:
     """The user's training script under torchrun (torch.distributed elastic), or, on one
     node that restarts no rank, as torchrun would run it."""
     env = _user_env(args)
+    log_flag = f"${ENV_TRAIN_LOG}" if ENV_TRAIN_LOG in env else "--train-log"
     env.setdefault(ENV_TRAIN_LOG, os.path.abspath(args.train_log))
-    deadline = int(min(60, max(5, load_global_config(env.get(ENV_GLOBAL_CONFIG))
-                               .common_config.rpc_timeout_sec)))
+    global_config = load_global_config(env.get(ENV_GLOBAL_CONFIG))
+    deadline = int(min(60, max(5, global_config.common_config.rpc_timeout_sec)))
     one_node = args.nnodes == 1 and not args.rdzv_endpoint
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1; got {args.nproc_per_node}")
+    # Refused here, not by a rank at its first write (torchrun would restart the ranks
+    # into the same error).
+    check_writable([*written_by_training(global_config.checkpoint_config),
+                    Written(env[ENV_TRAIN_LOG], log_flag, file=True)])
     if one_node and args.max_restarts == 0 and args.nproc_per_node == 1:
         # torchrun's agent would only host the store and watch the rank: done here,
         # without its cost (persia_py/launcher/local_ranks.py). Several ranks stay under
@@ -336,6 +352,7 @@ def run_data_loader(args: argparse.Namespace) -> int:
     if args.replay_handovers and not args.handover_log:
         raise ConfigError("--replay-handovers needs --handover-log FILE")
     if args.handover_log:
+        check_writable([Written(args.handover_log, "--handover-log", file=True)])
         env[ENV_DATA_LOADER_HANDOVER_LOG] = os.path.abspath(args.handover_log)
         env[ENV_DATA_LOADER_REPLAY] = "1" if args.replay_handovers else "0"
     return _run_child([sys.executable, args.script, *args.script_args], env)

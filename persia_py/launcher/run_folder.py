@@ -15,14 +15,18 @@ from collections.abc import Callable
 from datetime import datetime
 
 from persia_py.ops.private_files import UnsafeFolderError, private_folder
+from persia_py.ops.start_checks import Written, check_writable
 
 
 def make_run_folder(args: argparse.Namespace) -> tuple[str, str]:
     """The run folder (``--run-dir``, default ``runs/local-<date>-<time>-<pid>``; made
-    0700; refused when another user owns it or others may write into it) and the
-    training log's path in it."""
+    0700; refused when another user owns it or others may write into it, and, as a
+    ConfigError, when this user cannot write it) and the training log's path in it."""
     run_dir = os.path.abspath(args.run_dir or os.path.join(
         "runs", f"local-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"))
+    # Every role writes its logs there: a ConfigError (final) before anything is made.
+    check_writable([Written(run_dir, "--run-dir" if args.run_dir else
+                            "the run folder (--run-dir's default)")])
     try:
         private_folder(run_dir, "run folder")
     except UnsafeFolderError as exc:
