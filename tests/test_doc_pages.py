@@ -1,5 +1,6 @@
 """docs/online_training.md and docs/serving.md run as written: every fenced block of the
-two pages is a file of the job, a command run, or code run, taken from the page as it is.
+two pages is a file of the job, a command run, or code run, taken from the page as it is;
+so does docs/your_data.md's reading loop.
 
 Nothing is added but what the pages leave to the reader: the stream's files, the folder
 the online page calls ``/data/job`` (a test's own), a free port for the metrics port the
@@ -43,8 +44,10 @@ def _blocks(page: str) -> list[tuple[str, str]]:
 
 ONLINE = _blocks("online_training.md")
 SERVING = _blocks("serving.md")
+YOUR_DATA = _blocks("your_data.md")
 LOADER, FROM_CSR, MODEL, EMBEDDING_CONFIG, TRAIN, GLOBAL_CONFIG, RUN = (t for _, t in ONLINE)
 SERVE, CLIENT, FRESH_CONFIG, SERVE_FRESH = (t for _, t in SERVING)
+_HASH, READ_CSV, _CRITEO = (t for _, t in YOUR_DATA)
 
 
 def test_the_pages_have_the_blocks_run_here() -> None:
@@ -60,6 +63,10 @@ def test_the_pages_have_the_blocks_run_here() -> None:
         ("yaml", "# global_config.yml of the training job (and of serve, for the warning "
                  "thresholds)"), ("bash", "persia-launcher serve --checkpoint ckpt/ "
                                           "--follow-increments ckpt/inc \\")]
+    assert [(lang, text.splitlines()[0]) for lang, text in YOUR_DATA] == [
+        ("python", "import numpy as np"),
+        ("python", "from persia_py.data_readers import CsvColumn, CsvReader, CsvReaderConfig"),
+        ("bash", "python examples/criteo_tsv/generate_tsv.py train.tsv --rows 20000 --seed 1")]
 
 
 def _commands(block: str) -> list[list[str]]:
@@ -151,6 +158,25 @@ def test_the_from_csr_example_runs_on_a_read_part(tmp_path: Path) -> None:
     exec(FROM_CSR, names)  # noqa: S102 - the page's code, as written
     batch = names["batch"]
     assert batch.batch_size == 3 and names["lengths"].tolist() == [3, 0, 1]
+
+
+def test_the_csv_reader_example_reads_a_loaders_share(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/your_data.md's reading loop, run as written in data loader 0 of 2: its batch
+    holds that loader's share of the file (the first half, to within a line), and
+    ``every_record`` all of it."""
+    lines = [f"{i % 2},u{i % 3},{' '.join(map(str, range(i % 4)))}\n" for i in range(40)]
+    (tmp_path / "clicks.csv").write_text("click,user,tags\n" + "".join(lines))
+    monkeypatch.chdir(tmp_path)  # the page's clicks.csv
+    monkeypatch.setenv("PERSIA_DATA_LOADER_REPLICA_INDEX", "0")
+    monkeypatch.setenv("PERSIA_DATA_LOADER_REPLICA_SIZE", "2")
+    names: dict = {}
+    exec(READ_CSV, names)  # noqa: S102 - the page's code, as written
+    assert names["every_record"].num_records == 40
+    share = names["records"]
+    assert 15 <= share.num_records <= 25 and share.rows[0] == 2, share.rows
+    assert names["batch"].batch_size == share.num_records
+    np.testing.assert_array_equal(names["lengths"], [i % 4 for i in range(share.num_records)])
 
 
 @processes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import json
 import re
 import typing
@@ -118,3 +119,26 @@ def test_examples_and_doc_code_move_tensors_to_the_cpu_before_numpy() -> None:
         for line in text.splitlines():
             assert not NUMPY_OF_A_TENSOR.search(line), (
                 f"{path.relative_to(ROOT)}: {line.strip()!r}: call .cpu() before .numpy()")
+
+
+def test_the_api_page_lists_every_embedding_optimizer_with_its_arguments_and_defaults() -> None:
+    """docs/api.md's table of embedding optimizers holds each class
+    ``persia_py.embedding.optim`` exports, each of its arguments in order, and each
+    default as Python writes it (``(required)`` where there is none)."""
+    from persia_py.embedding import optim
+
+    section = (ROOT / "docs" / "api.md").read_text().split("## Embedding optimizers", 1)[1]
+    listed: dict[str, list[tuple[str, str]]] = {}
+    owner = ""
+    for cls, arg, default in re.findall(r"^\| (?:`(\w+)`)? *\| `(\w+)` \| ([^|]+?) \|",
+                                        section.split("\n## ", 1)[0], flags=re.M):
+        owner = cls or owner
+        listed.setdefault(owner, []).append((arg, default))
+    expected = {}
+    for name in optim.__all__:
+        cls = getattr(optim, name)
+        if cls is optim.Optimizer:
+            continue
+        expected[name] = [(p.name, "(required)" if p.default is p.empty else f"`{p.default!r}`")
+                          for p in inspect.signature(cls).parameters.values()]
+    assert listed == expected

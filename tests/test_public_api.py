@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
              *sorted((ROOT / "examples").rglob("*.py"))]
 _FROM_IMPORT = re.compile(r"^\s*from (persia_py[\w.]*) import \(?([\w, \n]+?)\)?\s*$", re.M)
+_IMPORT = re.compile(r"^\s*import (persia_py[\w.]*)(?: as \w+)?\s*$", re.M)
 _DOTTED = re.compile(r"(?<![\w./-])persia_py(?:\.[A-Za-z_]\w*)+")
 
 
@@ -35,6 +36,8 @@ def documented_names() -> dict[str, set[str]]:
                 name = name.split(" as ")[0].strip()
                 if name:
                     found.setdefault(f"{module}:{name}", set()).add(where)
+        for module in _IMPORT.findall(text):
+            found.setdefault(module, set()).add(where)
         for dotted in _DOTTED.findall(text):
             found.setdefault(dotted.rstrip("."), set()).add(where)
     return found
@@ -103,3 +106,30 @@ def test_public_module_exports_what_exists(module: str) -> None:
     loaded = importlib.import_module(module)
     missing = [name for name in loaded.__all__ if not hasattr(loaded, name)]
     assert not missing, missing
+
+
+def test_the_manual_says_where_each_public_name_it_uses_is_imported_from() -> None:
+    """A name a public module exports, written in code in a README or docs paragraph (e.g.
+    ``share=ReaderShare(i, n)``), has its module named in some paragraph of the manual
+    beside it: ``from M import N``, ``M.N``, or ``M`` and ``N`` in one paragraph. A user
+    who reads of a class must find where to import it from without guessing.
+    (docs/architecture.md names packages by their short names, for developers.)"""
+    pages = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md")
+                                         if p.name not in ("architecture.md", "benchmarks.md",
+                                                           "cli.md"))]
+    paragraphs = [p for page in pages
+                  for p in re.split(r"\n\s*\n|\n(?=- )", page.read_text())]
+    homes: dict[str, set[str]] = {}
+    for module in PUBLIC:
+        for name in importlib.import_module(module).__all__:
+            homes.setdefault(name, set()).add(module)
+    unsaid = []
+    for name, modules in sorted(homes.items()):
+        word = re.compile(rf"(?<![\w.]){re.escape(name)}\b")
+        if not any(word.search(code) for p in paragraphs for code in re.findall(r"`([^`]+)`", p)):
+            continue
+        if not any(f"{m}.{name}" in p or (re.search(rf"\b{re.escape(m)}\b(?!\.\w)", p)
+                                          and word.search(p))
+                   for p in paragraphs for m in modules):
+            unsaid.append(f"{name} (from {' or '.join(sorted(modules))})")
+    assert not unsaid, f"the manual uses these names without their module: {unsaid}"

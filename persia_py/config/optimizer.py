@@ -35,13 +35,18 @@ class SGDConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdagradConfig:
-    """Adagrad (PERSIA's hyper-parameters); ``g_square_momentum < 1`` decays the
-    accumulator (RMSProp-like)."""
+    """Adagrad with PERSIA's hyper-parameters and torch.optim.Adagrad's update and
+    defaults: ``acc = g_square_momentum * acc + g**2``, then ``w -= lr * g / (sqrt(acc) +
+    eps)``; ``g_square_momentum < 1`` decays the accumulator (RMSProp-like)."""
 
     lr: float = 1e-2
     """Learning rate, >= 0."""
-    initial_accumulator_value: float = 1e-2
-    """Value of a new row's accumulator, >= 0."""
+    initial_accumulator_value: float = 0.0
+    """Value of a new row's accumulator, >= 0. torch's 0: the accumulator takes ``g**2``
+    before the step, so a row's first step is ``lr * sign(g)``. PERSIA's 0.01 suits its
+    update, which divides by the accumulator as it was before the step; here it holds
+    every early step of a small gradient (``|g|`` well under 0.1, as an embedding's share
+    of a mean loss is) to about ``10 * lr * |g|``, and a model can stay near chance."""
     eps: float = 1e-10
     """Added to the accumulator's square root, > 0."""
     weight_decay: float = 0.0

@@ -43,7 +43,8 @@ class SGD(Optimizer):
 
 
 class Adagrad(Optimizer):
-    """Adagrad with PERSIA's hyper-parameters (``vectorwise_shared``: one accumulator per row)."""
+    """Adagrad with PERSIA's hyper-parameters and torch.optim.Adagrad's update and defaults
+    (``initial_accumulator_value=0``; ``vectorwise_shared``: one accumulator per row)."""
 
     def __init__(
         self,
