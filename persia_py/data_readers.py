@@ -1,5 +1,7 @@
 """Readers for data-loader scripts: CSV records into column arrays, malformed rows
-reported with file and line (implemented in :mod:`persia_py.input.readers`)."""
+reported with file and line (implemented in :mod:`persia_py.input.readers`), and the share
+of a file each data loader reads (:class:`ReaderShare`, also in
+:mod:`persia_py.reader_share`)."""
 
 from persia_py.input.readers import (
     BadRecordError,
@@ -8,5 +10,7 @@ from persia_py.input.readers import (
     CsvReader,
     CsvReaderConfig,
 )
+from persia_py.input.reader_share import ReaderShare
 
-__all__ = ["BadRecordError", "CsvBatch", "CsvColumn", "CsvReader", "CsvReaderConfig"]
+__all__ = ["BadRecordError", "CsvBatch", "CsvColumn", "CsvReader", "CsvReaderConfig",
+           "ReaderShare"]

@@ -227,6 +227,23 @@ def test_configure_applies_slot_policies_and_optimizer() -> None:
         ps.close()
 
 
+def test_a_checkpoint_of_the_old_adagrad_default_is_refused_with_the_way_on() -> None:
+    """Adagrad's initial accumulator defaulted to 0.01 before it became torch's 0: tables
+    configured so (a checkpoint written then) refuse the new default, saying what to pass."""
+    embedding = embedding_config_from_dict({"slots_config": {"a": {"dim": 4}}})
+    ps = ParameterServer(global_config_from_dict({}), embedding)
+    try:
+        ps.configure(optimizer={"type": "adagrad", "lr": 0.1, "initial_accumulator_value": 0.01})
+        with pytest.raises(RuntimeError, match=r"differ only in Adagrad's initial_accumulator_"
+                                               r"value.*initial_accumulator_value=0\.01\)"):
+            ps.configure(optimizer={"type": "adagrad", "lr": 0.1})
+        with pytest.raises(RuntimeError, match="different settings") as refused:
+            ps.configure(optimizer={"type": "adagrad", "lr": 0.2})  # another difference too
+        assert "differ only" not in str(refused.value)
+    finally:
+        ps.close()
+
+
 # --- wire -------------------------------------------------------------------------------
 
 

@@ -226,8 +226,8 @@ def _servers_by_memory(tables: list[TableDemand], machine: Machine,
 
     def fits(n: int) -> bool:  # and the unset tables' rows within the derived capacity
         return (server_memory(tables, n, workload)["total"] <= budget
-                and all(rows_per_replica(t, n) <= derived for t in tables
-                        if t.capacity is None))
+                and (derived is None or all(rows_per_replica(t, n) <= derived
+                                            for t in tables if t.capacity is None)))
 
     if not fits(MAX_SERVERS):
         least = server_memory(tables, MAX_SERVERS, workload)["total"]

@@ -188,7 +188,7 @@ class ParameterServer:
             raise FailedPrecondition(
                 "already configured with different settings: "
                 f"{json.dumps(self._settings.__dict__)}; {source} has "
-                f"{json.dumps(settings.__dict__)}")
+                f"{json.dumps(settings.__dict__)}" + _old_default_hint(self._settings, settings))
 
     def _build_tables(self, settings: TableSettings) -> dict[str, EmbeddingTable]:
         """New, empty tables of the embedding config with ``settings``."""
@@ -503,3 +503,20 @@ class ParameterServer:
     def close(self) -> None:
         for table in self._tables.values():
             table.close()
+
+
+def _old_default_hint(held: TableSettings, asked: TableSettings) -> str:
+    """What to do when two settings differ only in Adagrad's initial accumulator, whose
+    default was PERSIA's 0.01 before it became torch's 0 (docs/porting_from_persia.md):
+    a checkpoint written then holds 0.01."""
+    values = {held.optimizer.get("initial_accumulator_value"),
+              asked.optimizer.get("initial_accumulator_value")}
+    same_else = (dataclasses.replace(held, optimizer={**held.optimizer,
+                                                      "initial_accumulator_value": 0})
+                 == dataclasses.replace(asked, optimizer={**asked.optimizer,
+                                                          "initial_accumulator_value": 0}))
+    if values != {0.0, 0.01} or not same_else:
+        return ""
+    return ("; they differ only in Adagrad's initial_accumulator_value, whose default was "
+            "0.01 (PERSIA's) before persia_py took torch's 0: to go on from a checkpoint "
+            "written then, pass Adagrad(..., initial_accumulator_value=0.01)")
