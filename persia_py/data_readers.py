@@ -3,6 +3,7 @@ reported with file and line (implemented in :mod:`persia_py.input.readers`), and
 of a file each data loader reads (:class:`ReaderShare`, also in
 :mod:`persia_py.reader_share`)."""
 
+from persia_py.input.reader_share import ReaderShare
 from persia_py.input.readers import (
     BadRecordError,
     CsvBatch,
@@ -10,7 +11,6 @@ from persia_py.input.readers import (
     CsvReader,
     CsvReaderConfig,
 )
-from persia_py.input.reader_share import ReaderShare
 
 __all__ = ["BadRecordError", "CsvBatch", "CsvColumn", "CsvReader", "CsvReaderConfig",
            "ReaderShare"]

@@ -1,7 +1,8 @@
 """A config error that ends a user's script started by persia-launcher before its role made
 progress ends the role for good (persia_py/ops/final_errors.py): exit code 78, and on an
 NN-worker rank a line in the rank-failed file that makes ``persia-launcher nn-worker``
-stop torchrun. A data error (input that cannot be parsed) is final at any time: exit 65. Any other error, one after progress, or one in a process the launcher did
+stop torchrun. A data error (input that cannot be parsed) is final at any time: exit 65.
+Any other error, one after progress, or one in a process the launcher did
 not start, exits as usual (1)."""
 
 from __future__ import annotations

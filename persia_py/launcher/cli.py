@@ -298,16 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from persia_py.launcher import k8s, local, roles
+    from persia_py.launcher import roles
 
     run = {
         "embedding-parameter-server": roles.run_parameter_server,
         "embedding-worker": roles.run_embedding_worker,
         "nn-worker": roles.run_nn_worker,
         "data-loader": roles.run_data_loader,
-        "local": local.run_local,
+        "local": _run_local,
         "serve": _run_serve,
-        "k8s": k8s.run_k8s,
+        "k8s": _run_k8s,
         "plot": _run_plot,
         "plan": _run_plan,
     }[args.command]
@@ -328,6 +328,20 @@ def main(argv: list[str] | None = None) -> int:
         # a restart would meet it again.
         return roles.hold_after_config_error(args.command, code)
     return code
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from persia_py.launcher.job_flags import local_from_flags
+    from persia_py.launcher.local import run_local
+
+    return run_local(*local_from_flags(args))
+
+
+def _run_k8s(args: argparse.Namespace) -> int:
+    from persia_py.launcher.job_flags import k8s_from_flags
+    from persia_py.launcher.k8s import run_k8s
+
+    return run_k8s(k8s_from_flags(args), args.output)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -3,16 +3,15 @@ and :func:`job_roles`, the job's list of them, each with how it restarts alone."
 
 from __future__ import annotations
 
-import argparse
-import functools
-import os
-import shlex
+import dataclasses
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from persia_py.launcher import role_commands
+from persia_py.launcher.job_model import Job, NNPlacement, Placement
 from persia_py.launcher.recovery import latest_checkpoint
 from persia_py.launcher.role_kinds import (
     DATA_LOADER,
@@ -21,7 +20,7 @@ from persia_py.launcher.role_kinds import (
     PARAMETER_SERVER,
     RoleKind,
 )
-from persia_py.launcher.run_folder import update_log_folder
+from persia_py.launcher.run_folder import handover_log_file, update_log_folder
 
 
 @dataclass
@@ -45,64 +44,56 @@ class Role:
         return self.process
 
 
-def job_roles(args: argparse.Namespace, *, run_dir: str, root: str | None,
-               role_flags: list[str], ports: tuple) -> list[Role]:
+LAUNCHER = (sys.executable, "-m", "persia_py.launcher.cli")
+"""``persia-launcher`` as ``local`` starts it: this interpreter, whatever is on PATH."""
+
+
+def local_placement(kind: RoleKind, index: int, port: int, *, bind: str, run_dir: str,
+                    metrics: bool) -> Placement:
+    """Where ``local`` runs replica ``index`` of ``kind``: on this machine, its own log in
+    the run folder, metrics on a free port when asked."""
+    own_log = {PARAMETER_SERVER: update_log_folder(run_dir, index),
+               DATA_LOADER: handover_log_file(run_dir, index)}.get(kind)
+    # A data loader binds where $PERSIA_BIND_HOST (the job's environment) says.
+    return Placement(LAUNCHER, str(index), port, None if kind is DATA_LOADER else bind,
+                     own_log=own_log, metrics_port=0 if metrics else None)
+
+
+def local_nn_placement(job: Job, *, metrics: bool) -> NNPlacement:
+    """How ``local`` runs the NN workers: one node; torchrun restarts the ranks only when
+    asked to (``--nn-restarts torchrun``), else the launcher restarts the training."""
+    return NNPlacement(LAUNCHER, metrics_port=0 if metrics else None,
+                       max_restarts=job.max_restarts if job.nn_restarts == "torchrun" else None)
+
+
+def job_roles(job: Job, *, run_dir: str, root: str | None, bind: str, metrics: bool,
+              ports: tuple) -> list[Role]:
     """The job's roles, parameter servers first, then embedding workers, data loaders and
-    the NN worker, each with how it restarts alone (``Role.restart``). ``role_flags``:
-    what every role takes; ``ports``: those of each kind (the NN ranks' rendezvous store
-    takes its port itself: persia_py/launcher/loopback.py)."""
-    launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
-    host = args.bind
-    ps_ports, ew_ports, dl_ports = ports
-    num_ps, num_ew, num_dl = len(ps_ports), len(ew_ports), len(dl_ports)
-    roles = [
-        Role(f"{PARAMETER_SERVER.short}-{i}", [*launcher, PARAMETER_SERVER.command, "--port", str(p),
-                         "--bind", host, "--replica-index", str(i), "--replica-size", str(num_ps),
-                         "--update-log", update_log_folder(run_dir, i), *role_flags])
-        for i, p in enumerate(ps_ports)
-    ]
-    roles += [
-        Role(f"{EMBEDDING_WORKER.short}-{i}", [*launcher, EMBEDDING_WORKER.command, "--port", str(p),
-                                       "--bind", host, "--replica-index", str(i),
-                                       "--replica-size", str(num_ew), *role_flags],
-             kind=EMBEDDING_WORKER)
-        for i, p in enumerate(ew_ports)
-    ]
-    roles += [
-        Role(f"{DATA_LOADER.short}-{i}", [*launcher, DATA_LOADER.command, "--port", str(p),
-                                  "--replica-index", str(i), "--replica-size", str(num_dl),
-                                  "--handover-log",
-                                  os.path.join(run_dir, f"data-loader-{i}-handovers.log"),
-                                  *role_flags, args.data_loader, *shlex.split(args.data_loader_args)],
-             kind=DATA_LOADER)
-        for i, p in enumerate(dl_ports)
-    ]
-    roles.append(Role(NN_WORKER.short, [*launcher, NN_WORKER.command,
-                                    "--nproc-per-node", str(args.nproc_per_node),
-                                    *(["--max-restarts", str(args.max_restarts)]
-                                      if args.nn_restarts == "torchrun" else []),
-                                    *role_flags, args.nn_worker, *shlex.split(args.nn_worker_args)],
-                      kind=NN_WORKER))
-
-    def ps_restart(command: list[str]) -> Callable[[], list[str]]:
-        def restart() -> list[str]:
-            # Its update log brings back what it applied since the checkpoint it starts
-            # from; the newest checkpoint serves when the log is empty.
-            latest = latest_checkpoint(root)
-            command_now = [*command, "--replay-update-log"]
-            return command_now if latest is None else [*command_now, "--load-checkpoint", latest]
-        return restart
-
-    for role in roles[:num_ps]:
-        role.restart = ps_restart(role.command)
-    for role in roles[num_ps:num_ps + num_ew]:
-        # Restarted alone: the data loaders keep the ID features of every batch not yet
-        # trained and put those it lost on its successor (see workers/data_loader.py).
-        role.restart = functools.partial(list, role.command)
-    for role in roles[num_ps + num_ew:num_ps + num_ew + num_dl]:
-        # Restarted alone: its handover log says where it left off
-        # (workers/handover_log.py); the flag goes before the script and its arguments.
-        at = role.command.index(args.data_loader)
-        role.restart = functools.partial(
-            list, [*role.command[:at], "--replay-handovers", *role.command[at:]])
+    the NN worker, each with how it restarts alone (``Role.restart``); ``ports``: those
+    of each kind (the NN ranks' rendezvous store takes its port itself:
+    persia_py/launcher/loopback.py)."""
+    roles = []
+    for kind, kind_ports in zip((PARAMETER_SERVER, EMBEDDING_WORKER, DATA_LOADER), ports):
+        for i, port in enumerate(kind_ports):
+            at = local_placement(kind, i, port, bind=bind, run_dir=run_dir, metrics=metrics)
+            role = Role(f"{kind.short}-{i}", role_commands.server_role(kind, job, at), kind=kind)
+            # Restarted alone, replaying its own log: a parameter server's update log
+            # brings back what it applied since the checkpoint it starts from (the newest
+            # serves when the log is empty); a data loader's handover log says where it
+            # left off (workers/handover_log.py); an embedding worker has none (the data
+            # loaders put the batches it lost there again: workers/data_loader.py).
+            again = role_commands.server_role(kind, job, dataclasses.replace(at, replay=True))
+            role.restart = _restart(again, root if kind is PARAMETER_SERVER else None)
+            roles.append(role)
+    roles.append(Role(NN_WORKER.short, role_commands.nn_worker(
+        job, local_nn_placement(job, metrics=metrics)), kind=NN_WORKER))
     return roles
+
+
+def _restart(command: list[str], root: str | None) -> Callable[[], list[str]]:
+    """A role's restart command; with ``root``, a parameter server's, which loads the
+    newest checkpoint there (at the time of the restart) when its update log is empty."""
+    def restart() -> list[str]:
+        latest = None if root is None else latest_checkpoint(root)
+        return list(command) if latest is None else [*command, "--load-checkpoint", latest]
+    return restart

@@ -1,13 +1,22 @@
-"""The flags of ``persia-launcher k8s`` and their checks: what the user gives, before any
-object is rendered (:mod:`persia_py.launcher.k8s` renders them)."""
+"""The flags of ``persia-launcher k8s``, and what they make: a :class:`K8sJob` (the job
+model and Kubernetes' own options), checked before any object is rendered
+(:mod:`persia_py.launcher.k8s` renders it)."""
 
 from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import dataclass, field
 
 from persia_py.launcher import job_token
-from persia_py.launcher.role_kinds import ROLE_KINDS
+from persia_py.launcher.job_model import Job, Resources
+from persia_py.launcher.role_kinds import (
+    DATA_LOADER,
+    EMBEDDING_WORKER,
+    PARAMETER_SERVER,
+    ROLE_KINDS,
+    RoleKind,
+)
 
 TLS_DIR = "/etc/persia-tls"
 """Where ``--tls-secret-name``'s Secret is mounted in every pod."""
@@ -75,22 +84,41 @@ def add_k8s_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
 
 
-def check_k8s_args(args: argparse.Namespace) -> None:
-    """Refuses (SystemExit, naming the flag) names Kubernetes would reject and counts below one."""
-    if not _JOB_NAME.match(args.job_name) or len(args.job_name) > MAX_JOB_NAME:
-        raise SystemExit(f"--job-name {args.job_name!r}: a lowercase letter, then lowercase "
-                         f"letters, digits and '-', at most {MAX_JOB_NAME} characters (it "
-                         "prefixes object and pod names)")
-    for flag in ("auth_secret_name", "tls_secret_name"):
-        name = getattr(args, flag)
-        if name is not None and (not _NAME.match(name) or len(name) > 253):
-            raise SystemExit(f"--{flag.replace('_', '-')} {name!r}: not a Secret name "
-                             "(lowercase letters, digits and '-')")
-    if args.insecure and args.auth_secret_name:
-        raise SystemExit("--insecure and --auth-secret-name: choose one (a token, or none)")
-    for name in ("num_ps", "num_embedding_workers", "num_data_loaders", "num_nn_worker_nodes",
-                 "nproc_per_node"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+@dataclass(frozen=True)
+class K8sJob:
+    """A :class:`~persia_py.launcher.job_model.Job` as ``persia-launcher k8s`` renders it:
+    the job, and what only Kubernetes needs (object names, image, ports, resources,
+    Secrets, who may scrape metrics). Checked as it is made (names Kubernetes would
+    refuse; SystemExit naming the flag)."""
 
+    job: Job
+    job_name: str
+    namespace: str = "default"
+    image: str = "persia:latest"
+    image_pull_policy: str = "IfNotPresent"
+    ports: dict[RoleKind, int] = field(default_factory=lambda: {
+        PARAMETER_SERVER: 23000, EMBEDDING_WORKER: 23001, DATA_LOADER: 23002})
+    rdzv_port: int = 29500
+    metrics_port: int = 9090
+    resources: dict[RoleKind, Resources] = field(default_factory=dict)
+    auth_secret_name: str | None = None
+    tls_secret_name: str | None = None
+    metrics_scraper_namespace: str = "kubernetes.io/metadata.name=monitoring"
+    metrics_scraper_pods: str = "app.kubernetes.io/name=prometheus"
 
+    def __post_init__(self) -> None:
+        if not _JOB_NAME.match(self.job_name) or len(self.job_name) > MAX_JOB_NAME:
+            raise SystemExit(f"--job-name {self.job_name!r}: a lowercase letter, then "
+                             f"lowercase letters, digits and '-', at most {MAX_JOB_NAME} "
+                             "characters (it prefixes object and pod names)")
+        for flag, name in (("--auth-secret-name", self.auth_secret_name),
+                           ("--tls-secret-name", self.tls_secret_name)):
+            if name is not None and (not _NAME.match(name) or len(name) > 253):
+                raise SystemExit(f"{flag} {name!r}: not a Secret name (lowercase letters, "
+                                 "digits and '-')")
+        if self.job.insecure and self.auth_secret_name:
+            raise SystemExit("--insecure and --auth-secret-name: choose one (a token, or none)")
+
+    def resources_of(self, kind: RoleKind) -> Resources:
+        """``kind``'s pod resources (the defaults where none were given)."""
+        return self.resources.get(kind, Resources())

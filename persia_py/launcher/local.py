@@ -36,7 +36,7 @@ metrics on a free port (its ``... metrics on http://...`` line says which) unles
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -44,11 +44,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from persia_py.checkpoint import rewind
 from persia_py.config import load_global_config
 from persia_py.env import job_env
 from persia_py.launcher import job_token, stop_signals
+from persia_py.launcher.job_model import Job
 from persia_py.launcher.job_roles import Role, job_roles
 from persia_py.launcher.lifeline import Lifeline
 from persia_py.launcher.ports import free_ports
@@ -368,21 +370,35 @@ class LocalCluster:
                 role.reader.join(timeout=5.0)
 
 
-def run_local(args: argparse.Namespace) -> int:
-    host = args.bind
-    num_ps, num_ew, num_dl = args.num_ps, args.num_embedding_workers, args.num_data_loaders
-    for name in ("num_ps", "num_embedding_workers", "num_data_loaders", "nproc_per_node"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    validate_configs(args.global_config, args.embedding_config)
+@dataclass(frozen=True)
+class LocalOptions:
+    """How ``persia-launcher local`` runs a :class:`~persia_py.launcher.job_model.Job`
+    on this machine (its flags: docs/cli.md)."""
+
+    bind: str = "127.0.0.1"
+    """The address every server binds."""
+    run_dir: str | None = None
+    """The run folder (None: ``runs/local-<date>-<time>-<pid>``)."""
+    metrics: bool = True
+    """Every role serves Prometheus metrics on a free port."""
+    env: tuple[str, ...] = ()
+    """``KEY=VALUE`` items added to every process's environment."""
+    resume: str | None = None
+    """A checkpoint (root or folder) to continue from."""
+
+
+def run_local(job: Job, options: LocalOptions) -> int:
+    """Run ``job`` on this machine until it ends; its exit code."""
+    host = options.bind
+    num_ps, num_ew, num_dl = job.num_ps, job.num_embedding_workers, job.num_data_loaders
+    validate_configs(job.global_config, job.embedding_config)
     # Every role starts in this folder: its checkpoint root, unless the config sets one;
     # and as this user, who must be able to write what they write (the run folder is
     # tried as it is made).
-    checkpoints = load_global_config(args.global_config).checkpoint_config
+    checkpoints = load_global_config(job.global_config).checkpoint_config
     check_checkpoint_paths(checkpoints)
     check_writable([*written_by_servers(checkpoints), *written_by_training(checkpoints)])
-    run_dir, train_log = make_run_folder(args)
-    metrics = [] if args.no_metrics else ["--metrics-port", "0"]
+    run_dir, train_log = make_run_folder(options.run_dir)
     # The NN ranks' rendezvous store takes its port itself (persia_py/launcher/loopback.py).
     ports = free_ports(num_ps + num_ew + num_dl, host)
     ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
@@ -392,17 +408,17 @@ def run_local(args: argparse.Namespace) -> int:
         ps_addrs=[f"{host}:{p}" for p in ps_ports],
         embedding_worker_addrs=[f"{host}:{p}" for p in ew_ports],
         data_loader_addrs=[f"{host}:{p}" for p in dl_ports],
-        nn_world_size=args.nproc_per_node, bind_host=host,
-        embedding_config=os.path.abspath(args.embedding_config),
-        global_config=os.path.abspath(args.global_config) if args.global_config else None))
+        nn_world_size=job.world_size, bind_host=host,
+        embedding_config=os.path.abspath(job.embedding_config),
+        global_config=os.path.abspath(job.global_config) if job.global_config else None))
     env.update({"PYTHONUNBUFFERED": "1", ENV_TRAIN_LOG: train_log})
-    root = checkpoint_root(args, env)
-    if getattr(args, "resume", None):
-        env.update(resume_env(args.resume))
+    root = checkpoint_root(env, options.resume)
+    if options.resume:
+        env.update(resume_env(options.resume))
     elif (latest := latest_checkpoint(root)) is not None:
         # The NN workers resume from it by themselves (TrainCtx); the loaders must agree.
         env.update(resume_env(latest))
-    for item in args.env:
+    for item in options.env:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--env expects KEY=VALUE, got {item!r}")
@@ -411,17 +427,19 @@ def run_local(args: argparse.Namespace) -> int:
                              "read by every local user; export it instead, or let local make "
                              "one")
         env[key] = value
-    role_flags = [*metrics, *job_token.give_job_token(args.insecure, env, run_dir)]
-    roles = job_roles(args, run_dir=run_dir, root=root, role_flags=role_flags,
-                       ports=(ps_ports, ew_ports, dl_ports))
-    cluster = LocalCluster(roles, env, max_restarts=args.max_restarts)
+    # A token the user configured wins over --insecure, as it always did.
+    job = dataclasses.replace(
+        job, insecure=bool(job_token.give_job_token(job.insecure, env, run_dir)))
+    roles = job_roles(job, run_dir=run_dir, root=root, bind=host, metrics=options.metrics,
+                      ports=(ps_ports, ew_ports, dl_ports))
+    cluster = LocalCluster(roles, env, max_restarts=job.max_restarts)
     recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],
                                 root=root, train_log=train_log,
-                                max_restarts=args.max_restarts, log=cluster.log)
+                                max_restarts=job.max_restarts, log=cluster.log)
     cluster.restart_training = recovery
     counts = BatchCounts(train_log)
     metrics_server = None
-    if not args.no_metrics:
+    if options.metrics:
         cluster.metrics = LauncherMetrics()
         metrics_server = serve_metrics(cluster.metrics.registry, 0, host, "[launcher] launcher")
 

@@ -19,7 +19,6 @@ training log.
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable
 
@@ -47,12 +46,12 @@ def resume_env(path: str) -> dict[str, str]:
     return {checkpoint_format.ENV_RESUME_DIR: str(folder), ENV_DATA_POSITIONS: positions.to_text()}
 
 
-def checkpoint_root(args: argparse.Namespace, env: dict[str, str]) -> str | None:
+def checkpoint_root(env: dict[str, str], resume: str | None) -> str | None:
     """Where the job's checkpoints are: ``checkpoint_config.dir``, else ``--resume``."""
     from persia_py.config import load_global_config
 
     root = load_global_config(env.get(ENV_GLOBAL_CONFIG)).checkpoint_config.dir
-    return root or getattr(args, "resume", None)
+    return root or resume
 
 
 def latest_checkpoint(root: str | None) -> str | None:

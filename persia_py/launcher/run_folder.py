@@ -8,7 +8,6 @@ update logs once the job has ended, since a new launch never replays them.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 from collections.abc import Callable
@@ -18,14 +17,14 @@ from persia_py.ops.private_files import UnsafeFolderError, private_folder
 from persia_py.ops.start_checks import Written, check_writable
 
 
-def make_run_folder(args: argparse.Namespace) -> tuple[str, str]:
+def make_run_folder(given: str | None) -> tuple[str, str]:
     """The run folder (``--run-dir``, default ``runs/local-<date>-<time>-<pid>``; made
     0700; refused when another user owns it or others may write into it, and, as a
     ConfigError, when this user cannot write it) and the training log's path in it."""
-    run_dir = os.path.abspath(args.run_dir or os.path.join(
+    run_dir = os.path.abspath(given or os.path.join(
         "runs", f"local-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"))
     # Every role writes its logs there: a ConfigError (final) before anything is made.
-    check_writable([Written(run_dir, "--run-dir" if args.run_dir else
+    check_writable([Written(run_dir, "--run-dir" if given else
                             "the run folder (--run-dir's default)")])
     try:
         private_folder(run_dir, "run folder")
@@ -39,6 +38,11 @@ def make_run_folder(args: argparse.Namespace) -> tuple[str, str]:
 def update_log_folder(run_dir: str, index: int) -> str:
     """Where parameter server ``index`` keeps its update log."""
     return os.path.join(run_dir, f"ps-{index}-updates")
+
+
+def handover_log_file(run_dir: str, index: int) -> str:
+    """Where data loader ``index`` keeps its handover log."""
+    return os.path.join(run_dir, f"data-loader-{index}-handovers.log")
 
 
 def remove_update_logs(run_dir: str, num_ps: int, log: Callable[[str], None]) -> None:

@@ -1,0 +1,57 @@
+"""From the command line to the job model: the one place where ``local``'s and ``k8s``'s
+parsed flags (an ``argparse.Namespace``) become a typed
+:class:`~persia_py.launcher.job_model.Job` and the engine's own options. Past this module
+no launcher function takes a Namespace."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from persia_py.launcher.job_model import Job, Resources, Script
+from persia_py.launcher.k8s_flags import K8sJob
+from persia_py.launcher.local import LocalOptions
+from persia_py.launcher.role_kinds import DATA_LOADER, EMBEDDING_WORKER, NN_WORKER, PARAMETER_SERVER
+
+__all__ = ["job_from_flags", "k8s_from_flags", "local_from_flags"]
+
+
+def job_from_flags(args: argparse.Namespace, *, nn_nodes: int = 1,
+                   max_restarts: int = 3, nn_restarts: str = "launcher",
+                   flag_names: dict[str, str] | None = None) -> Job:
+    """The job the flags every engine shares describe (scripts, configs, counts)."""
+    return Job(
+        embedding_config=args.embedding_config, global_config=args.global_config,
+        nn_worker=Script(args.nn_worker, tuple(shlex.split(args.nn_worker_args))),
+        data_loader=Script(args.data_loader, tuple(shlex.split(args.data_loader_args))),
+        num_ps=args.num_ps, num_embedding_workers=args.num_embedding_workers,
+        num_data_loaders=args.num_data_loaders, nn_nodes=nn_nodes,
+        nproc_per_node=args.nproc_per_node, insecure=args.insecure,
+        max_restarts=max_restarts, nn_restarts=nn_restarts, flag_names=flag_names or {})
+
+
+def local_from_flags(args: argparse.Namespace) -> tuple[Job, LocalOptions]:
+    """``persia-launcher local``'s job and options."""
+    job = job_from_flags(args, max_restarts=args.max_restarts, nn_restarts=args.nn_restarts)
+    return job, LocalOptions(bind=args.bind, run_dir=args.run_dir, metrics=not args.no_metrics,
+                             env=tuple(args.env), resume=args.resume)
+
+
+def k8s_from_flags(args: argparse.Namespace) -> K8sJob:
+    """``persia-launcher k8s``'s flags as a :class:`K8sJob`."""
+    job = job_from_flags(args, nn_nodes=args.num_nn_worker_nodes, nn_restarts="torchrun",
+                         flag_names={"nn_nodes": "--num-nn-worker-nodes"})
+    resources = {kind: Resources(getattr(args, f"{flag}_cpu"), getattr(args, f"{flag}_memory"),
+                                 args.nn_worker_gpus if kind is NN_WORKER else 0)
+                 for kind, flag in ((PARAMETER_SERVER, "ps"),
+                                    (EMBEDDING_WORKER, "embedding_worker"),
+                                    (DATA_LOADER, "data_loader"), (NN_WORKER, "nn_worker"))}
+    return K8sJob(
+        job=job, job_name=args.job_name, namespace=args.namespace, image=args.image,
+        image_pull_policy=args.image_pull_policy,
+        ports={PARAMETER_SERVER: args.ps_port, EMBEDDING_WORKER: args.embedding_worker_port,
+               DATA_LOADER: args.data_loader_port},
+        rdzv_port=args.rdzv_port, metrics_port=args.metrics_port, resources=resources,
+        auth_secret_name=args.auth_secret_name, tls_secret_name=args.tls_secret_name,
+        metrics_scraper_namespace=args.metrics_scraper_namespace,
+        metrics_scraper_pods=args.metrics_scraper_pods)

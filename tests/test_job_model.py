@@ -1,0 +1,125 @@
+"""The job model (persia_py/launcher/job_model.py): one job, rendered by every engine,
+each role's command line built in one place (persia_py/launcher/role_commands.py).
+
+* ``local`` and ``k8s`` run, for the same job, the same command for each role, up to what
+  the engine places: port, bind address, replica index, metrics port, the role's own log,
+  holding on a final error and replaying on a restart. A flag one engine gives a role and
+  the other does not fails here.
+* The job's counts are checked once, as a config error naming the flag.
+* The folders the configs name say who writes and who reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+from conftest import EXAMPLE
+
+from persia_py.config import ConfigError
+from persia_py.launcher.cli import build_parser
+from persia_py.launcher.job_model import Job, Script
+from persia_py.launcher.job_roles import job_roles
+from persia_py.launcher.k8s import render
+from persia_py.launcher.k8s_flags import K8sJob
+from persia_py.launcher.role_kinds import (
+    DATA_LOADER,
+    EMBEDDING_WORKER,
+    NN_WORKER,
+    PARAMETER_SERVER,
+    ROLE_KINDS,
+)
+
+PLACED = {"port", "bind", "replica_index", "metrics_port", "update_log", "handover_log",
+          "hold_on_config_error", "replay_update_log", "replay_handovers"}
+"""What an engine decides for a server role or data loader (job_model.Placement)."""
+NN_PLACED = {"metrics_port", "max_restarts", "nnodes", "rdzv_backend", "rdzv_endpoint",
+             "rdzv_id"}
+"""What an engine decides for the NN workers of a node (job_model.NNPlacement)."""
+
+
+def _job(**changes) -> Job:
+    fields = dict(embedding_config=str(EXAMPLE / "embedding_config.yml"),
+                  global_config=str(EXAMPLE / "global_config.yml"),
+                  nn_worker=Script("train.py", ("--epochs", "2")),
+                  data_loader=Script("data_loader.py", ("--stream", "s")),
+                  num_ps=2, num_embedding_workers=2, num_data_loaders=2, nproc_per_node=2,
+                  nn_restarts="torchrun")
+    return Job(**{**fields, **changes})
+
+
+def _parsed(command: list[str]) -> argparse.Namespace:
+    """A role's command line as its subcommand parses it (after the launcher itself)."""
+    at = next(i for i, word in enumerate(command) if word in {k.command for k in ROLE_KINDS})
+    # Kubernetes expands the pod's index from its environment.
+    words = [w.replace("$(POD_INDEX)", "0") for w in command[at:]]
+    return build_parser(words[0]).parse_args(words)
+
+
+def _local_commands(job: Job) -> dict:
+    roles = job_roles(job, run_dir="/run", root=None, bind="127.0.0.1", metrics=True,
+                      ports=([1, 2], [3, 4], [5, 6]))
+    return {(r.kind, r.name.rsplit("-", 1)[-1] if r.kind is not NN_WORKER else "0"): r.command
+            for r in roles}
+
+
+def _k8s_commands(job: Job) -> dict:
+    found = {}
+    for item in render(K8sJob(job=job, job_name="ctr", image="persia:1")):
+        if item["kind"] in ("StatefulSet", "Job"):
+            spec = item["spec"]["template"]["spec"]["containers"][0]
+            kind = next(k for k in ROLE_KINDS if k.command == spec["name"])
+            found[kind] = spec["command"]
+    return found
+
+
+@pytest.mark.parametrize("insecure", [False, True])
+def test_every_engine_runs_the_same_command_for_each_role(insecure: bool) -> None:
+    job = _job(insecure=insecure)
+    local, k8s = _local_commands(job), _k8s_commands(job)
+    assert set(k8s) == set(ROLE_KINDS)
+    for (kind, index), command in local.items():
+        mine, theirs = vars(_parsed(command)), vars(_parsed(k8s[kind]))
+        placed = NN_PLACED if kind is NN_WORKER else PLACED
+        assert {k: v for k, v in mine.items() if k not in placed} == \
+            {k: v for k, v in theirs.items() if k not in placed}, (kind, command, k8s[kind])
+        assert mine["insecure"] is insecure
+        if kind is not NN_WORKER:
+            assert mine["replica_index"] == int(index)
+            assert k8s[kind][k8s[kind].index("--replica-index") + 1] == "$(POD_INDEX)"
+    # What differs is the engine's: Kubernetes restarts a pod whatever its exit code, so
+    # its servers always replay their logs and hold on a final error.
+    ps = _parsed(k8s[PARAMETER_SERVER])
+    assert ps.replay_update_log and ps.hold_on_config_error and ps.bind == "0.0.0.0"
+    assert not _parsed(local[(PARAMETER_SERVER, "0")]).replay_update_log
+
+
+def test_a_restart_in_local_replays_the_roles_own_log() -> None:
+    roles = job_roles(_job(), run_dir="/run", root=None, bind="127.0.0.1", metrics=False,
+                      ports=([1], [3], [5]))
+    by_kind = {r.kind: r for r in roles}
+    assert _parsed(by_kind[PARAMETER_SERVER].restart()).replay_update_log
+    assert _parsed(by_kind[DATA_LOADER].restart()).replay_handovers
+    assert by_kind[EMBEDDING_WORKER].restart() == by_kind[EMBEDDING_WORKER].command
+    assert by_kind[NN_WORKER].restart is None  # the training restarts (launcher/recovery.py)
+
+
+@pytest.mark.parametrize("name,flag", [("num_ps", "--num-ps"),
+                                       ("nproc_per_node", "--nproc-per-node")])
+def test_counts_below_one_are_config_errors_naming_the_flag(name: str, flag: str) -> None:
+    with pytest.raises(ConfigError, match=f"{flag} must be >= 1; got 0"):
+        _job(**{name: 0})
+
+
+def test_the_configs_folders_say_who_writes_and_who_reads_them(tmp_path) -> None:
+    config = tmp_path / "global_config.yml"
+    config.write_text(yaml.safe_dump({"checkpoint_config": {
+        "root": str(tmp_path), "dir": str(tmp_path / "ckpt"), "every_steps": 10,
+        "incremental_dir": str(tmp_path / "inc"), "dense_export_dir": str(tmp_path / "dense")}}))
+    folders = {f.source: f for f in _job(global_config=str(config)).folders()}
+    assert set(folders) == {"checkpoint_config.dir", "checkpoint_config.incremental_dir",
+                            "checkpoint_config.dense_export_dir"}
+    checkpoints = folders["checkpoint_config.dir"]
+    assert checkpoints.shared and set(checkpoints.writers) == {NN_WORKER, PARAMETER_SERVER}
+    assert all(f.outlives_process for f in folders.values())
