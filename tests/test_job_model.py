@@ -34,7 +34,7 @@ from persia_py.launcher.role_kinds import (
 PLACED = {"port", "bind", "replica_index", "metrics_port", "update_log", "handover_log",
           "hold_on_config_error", "replay_update_log", "replay_handovers"}
 """What an engine decides for a server role or data loader (job_model.Placement)."""
-NN_PLACED = {"metrics_port", "max_restarts", "nnodes", "rdzv_backend", "rdzv_endpoint",
+NN_PLACED = {"metrics_port", "max_restarts", "nnodes", "rdzv_backend", "rdzv_endpoint", "train_log",
              "rdzv_id"}
 """What an engine decides for the NN workers of a node (job_model.NNPlacement)."""
 

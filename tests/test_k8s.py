@@ -106,7 +106,9 @@ def test_objects_match_the_flags() -> None:
     flags = dict(zip(command[2:-3:2], command[3:-3:2]))
     assert flags == {"--nproc-per-node": "8", "--nnodes": "2", "--rdzv-backend": "c10d",
                      "--rdzv-endpoint": "ctr-nn-worker-0.ctr-nn-worker:29500",
-                     "--rdzv-id": "ctr", "--metrics-port": "9100", "--max-restarts": "3"}
+                     "--rdzv-id": "ctr", "--metrics-port": "9100", "--max-restarts": "3",
+                     # Where the pod's user can write it (an emptyDir), not the image's /app.
+                     "--train-log": "/var/lib/persia/train/train_log.jsonl"}
     assert command[-3:] == ["/app/examples/criteo_synthetic/train.py", "--test-samples", "5"]
     assert nn["resources"]["limits"] == {"nvidia.com/gpu": 8}
     assert {p["name"]: p["containerPort"] for p in nn["ports"]} == {"rendezvous": 29500,
@@ -158,8 +160,13 @@ def test_configs_are_validated_before_rendering(tmp_path) -> None:
                                           r"outside the checkpoint root /app \(checkpoint_config"
                                           r".root is unset: the pods' working directory\)"):
         _render(*flags)
+    # In the root, but in each pod's own filesystem: lost with the pod, and a part in each.
     bad.write_text("checkpoint_config:\n  dir: ckpt\n  every_steps: 10\n")
-    assert _render(*flags)
+    with pytest.raises(ConfigError, match=r"checkpoint_config.dir: /app/ckpt lies on no shared "
+                                          r"volume(.|\n)*--shared-volume CLAIM:PATH"):
+        _render(*flags)
+    bad.write_text("checkpoint_config:\n  root: /data/job\n  dir: /data/job/ckpt\n  every_steps: 10\n")
+    assert _render(*flags, "--shared-volume", "team-data:/data")
 
 
 @pytest.mark.parametrize("flag, value", [("--job-name", "Bad_Name"), ("--num-ps", "0"),

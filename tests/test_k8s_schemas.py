@@ -14,8 +14,8 @@ import pytest
 from conftest import ROOT
 from test_k8s import FLAGS, _render
 
-from persia_py.launcher.k8s import KUBERNETES_VERSION
 from persia_py.launcher.k8s_flags import MAX_JOB_NAME
+from persia_py.launcher.k8s_objects import KUBERNETES_VERSION
 
 BASE = FLAGS[:FLAGS.index("--num-ps")]  # job, image, configs, scripts; no counts or sizes
 SECURITY = {  # token (generated / referenced / none) x TLS (none / a Secret)
@@ -236,4 +236,9 @@ def test_the_readme_builds_the_image_the_example_manifests_name() -> None:
     # The example's scripts are in the image, where the manifests say.
     assert "COPY examples /app/examples" in (ROOT / "Dockerfile").read_text()
     scripts = re.findall(r"/app/(\S+\.py)", section)
-    assert scripts and all((ROOT / script).is_file() for script in scripts), scripts
+    assert scripts and all((ROOT / script).is_file() for script in scripts
+                           if script.startswith("examples/")), scripts
+    # A job's own scripts: in the image built FROM the project's, where its COPY puts them.
+    (copied,) = re.findall(r"^COPY (.+) /app/job/$", section, re.M)
+    assert all(s.removeprefix("job/") in copied.split() for s in scripts
+               if not s.startswith("examples/")), (scripts, copied)

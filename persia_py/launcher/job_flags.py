@@ -54,4 +54,6 @@ def k8s_from_flags(args: argparse.Namespace) -> K8sJob:
         rdzv_port=args.rdzv_port, metrics_port=args.metrics_port, resources=resources,
         auth_secret_name=args.auth_secret_name, tls_secret_name=args.tls_secret_name,
         metrics_scraper_namespace=args.metrics_scraper_namespace,
-        metrics_scraper_pods=args.metrics_scraper_pods)
+        metrics_scraper_pods=args.metrics_scraper_pods,
+        shared_volumes=tuple(args.shared_volume), data_folders=tuple(args.data_folder),
+        serve_model=args.serve, serve_replicas=args.serve_replicas, serve_port=args.serve_port)

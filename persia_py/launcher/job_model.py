@@ -176,4 +176,6 @@ class NNPlacement:
     rdzv_endpoint: str | None = None
     """HOST:PORT of the c10d rendezvous (None: one node on loopback)."""
     rdzv_id: str | None = None
+    train_log: str | None = None
+    """Where rank 0 writes the training log (None: the role's default)."""
     flags: tuple[str, ...] = ()

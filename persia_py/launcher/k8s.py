@@ -20,6 +20,12 @@ Objects (all labelled ``app.kubernetes.io/name: persia``, ``persia.job: <job>``,
 Every container serves Prometheus metrics on ``--metrics-port`` (annotated for
 scraping). The image is the one the repository's Dockerfile builds.
 
+``--shared-volume CLAIM:PATH`` mounts a ReadWriteMany claim in every pod and moves the roles'
+own logs onto it; a folder that must outlive a pod but lies on no shared volume is refused
+(:mod:`persia_py.launcher.k8s_volumes`). ``--serve`` adds a serving Deployment
+(:mod:`persia_py.launcher.k8s_serving`). Each role's command comes from
+:mod:`persia_py.launcher.role_commands`, as ``local``'s does.
+
 Secure by default:
 
 * The job token comes from a Secret (key ``token``): ``--auth-secret-name`` names one that
@@ -45,183 +51,21 @@ import sys
 import yaml
 
 from persia_py.config import load_embedding_config, load_global_config
-from persia_py.env import job_env
 from persia_py.launcher import job_token, role_commands
+from persia_py.launcher import k8s_objects as objects
 from persia_py.launcher.job_model import NNPlacement, Placement
 from persia_py.launcher.k8s_flags import TLS_DIR, K8sJob
+from persia_py.launcher.k8s_serving import serving_objects
+from persia_py.launcher.k8s_volumes import check_on_shared_volumes
 from persia_py.launcher.role_kinds import (
     DATA_LOADER,
     EMBEDDING_WORKER,
     PARAMETER_SERVER,
-    ROLE_KINDS,
     RoleKind,
 )
-from persia_py.ops import allocator
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE, check_checkpoint_paths
-from persia_py.telemetry.monitoring import ENV_METRICS_PORT
 
 logger = logging.getLogger("persia_py.launcher")
-
-CONFIG_DIR = "/etc/persia"
-TOKEN_DIR = "/etc/persia-token"
-TLS_FILES = {"tls_cert_file": "tls.crt", "tls_key_file": "tls.key", "tls_ca_file": "ca.crt"}
-"""``common_config`` key -> key in the TLS Secret (as cert-manager writes them)."""
-IMAGE_UID = 1000
-"""The Dockerfile's user ``persia``: pods run as it, and can read the mounted Secrets."""
-POD_WORKDIR = "/app"
-"""The Dockerfile's ``WORKDIR``: the pods' checkpoint root unless the config sets one."""
-KUBERNETES_VERSION = "1.35"
-"""The Kubernetes release whose API schemas the manifests are validated against (tests)."""
-_ROLES = {kind.command: kind.short for kind in ROLE_KINDS}  # role -> short name in object names
-_KINDS = {kind.command: kind for kind in ROLE_KINDS}
-
-
-def _job_labels(spec: K8sJob) -> dict[str, str]:
-    """Labels every pod of the job carries (and only its pods)."""
-    return {"app.kubernetes.io/name": "persia", "persia.job": spec.job_name}
-
-
-def _labels(spec: K8sJob, role: str) -> dict[str, str]:
-    return {**_job_labels(spec), "persia.role": role}
-
-
-def _token_secret(spec: K8sJob) -> str | None:
-    """Name of the Secret that holds the job token (None: ``--insecure``)."""
-    if spec.job.insecure:
-        return None
-    return spec.auth_secret_name or f"{spec.job_name}-token"
-
-
-def _meta(spec: K8sJob, name: str, role: str, **extra) -> dict:
-    return {"name": name, "namespace": spec.namespace, "labels": _labels(spec, role), **extra}
-
-
-def _addrs(spec: K8sJob, short: str, count: int, port: int) -> list[str]:
-    svc = f"{spec.job_name}-{short}"
-    return [f"{svc}-{i}.{svc}.{spec.namespace}.svc:{port}" for i in range(count)]
-
-
-def _env(spec: K8sJob, role: str) -> list[dict]:
-    # A StatefulSet pod's ordinal, or an indexed Job pod's completion index.
-    index_field = ("metadata.annotations['batch.kubernetes.io/job-completion-index']"
-                   if role == "nn-worker" else "metadata.labels['apps.kubernetes.io/pod-index']")
-    variables = job_env(
-        ps_addrs=_addrs(spec, "ps", spec.job.num_ps, spec.ports[PARAMETER_SERVER]),
-        embedding_worker_addrs=_addrs(spec, "embedding-worker", spec.job.num_embedding_workers,
-                                      spec.ports[EMBEDDING_WORKER]),
-        data_loader_addrs=_addrs(spec, "data-loader", spec.job.num_data_loaders,
-                                 spec.ports[DATA_LOADER]),
-        nn_world_size=spec.job.nn_nodes * spec.job.nproc_per_node,
-        # Inside a pod, behind the NetworkPolicy and (unless --insecure) the token.
-        bind_host="0.0.0.0",
-        embedding_config=f"{CONFIG_DIR}/embedding_config.yml",
-        global_config=f"{CONFIG_DIR}/global_config.yml")
-    variables.update({ENV_METRICS_PORT: str(spec.metrics_port), "PYTHONUNBUFFERED": "1",
-                      "GLIBC_TUNABLES": allocator.TUNABLES})
-    return [*({"name": k, "value": v} for k, v in variables.items()),
-            {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index_field}}}]
-
-
-def _secret_volumes(spec: K8sJob) -> list[tuple[dict, str]]:
-    """(volume, mount path) of the token and TLS Secrets the pods mount."""
-    # Group-readable by the pod's fsGroup (the image's user), by nobody else.
-    mode = 0o440
-    found = []
-    token_secret = _token_secret(spec)
-    if token_secret is not None:
-        found.append(({"name": "persia-token", "secret": {
-            "secretName": token_secret, "defaultMode": mode,
-            "items": [{"key": "token", "path": "token"}]}}, TOKEN_DIR))
-    if spec.tls_secret_name:
-        found.append(({"name": "persia-tls", "secret": {
-            "secretName": spec.tls_secret_name, "defaultMode": mode,
-            "items": [{"key": k, "path": k} for k in TLS_FILES.values()]}}, TLS_DIR))
-    return found
-
-
-UPDATE_LOG_DIR = "/var/lib/persia/updates"
-"""Where a parameter-server pod keeps its update log (an emptyDir volume)."""
-HANDOVER_LOG_DIR = "/var/lib/persia/handovers"
-"""Where a data-loader pod keeps its handover log (an emptyDir volume)."""
-
-
-def _container(spec: K8sJob, role: str, command: list[str],
-               ports: dict[str, int]) -> dict:
-    wanted = spec.resources_of(_KINDS[role])
-    resources: dict = {"requests": {"cpu": wanted.cpu, "memory": wanted.memory}}
-    if wanted.gpus:
-        resources["limits"] = {"nvidia.com/gpu": wanted.gpus}
-    return {
-        "name": role,
-        "image": spec.image,
-        "imagePullPolicy": spec.image_pull_policy,
-        "command": command,
-        "env": _env(spec, role),
-        "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
-        "resources": resources,
-        "volumeMounts": [{"name": "persia-config", "mountPath": CONFIG_DIR, "readOnly": True},
-                         *({"name": v["name"], "mountPath": path, "readOnly": True}
-                           for v, path in _secret_volumes(spec))],
-        "securityContext": {"allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"]}},
-    }
-
-
-def _pod_spec(spec: K8sJob, container: dict, **extra) -> dict:
-    return {
-        "containers": [container],
-        "volumes": [{"name": "persia-config", "configMap": {"name": f"{spec.job_name}-config"}},
-                    *(v for v, _ in _secret_volumes(spec))],
-        # The roles never call the Kubernetes API: no credentials for it in the pods.
-        "automountServiceAccountToken": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": IMAGE_UID,
-                            "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        **extra,
-    }
-
-
-def _annotations(spec: K8sJob) -> dict[str, str]:
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.metrics_port),
-            "prometheus.io/path": "/metrics"}
-
-
-def _headless_service(spec: K8sJob, role: str, ports: dict[str, int]) -> dict:
-    name = f"{spec.job_name}-{_ROLES[role]}"
-    return {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, name, role),
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                 "selector": _labels(spec, role),
-                 "ports": [{"name": n, "port": p, "targetPort": p} for n, p in ports.items()]},
-    }
-
-
-def _stateful_set(spec: K8sJob, role: str, replicas: int, port: int,
-                  command: list[str], scratch: dict[str, str] | None = None) -> list[dict]:
-    """A headless Service and a StatefulSet of ``role``; ``scratch`` names writable
-    emptyDir volumes (name -> mount path): they outlive a container's restart in its pod."""
-    name = f"{spec.job_name}-{_ROLES[role]}"
-    ports = {"grpc": port, "metrics": spec.metrics_port}
-    container = _container(spec, role, command, ports)
-    scratch = scratch or {}
-    container["volumeMounts"] += [{"name": v, "mountPath": path} for v, path in scratch.items()]
-    stateful_set: dict = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(spec, name, role),
-        "spec": {
-            "serviceName": name,
-            "replicas": replicas,
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": _labels(spec, role)},
-            "template": {
-                "metadata": {"labels": _labels(spec, role), "annotations": _annotations(spec)},
-                "spec": _pod_spec(spec, container),
-            },
-        },
-    }
-    stateful_set["spec"]["template"]["spec"]["volumes"] += [
-        {"name": v, "emptyDir": {}} for v in scratch]
-    return [_headless_service(spec, role, ports), stateful_set]
-
 
 NN_MAX_RESTARTS = 3
 """torchrun restarts of the NN ranks before the Job fails."""
@@ -238,8 +82,12 @@ def placement(spec: K8sJob, kind: RoleKind) -> Placement:
     Kubernetes restarts a StatefulSet's pods whatever their exit code, and a restart would
     meet a config or data error again: the role holds on one instead of exiting
     (persia_py/launcher/roles.py)."""
-    own_log = {PARAMETER_SERVER: UPDATE_LOG_DIR,
-               DATA_LOADER: f"{HANDOVER_LOG_DIR}/handovers.log"}.get(kind)
+    if spec.home is not None:  # a deleted pod's successor, on any node, replays them
+        own_log = {PARAMETER_SERVER: f"{spec.home}/ps-$(POD_INDEX)-updates",
+                   DATA_LOADER: f"{spec.home}/data-loader-$(POD_INDEX)-handovers.log"}.get(kind)
+    else:  # in an emptyDir: a container restarted in its pod replays them
+        own_log = {PARAMETER_SERVER: objects.UPDATE_LOG_DIR,
+                   DATA_LOADER: f"{objects.HANDOVER_LOG_DIR}/handovers.log"}.get(kind)
     return Placement(LAUNCHER, "$(POD_INDEX)", spec.ports[kind], "0.0.0.0", own_log=own_log,
                      metrics_port=spec.metrics_port, hold_on_final_error=True, replay=True)
 
@@ -250,8 +98,12 @@ def nn_placement(spec: K8sJob) -> NNPlacement:
     their last checkpoint (persia_py/checkpoint/rewind.py); their StatefulSets start them
     again. A lost pod still fails the Job."""
     name = f"{spec.job_name}-nn-worker"
+    # The training log where the pod's user can write it: on the shared volume (a later
+    # run goes on with it), else in an emptyDir (the image's WORKDIR is not the user's).
+    train_log = f"{spec.home or objects.TRAIN_LOG_DIR}/train_log.jsonl"
     return NNPlacement(LAUNCHER, metrics_port=spec.metrics_port, max_restarts=NN_MAX_RESTARTS,
-                       rdzv_endpoint=f"{name}-0.{name}:{spec.rdzv_port}", rdzv_id=spec.job_name)
+                       rdzv_endpoint=f"{name}-0.{name}:{spec.rdzv_port}", rdzv_id=spec.job_name,
+                       train_log=train_log)
 
 
 def _selector(flag: str, value: str) -> dict[str, str]:
@@ -278,13 +130,13 @@ def _network_policy(spec: K8sJob) -> dict:
     }
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": _meta(spec, f"{spec.job_name}-ingress", "network-policy"),
+        "metadata": objects.meta(spec, f"{spec.job_name}-ingress", "network-policy"),
         "spec": {
-            "podSelector": {"matchLabels": _job_labels(spec)},
+            "podSelector": {"matchLabels": objects.job_labels(spec)},
             "policyTypes": ["Ingress"],
             "ingress": [
                 # Every port: gloo and NCCL pick their own, beside gRPC and the rendezvous.
-                {"from": [{"podSelector": {"matchLabels": _job_labels(spec)}}]},
+                {"from": [{"podSelector": {"matchLabels": objects.job_labels(spec)}}]},
                 {"from": [scraper], "ports": [metrics]},
             ],
         },
@@ -294,10 +146,10 @@ def _network_policy(spec: K8sJob) -> dict:
 def _security_settings(spec: K8sJob) -> dict[str, str]:
     """``common_config`` keys the manifests set, to the files the Secrets are mounted as."""
     settings = {}
-    if _token_secret(spec) is not None:
-        settings["auth_token_file"] = f"{TOKEN_DIR}/token"
+    if objects.token_secret(spec) is not None:
+        settings["auth_token_file"] = f"{objects.TOKEN_DIR}/token"
     if spec.tls_secret_name:
-        settings.update({key: f"{TLS_DIR}/{name}" for key, name in TLS_FILES.items()})
+        settings.update({key: f"{TLS_DIR}/{name}" for key, name in objects.TLS_FILES.items()})
     return settings
 
 
@@ -321,11 +173,11 @@ def _global_config_text(spec: K8sJob) -> str:
 
 def _token_secret_object(spec: K8sJob) -> list[dict]:
     """The Secret with a new random token, unless one is named or there is to be none."""
-    name = _token_secret(spec)
+    name = objects.token_secret(spec)
     if name is None or spec.auth_secret_name:
         return []
     return [{"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-             "metadata": _meta(spec, name, "token"),
+             "metadata": objects.meta(spec, name, "token"),
              "stringData": {"token": job_token.new_token()}}]
 
 
@@ -333,37 +185,46 @@ def render(spec: K8sJob) -> list[dict]:
     """Every object of the job, in the order to apply them."""
     # As the pods will see them: a folder outside the root is refused before any apply.
     check_checkpoint_paths(load_global_config(spec.job.global_config).checkpoint_config,
-                           pod_dir=POD_WORKDIR)
+                           pod_dir=objects.POD_WORKDIR)
+    check_on_shared_volumes(spec.folders(), spec.shared_volumes, objects.POD_WORKDIR)
     load_embedding_config(spec.job.embedding_config)
     files = {"embedding_config.yml": _read(spec.job.embedding_config),
              "global_config.yml": _global_config_text(spec)}
-    objects: list[dict] = [
+    found: list[dict] = [
         # The policy first: no pod of the job is ever reachable from outside it.
         _network_policy(spec),
         *_token_secret_object(spec),
         {"apiVersion": "v1", "kind": "ConfigMap",
-         "metadata": _meta(spec, f"{spec.job_name}-config", "config"), "data": files},
+         "metadata": objects.meta(spec, f"{spec.job_name}-config", "config"), "data": files},
     ]
-    # The update log and the handover log live in the pod: a container that dies and is
-    # restarted in it replays them (servers/update_log.py, workers/handover_log.py).
-    for kind, scratch in ((PARAMETER_SERVER, {"ps-updates": UPDATE_LOG_DIR}),
+    # The update log and the handover log: on the shared volume (a deleted pod's successor
+    # replays them), else in the pod (a container that dies and is restarted in it replays
+    # them: servers/update_log.py, workers/handover_log.py).
+    own = spec.home is None
+    for kind, scratch in ((PARAMETER_SERVER, {"ps-updates": objects.UPDATE_LOG_DIR}),
                           (EMBEDDING_WORKER, None),
-                          (DATA_LOADER, {"handovers": HANDOVER_LOG_DIR})):
-        objects += _stateful_set(spec, kind.command, spec.job.replicas(kind), spec.ports[kind],
-                                 role_commands.server_role(kind, spec.job, placement(spec, kind)),
-                                 scratch=scratch)
-    objects += _nn_worker_job(spec)
-    return objects
+                          (DATA_LOADER, {"handovers": objects.HANDOVER_LOG_DIR})):
+        found += objects.stateful_set(
+            spec, kind.command, spec.job.replicas(kind), spec.ports[kind],
+            role_commands.server_role(kind, spec.job, placement(spec, kind)),
+            scratch=scratch if own else None)
+    found += _nn_worker_job(spec)
+    if spec.serve_model is not None:
+        found += serving_objects(spec)
+    return found
 
 
 def _nn_worker_job(spec: K8sJob) -> list[dict]:
     name = f"{spec.job_name}-nn-worker"
     ports = {"rendezvous": spec.rdzv_port, "metrics": spec.metrics_port}
     command = role_commands.nn_worker(spec.job, nn_placement(spec))
-    container = _container(spec, "nn-worker", command, ports)
+    container = objects.container(spec, "nn-worker", command, ports)
+    scratch = [] if spec.home else [{"name": "train-log", "emptyDir": {}}]
+    container["volumeMounts"] += [{"name": v["name"], "mountPath": objects.TRAIN_LOG_DIR}
+                                  for v in scratch]
     nodes = spec.job.nn_nodes
-    job = {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(spec, name, "nn-worker"),
+    job: dict = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": objects.meta(spec, name, "nn-worker"),
         "spec": {
             "completionMode": "Indexed",
             "completions": nodes,
@@ -374,15 +235,16 @@ def _nn_worker_job(spec: K8sJob) -> list[dict]:
                 "containerName": "nn-worker", "operator": "In",
                 "values": [CONFIG_EXIT_CODE]}}]},
             "template": {
-                "metadata": {"labels": _labels(spec, "nn-worker"),
-                             "annotations": _annotations(spec)},
+                "metadata": {"labels": objects.labels(spec, "nn-worker"),
+                             "annotations": objects.scrape_annotations(spec)},
                 # Pods of an indexed Job are named <job>-<index>; with the subdomain they
                 # resolve as <job>-<index>.<service>, so pod 0 hosts the rendezvous.
-                "spec": _pod_spec(spec, container, subdomain=name, restartPolicy="Never"),
+                "spec": objects.pod_spec(spec, container, subdomain=name, restartPolicy="Never"),
             },
         },
     }
-    return [_headless_service(spec, "nn-worker", ports), job]
+    job["spec"]["template"]["spec"]["volumes"] += scratch
+    return [objects.headless_service(spec, "nn-worker", ports), job]
 
 
 def _read(path: str) -> str:

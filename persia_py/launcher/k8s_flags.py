@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass, field
 
 from persia_py.launcher import job_token
-from persia_py.launcher.job_model import Job, Resources
+from persia_py.launcher.job_model import Folder, Job, Resources
+from persia_py.launcher.k8s_volumes import SharedVolume, parse_shared_volume
 from persia_py.launcher.role_kinds import (
     DATA_LOADER,
     EMBEDDING_WORKER,
@@ -81,6 +82,25 @@ def add_k8s_flags(p: argparse.ArgumentParser) -> None:
                    metavar="K=V[,K=V]",
                    help="labels of the pods in those namespaces that may scrape the metrics "
                         "('': every pod; default: %(default)s)")
+    p.add_argument("--shared-volume", action="append", default=[], type=parse_shared_volume,
+                   metavar="CLAIM:PATH",
+                   help="mount the ReadWriteMany PersistentVolumeClaim CLAIM at PATH, "
+                        "read-write, in every pod (repeatable). Checkpoints, exports and "
+                        "--data-folder folders must lie on one (refused otherwise: each pod "
+                        "would write into its own filesystem); the roles' own logs and the "
+                        "training log go to PATH/<job> on the first, so a deleted pod's "
+                        "successor replays them")
+    p.add_argument("--data-folder", action="append", default=[], metavar="DIR",
+                   help="a folder the job's scripts keep that must outlive a pod, e.g. a "
+                        "stream and its position logs (repeatable; must lie on a "
+                        "--shared-volume)")
+    p.add_argument("--serve", default=None, metavar="MODULE:FACTORY",
+                   help="also render a serving Deployment (persia-launcher serve) of the "
+                        "job's checkpoints, following its increments and dense exports; "
+                        "MODULE:FACTORY builds the dense model, as a path in the image")
+    p.add_argument("--serve-replicas", type=int, default=1, help="serving pods (default 1)")
+    p.add_argument("--serve-port", type=int, default=23010,
+                   help="port of the Serving service (default 23010)")
     p.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
 
 
@@ -105,6 +125,15 @@ class K8sJob:
     tls_secret_name: str | None = None
     metrics_scraper_namespace: str = "kubernetes.io/metadata.name=monitoring"
     metrics_scraper_pods: str = "app.kubernetes.io/name=prometheus"
+    shared_volumes: tuple[SharedVolume, ...] = ()
+    """ReadWriteMany claims mounted in every pod (persia_py/launcher/k8s_volumes.py)."""
+    data_folders: tuple[str, ...] = ()
+    """Folders the job's scripts keep that must outlive a pod (a stream, its position
+    logs): each must lie on a shared volume."""
+    serve_model: str | None = None
+    """``MODULE:FACTORY`` of the dense model: render a serving Deployment too."""
+    serve_replicas: int = 1
+    serve_port: int = 23010
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.match(self.job_name) or len(self.job_name) > MAX_JOB_NAME:
@@ -118,6 +147,25 @@ class K8sJob:
                                  "digits and '-')")
         if self.job.insecure and self.auth_secret_name:
             raise SystemExit("--insecure and --auth-secret-name: choose one (a token, or none)")
+        if self.serve_replicas < 1:
+            raise SystemExit(f"--serve-replicas must be >= 1; got {self.serve_replicas}")
+        for folder in self.data_folders:
+            if not folder.startswith("/"):
+                raise SystemExit(f"--data-folder {folder!r}: an absolute path, as the pods see it")
+
+    @property
+    def home(self) -> str | None:
+        """The job's folder on its first shared volume (its roles' own logs, the training
+        log); None: no shared volume."""
+        return (f"{self.shared_volumes[0].path}/{self.job_name}" if self.shared_volumes
+                else None)
+
+    def folders(self) -> list[Folder]:
+        """What the job writes that must outlive a pod or that other pods read: the
+        configs' folders, and the scripts' own (``--data-folder``)."""
+        return [*self.job.folders(),
+                *(Folder(path, "--data-folder", (DATA_LOADER,), shared=False)
+                  for path in self.data_folders)]
 
     def resources_of(self, kind: RoleKind) -> Resources:
         """``kind``'s pod resources (the defaults where none were given)."""

@@ -70,4 +70,6 @@ def nn_worker(job: Job, at: NNPlacement) -> list[str]:
         command += ["--metrics-port", str(at.metrics_port)]
     if at.max_restarts is not None:
         command += ["--max-restarts", str(at.max_restarts)]
+    if at.train_log is not None:
+        command += ["--train-log", at.train_log]
     return [*command, job.nn_worker.path, *job.nn_worker.args]

@@ -292,6 +292,9 @@ def run_nn_worker(args: argparse.Namespace) -> int:
     env = _user_env(args)
     log_flag = f"${ENV_TRAIN_LOG}" if ENV_TRAIN_LOG in env else "--train-log"
     env.setdefault(ENV_TRAIN_LOG, os.path.abspath(args.train_log))
+    # Its folder may be new (a job's folder on a shared volume, made by whichever role
+    # starts first); rank 0 appends to the file.
+    os.makedirs(os.path.dirname(env[ENV_TRAIN_LOG]), exist_ok=True)
     global_config = load_global_config(env.get(ENV_GLOBAL_CONFIG))
     deadline = int(min(60, max(5, global_config.common_config.rpc_timeout_sec)))
     one_node = args.nnodes == 1 and not args.rdzv_endpoint
