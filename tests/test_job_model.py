@@ -19,7 +19,7 @@ from conftest import EXAMPLE
 
 from persia_py.config import ConfigError
 from persia_py.launcher.cli import build_parser
-from persia_py.launcher.job_model import Job, Script
+from persia_py.launcher.job_model import Job, Layout, Script
 from persia_py.launcher.job_roles import job_roles
 from persia_py.launcher.k8s import render
 from persia_py.launcher.k8s_flags import K8sJob
@@ -57,9 +57,15 @@ def _parsed(command: list[str]) -> argparse.Namespace:
     return build_parser(words[0]).parse_args(words)
 
 
+def _layout(num: int) -> Layout:
+    kinds = (PARAMETER_SERVER, EMBEDDING_WORKER, DATA_LOADER)
+    return Layout(hosts={k: ["127.0.0.1"] * num for k in kinds},
+                  ports={k: [100 * j + i for i in range(num)] for j, k in enumerate(kinds, 1)},
+                  bind="127.0.0.1")
+
+
 def _local_commands(job: Job) -> dict:
-    roles = job_roles(job, run_dir="/run", root=None, bind="127.0.0.1", metrics=True,
-                      ports=([1, 2], [3, 4], [5, 6]))
+    roles = job_roles(job, run_dir="/run", root=None, layout=_layout(2), metrics=True)
     return {(r.kind, r.name.rsplit("-", 1)[-1] if r.kind is not NN_WORKER else "0"): r.command
             for r in roles}
 
@@ -96,8 +102,7 @@ def test_every_engine_runs_the_same_command_for_each_role(insecure: bool) -> Non
 
 
 def test_a_restart_in_local_replays_the_roles_own_log() -> None:
-    roles = job_roles(_job(), run_dir="/run", root=None, bind="127.0.0.1", metrics=False,
-                      ports=([1], [3], [5]))
+    roles = job_roles(_job(), run_dir="/run", root=None, layout=_layout(1), metrics=False)
     by_kind = {r.kind: r for r in roles}
     assert _parsed(by_kind[PARAMETER_SERVER].restart()).replay_update_log
     assert _parsed(by_kind[DATA_LOADER].restart()).replay_handovers

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_local(args: argparse.Namespace) -> int:
     from persia_py.launcher.job_flags import local_from_flags
-    from persia_py.launcher.local import run_local
+    from persia_py.launcher.job_run import run_local
 
     return run_local(*local_from_flags(args))
 

@@ -9,8 +9,8 @@ import argparse
 import shlex
 
 from persia_py.launcher.job_model import Job, Resources, Script
+from persia_py.launcher.job_run import LocalOptions
 from persia_py.launcher.k8s_flags import K8sJob
-from persia_py.launcher.local import LocalOptions
 from persia_py.launcher.role_kinds import DATA_LOADER, EMBEDDING_WORKER, NN_WORKER, PARAMETER_SERVER
 
 __all__ = ["job_from_flags", "k8s_from_flags", "local_from_flags"]

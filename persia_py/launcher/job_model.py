@@ -16,6 +16,7 @@ other roles running, plain StatefulSets that need no Volcano, and the job token 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from persia_py.config import ConfigError, load_global_config
@@ -27,7 +28,8 @@ from persia_py.launcher.role_kinds import (
     RoleKind,
 )
 
-__all__ = ["Folder", "Job", "NNPlacement", "Placement", "RESTARTS", "Resources", "Script"]
+__all__ = ["Folder", "Job", "Layout", "NNPlacement", "Placement", "RESTARTS", "Resources",
+           "Script"]
 
 RESTARTS = ("launcher", "torchrun")
 """Who restarts a dead NN rank: the launcher (the training roles from the last
@@ -179,3 +181,26 @@ class NNPlacement:
     train_log: str | None = None
     """Where rank 0 writes the training log (None: the role's default)."""
     flags: tuple[str, ...] = ()
+
+
+def _as_is(kind: RoleKind | None, index: int, command: list[str]) -> list[str]:
+    return command
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a job's replicas run."""
+
+    hosts: dict[RoleKind, list[str]]
+    """The address each replica of a server role or data loader is reached at."""
+    ports: dict[RoleKind, list[int]]
+    bind: str
+    """What the servers bind."""
+    launch: Callable[[RoleKind | None, int, list[str]], list[str]] = field(default=_as_is)
+    """A role's command as started where it runs (kind None: the NN workers)."""
+    rendezvous: str | None = None
+    """HOST:PORT of the NN workers' elastic rendezvous across nodes (None: one node)."""
+    rendezvous_id: str | None = None
+
+    def addresses(self, kind: RoleKind) -> list[str]:
+        return [f"{h}:{p}" for h, p in zip(self.hosts[kind], self.ports[kind])]

@@ -4,6 +4,7 @@ and :func:`job_roles`, the job's list of them, each with how it restarts alone."
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
 import threading
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from persia_py.launcher import role_commands
-from persia_py.launcher.job_model import Job, NNPlacement, Placement
+from persia_py.launcher.job_model import Job, Layout, NNPlacement, Placement
 from persia_py.launcher.recovery import latest_checkpoint
 from persia_py.launcher.role_kinds import (
     DATA_LOADER,
@@ -59,41 +60,49 @@ def local_placement(kind: RoleKind, index: int, port: int, *, bind: str, run_dir
                      own_log=own_log, metrics_port=0 if metrics else None)
 
 
-def local_nn_placement(job: Job, *, metrics: bool) -> NNPlacement:
-    """How ``local`` runs the NN workers: one node; torchrun restarts the ranks only when
-    asked to (``--nn-restarts torchrun``), else the launcher restarts the training."""
+def local_nn_placement(job: Job, layout: Layout, *, metrics: bool) -> NNPlacement:
+    """How the supervisor runs the NN workers: torchrun restarts the ranks only when asked
+    to (``--nn-restarts torchrun``), else the supervisor restarts the training; across
+    nodes, an elastic rendezvous at the layout's ``rendezvous``."""
     return NNPlacement(LAUNCHER, metrics_port=0 if metrics else None,
-                       max_restarts=job.max_restarts if job.nn_restarts == "torchrun" else None)
+                       max_restarts=job.max_restarts if job.nn_restarts == "torchrun" else None,
+                       rdzv_endpoint=layout.rendezvous, rdzv_id=layout.rendezvous_id)
 
 
-def job_roles(job: Job, *, run_dir: str, root: str | None, bind: str, metrics: bool,
-              ports: tuple) -> list[Role]:
+def job_roles(job: Job, *, run_dir: str, root: str | None, layout: Layout,
+              metrics: bool) -> list[Role]:
     """The job's roles, parameter servers first, then embedding workers, data loaders and
-    the NN worker, each with how it restarts alone (``Role.restart``); ``ports``: those
-    of each kind (the NN ranks' rendezvous store takes its port itself:
-    persia_py/launcher/loopback.py)."""
+    the NN worker, placed by ``layout``, each with how it restarts alone
+    (``Role.restart``)."""
     roles = []
-    for kind, kind_ports in zip((PARAMETER_SERVER, EMBEDDING_WORKER, DATA_LOADER), ports):
-        for i, port in enumerate(kind_ports):
-            at = local_placement(kind, i, port, bind=bind, run_dir=run_dir, metrics=metrics)
-            role = Role(f"{kind.short}-{i}", role_commands.server_role(kind, job, at), kind=kind)
+    for kind in (PARAMETER_SERVER, EMBEDDING_WORKER, DATA_LOADER):
+        for i, port in enumerate(layout.ports[kind]):
+            at = local_placement(kind, i, port, bind=layout.bind, run_dir=run_dir,
+                                 metrics=metrics)
+            role = Role(f"{kind.short}-{i}",
+                        layout.launch(kind, i, role_commands.server_role(kind, job, at)),
+                        kind=kind)
             # Restarted alone, replaying its own log: a parameter server's update log
             # brings back what it applied since the checkpoint it starts from (the newest
             # serves when the log is empty); a data loader's handover log says where it
             # left off (workers/handover_log.py); an embedding worker has none (the data
             # loaders put the batches it lost there again: workers/data_loader.py).
             again = role_commands.server_role(kind, job, dataclasses.replace(at, replay=True))
-            role.restart = _restart(again, root if kind is PARAMETER_SERVER else None)
+            role.restart = _restart(again, root if kind is PARAMETER_SERVER else None,
+                                    functools.partial(layout.launch, kind, i))
             roles.append(role)
-    roles.append(Role(NN_WORKER.short, role_commands.nn_worker(
-        job, local_nn_placement(job, metrics=metrics)), kind=NN_WORKER))
+    nn = role_commands.nn_worker(job, local_nn_placement(job, layout, metrics=metrics))
+    roles.append(Role(NN_WORKER.short, layout.launch(None, 0, nn), kind=NN_WORKER))
     return roles
 
 
-def _restart(command: list[str], root: str | None) -> Callable[[], list[str]]:
-    """A role's restart command; with ``root``, a parameter server's, which loads the
-    newest checkpoint there (at the time of the restart) when its update log is empty."""
+def _restart(command: list[str], root: str | None,
+             launch: Callable[[list[str]], list[str]]) -> Callable[[], list[str]]:
+    """A role's restart command, started by ``launch``; with ``root``, a parameter
+    server's, which loads the newest checkpoint there (at the time of the restart) when its
+    update log is empty."""
     def restart() -> list[str]:
         latest = None if root is None else latest_checkpoint(root)
-        return list(command) if latest is None else [*command, "--load-checkpoint", latest]
+        return launch(list(command) if latest is None
+                      else [*command, "--load-checkpoint", latest])
     return restart

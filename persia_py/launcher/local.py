@@ -36,7 +36,6 @@ metrics on a free port (its ``... metrics on http://...`` line says which) unles
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import subprocess
@@ -44,44 +43,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from persia_py.checkpoint import rewind
-from persia_py.config import load_global_config
-from persia_py.env import job_env
-from persia_py.launcher import job_token, stop_signals
-from persia_py.launcher.job_model import Job
-from persia_py.launcher.job_roles import Role, job_roles
+from persia_py.launcher import stop_signals
+from persia_py.launcher.job_roles import Role
 from persia_py.launcher.lifeline import Lifeline
-from persia_py.launcher.ports import free_ports
 from persia_py.launcher.processes import descendants, die_with_parent
-from persia_py.launcher.recovery import (
-    BatchCounts,
-    TrainingRecovery,
-    checkpoint_root,
-    latest_checkpoint,
-    resume_env,
-)
 from persia_py.launcher.role_kinds import (
     DATA_LOADER,
     EMBEDDING_WORKER,
     NN_WORKER,
     PARAMETER_SERVER,
 )
-from persia_py.launcher.roles import validate_configs
-from persia_py.launcher.run_folder import make_run_folder, remove_update_logs
 from persia_py.ops import allocator
 from persia_py.ops.final_errors import DATA_EXIT_CODE
 from persia_py.ops.start_checks import (
     CONFIG_EXIT_CODE,
-    check_checkpoint_paths,
-    check_writable,
-    written_by_servers,
-    written_by_training,
 )
-from persia_py.telemetry.events import ENV_TRAIN_LOG
-from persia_py.telemetry.monitoring import LauncherMetrics, serve_metrics
-from persia_py.wire.security import ENV_AUTH_TOKEN
+from persia_py.telemetry.monitoring import LauncherMetrics
 
 _STOP_GRACE_SEC = 10.0
 GRACEFUL_STOP_SEC = 300.0
@@ -368,103 +347,3 @@ class LocalCluster:
                 role.process.wait()
             if role.reader is not None:
                 role.reader.join(timeout=5.0)
-
-
-@dataclass(frozen=True)
-class LocalOptions:
-    """How ``persia-launcher local`` runs a :class:`~persia_py.launcher.job_model.Job`
-    on this machine (its flags: docs/cli.md)."""
-
-    bind: str = "127.0.0.1"
-    """The address every server binds."""
-    run_dir: str | None = None
-    """The run folder (None: ``runs/local-<date>-<time>-<pid>``)."""
-    metrics: bool = True
-    """Every role serves Prometheus metrics on a free port."""
-    env: tuple[str, ...] = ()
-    """``KEY=VALUE`` items added to every process's environment."""
-    resume: str | None = None
-    """A checkpoint (root or folder) to continue from."""
-
-
-def run_local(job: Job, options: LocalOptions) -> int:
-    """Run ``job`` on this machine until it ends; its exit code."""
-    host = options.bind
-    num_ps, num_ew, num_dl = job.num_ps, job.num_embedding_workers, job.num_data_loaders
-    validate_configs(job.global_config, job.embedding_config)
-    # Every role starts in this folder: its checkpoint root, unless the config sets one;
-    # and as this user, who must be able to write what they write (the run folder is
-    # tried as it is made).
-    checkpoints = load_global_config(job.global_config).checkpoint_config
-    check_checkpoint_paths(checkpoints)
-    check_writable([*written_by_servers(checkpoints), *written_by_training(checkpoints)])
-    run_dir, train_log = make_run_folder(options.run_dir)
-    # The NN ranks' rendezvous store takes its port itself (persia_py/launcher/loopback.py).
-    ports = free_ports(num_ps + num_ew + num_dl, host)
-    ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_ew]
-    dl_ports = ports[num_ps + num_ew:]
-    env = dict(os.environ)
-    env.update(job_env(
-        ps_addrs=[f"{host}:{p}" for p in ps_ports],
-        embedding_worker_addrs=[f"{host}:{p}" for p in ew_ports],
-        data_loader_addrs=[f"{host}:{p}" for p in dl_ports],
-        nn_world_size=job.world_size, bind_host=host,
-        embedding_config=os.path.abspath(job.embedding_config),
-        global_config=os.path.abspath(job.global_config) if job.global_config else None))
-    env.update({"PYTHONUNBUFFERED": "1", ENV_TRAIN_LOG: train_log})
-    root = checkpoint_root(env, options.resume)
-    if options.resume:
-        env.update(resume_env(options.resume))
-    elif (latest := latest_checkpoint(root)) is not None:
-        # The NN workers resume from it by themselves (TrainCtx); the loaders must agree.
-        env.update(resume_env(latest))
-    for item in options.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--env expects KEY=VALUE, got {item!r}")
-        if key == ENV_AUTH_TOKEN:
-            raise SystemExit(f"--env {ENV_AUTH_TOKEN}=...: a token on the command line can be "
-                             "read by every local user; export it instead, or let local make "
-                             "one")
-        env[key] = value
-    # A token the user configured wins over --insecure, as it always did.
-    job = dataclasses.replace(
-        job, insecure=bool(job_token.give_job_token(job.insecure, env, run_dir)))
-    roles = job_roles(job, run_dir=run_dir, root=root, bind=host, metrics=options.metrics,
-                      ports=(ps_ports, ew_ports, dl_ports))
-    cluster = LocalCluster(roles, env, max_restarts=job.max_restarts)
-    recovery = TrainingRecovery(cluster, servers=roles[:num_ps], training=roles[num_ps:],
-                                root=root, train_log=train_log,
-                                max_restarts=job.max_restarts, log=cluster.log)
-    cluster.restart_training = recovery
-    counts = BatchCounts(train_log)
-    metrics_server = None
-    if options.metrics:
-        cluster.metrics = LauncherMetrics()
-        metrics_server = serve_metrics(cluster.metrics.registry, 0, host, "[launcher] launcher")
-
-    signalled = []
-
-    def on_signal(signum, _frame):
-        signalled.append(signum)
-        # The first SIGTERM stops the training cleanly, a second one everything at once.
-        raise GracefulStop if len(signalled) == 1 else KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        cluster.start()
-    except GracefulStop:
-        cluster.stop()
-        return 143
-    except BaseException:
-        cluster.stop()
-        raise
-    try:
-        return cluster.run()
-    finally:
-        for summary in (recovery.summary(), counts.summary()):
-            if summary:
-                cluster.log(summary)
-        remove_update_logs(run_dir, num_ps, cluster.log)
-        if metrics_server is not None:
-            metrics_server.close()
