@@ -262,6 +262,21 @@ def _k8s_parser(sub) -> None:
     add_k8s_flags(p)
 
 
+def _slurm_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("slurm", help="render (and submit) a Slurm batch script for a job")
+    from persia_py.launcher.slurm import add_slurm_flags
+
+    add_slurm_flags(p, render=True)
+
+
+def _slurm_run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("slurm-run", help="run a job inside its Slurm allocation (the batch "
+                                         "script persia-launcher slurm renders calls it)")
+    from persia_py.launcher.slurm import add_slurm_flags
+
+    add_slurm_flags(p, render=False)
+
+
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="size a job: parameter servers, memory, workers, disk")
     from persia_py.launcher.plan_cli import add_plan_flags
@@ -283,6 +298,8 @@ _SUBCOMMANDS = {
     "local": _local_parser,
     "serve": _serve_parser,
     "k8s": _k8s_parser,
+    "slurm": _slurm_parser,
+    "slurm-run": _slurm_run_parser,
     "plan": _plan_parser,
     "plot": _plot_parser,
 }
@@ -308,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         "local": _run_local,
         "serve": _run_serve,
         "k8s": _run_k8s,
+        "slurm": _run_slurm,
+        "slurm-run": _run_slurm,
         "plot": _run_plot,
         "plan": _run_plan,
     }[args.command]
@@ -342,6 +361,19 @@ def _run_k8s(args: argparse.Namespace) -> int:
     from persia_py.launcher.k8s import run_k8s
 
     return run_k8s(k8s_from_flags(args), args.output)
+
+
+def _run_slurm(args: argparse.Namespace) -> int:
+    from persia_py.launcher.job_flags import slurm_from_flags
+
+    spec, options = slurm_from_flags(args)
+    if args.command == "slurm":
+        from persia_py.launcher.slurm import run_slurm
+
+        return run_slurm(spec, args.output, args.submit)
+    from persia_py.launcher.slurm_run import run_in_allocation
+
+    return run_in_allocation(spec, options)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

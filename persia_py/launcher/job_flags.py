@@ -12,8 +12,9 @@ from persia_py.launcher.job_model import Job, Resources, Script
 from persia_py.launcher.job_run import LocalOptions
 from persia_py.launcher.k8s_flags import K8sJob
 from persia_py.launcher.role_kinds import DATA_LOADER, EMBEDDING_WORKER, NN_WORKER, PARAMETER_SERVER
+from persia_py.launcher.slurm import SlurmJob
 
-__all__ = ["job_from_flags", "k8s_from_flags", "local_from_flags"]
+__all__ = ["job_from_flags", "k8s_from_flags", "local_from_flags", "slurm_from_flags"]
 
 
 def job_from_flags(args: argparse.Namespace, *, nn_nodes: int = 1,
@@ -57,3 +58,28 @@ def k8s_from_flags(args: argparse.Namespace) -> K8sJob:
         metrics_scraper_pods=args.metrics_scraper_pods,
         shared_volumes=tuple(args.shared_volume), data_folders=tuple(args.data_folder),
         serve_model=args.serve, serve_replicas=args.serve_replicas, serve_port=args.serve_port)
+
+
+_RENDER_ONLY = ("submit", "output")
+"""``slurm``'s flags that are not the job's: ``slurm-run`` does not take them."""
+
+
+def slurm_from_flags(args: argparse.Namespace) -> tuple[SlurmJob, LocalOptions]:
+    """``persia-launcher slurm``'s (or ``slurm-run``'s) job, and how its supervisor runs
+    it; the job's flags again, for the batch script's ``slurm-run``."""
+    job = job_from_flags(args, nn_nodes=args.num_nn_worker_nodes,
+                         max_restarts=args.max_restarts,
+                         flag_names={"nn_nodes": "--num-nn-worker-nodes"})
+    flags: list[str] = []
+    for key, value in vars(args).items():
+        if key in ("command", *_RENDER_ONLY) or value in (None, False, ""):
+            continue
+        flag = "--" + ("time" if key == "time_limit" else key.replace("_", "-"))
+        # FLAG=VALUE: a value that starts with '-' (a script's arguments) stays a value.
+        flags.append(flag if value is True else f"{flag}={value}")
+    spec = SlurmJob(job=job, job_name=args.job_name, run_dir=args.run_dir,
+                    ps_partition=args.ps_partition, ps_nodes=args.ps_nodes,
+                    worker_partition=args.worker_partition, time_limit=args.time_limit,
+                    port_base=args.port_base, gpus_per_node=args.gpus_per_node,
+                    flags=tuple(flags))
+    return spec, LocalOptions(run_dir=args.run_dir, metrics=not args.no_metrics)

@@ -1,0 +1,91 @@
+"""``persia-launcher slurm``: a job submitted with ``sbatch`` to a real Slurm cluster
+(tests/slurm_cluster.py: slurmctld on one emulated host, slurmd on three others).
+
+* One batch script, a heterogeneous job: the parameter server on ``highmem`` (node1), two
+  NN-worker nodes on ``gpu`` (node2, node3; one rank each, c10d rendezvous on node2), the
+  embedding worker and data loader beside them, each role a job step. It trains a finite
+  stream and every sample exactly once (the ranks write the ids they trained).
+* The parameter server's step killed mid-run (its process on node1, SIGKILL) is restarted
+  by the job itself, on the same node and port, its update log replayed: the job still
+  ends 0 with every sample trained once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, launcher_command
+from online_jobs import ROWS_PER_FILE, add_file, write_config
+
+pytestmark = pytest.mark.processes
+
+JOB = ROOT / "tests" / "online_job"
+NUM_FILES = 8
+KILL_FILES = 30
+"""The stream of the kill test: long enough that the PS dies well before its end."""
+
+
+def _script(slurm, tmp_path: Path, run: str, loader_args: str = "") -> str:
+    done = slurm.run(*launcher_command(
+        "slurm", "--job-name", f"persia-{run}", "--run-dir", str(tmp_path / run),
+        "--nn-worker", str(JOB / "train.py"), "--data-loader", str(JOB / "data_loader.py"),
+        "--embedding-config", str(JOB / "embedding_config.yml"),
+        "--global-config", str(tmp_path / "global_config.yml"),
+        "--num-nn-worker-nodes", "2", "--ps-partition", "highmem", "--worker-partition", "gpu",
+        "--no-metrics",
+        "--data-loader-args",
+        f"--stream {tmp_path / 'stream'} --positions {tmp_path / 'positions'} --finite "
+        f"{loader_args}",
+        "--nn-worker-args", f"--out {tmp_path / run}"), timeout=120)
+    return done.stdout
+
+
+def _trained(run_dir: Path) -> np.ndarray:
+    text = " ".join(p.read_text() for p in sorted(run_dir.glob("ids-rank*.txt")))
+    return np.sort(np.array(text.split(), dtype=np.int64))
+
+
+def _stream(tmp_path: Path, num_files: int = NUM_FILES) -> int:
+    (tmp_path / "stream").mkdir()
+    write_config(tmp_path, every_steps=4)
+    for i in range(num_files):
+        add_file(tmp_path / "stream", i)
+    return num_files * ROWS_PER_FILE
+
+
+def test_a_three_host_job_trains_every_sample_once(slurm, tmp_path: Path) -> None:
+    total = _stream(tmp_path)
+    script = _script(slurm, tmp_path, "run")
+    assert "#SBATCH hetjob" in script and "#SBATCH --requeue" in script
+    job_id = slurm.submit(script)
+    slurm.wait_for_job(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    out = slurm.output(job_id)
+    assert slurm.job(job_id)["JobState"] == "COMPLETED", out[-20000:]
+    # Each role ran where the layout put it: the NN ranks on two nodes.
+    assert re.search(r"training finished", out), out[-20000:]
+    np.testing.assert_array_equal(_trained(tmp_path / "run"), np.arange(total))
+
+
+def test_a_parameter_servers_step_killed_is_restarted_by_the_job(slurm, tmp_path: Path) -> None:
+    total = _stream(tmp_path, KILL_FILES)
+    job_id = slurm.submit(_script(slurm, tmp_path, "run"))
+    slurm.wait_for_output(job_id, r"rank \d trained \d+ samples", timeout=300)
+    # The parameter server's step: its process on node1 and the srun that started it (the
+    # hosts share this machine's process table; the update log's path is this job's).
+    found = subprocess.run(["pgrep", "-f", f"embedding-parameter-server .*{tmp_path}/run/ps-0-"],
+                           capture_output=True, text=True, timeout=30)
+    pids = [int(p) for p in found.stdout.split()]
+    assert pids, slurm.output(job_id)[-20000:]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    slurm.wait_for_job(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    out = slurm.output(job_id)
+    assert slurm.job(job_id)["JobState"] == "COMPLETED", out[-20000:]
+    assert re.search(r"ps-0 died \(.*\); restarting it on the same port", out), out[-20000:]
+    np.testing.assert_array_equal(_trained(tmp_path / "run"), np.arange(total))
