@@ -342,6 +342,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
     no job left, every node up and idle. Skips where it cannot be built (not root, no
     network namespaces, Slurm not installed); everything it started is gone at the end of
     the module, whether its tests passed or not."""
+    from netns import NamespacesUnavailable
     from slurm_cluster import SlurmCluster, unavailable_reason
 
     reason = unavailable_reason()
@@ -349,7 +350,10 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
         pytest.skip(reason)
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except NamespacesUnavailable as exc:
+            pytest.skip(f"cannot make network namespaces here: {exc}")
         yield cluster
     finally:
         cluster.close()

@@ -11,8 +11,9 @@ What it builds, in a folder of the test run:
   (the default, every node), ``highmem`` (node1) and ``gpu`` (node2, node3; a name only),
   each node 4 CPUs and 1 GiB whatever the machine has (``config_overrides``) and every
   partition ``OverSubscribe=FORCE:4``, so several jobs share a node; ``JobRequeue=1``,
-  ``ReturnToService=2`` and timeouts of seconds (``SlurmdTimeout`` 6 s: a lost node is
-  DOWN 6-10 s after it stopped answering);
+  ``ReturnToService=2`` and timeouts of seconds: a lost node is DOWN about 16 s after it
+  stopped answering (:data:`MESSAGE_TIMEOUT_S`), and a requeued job starts again 11 s
+  after its requeue at the earliest (:data:`CRED_EXPIRE_S`);
 - each daemon in its host's namespace and in a UTS and mount namespace of its own: its
   host name is the node's name and ``/etc/hosts`` names every host, for the daemon and every
   job process it starts (a job on node2 reaches ``node3`` by name).
@@ -38,23 +39,31 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from conftest import RoleProcess, stop_all
 from netns import Host, Network
+
+T = TypeVar("T")
 
 CONTROLLER = "ctl"
 NODES = ("node1", "node2", "node3")
 PARTITIONS = {"all": NODES, "highmem": ("node1",), "gpu": ("node2", "node3")}
 """Partition name -> its nodes; ``all`` is the default."""
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
-SLURMD_TIMEOUT_S = 6
+SLURMD_TIMEOUT_S = 4
 """How long a node may not answer before slurmctld marks it DOWN (it pings every third of
 that); ``SlurmdTimeout`` in slurm.conf."""
+MESSAGE_TIMEOUT_S = 5
+"""How long a Slurm RPC waits for its answer (``MessageTimeout``; Slurm's default 10 s).
+A ping to a lost node fails only after it, and a node is DOWN after two failed pings: with
+these two, a node killed or cut off mid-job was DOWN 16 s after (15.6-16.0 s, three runs
+on this 2-core VM); at 3 and 3 it took 7 s (killed) and 11 s (cut off), at 6 and 5, 17-18
+s. Lower values would make a loaded machine's slow answers count as failures."""
+CRED_EXPIRE_S = 10
+"""A job step's credential lifetime (``AuthInfo=cred_expire``): a requeued job may start
+again only that long (and a second) after its requeue (Slurm's default: 120 s)."""
 START_TIMEOUT_S = 60.0
-
-
-class SlurmUnavailable(RuntimeError):
-    """The cluster cannot start here (a daemon missing or refusing); the message says why."""
 
 
 def unavailable_reason() -> str | None:
@@ -73,8 +82,8 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def wait_until(what: str, check: Callable[[], object], timeout: float,
-               describe: Callable[[], str] = lambda: "") -> object:
+def wait_until(what: str, check: Callable[[], T | None], timeout: float,
+               describe: Callable[[], str] = lambda: "") -> T:
     """Poll ``check`` (every 0.2 s) until it returns something true, and return that;
     fails after ``timeout`` s, with ``describe()`` to say what was seen."""
     deadline = time.monotonic() + timeout
@@ -117,6 +126,7 @@ class SlurmCluster:
         self._munged: RoleProcess | None = None
         self._slurmctld: RoleProcess | None = None
         self._slurmd: dict[str, RoleProcess] = {}
+        self._cut: set[str] = set()
 
     # -- start and stop --------------------------------------------------------------
 
@@ -130,6 +140,15 @@ class SlurmCluster:
         for name in NODES:
             self._start_slurmd(name)
         self.wait_for_nodes(NODES, {"idle"}, START_TIMEOUT_S)
+
+    def _check_daemons(self) -> None:
+        """Fails at once, with its output and the logs, if a daemon has exited."""
+        daemons = {"munged": self._munged, "slurmctld": self._slurmctld,
+                   **{f"slurmd on {name}": proc for name, proc in self._slurmd.items()}}
+        for name, proc in daemons.items():
+            if proc is not None and proc.process.poll() is not None:
+                raise AssertionError(f"{name} exited {proc.process.returncode}:\n"
+                                     f"{proc.output()}\n{self.logs()}")
 
     def close(self) -> None:
         """Stop every daemon and job process, delete the namespaces and munge's folder."""
@@ -200,11 +219,34 @@ class SlurmCluster:
 
     def submit(self, script: str, *options: str) -> int:
         """``sbatch --parsable [options]`` of ``script`` (its text, written to a file);
-        returns the job id."""
+        returns the job id. The job's output goes to :meth:`output_path`, each run (a
+        requeued job runs again) appended."""
         path = Path(tempfile.mkstemp(prefix="job-", suffix=".sh", dir=self.folder)[1])
         path.write_text(script)
-        done = self.run("sbatch", "--parsable", *options, str(path))
+        done = self.run("sbatch", "--parsable", "--open-mode=append",
+                        f"--output={self.folder / 'job-%j.out'}", *options, str(path))
         return int(done.stdout.strip().split(";")[0])
+
+    def output_path(self, job_id: int) -> Path:
+        return self.folder / f"job-{job_id}.out"
+
+    def output(self, job_id: int) -> str:
+        """What the job's batch script and its steps printed so far."""
+        path = self.output_path(job_id)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_for_output(self, job_id: int, pattern: str, timeout: float,
+                        count: int = 1) -> list[re.Match]:
+        """The first ``count`` matches of ``pattern`` (multi-line) in the job's output,
+        once there are that many."""
+        regex = re.compile(pattern, re.M)
+
+        def found() -> list[re.Match] | None:
+            matches = list(regex.finditer(self.output(job_id)))
+            return matches[:count] if len(matches) >= count else None
+
+        return wait_until(f"{count} x {pattern!r} in job {job_id}'s output", found, timeout,
+                          lambda: f"{self.output(job_id)}\n{self.job(job_id)}\n{self.logs()}")
 
     def job(self, job_id: int) -> dict[str, str]:
         """``scontrol show job`` as a dict (``JobState``, ``NodeList``, ``Restarts``, ...)."""
@@ -227,19 +269,23 @@ class SlurmCluster:
         done = self.run("sinfo", "--noheader", "--Node", "--format=%N %t", "--partition=all")
         return dict(line.split() for line in done.stdout.splitlines() if line.strip())
 
-    def wait_for_nodes(self, names: Iterable[str], states: set[str],
-                       timeout: float) -> dict[str, str]:
-        """The nodes' states once every one of ``names`` is in one of ``states``."""
+    def wait_for_nodes(self, names: Iterable[str], states: set[str], timeout: float,
+                       any_of: bool = False) -> dict[str, str]:
+        """The nodes' states once every one of ``names`` (with ``any_of``: one of them) is
+        in one of ``states`` (``idle``, ``mix``, ``alloc``, ``down*``: sinfo's short forms,
+        ``*`` for not responding)."""
         names = list(names)
         seen: list[dict[str, str]] = [{}]
+        enough = any if any_of else all
 
         def reached() -> dict[str, str] | None:
+            self._check_daemons()
             try:
                 seen[0] = self.node_states()
             except AssertionError as exc:  # the controller not up yet
                 seen[0] = {"sinfo": str(exc)}
                 return None
-            return seen[0] if all(seen[0].get(n) in states for n in names) else None
+            return seen[0] if enough(seen[0].get(n) in states for n in names) else None
 
         return wait_until(f"nodes {names} {'/'.join(sorted(states))}", reached, timeout,
                           lambda: f"{seen[0]}\n{self.logs()}")
@@ -265,23 +311,23 @@ class SlurmCluster:
         self.wait_for_nodes([name], {"idle"}, timeout)
 
     def cut_node(self, name: str) -> None:
-        """Cut the node's network off from every other host (its processes keep running)."""
+        """Cut the node's network off from every other host (its processes keep running):
+        slurmctld marks it DOWN as it would a killed one."""
         self.network.set_partition(self.nodes[name], cut=True)
+        self._cut.add(name)
 
     def join_node(self, name: str) -> None:
+        """Join a cut node again; it is back once it answers (``ReturnToService=2``)."""
         self.network.set_partition(self.nodes[name], cut=False)
+        self._cut.discard(name)
 
     def make_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
         """Every job cancelled, every node's network joined and slurmd running, every node
         idle: what a test finds when it takes the cluster."""
         self.run("scancel", "--full", "--quiet", "--user=root", check=False)
-        for name, host in self.nodes.items():
-            for other in self.network.hosts.values():
-                if other is not host:  # a cut left by a test: the entries it added
-                    subprocess.run(["ip", "-n", host.namespace, "neigh", "del", other.ip,
-                                    "dev", "eth0"], capture_output=True, timeout=30)
-                    subprocess.run(["ip", "-n", other.namespace, "neigh", "del", host.ip,
-                                    "dev", "eth0"], capture_output=True, timeout=30)
+        for name in sorted(self._cut):
+            self.join_node(name)
+        for name in NODES:
             if name not in self._slurmd or self._slurmd[name].process.poll() is not None:
                 self._start_slurmd(name)
         self.wait_for_nodes(NODES, {"idle"}, timeout)
@@ -332,7 +378,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire={CRED_EXPIRE_S}
 StateSaveLocation={folder / 'state'}
 SlurmdSpoolDir={folder / 'spool'}/%n
 SlurmctldPidFile={folder / 'slurmctld.pid'}
@@ -349,7 +395,8 @@ JobCompType=jobcomp/filetxt
 JobCompLoc={log / 'jobcomp.txt'}
 MpiDefault=none
 SwitchType=switch/none
-SchedulerType=sched/builtin
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
@@ -358,8 +405,8 @@ ReturnToService=2
 JobRequeue=1
 SlurmdTimeout={SLURMD_TIMEOUT_S}
 SlurmctldTimeout=10
-MessageTimeout=5
-TCPTimeout=2
+MessageTimeout={MESSAGE_TIMEOUT_S}
+TCPTimeout=1
 KillWait=2
 InactiveLimit=0
 MinJobAge=300
