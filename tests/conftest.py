@@ -335,6 +335,37 @@ def emulated_hosts(request: pytest.FixtureRequest):
     return make
 
 
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    """A real Slurm cluster on emulated hosts (:mod:`slurm_cluster`), shared by the module's
+    tests: slurmctld on ``ctl``, slurmd on ``node1``-``node3``. Each test gets it healthy:
+    no job left, every node up and idle. Skips where it cannot be built (not root, no
+    network namespaces, Slurm not installed); everything it started is gone at the end of
+    the module, whether its tests passed or not."""
+    from netns import NamespacesUnavailable
+    from slurm_cluster import SlurmCluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        try:
+            cluster.start()
+        except NamespacesUnavailable as exc:
+            pytest.skip(f"cannot make network namespaces here: {exc}")
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The module's :class:`slurm_cluster.SlurmCluster`, healthy (see ``slurm_cluster``)."""
+    slurm_cluster.make_healthy()
+    return slurm_cluster
+
+
 def run_ranks(target, *args, world_size: int = 2, timeout: float = 240) -> None:
     """Run ``target(rank, port, *args)`` in ``world_size`` spawned processes (``port``: a
     free one for their process group); fails on a non-zero exit or a rank still running
@@ -412,6 +443,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     once, and every test on emulated hosts runs in the same one, since they share the hosts'
     addresses."""
     for item in items:
-        group = ("emulated-hosts" if "emulated_hosts" in getattr(item, "fixturenames", ())
+        fixtures = set(getattr(item, "fixturenames", ()))
+        group = ("emulated-hosts" if fixtures & {"emulated_hosts", "slurm_cluster"}
                  else item.module.__name__)
         item.add_marker(pytest.mark.xdist_group(group))
