@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import queue
 import resource
 import socket
 import time
@@ -92,11 +93,30 @@ def _run(mode: str, args: argparse.Namespace) -> list[dict]:
     procs = [ctx.Process(target=_rank, args=(r, port, mode, args, results)) for r in range(2)]
     for p in procs:
         p.start()
-    out = [results.get(timeout=args.timeout) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            raise RuntimeError(f"{mode} rank exited with {p.exitcode}")
+    try:
+        out = []
+        deadline = time.monotonic() + args.timeout
+        while len(out) < len(procs):
+            try:
+                out.append(results.get(timeout=1.0))
+            except queue.Empty:
+                # A rank that died before its results would leave the other one waiting
+                # in a collective, and this process until the timeout.
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"{mode} rank exited with {failed[0]}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{mode} ranks gave no results within "
+                                       f"{args.timeout:.0f} s") from None
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode != 0:
+                raise RuntimeError(f"{mode} rank exited with {p.exitcode}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=30)
     return sorted(out, key=lambda r: r["rank"])
 
 
