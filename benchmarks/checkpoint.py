@@ -1,6 +1,6 @@
 """Checkpoint dump and load throughput of one parameter server, beside plain ``numpy.save``.
 
-    python -m benchmarks.checkpoint [--rows 2000000] [--dim 32] [--json PATH]
+    python -m benchmarks.checkpoint [--rows 2000000] [--dim 32] [--json PATH] [--smoke]
 
 Fills one Adagrad table (weights + per-row optimizer state), then times
 ``dump_replica`` + ``commit`` (every file fsync'd, manifest, rename) and ``load_replica``
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import parse_args_with_smoke
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig, ParameterServerConfig, SlotConfig
 from persia_py.servers.checkpoint import dump_replica, load_replica
@@ -33,13 +34,13 @@ def _server(rows: int, dim: int) -> ParameterServer:
     return ps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
     parser.add_argument("--json", default=None, help="write the figures here")
-    args = parser.parse_args()
+    args = parse_args_with_smoke(parser, argv, rows=2000, repeats=1)
     rng = np.random.default_rng(0)
     ps = _server(args.rows, args.dim)
     table = ps._tables["slot"]

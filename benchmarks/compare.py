@@ -2,6 +2,7 @@
 
     python -m benchmarks.compare REF [--workload embedding_heavy|dense_heavy|both]
                                      [--pairs N] [--steps N] [--staleness S] [--json PATH]
+    python -m benchmarks.compare --smoke [REF]     # HEAD by default; one tiny pair
 
 Checks REF out into a temporary git worktree and runs ``benchmarks.train_throughput``'s
 job alternately with REF's persia_py and with the working tree's (same Python
@@ -21,8 +22,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from benchmarks import parse_args_with_smoke
 from benchmarks.role_cpu import JobResult
-from benchmarks.train_throughput import ROLES, cpu_line, median_cpu, ours
+from benchmarks.train_throughput import ROLES, SMOKE_WARMUP_STEPS, cpu_line, median_cpu, ours
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,7 +52,8 @@ def compare(ref_tree: Path, workload: str, args: argparse.Namespace,
         order = ("ref", "tree") if i % 2 == 0 else ("tree", "ref")
         for side in order:
             tree = ref_tree if side == "ref" else REPO
-            result = ours(workload, args.steps, args.staleness, workdir, tree=tree)
+            result = ours(workload, args.steps, args.staleness, workdir, tree=tree,
+                          smoke=args.smoke)
             runs[side].append(result)
             print(f"  {workload} {side:4s} {result.samples_per_sec:9.0f} samples/s  "
                   f"all roles {result.cpu_per_1000()['all']:.3f} core-s/1k", flush=True)
@@ -75,17 +78,23 @@ def compare(ref_tree: Path, workload: str, args: argparse.Namespace,
     return figures
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ref", help="a commit, tag or branch to compare the working tree with")
+    parser.add_argument("ref", nargs="?",
+                        help="a commit, tag or branch to compare the working tree with "
+                             "(required but with --smoke, where it is HEAD)")
     parser.add_argument("--workload", default="embedding_heavy",
                         choices=["embedding_heavy", "dense_heavy", "both"])
     parser.add_argument("--pairs", type=int, default=3, help="runs of each side")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--staleness", type=int, default=4)
     parser.add_argument("--json", default=None, help="write every figure here")
-    args = parser.parse_args()
+    # The smoke's workload is the one ``train_throughput --smoke`` leaves out.
+    args = parse_args_with_smoke(parser, argv, ref="HEAD", workload="dense_heavy", pairs=1,
+                                 steps=SMOKE_WARMUP_STEPS + 3)
+    if args.ref is None:
+        parser.error("REF is required (a commit, tag or branch)")
     workloads = ["embedding_heavy", "dense_heavy"] if args.workload == "both" else [args.workload]
     with tempfile.TemporaryDirectory(prefix="persia-compare-") as tmp:
         ref_tree = checkout(args.ref, Path(tmp) / "ref")

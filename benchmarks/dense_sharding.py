@@ -1,6 +1,7 @@
 """Dense sharding: a >= 100M-parameter tower trained with DDP and with FSDP on 2 CPU ranks.
 
     python -m benchmarks.dense_sharding [--width 4096] [--layers 6] [--steps 6] [--json PATH]
+                                        [--smoke]
 
 The same deep MLP (``layers`` Linear(width, width) + ReLU; 6 x 4096^2 ~ 100.7M parameters)
 with Adagrad is trained by 2 gloo ranks, first wrapped by ``DDPOption`` (the baseline, a
@@ -21,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import queue
 import resource
 import socket
 import time
@@ -31,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from benchmarks import parse_args_with_smoke
 from persia_py.distributed import DDPOption, FSDPOption, build_on_meta
 
 
@@ -90,15 +93,34 @@ def _run(mode: str, args: argparse.Namespace) -> list[dict]:
     procs = [ctx.Process(target=_rank, args=(r, port, mode, args, results)) for r in range(2)]
     for p in procs:
         p.start()
-    out = [results.get(timeout=args.timeout) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            raise RuntimeError(f"{mode} rank exited with {p.exitcode}")
+    try:
+        out = []
+        deadline = time.monotonic() + args.timeout
+        while len(out) < len(procs):
+            try:
+                out.append(results.get(timeout=1.0))
+            except queue.Empty:
+                # A rank that died before its results would leave the other one waiting
+                # in a collective, and this process until the timeout.
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"{mode} rank exited with {failed[0]}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{mode} ranks gave no results within "
+                                       f"{args.timeout:.0f} s") from None
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode != 0:
+                raise RuntimeError(f"{mode} rank exited with {p.exitcode}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=30)
     return sorted(out, key=lambda r: r["rank"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
@@ -108,7 +130,8 @@ def main() -> None:
     parser.add_argument("--fsdp-whole-build", action="store_true",
                         help="FSDP ranks build the whole tower before sharding it")
     parser.add_argument("--json", default=None, help="write the figures here")
-    args = parser.parse_args()
+    args = parse_args_with_smoke(parser, argv, width=64, layers=2, batch_size=4, steps=1,
+                                 timeout=300)
     num_params = sum(p.numel() for p in _tower(args.width, args.layers).parameters())
     ddp, fsdp = _run("ddp", args), _run("fsdp", args)
     ddp_rss = max(r["peak_rss_bytes"] for r in ddp)

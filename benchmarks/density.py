@@ -2,7 +2,7 @@
 
     python -m benchmarks.density [--parts memory,accuracy] [--rows 10000000]
                                  [--dims 16,64] [--optimizers adagrad,rowwise-adagrad,sgd]
-                                 [--row-dtypes float32,float16] [--json PATH]
+                                 [--row-dtypes float32,float16] [--json PATH] [--smoke]
 
 For each configuration, one after another (a table of 10M rows at dim 64 with Adagrad
 takes over 5 GB): a parameter server is started as ``persia-launcher`` starts one (its own
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import parse_args_with_smoke
 from benchmarks.density_accuracy import accuracy
 from benchmarks.ps_process import parameter_server_process
 from persia_py.config import CommonConfig
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--criteo-samples", type=int, default=50_000,
                         help="training samples of the accuracy part's Criteo runs")
     parser.add_argument("--json", default=None, metavar="PATH")
-    args = parser.parse_args(argv)
+    args = parse_args_with_smoke(parser, argv, rows=2000, dims="8", optimizers="adagrad",
+                                 row_dtypes="float16")
     parts = set(args.parts.split(","))
     if not parts or parts - {"memory", "accuracy"}:
         parser.error(f"--parts takes memory and/or accuracy, got {args.parts!r}")

@@ -1,7 +1,7 @@
 """Online freshness: serving AUC against how often training pushes to serving, and what
 pushing costs training (Monolith's experiment, on a synthetic drifting stream).
 
-    python -m benchmarks.online_freshness [--batches N] [--json PATH]
+    python -m benchmarks.online_freshness [--batches N] [--json PATH] [--smoke]
 
 The stream (seeded, generated here) is time-ordered and drifts: every batch, new items
 are born, and impressions favour young items (an item's chance to be shown fades with
@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import parse_args_with_smoke
 from benchmarks.ps_process import role_process
 from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.dense_export import DenseExporter, dense_versions, read_dense_version
@@ -146,9 +147,13 @@ def _write_configs(workdir: Path, short: int | None, item_expiry: int) -> list[s
 
 
 def train(stream: list[tuple[np.ndarray, ...]], workdir: Path, *, short: int | None,
-          item_expiry: int) -> float:
+          item_expiry: int, warmup: int = WARMUP_BATCHES) -> float:
     """Train online on ``stream`` with real PS and embedding-worker processes, exporting
-    every ``short`` batches (None: no export); returns samples/s after the warm-up."""
+    every ``short`` batches (None: no export); returns samples/s after the first
+    ``warmup`` batches."""
+    if len(stream) <= warmup:
+        raise ValueError(f"a stream of {len(stream)} batches has none after the {warmup} "
+                         "warm-up batches to time")
     from persia_py.ctx import TrainCtx
     from persia_py.data import DataLoader, IterableDataset
     from persia_py.embedding.optim import Adagrad
@@ -176,7 +181,7 @@ def train(stream: list[tuple[np.ndarray, ...]], workdir: Path, *, short: int | N
             started = None
             for step, batch in enumerate(DataLoader(Batches(buffer_size=8),
                                                     embedding_staleness=2)):
-                if step == WARMUP_BATCHES:
+                if step == warmup:
                     started = time.perf_counter()
                 output, labels = ctx.forward(batch)
                 ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
@@ -184,7 +189,7 @@ def train(stream: list[tuple[np.ndarray, ...]], workdir: Path, *, short: int | N
                     exporter.after_step(model)
             ctx.flush()
             elapsed = time.perf_counter() - started
-    return (len(stream) - WARMUP_BATCHES) * len(stream[0][0]) / elapsed
+    return (len(stream) - warmup) * len(stream[0][0]) / elapsed
 
 
 def _increments(directory: Path) -> list[tuple[int, Path]]:
@@ -275,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="item rows unseen for this many lookups expire in training")
     parser.add_argument("--repeats", type=int, default=3,
                         help="training runs of each kind (no export, short), alternated")
+    parser.add_argument("--warmup-batches", type=int, default=WARMUP_BATCHES,
+                        help="untimed batches at the start of each training run")
     parser.add_argument("--json", default=None, help="write the figures here")
-    args = parser.parse_args(argv)
+    args = parse_args_with_smoke(parser, argv, batches=12, batch_size=32, short=2, medium=3,
+                                 long=5, item_expiry=6, repeats=1, warmup_batches=2)
     spec = Stream(num_batches=args.batches, batch_size=args.batch_size)
     stream = spec.batches()
     hours = spec.num_batches * spec.batch_stream_sec / 3600
@@ -286,13 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     throughput: dict[str, list[float]] = {"no_export": [], "short": []}
     with tempfile.TemporaryDirectory(prefix="online_freshness-") as tmp:
         # Not timed: the first run of a session fills numba's kernel cache and the page
-        # cache, and would otherwise slow whichever kind runs first.
-        train(stream[:WARMUP_BATCHES * 2], Path(tmp) / "warm-up", short=None,
-              item_expiry=args.item_expiry)
+        # cache, and would otherwise slow whichever kind runs first (a smoke times nothing).
+        if not args.smoke:
+            train(stream[:args.warmup_batches * 2], Path(tmp) / "warm-up", short=None,
+                  item_expiry=args.item_expiry, warmup=args.warmup_batches)
         for r in range(args.repeats):
             for kind, short in (("no_export", None), ("short", args.short)):
                 rate = train(stream, Path(tmp) / f"{kind}-{r}", short=short,
-                             item_expiry=args.item_expiry)
+                             item_expiry=args.item_expiry, warmup=args.warmup_batches)
                 throughput[kind].append(rate)
                 print(f"training run {r + 1} ({kind}): {rate:.0f} samples/s", flush=True)
         intervals = {"never": None, "long": args.long, "medium": args.medium,

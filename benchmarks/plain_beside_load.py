@@ -1,7 +1,7 @@
 """Plain PyTorch's own throughput when another process shares its cores.
 
     python -m benchmarks.plain_beside_load [--workload dense_heavy] [--share 0.4]
-                                           [--repeats 3] [--steps 200] [--json PATH]
+                                           [--repeats 3] [--steps 200] [--json PATH] [--smoke]
 
 Runs ``benchmarks/throughput/plain.py`` alone and beside a process that keeps ``--share``
 of one core busy in short bursts (2 ms busy per ``2 / share`` ms), alternately, and
@@ -22,7 +22,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks.train_throughput import plain
+from benchmarks import parse_args_with_smoke
+from benchmarks.train_throughput import SMOKE_WARMUP_STEPS, plain
 
 BURST_S = 0.002
 
@@ -37,7 +38,7 @@ def busy(share: float) -> None:
         time.sleep(pause)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="dense_heavy")
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", default=None)
     parser.add_argument("--busy", type=float, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args_with_smoke(parser, argv, repeats=1, steps=SMOKE_WARMUP_STEPS + 2)
     if args.busy is not None:  # the process beside plain PyTorch
         busy(args.busy)
     if not 0.0 < args.share < 1.0:
@@ -54,11 +55,11 @@ def main() -> None:
     alone: list[float] = []
     beside: list[float] = []
     for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
-        alone.append(plain(args.workload, args.steps)[0])
+        alone.append(plain(args.workload, args.steps, args.smoke)[0])
         burner = subprocess.Popen([sys.executable, "-m", "benchmarks.plain_beside_load",
                                    "--busy", str(args.share)])
         try:
-            beside.append(plain(args.workload, args.steps)[0])
+            beside.append(plain(args.workload, args.steps, args.smoke)[0])
         finally:
             burner.kill()
             burner.wait()

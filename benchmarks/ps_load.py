@@ -2,7 +2,7 @@
 
     python -m benchmarks.ps_load [--clients 1,4,16] [--seconds 5] [--dim 16] [--batch 256]
                                  [--capacity 20000] [--id-space 2000000]
-                                 [--update-fraction 0.5] [--json PATH]
+                                 [--update-fraction 0.5] [--json PATH] [--smoke]
 
 One real parameter-server process (``persia-launcher embedding-parameter-server``, port 0)
 serves every run. For each N, N client threads, each with its own ``PSClient`` (its own
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import parse_args_with_smoke
 from benchmarks.ps_process import parameter_server_process
 from persia_py.config import CommonConfig
 from persia_py.workers.ps_client import PSClient, configure_request
@@ -126,7 +127,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--update-fraction", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures to this file")
-    args = p.parse_args(argv)
+    args = parse_args_with_smoke(p, argv, clients="1,2", seconds=0.5, capacity=2000,
+                                 id_space=100_000)
     args.client_counts = [int(c) for c in args.clients.split(",") if c]
     if not args.client_counts or min(args.client_counts) < 1:
         p.error("--clients needs positive counts")

@@ -1,7 +1,7 @@
 """Parameter-server storage benchmark: every figure beside a baseline measured in the same run.
 
     python -m benchmarks.ps_ops [--rows N] [--dim 32] [--batch 100000] [--repeats R]
-                                [--memory-rows 10000000] [--json PATH] [--quick]
+                                [--memory-rows 10000000] [--json PATH] [--quick|--smoke]
 
 Each throughput is ``batch / median seconds`` over ``--repeats`` batches, each batch
 different (so no batch finds its rows already in cache from the previous repeat), and
@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import SMOKE_HELP
 from benchmarks.ps_process import parameter_server_process
 from persia_py.config import CommonConfig
 from persia_py.ids.routing import mix64
@@ -84,6 +85,7 @@ TARGETS = {
 """The issue's targets, printed beside the ratios."""
 
 QUICK = {"rows": 200_000, "batch": 20_000, "repeats": 5, "memory_rows": 1_000_000}
+SMOKE = {"rows": 2000, "batch": 500, "repeats": 1, "memory_rows": 2000}
 DEFAULT = {"rows": 4_000_000, "batch": 100_000, "repeats": 7, "memory_rows": 10_000_000}
 
 
@@ -397,10 +399,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory-rows", type=int,
                         help=f"rows of the memory table (default {DEFAULT['memory_rows']:,})")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"small sizes for a smoke run: {QUICK}; explicit flags still win")
+    presets = parser.add_mutually_exclusive_group()
+    presets.add_argument("--quick", action="store_true",
+                         help=f"small sizes, a first look: {QUICK}; explicit flags still win")
+    presets.add_argument("--smoke", action="store_true",
+                         help=f"{SMOKE_HELP}: {SMOKE}")
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else DEFAULT
+    sizes = SMOKE if args.smoke else QUICK if args.quick else DEFAULT
     for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -1,15 +1,15 @@
 """CPU of one embedding-heavy batch's round trip between an NN worker and its embedding
 worker, with the arrays in shared memory and in the messages, alternately.
 
-    python -m benchmarks.shm_round_trip [--rounds N] [--batches N]
+    python -m benchmarks.shm_round_trip [--rounds N] [--batches N] [--json PATH] [--smoke]
 
 Starts a parameter server and an embedding worker (the launcher's roles, this host) and,
 in this process, two clients of the embedding worker: ``common_config.shared_memory``
 on and off. Each round runs ``--batches`` batches of the embedding-heavy workload
 (``benchmarks/throughput/workloads.py``: 26 slots x 20 ids x batch 1024, dim 32, float16
-on the wire) through one client, then as many through the other (the order alternating
-by round): put, lookup, gradients back. It prints, per side, the median over rounds of
-the CPU seconds per batch of the embedding worker process, of this process (the NN
+on the wire; ``--smoke``: its tiny version) through one client, then as many through the
+other (the order alternating by round): put, lookup, gradients back. It prints, per side,
+the median over rounds of the CPU seconds per batch of the embedding worker process, of this process (the NN
 worker's side: decoding the answer, encoding the gradients) and of the parameter server,
 and their ratio (shared memory / messages). CPU seconds, not wall time: a loaded machine
 moves them less.
@@ -18,6 +18,7 @@ moves them less.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import secrets
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.throughput.workloads import SLOT_NAMES, WORKLOADS
+from benchmarks import parse_args_with_smoke
+from benchmarks.throughput.workloads import SLOT_NAMES, workload
 from persia_py.config import CommonConfig
 from persia_py.wire.security import ENV_AUTH_TOKEN
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
@@ -56,12 +58,13 @@ def _start(role: str, *args: str) -> tuple[subprocess.Popen, int]:
     raise RuntimeError(f"{role} ended before it was ready (exit {proc.wait()})")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batches", type=int, default=8)
-    args = parser.parse_args()
-    w = WORKLOADS["embedding_heavy"]
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parse_args_with_smoke(parser, argv, rounds=1, batches=2)
+    w = workload("embedding_heavy", smoke=args.smoke)
     # Authenticated calls, as in a job: a token for the roles and the clients.
     os.environ.setdefault(ENV_AUTH_TOKEN, secrets.token_hex(32))
     procs = []
@@ -89,12 +92,21 @@ def main() -> None:
                 p.wait(timeout=30)
     print(f"{'core-s per batch (median of rounds)':40s} {'shared memory':>14s} "
           f"{'messages':>10s} {'ratio':>6s}")
+    figures: dict[str, object] = {"rounds": args.rounds, "batches": args.batches}
     for role in ("embedding worker", "NN worker side", "parameter server"):
         on = statistics.median(results[True][role])
         off = statistics.median(results[False][role])
-        print(f"{role:40s} {on:14.4f} {off:10.4f} {on / off:6.2f}")
+        # A tiny batch can take less than a clock tick of CPU: no ratio then.
+        ratio = on / off if off else float("nan")
+        print(f"{role:40s} {on:14.4f} {off:10.4f} {ratio:6.2f}")
+        key = role.replace(" ", "_")
+        figures.update({f"{key}_shm_cpu_s_per_batch": on, f"{key}_messages_cpu_s_per_batch": off})
+    figures.update(shm_lookups=clients[True].num_shm_lookups,
+                   shm_updates=clients[True].num_shm_updates)
     print(f"lookups through shared memory: {clients[True].num_shm_lookups}, "
           f"updates: {clients[True].num_shm_updates}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 def _measure(clients, w, ps_pid: int, ew_pid: int, args) -> dict[bool, dict[str, list[float]]]:

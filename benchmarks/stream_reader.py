@@ -1,6 +1,6 @@
 """CSV throughput of the streaming reader, beside the row-by-row ``CsvReader``.
 
-    python -m benchmarks.stream_reader [--rows 200000] [--batch-size 1024] [--json PATH]
+    python -m benchmarks.stream_reader [--rows 200000] [--batch-size 1024] [--json PATH] [--smoke]
 
 Writes one CSV file (an int, two floats and two id-list columns, as a click log) and
 reads it in batches with :class:`persia_py.input.stream_reader.StreamReader` (array-parsed,
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import parse_args_with_smoke
 from persia_py.input.readers import CsvColumn, CsvReader, CsvReaderConfig
 from persia_py.input.stream_reader import CsvFormat, StreamPosition, StreamReader
 from persia_py.stream_source import PositionLog
@@ -45,13 +46,16 @@ def _best(repeats: int, run) -> float:
     return min(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    parser.add_argument("--appends", type=int, default=500,
+                        help="position-log appends timed (each one fsync'd)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args()
+    args = parse_args_with_smoke(parser, argv, rows=2000, batch_size=256, repeats=1,
+                                 appends=5)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp, "stream")
         folder.mkdir()
@@ -70,7 +74,7 @@ def main() -> None:
 
         stream_sec = _best(args.repeats, stream)
         baseline_sec = _best(args.repeats, rows)
-        num_appends = 500
+        num_appends = args.appends
         log = PositionLog(Path(tmp, "loader-0.positions"))
         position = StreamPosition("000.csv", 0, 0)
         started = time.perf_counter()

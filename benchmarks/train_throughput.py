@@ -2,7 +2,7 @@
 worker, 1 NN worker, 1 data loader) beside the same model in one plain PyTorch process,
 measured in the same run.
 
-    python -m benchmarks.train_throughput [--steps N] [--repeats R] [--json PATH]
+    python -m benchmarks.train_throughput [--steps N] [--repeats R] [--json PATH] [--smoke]
 
 Prints samples/s of both sides and their ratio for the dense-heavy and embedding-heavy
 workloads (medians over repeats), then samples/s for embedding staleness 1, 2, 4, 8 on
@@ -34,11 +34,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import parse_args_with_smoke
 from benchmarks.role_cpu import ROLES, JobResult, run_job
 
 HERE = Path(__file__).resolve().parent / "throughput"
 sys.path.insert(0, str(HERE))
-from workloads import SLOT_NAMES, WARMUP_STEPS, WORKLOADS  # noqa: E402
+from workloads import SLOT_NAMES, SMOKE_WARMUP_STEPS, WARMUP_STEPS, WORKLOADS  # noqa: E402
 
 TARGETS = {"dense_heavy": 1.0, "embedding_heavy": 1.6}
 """Issue 29's bars, throughput over plain PyTorch's (TorchRec's reach on these
@@ -58,9 +59,11 @@ def _configs(workdir: Path, workload: str, fp16: bool = True) -> tuple[Path, Pat
 
 
 def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = True,
-         tree: Path | None = None) -> JobResult:
-    """One ``local`` job of ``workload``; ``tree``: the checkout whose persia_py runs it
-    (default: the one installed), the harness being this one either way."""
+         tree: Path | None = None, smoke: bool = False) -> JobResult:
+    """One ``local`` job of ``workload`` (its tiny version if ``smoke``); ``tree``: the
+    checkout whose persia_py runs it (default: the one installed), the harness being this
+    one either way."""
+    tiny = " --smoke" if smoke else ""
     embedding, global_ = _configs(workdir, workload, fp16)
     env = None
     if tree is not None:
@@ -71,18 +74,20 @@ def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = 
             sys.executable, "-m", "persia_py.launcher.cli", "local", "--run-dir", str(run_dir),
             "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
             "--embedding-config", str(embedding), "--global-config", str(global_),
-            "--nn-worker-args", f"--workload {workload} --embedding-staleness {staleness}",
-            "--data-loader-args", f"--workload {workload} --steps {steps}",
+            "--nn-worker-args",
+            f"--workload {workload} --embedding-staleness {staleness}{tiny}",
+            "--data-loader-args", f"--workload {workload} --steps {steps}{tiny}",
         ], cwd=str(HERE), env=env, what=f"persia_py {workload}", train_script="train.py",
             loader_script="data_loader.py")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def plain(workload: str, steps: int) -> tuple[float, float]:
-    """samples/s and core-seconds per 1,000 samples of the plain PyTorch process."""
+def plain(workload: str, steps: int, smoke: bool = False) -> tuple[float, float]:
+    """samples/s and core-seconds per 1,000 samples of the plain PyTorch process (the
+    workload's tiny version if ``smoke``)."""
     command = [sys.executable, str(HERE / "plain.py"), "--workload", workload,
-               "--steps", str(steps)]
+               "--steps", str(steps), *(["--smoke"] if smoke else [])]
     result = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
     match = re.search(r"samples_per_sec: ([0-9.]+) samples: ([0-9]+) cpu_sec: ([0-9.]+)",
                       result.stdout)
@@ -102,28 +107,41 @@ def cpu_line(cpu: dict[str, float]) -> str:
     return "  ".join(f"{role} {cpu[role]:.3f}" for role in (*ROLES, "all"))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200,
                         help=f"batches per run, the first {WARMUP_STEPS} not timed")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--staleness", type=int, default=4, help="staleness of the main runs")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="comma-separated, of " + ", ".join(WORKLOADS))
+    parser.add_argument("--sweep", default="1,2,4,8",
+                        help="embedding staleness values of the embedding-heavy sweep "
+                             "(comma-separated; empty: none)")
     parser.add_argument("--fp32-wire", action="store_true",
                         help="send embeddings and gradients as float32 (default: float16)")
     parser.add_argument("--json", default=None, help="write every figure here")
-    args = parser.parse_args()
-    if args.steps <= WARMUP_STEPS:
-        parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
+    # The smoke runs one job: ``compare --smoke`` runs the other workload's.
+    args = parse_args_with_smoke(parser, argv, steps=SMOKE_WARMUP_STEPS + 3, repeats=1,
+                                 workloads="embedding_heavy", sweep="")
+    warmup = SMOKE_WARMUP_STEPS if args.smoke else WARMUP_STEPS
+    if args.steps <= warmup:
+        parser.error(f"--steps must be more than the {warmup} warm-up steps")
+    workloads = [w for w in args.workloads.split(",") if w]
+    if not workloads or set(workloads) - set(WORKLOADS):
+        parser.error(f"--workloads takes {', '.join(WORKLOADS)}, got {args.workloads!r}")
+    sweep = [int(s) for s in args.sweep.split(",") if s]
     fp16 = not args.fp32_wire
     figures: dict[str, float | list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        for workload in WORKLOADS:
+        for workload in workloads:
             ours_runs, plain_runs = [], []
             for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
-                plain_runs.append(plain(workload, args.steps))
-                ours_runs.append(ours(workload, args.steps, args.staleness, workdir, fp16))
+                plain_runs.append(plain(workload, args.steps, args.smoke))
+                ours_runs.append(ours(workload, args.steps, args.staleness, workdir, fp16,
+                                      smoke=args.smoke))
             o = statistics.median(r.samples_per_sec for r in ours_runs)
             p = statistics.median(sps for sps, _ in plain_runs)
             cpu, plain_cpu = median_cpu(ours_runs), statistics.median(c for _, c in plain_runs)
@@ -140,8 +158,9 @@ def main() -> None:
                   f"samples/s   ratio {o / p:5.2f}   (target >= {TARGETS[workload]})", flush=True)
             print(f"{'':16s} core-s per 1,000 samples: {cpu_line(cpu)}   plain PyTorch "
                   f"{plain_cpu:.3f}   ratio {cpu['all'] / plain_cpu:5.2f}", flush=True)
-        for staleness in (1, 2, 4, 8):
-            s = ours("embedding_heavy", args.steps, staleness, workdir, fp16).samples_per_sec
+        for staleness in sweep:
+            s = ours("embedding_heavy", args.steps, staleness, workdir, fp16,
+                     smoke=args.smoke).samples_per_sec
             figures[f"embedding_heavy_staleness_{staleness}_samples_per_sec"] = s
             print(f"embedding_heavy  staleness {staleness}: {s:10.0f} samples/s", flush=True)
     if args.json:

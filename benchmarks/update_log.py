@@ -1,6 +1,7 @@
 """What a parameter server's update log costs, and how fast a restart replays it.
 
     python -m benchmarks.update_log [--updates 300] [--ids 2048] [--dim 32] [--rounds 5] [--json PATH]
+                                    [--smoke]
 
 Applies the same stream of updates (a training lookup, then an Adagrad update of
 ``--ids`` ids in each of two tables) to a ``ParameterServer`` without a log and to one
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import parse_args_with_smoke
 from persia_py.config import (
     EmbeddingTablesConfig,
     GlobalConfig,
@@ -61,14 +63,14 @@ def _apply(ps: ParameterServer, stream: list[list]) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=300)
     parser.add_argument("--ids", type=int, default=2048, help="ids per table per update")
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args()
+    args = parse_args_with_smoke(parser, argv, updates=5, ids=64, dim=8, rounds=1)
     stream = _stream(args.updates, args.ids, args.dim)
     plain, logged = [], []
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@ before its clock starts: both sides then train on ready data.
 import argparse
 
 import numpy as np
-from workloads import SLOT_NAMES, WORKLOADS
+from workloads import SLOT_NAMES, WORKLOADS, workload
 
 from persia_py.ctx import DataCtx
 from persia_py.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
@@ -15,9 +15,10 @@ from persia_py.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, Per
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--smoke", action="store_true", help="the workload's tiny version")
     parser.add_argument("--steps", type=int, required=True)
     args = parser.parse_args()
-    w = WORKLOADS[args.workload]
+    w = workload(args.workload, args.smoke)
     lengths = np.full(w.batch_size, w.ids_per_slot, np.int32)
     batches = []
     for i in range(args.steps):

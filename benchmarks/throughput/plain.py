@@ -10,15 +10,20 @@ import time
 
 import torch
 from torch import nn
-from workloads import NUM_SLOTS, WARMUP_STEPS, WORKLOADS
+from workloads import NUM_SLOTS, SMOKE_WARMUP_STEPS, WARMUP_STEPS, WORKLOADS, workload
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--smoke", action="store_true", help="the workload's tiny version")
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--warmup", type=int, default=WARMUP_STEPS)
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"untimed steps (default {WARMUP_STEPS}, {SMOKE_WARMUP_STEPS} "
+                             "with --smoke)")
     args = parser.parse_args()
-    w = WORKLOADS[args.workload]
+    w = workload(args.workload, args.smoke)
+    if args.warmup is None:
+        args.warmup = SMOKE_WARMUP_STEPS if args.smoke else WARMUP_STEPS
     torch.manual_seed(0)
     model = w.model()
     tables = nn.ModuleList(nn.EmbeddingBag(w.vocab, w.dim, mode="sum", sparse=True)

@@ -6,7 +6,7 @@ import argparse
 import time
 
 import torch
-from workloads import WARMUP_STEPS, WORKLOADS
+from workloads import SMOKE_WARMUP_STEPS, WARMUP_STEPS, WORKLOADS, workload
 
 from persia_py.ctx import TrainCtx
 from persia_py.data import DataLoader, StreamingDataset
@@ -15,10 +15,15 @@ from persia_py.embedding.optim import Adagrad
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
-    parser.add_argument("--warmup", type=int, default=WARMUP_STEPS)
+    parser.add_argument("--smoke", action="store_true", help="the workload's tiny version")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"untimed steps (default {WARMUP_STEPS}, {SMOKE_WARMUP_STEPS} "
+                             "with --smoke)")
     parser.add_argument("--embedding-staleness", type=int, default=4)
     args = parser.parse_args()
-    w = WORKLOADS[args.workload]
+    w = workload(args.workload, args.smoke)
+    if args.warmup is None:
+        args.warmup = SMOKE_WARMUP_STEPS if args.smoke else WARMUP_STEPS
     torch.manual_seed(0)
     model = w.model()
     with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.01),

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -18,6 +18,8 @@ from torch import nn
 WARMUP_STEPS = 20
 """Steps before either side starts its clock: process start-up, first page faults, and
 for persia_py the filling of the pipeline."""
+SMOKE_WARMUP_STEPS = 1
+"""The warm-up of a smoke run (``--smoke``: tiny tables and batches, figures meaningless)."""
 
 NUM_DENSE = 13
 NUM_SLOTS = 26
@@ -43,6 +45,10 @@ class Workload:
         labels = (rng.random((b, 1)) < 0.3).astype(np.float32)
         return dense, ids, labels
 
+    def smoke(self) -> Workload:
+        """The same workload, tiny: for a check that the benchmark runs (``--smoke``)."""
+        return replace(self, vocab=1000, batch_size=32)
+
     def model(self) -> nn.Module:
         if self.name == "dense_heavy":
             return DLRM(self.dim)
@@ -55,6 +61,11 @@ WORKLOADS = {
     "embedding_heavy": Workload("embedding_heavy", ids_per_slot=20, vocab=200_000, dim=32,
                                 batch_size=1024),
 }
+
+
+def workload(name: str, smoke: bool = False) -> Workload:
+    """The workload ``name`` of :data:`WORKLOADS`, tiny when ``smoke``."""
+    return WORKLOADS[name].smoke() if smoke else WORKLOADS[name]
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:

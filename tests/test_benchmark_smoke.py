@@ -1,0 +1,150 @@
+"""Every benchmark runs: ``python -m benchmarks.<name> --smoke --json PATH`` for each module
+``benchmarks/`` holds with a ``__main__`` block, in a subprocess with a timeout, must exit 0
+and write its JSON. A new benchmark without ``--smoke`` fails here (its parser exits 2), and
+a module or folder that is not a benchmark must be named in ``HELPERS`` with what runs it.
+
+Smoke runs use real processes where their benchmarks do, at tiny sizes (``--smoke``, see
+``benchmarks/__init__.py``); no figure of theirs is asserted but facts that do not depend on
+the machine. They run two at a time in their own folders (a benchmark's result does not
+depend on its timing), started together by the module's first smoke test; with
+``pytest-xdist`` they stay on one worker (``--dist loadgroup``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+BENCHMARKS = ROOT / "benchmarks"
+HELPERS = {
+    "density_accuracy": "benchmarks.density --parts accuracy (five full training jobs; "
+                        "not in the smoke)",
+    "ps_process": "the benchmarks that start a parameter server or embedding worker",
+    "role_cpu": "train_throughput and compare (tests/test_compare_benchmark.py too)",
+    "role_processes": "recovery, and the chaos tests",
+    "throughput": "the job scripts of train_throughput, compare, plain_beside_load and "
+                  "shm_round_trip (each passes --smoke on)",
+}
+"""Modules and folders of ``benchmarks/`` that are not benchmarks, and what runs them."""
+NUM_PARALLEL = 2
+TIMEOUT_S = 300.0
+"""Per smoke run: minutes more than any takes on a loaded 2-core machine."""
+SLOWEST_FIRST = ("recovery", "compare", "dense_sharding", "plain_beside_load",
+                 "online_freshness", "train_throughput", "shm_round_trip")
+"""Started first, so that the short ones fill the gaps at the end."""
+
+
+def _is_benchmark(path: Path) -> bool:
+    """Runnable as ``python -m benchmarks.<name>``."""
+    if path.is_dir():
+        return (path / "__main__.py").exists()
+    return 'if __name__ == "__main__":' in path.read_text()
+
+
+def _entries() -> list[Path]:
+    return sorted(p for p in BENCHMARKS.iterdir()
+                  if (p.suffix == ".py" and p.stem != "__init__")
+                  or (p.is_dir() and not p.name.startswith(("_", "."))))
+
+
+BENCHMARK_NAMES = [p.stem for p in _entries() if _is_benchmark(p)]
+
+
+def test_every_module_of_benchmarks_is_a_benchmark_or_a_named_helper() -> None:
+    others = {p.stem for p in _entries() if not _is_benchmark(p)}
+    assert others == set(HELPERS), (
+        f"not runnable as python -m benchmarks.NAME and not in HELPERS: "
+        f"{sorted(others - set(HELPERS))}; in HELPERS but gone or runnable: "
+        f"{sorted(set(HELPERS) - others)}")
+    assert len(BENCHMARK_NAMES) >= 15, BENCHMARK_NAMES  # the listing found them
+
+
+@dataclass
+class SmokeRun:
+    returncode: int
+    output: str
+    json_path: Path
+    seconds: float
+
+
+def _run(name: str, folder: Path) -> SmokeRun:
+    """One smoke run in ``folder`` (its working directory: relative paths land there);
+    on timeout its whole process group is killed."""
+    out = folder / f"{name}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", f"benchmarks.{name}", "--smoke",
+                             "--json", str(out)], cwd=folder, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=60)
+        output += f"\n[test] killed after {TIMEOUT_S:.0f} s"
+    return SmokeRun(proc.returncode, output, out, time.monotonic() - started)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Every selected benchmark's smoke run, started at once, ``NUM_PARALLEL`` at a time."""
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    order = sorted(selected, key=lambda n: (SLOWEST_FIRST.index(n)
+                                            if n in SLOWEST_FIRST else len(SLOWEST_FIRST), n))
+    pool = ThreadPoolExecutor(max_workers=NUM_PARALLEL, thread_name_prefix="smoke")
+    runs: dict[str, Future[SmokeRun]] = {
+        name: pool.submit(_run, name, tmp_path_factory.mktemp(f"smoke-{name}"))
+        for name in order}
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _check_ps_load(result: dict) -> None:
+    assert result["errors"] == 0 and result["peak_rss_bytes"] > 0
+    assert result["rows_bounded_by_capacity"]
+    assert [r["clients"] for r in result["runs"]] == [1, 2]
+    assert all(r["ops"] > 0 and r["p99_ms"] >= r["p50_ms"] for r in result["runs"])
+    assert result["runs"][-1]["evicted"] > 0
+
+
+def _check_hash_flood(result: dict) -> None:
+    # Machine-independent: ids crafted for the public index all probe from one slot.
+    assert result["before_fix"]["probe_bound"] > result["ids"]
+    assert result["keyed_probe_bound"] < result["ids"] // 4
+
+
+def _check_recovery(result: dict) -> None:
+    for key in ("ps_recovery_s", "embedding_worker_recovery_s", "data_loader_recovery_s",
+                "nn_worker_recovery_s"):
+        assert result[key] is not None and result[key] >= 0, (key, result)
+
+
+CHECKS = {"ps_load": _check_ps_load, "hash_flood": _check_hash_flood,
+          "recovery": _check_recovery}
+"""What a smoke run's figures must show beyond a clean exit, where that is machine-free."""
+
+
+@pytest.mark.processes
+@pytest.mark.xdist_group("benchmark_smoke")
+@pytest.mark.parametrize("name", BENCHMARK_NAMES)
+def test_benchmark_smoke(name: str, smoke_runs: dict[str, Future[SmokeRun]]) -> None:
+    run = smoke_runs[name].result(timeout=TIMEOUT_S * (len(smoke_runs) + 1))
+    print(f"benchmarks.{name} --smoke: {run.seconds:.1f} s")
+    assert run.returncode == 0, f"exit {run.returncode}:\n{run.output[-6000:]}"
+    assert run.json_path.exists(), f"no {run.json_path.name} written:\n{run.output[-3000:]}"
+    result = json.loads(run.json_path.read_text())
+    if name in CHECKS:
+        CHECKS[name](result)
