@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import parse_args_with_smoke
 from persia_py.embedding.optim import Adagrad
 from persia_py.metrics import roc_auc
 from persia_py.servers.storage import EmbeddingTable
@@ -230,15 +231,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--stream-samples", type=int, default=100_000,
+                        help="samples of the MovieLens-shaped stream case")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parse_args_with_smoke(parser, None, cases="stream", stream_samples=2_000)
     torch.set_num_threads(1)
     results: dict[str, dict[str, float]] = {}
     for name in args.cases.split(","):
         if name == "adult" and not ADULT_CSV.exists():
             print(f"adult: skipped, {ADULT_CSV} is absent", flush=True)
             continue
-        case = CASES[name]()
+        case = stream_case(args.stream_samples) if name == "stream" else CASES[name]()
         results[name] = {}
         for acc in (0.01, 0.0, None):
             for backend in ("torch", "persia"):
