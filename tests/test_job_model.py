@@ -1,8 +1,8 @@
 """The job model (persia_py/launcher/job_model.py): one job, rendered by every engine,
 each role's command line built in one place (persia_py/launcher/role_commands.py).
 
-* ``local`` and ``k8s`` run, for the same job, the same command for each role, up to what
-  the engine places: port, bind address, replica index, metrics port, the role's own log,
+* ``local``, ``k8s`` and ``slurm`` run, for the same job, the same command for each role, up
+  to what the engine places: port, bind address, replica index, metrics port, the role's own log,
   holding on a final error and replaying on a restart. A flag one engine gives a role and
   the other does not fails here.
 * The job's counts are checked once, as a config error naming the flag.
@@ -18,6 +18,7 @@ import yaml
 from conftest import EXAMPLE
 
 from persia_py.config import ConfigError
+from persia_py.launcher import slurm_run
 from persia_py.launcher.cli import build_parser
 from persia_py.launcher.job_model import Job, Layout, Script
 from persia_py.launcher.job_roles import job_roles
@@ -30,6 +31,7 @@ from persia_py.launcher.role_kinds import (
     PARAMETER_SERVER,
     ROLE_KINDS,
 )
+from persia_py.launcher.slurm import SlurmJob
 
 PLACED = {"port", "bind", "replica_index", "metrics_port", "update_log", "handover_log",
           "hold_on_config_error", "replay_update_log", "replay_handovers"}
@@ -70,6 +72,16 @@ def _local_commands(job: Job) -> dict:
             for r in roles}
 
 
+def _slurm_commands(job: Job, monkeypatch) -> dict:
+    # scontrol expands Slurm's node lists; here the lists are already plain names.
+    monkeypatch.setattr(slurm_run, "hostnames", lambda nodelist: nodelist.split(","))
+    spec = SlurmJob(job=job, job_name="ctr", run_dir="/shared/run")
+    layout = slurm_run.slurm_layout(spec, {"SLURM_JOB_NODELIST_HET_GROUP_0": "big1",
+                                           "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu1,gpu2"})
+    roles = job_roles(job, run_dir="/shared/run", root=None, layout=layout, metrics=True)
+    return {r.kind: r.command for r in roles}
+
+
 def _k8s_commands(job: Job) -> dict:
     found = {}
     for item in render(K8sJob(job=job, job_name="ctr", image="persia:1")):
@@ -81,16 +93,21 @@ def _k8s_commands(job: Job) -> dict:
 
 
 @pytest.mark.parametrize("insecure", [False, True])
-def test_every_engine_runs_the_same_command_for_each_role(insecure: bool) -> None:
-    job = _job(insecure=insecure)
-    local, k8s = _local_commands(job), _k8s_commands(job)
-    assert set(k8s) == set(ROLE_KINDS)
+def test_every_engine_runs_the_same_command_for_each_role(insecure: bool, monkeypatch) -> None:
+    job = _job(insecure=insecure, nn_nodes=2)
+    local, k8s, slurm = (_local_commands(job), _k8s_commands(job),
+                         _slurm_commands(job, monkeypatch))
+    assert set(k8s) == set(slurm) == set(ROLE_KINDS)
     for (kind, index), command in local.items():
-        mine, theirs = vars(_parsed(command)), vars(_parsed(k8s[kind]))
+        mine = vars(_parsed(command))
         placed = NN_PLACED if kind is NN_WORKER else PLACED
-        assert {k: v for k, v in mine.items() if k not in placed} == \
-            {k: v for k, v in theirs.items() if k not in placed}, (kind, command, k8s[kind])
+        for engine in (k8s, slurm):
+            theirs = vars(_parsed(engine[kind]))
+            assert {k: v for k, v in mine.items() if k not in placed} == \
+                {k: v for k, v in theirs.items() if k not in placed}, (kind, command,
+                                                                       engine[kind])
         assert mine["insecure"] is insecure
+        theirs = vars(_parsed(k8s[kind]))
         if kind is not NN_WORKER:
             assert mine["replica_index"] == int(index)
             assert k8s[kind][k8s[kind].index("--replica-index") + 1] == "$(POD_INDEX)"
@@ -99,6 +116,12 @@ def test_every_engine_runs_the_same_command_for_each_role(insecure: bool) -> Non
     ps = _parsed(k8s[PARAMETER_SERVER])
     assert ps.replay_update_log and ps.hold_on_config_error and ps.bind == "0.0.0.0"
     assert not _parsed(local[(PARAMETER_SERVER, "0")]).replay_update_log
+    # Slurm: each server a step pinned to its node of its component; the NN workers one
+    # step over component 1, meeting at its first node.
+    assert slurm[PARAMETER_SERVER][:2] == ["srun", "--overlap"]
+    assert {"--het-group=0", "--nodelist=big1"} <= set(slurm[PARAMETER_SERVER])
+    assert {"--het-group=1", "--nodes=2"} <= set(slurm[NN_WORKER])
+    assert _parsed(slurm[NN_WORKER]).rdzv_endpoint == "gpu1:23300"
 
 
 def test_a_restart_in_local_replays_the_roles_own_log() -> None:
