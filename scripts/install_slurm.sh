@@ -5,7 +5,8 @@
 # hands that reason to the tests, which skip with it. Silent and quick when all is there.
 set -uo pipefail
 
-needed=(slurmctld slurmd munged sbatch srun scontrol sinfo)
+# tests/slurm_cluster.py's COMMANDS
+needed=(munged slurmctld slurmd sbatch srun scontrol sinfo scancel)
 missing=()
 for cmd in "${needed[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd")

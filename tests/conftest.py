@@ -351,7 +351,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         try:
-            cluster.start()
+            cluster.boot()
         except NamespacesUnavailable as exc:
             pytest.skip(f"cannot make network namespaces here: {exc}")
         yield cluster

@@ -50,7 +50,8 @@ CONTROLLER = "ctl"
 NODES = ("node1", "node2", "node3")
 PARTITIONS = {"all": NODES, "highmem": ("node1",), "gpu": ("node2", "node3")}
 """Partition name -> its nodes; ``all`` is the default."""
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
+COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel")
+"""What the cluster runs; ``scripts/install_slurm.sh`` installs them."""
 SLURMD_TIMEOUT_S = 4
 """How long a node may not answer before slurmctld marks it DOWN (it pings every third of
 that); ``SlurmdTimeout`` in slurm.conf."""
@@ -73,7 +74,7 @@ def unavailable_reason() -> str | None:
     reason = namespaces_unavailable()
     if reason is not None:
         return f"a Slurm cluster on emulated hosts: {reason}"
-    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    missing = [name for name in COMMANDS if shutil.which(name) is None]
     if missing:
         told = os.environ.get("PERSIA_SLURM_UNAVAILABLE")
         return (f"Slurm is not installed ({', '.join(missing)} missing): "
@@ -130,7 +131,9 @@ class SlurmCluster:
 
     # -- start and stop --------------------------------------------------------------
 
-    def start(self) -> None:
+    def boot(self) -> None:
+        """Make the hosts, start munged, slurmctld and the slurmds; returns once every node
+        is idle."""
         self.network.create([CONTROLLER, *NODES])
         self.controller = self.network.hosts[CONTROLLER]
         self.nodes = {name: self.network.hosts[name] for name in NODES}
@@ -180,8 +183,7 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         self._munged = RoleProcess([
-            "munged", "--foreground", "--force", f"--socket={self.munge_socket}",
-            f"--key-file={key}", f"--log-file={self.folder / 'log' / 'munged.log'}",
+            "munged", "--foreground", f"--socket={self.munge_socket}", f"--key-file={key}",
             f"--pid-file={self._munge_dir / 'munged.pid'}",
             f"--seed-file={self.folder / 'munged.seed'}"])
         wait_until("munged's socket made", self.munge_socket.exists, 20, self._munged.output)
@@ -216,6 +218,14 @@ class SlurmCluster:
             raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stdout}"
                                  f"{done.stderr}")
         return done
+
+    def start(self, *args: str, host: str = CONTROLLER) -> RoleProcess:
+        """A client command left running (``srun`` of a job's processes, ``sbatch --wait``)
+        on ``host``; its output lines are collected, and it is stopped with the cluster if
+        still running then."""
+        proc = RoleProcess(self.command(args, host), env=self.env(), cwd=self.folder)
+        self.network.hosts[host].processes.append(proc)
+        return proc
 
     def submit(self, script: str, *options: str) -> int:
         """``sbatch --parsable [options]`` of ``script`` (its text, written to a file);
@@ -297,7 +307,8 @@ class SlurmCluster:
 
     def kill_node(self, name: str) -> None:
         """The node is lost: its slurmd and every process on it (job steps, tasks) are
-        killed with SIGKILL. slurmctld marks it DOWN within about ``SLURMD_TIMEOUT_S``."""
+        killed with SIGKILL. slurmctld marks it DOWN about 16 s later (see
+        :data:`MESSAGE_TIMEOUT_S`) and requeues its batch jobs."""
         _kill_namespace(self.nodes[name])
         proc = self._slurmd.pop(name, None)
         if proc is not None:

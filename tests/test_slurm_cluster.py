@@ -48,6 +48,11 @@ srun --ntasks-per-node=1 {task}
     tasks = sorted(m.groups() for m in slurm.wait_for_output(job, TASK_LINE, 5, count=3))
     assert [(node, host, ip) for _, node, host, ip in tasks] == [
         (name, name, slurm.nodes[name].ip) for name in ("node1", "node2", "node3")], out
+    # srun from the controller host, as a launcher's processes may be started
+    direct = slurm.start("srun", "--nodes=3", "--ntasks-per-node=1", *task.split())
+    tasks = sorted(line.split()[3] for line in direct.finish(JOB_TIMEOUT_S).splitlines()
+                   if line.startswith("task "))
+    assert tasks == ["node1", "node2", "node3"], direct.output()
 
 
 def test_heterogeneous_job_parts_in_their_partitions(slurm, task):
