@@ -6,8 +6,10 @@
   embedding worker and data loader beside them, each role a job step. It trains a finite
   stream and every sample exactly once (the ranks write the ids they trained).
 * The parameter server's step killed mid-run (its process on node1, SIGKILL) is restarted
-  by the job itself, on the same node and port, its update log replayed: the job still
-  ends 0 with every sample trained once.
+  by the job itself, on the same node and port, its update log replayed; then
+  ``scontrol requeue`` runs the batch script again, which resumes from the newest
+  checkpoint: the job ends 0, every sample trained once after the checkpoints it went back
+  to (the ranks write the ids they trained, and where each run of theirs started).
 """
 
 from __future__ import annotations
@@ -72,7 +74,12 @@ def test_a_three_host_job_trains_every_sample_once(slurm, tmp_path: Path) -> Non
     np.testing.assert_array_equal(_trained(tmp_path / "run"), np.arange(total))
 
 
-def test_a_parameter_servers_step_killed_is_restarted_by_the_job(slurm, tmp_path: Path) -> None:
+def _lines(run_dir: Path, rank: int) -> list[np.ndarray]:
+    text = (run_dir / f"ids-rank{rank}.txt").read_text()
+    return [np.array(line.split(), dtype=np.int64) for line in text.splitlines()]
+
+
+def test_a_killed_step_is_restarted_and_a_requeued_job_resumes(slurm, tmp_path: Path) -> None:
     total = _stream(tmp_path, KILL_FILES)
     job_id = slurm.submit(_script(slurm, tmp_path, "run"))
     slurm.wait_for_output(job_id, r"rank \d trained \d+ samples", timeout=300)
@@ -84,8 +91,27 @@ def test_a_parameter_servers_step_killed_is_restarted_by_the_job(slurm, tmp_path
     assert pids, slurm.output(job_id)[-20000:]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
+    slurm.wait_for_output(job_id, r"ps-0 died \(.*\); restarting it on the same port",
+                          timeout=120)
+    # Then Slurm requeues the job (as after a node failure or a preemption): the batch
+    # script runs again and resumes from the newest checkpoint.
+    slurm.wait_for_output(job_id, r"checkpoint \S+ckpt-\S+ written", timeout=300, count=2)
+    slurm.requeue(job_id)
+    slurm.wait_for_output(job_id, rf"Slurm job {job_id} \(restart 1\)", timeout=120)
     slurm.wait_for_job(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     out = slurm.output(job_id)
     assert slurm.job(job_id)["JobState"] == "COMPLETED", out[-20000:]
-    assert re.search(r"ps-0 died \(.*\); restarting it on the same port", out), out[-20000:]
-    np.testing.assert_array_equal(_trained(tmp_path / "run"), np.arange(total))
+    [batches] = [int(n) for n in re.findall(r"resuming from \S+ckpt-\S+ \((\d+) batches "
+                                            r"trained\)", out)]
+    # Each rank's steps up to the checkpoint its second run went back to (the ranks step
+    # together mid-stream: half the batches each), then that run's: every sample once
+    # (what the first run trained after the checkpoint was rolled back).
+    assert batches > 0 and batches % 2 == 0, out[-20000:]
+    kept = []
+    for rank in (0, 1):
+        lines = _lines(tmp_path / "run", rank)
+        starts = [int(n) for n in
+                  (tmp_path / "run" / f"starts-rank{rank}.txt").read_text().split()]
+        assert len(starts) == 2 and starts[1] >= batches // 2, (starts, batches)
+        kept += lines[:batches // 2] + lines[starts[1]:]
+    np.testing.assert_array_equal(np.sort(np.concatenate(kept)), np.arange(total))
