@@ -89,7 +89,13 @@ def kernel_view(array: np.ndarray) -> np.ndarray:
 # -- scalar conversions (numba) -----------------------------------------------------------
 
 
-@intrinsic
+def numba_intrinsic(typer: Callable[..., Any]) -> Callable[..., Any]:
+    """``numba.extending.intrinsic``, typed as numba code calls what it makes: numba's
+    stubs count ``typingctx`` among the call's arguments, which no call passes."""
+    return intrinsic(typer)
+
+
+@numba_intrinsic
 def _f16_value(typingctx, bits):
     """float16 bits (int16) as float32: the CPU's conversion (F16C on x86), exact."""
     def codegen(context, builder, signature, args):
@@ -97,7 +103,7 @@ def _f16_value(typingctx, bits):
     return types.float32(types.int16), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _f16_bits(typingctx, value):
     """float32 as float16 bits (int16), rounded to nearest even by the CPU: exact for the
     values :func:`float_to_f16` hands it, which float16 holds."""
@@ -109,7 +115,7 @@ def _f16_bits(typingctx, value):
 @njit(cache=True, nogil=True, inline="always")
 def f16_to_float(bits: np.int16) -> np.float32:
     """The float32 value of float16 bits (exact)."""
-    return _f16_value(bits)  # type: ignore[call-arg]  # numba stub
+    return _f16_value(bits)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -132,7 +138,7 @@ def _u32_op(name: str, build: Callable[[ir.IRBuilder, ir.Value, ir.Value], ir.Va
             return build(builder, args[0], args[1])
         return types.uint32(types.uint32, types.uint32), codegen
     typer.__name__ = typer.__qualname__ = name
-    return intrinsic(typer)
+    return numba_intrinsic(typer)
 
 
 def _select_typer(typingctx, condition, if_true, if_false):
@@ -144,7 +150,7 @@ def _select_typer(typingctx, condition, if_true, if_false):
 
 
 _select_typer.__name__ = _select_typer.__qualname__ = "_pick32"
-_pick32: Callable[..., Any] = intrinsic(_select_typer)
+_pick32 = numba_intrinsic(_select_typer)
 """``_pick32(condition, if_true, if_false)``: ``if_true if condition else if_false`` for
 uint32 values, as one select: numba lowers a conditional expression to branches, which
 the vectorizer must undo (and numba's inliner warns about)."""
@@ -183,7 +189,7 @@ def _llvm_f32(builder: ir.IRBuilder, name: str, *args: ir.Value) -> ir.Value:
     return builder.call(fn, list(args))
 
 
-@intrinsic
+@numba_intrinsic
 def _fma32(typingctx, x, y, z):
     """``x * y + z`` in float32, rounded once."""
     def codegen(context, builder, signature, args):
@@ -191,7 +197,7 @@ def _fma32(typingctx, x, y, z):
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _floor32(typingctx, x):
     """The largest integer not above ``x``, in float32 (one instruction, which numba's
     ``math.floor`` is not: it answers an integer)."""
@@ -200,7 +206,7 @@ def _floor32(typingctx, x):
     return types.float32(types.float32), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _below32(typingctx, x, bound):
     """``x if x < bound else bound`` for float32 values, as one select (x86's ``minps``:
     NaN gives ``bound``); numba would lower the conditional expression to branches."""
@@ -209,7 +215,7 @@ def _below32(typingctx, x, bound):
     return types.float32(types.float32, types.float32), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _draw_fraction(typingctx, rand_high, scale):
     """The top 13 bits of ``rand_high`` as a fraction in ``[0, 1)``: ``(rand_high >> 19) *
     scale`` in float32 (exact), ``scale`` being 2**-13."""
@@ -219,7 +225,7 @@ def _draw_fraction(typingctx, rand_high, scale):
     return types.float32(types.uint32, types.float32), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _opaque32(typingctx, value):
     """``value`` (uint32) through an empty inline asm, so LLVM cannot fold it back into a
     constant (see :data:`_F16_CONSTANTS`)."""
@@ -265,7 +271,7 @@ def _f16_round(value: np.float32, rand_high: np.uint32, k: tuple) -> np.int16:
     inv_ulp = np.uint32(_sub32(k[2], base)).view(np.float32)
     ulp = np.uint32(_sub32(base, k[3])).view(np.float32)
     magnitude = np.uint32(_and32(bits, k[4])).view(np.float32)
-    draw: np.float32 = _draw_fraction(np.uint32(rand_high), np.uint32(k[7]).view(np.float32))  # type: ignore[call-arg]  # numba stub
+    draw: np.float32 = _draw_fraction(np.uint32(rand_high), np.uint32(k[7]).view(np.float32))
     quanta = _floor32(_fma32(magnitude, inv_ulp, draw))
     kept: np.float32 = _below32(quanta * ulp, np.uint32(k[6]).view(np.float32))  # NaN saturates too
     return _f16_bits(np.uint32(_or32(_and32(bits, k[5]), np.float32(kept).view(np.uint32))).view(np.float32))
@@ -399,7 +405,7 @@ def _as_answered(stored, like):
     return None  # a typing error: no such answer
 
 
-@intrinsic
+@numba_intrinsic
 def _fold_mix32(typingctx, value):
     """The top 32 bits of ``hi ^ lo``, the halves of the 128-bit product ``value *
     MIX_M2``: every bit of ``value`` reaches them (through the high half's carries), in
