@@ -303,7 +303,7 @@ class ParameterServer:
         (answer or LookupAnswer()).check([ids for _, ids in requests], shapes,
                                          self.global_config.common_config.max_message_bytes)
         wire = answer or LookupAnswer()
-        dtypes = [np.dtype(np.float16 if wire.fp16 and t.row_dtype != "bfloat16"
+        dtypes = [np.dtype(np.float16 if wire.fp16 and t.row_type.answers_float16
                            else np.float32) for t in tables]
         as_gathered = not wire.lz4 and all(d.name == wire.dtype for d in dtypes)
         outs = (out(shapes, [d.name for d in dtypes]) if out is not None and as_gathered

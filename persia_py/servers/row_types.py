@@ -36,18 +36,25 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from persia_py.ids.hashing import MIX_M1, MIX_M2
-from persia_py.wire.finite import BF16_EXPONENT, F16_EXPONENT, halves_finite
 
-ROW_DTYPES = ("float32", "float16", "bfloat16")
-"""Names of the storage types a slot may choose (``slots_config.<slot>.row_dtype``)."""
-_NUMPY: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-          "bfloat16": np.dtype(np.uint16)}
+# The registry of storage types by name; re-exported for the code that converts rows.
+from persia_py.servers.row_type_registry import (  # noqa: F401 - re-exported
+    F16_MAX,
+    ROW_DTYPES,
+    ROW_TYPES,
+    RowType,
+    bytes_per_weight,
+    check_row_dtype,
+    numpy_dtype,
+    row_type,
+)
+from persia_py.wire.finite import halves_finite
+
 NEAREST = np.uint32(0x8000)
 """The "random" 16 bits that make :func:`round_bits` round to nearest (halves away from
 zero): a fraction of one half or more rounds up."""
 F16_MAX_BITS = 0x7BFF
-"""float16's largest finite magnitude (65504), where float16 rows saturate."""
-F16_MAX = 65504.0
+"""The bits of :data:`F16_MAX`, float16's largest finite magnitude."""
 _BF16_MAX_BITS = np.uint32(0x7F7F)
 _S16 = np.uint32(16)
 _GOLDEN32, _MIX32_1 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
@@ -60,23 +67,6 @@ _INV_ULP_LESS_BASE, _ULP_BELOW_BASE = np.uint32((254 + 10) << 23), np.uint32(10 
 the bits of ``2**10 / base`` and ``B - _ULP_BELOW_BASE`` those of ``base * 2**-10``."""
 _NEAREST_HIGH = np.uint32(0x80000000)
 _ALL_BITS, _NO_BITS = np.uint32(0xFFFFFFFF), np.uint32(0)
-
-
-def check_row_dtype(value: object, name: str = "row_dtype") -> str:
-    """``value`` if it names a storage type; ValueError naming ``name`` otherwise."""
-    if value not in ROW_DTYPES:
-        raise ValueError(f"{name}: expected one of {list(ROW_DTYPES)}, got {value!r}")
-    return str(value)
-
-
-def numpy_dtype(row_dtype: str) -> np.dtype:
-    """The numpy element type rows of ``row_dtype`` are kept in (bfloat16: uint16 bits)."""
-    return _NUMPY[check_row_dtype(row_dtype)]
-
-
-def bytes_per_weight(row_dtype: str) -> int:
-    """Bytes of one stored weight: 4 for float32, 2 for float16 and bfloat16."""
-    return numpy_dtype(row_dtype).itemsize
 
 
 def kernel_view(array: np.ndarray) -> np.ndarray:
@@ -486,9 +476,10 @@ def to_float32(rows: np.ndarray, row_dtype: str) -> np.ndarray:
 def all_finite(rows: np.ndarray, row_dtype: str) -> bool:
     """Whether no stored value is infinite or NaN (half-precision rows by their exponent
     bits, in one pass: numpy's ``isfinite`` of float16 converts value by value)."""
-    if row_dtype == "float32":
+    exponent = row_type(row_dtype).exponent
+    if exponent is None:
         return bool(np.isfinite(rows).all())
-    return halves_finite(rows, F16_EXPONENT if row_dtype == "float16" else BF16_EXPONENT)
+    return halves_finite(rows, exponent)
 
 
 def convert(rows: np.ndarray, source: str, target: str) -> np.ndarray:
@@ -498,9 +489,11 @@ def convert(rows: np.ndarray, source: str, target: str) -> np.ndarray:
     if source == target:
         return rows
     values = to_float32(rows, source)
-    if target == "float16" and values.size:
+    bound = row_type(target).largest
+    if bound is not None and values.size:
         largest = float(np.abs(values).max())
-        if largest > F16_MAX:
-            raise ValueError(f"weights: the largest magnitude {largest:g} is past float16's "
-                             f"{F16_MAX:g}; keep this table in float32 or bfloat16")
+        if largest > bound:
+            wide = " or ".join(n for n, t in ROW_TYPES.items() if t.largest is None)
+            raise ValueError(f"weights: the largest magnitude {largest:g} is past {target}'s "
+                             f"{bound:g}; keep this table in {wide}")
     return to_stored(values, target)
