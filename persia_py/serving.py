@@ -121,7 +121,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         self.models = models
 
     @grpc_method
-    def Predict(self, request, context):
+    def Predict(self, request: pb.PredictRequest, context: grpc.ServicerContext) -> pb.PredictResponse:
         batch = batch_from_request(request)
         model, _ = self.models.current()  # this request's model, whatever is swapped in later
         output, _ = self.ctx.forward(self.ctx.prepare(batch), model=model)

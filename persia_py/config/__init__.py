@@ -29,6 +29,10 @@ __all__ = [
     "global_config_from_dict", "load_embedding_config", "load_global_config",
 ]
 
+RowDtype = Literal["float32", "float16", "bfloat16"]
+"""The storage types of rows a config file may name: those registered in
+``persia_py.servers.row_types.ROW_TYPES`` (tests/test_registries.py holds them equal)."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class CommonConfig:
@@ -258,7 +262,7 @@ class SlotConfig:
     table (default: never)."""
     expire_after_seconds: float | None = None
     """Remove rows neither looked up nor updated for this many seconds (default: never)."""
-    row_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    row_dtype: RowDtype | None = None
     """How this slot's rows are stored on the parameter servers: ``float32``, ``float16``
     (half the bytes of weights; magnitudes up to 65504) or ``bfloat16`` (half the bytes;
     float32's range, 8 bits of precision); default: the file's ``row_dtype``. Updates are
@@ -308,7 +312,7 @@ class EmbeddingTablesConfig:
     and one id prefix, so an id means the same row in each of them; they must have equal
     ``dim`` and ``capacity``. A slot is in at most one group; a slot in none is a group of
     its own, named after the slot."""
-    row_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    row_dtype: RowDtype = "float32"
     """Storage type of every slot's rows that does not set its own ``row_dtype``."""
     stochastic_rounding: bool = True
     """Round updates of float16/bfloat16 rows stochastically (unbiased). ``false`` rounds

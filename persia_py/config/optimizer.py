@@ -3,15 +3,45 @@
 Used by the user classes (:mod:`persia_py.embedding.optim`), the config files
 (``slots_config.<slot>.optimizer``) and the parameter servers, which apply them
 (:mod:`persia_py.servers.optimizers`). On the wire an optimizer is the dict of
-:func:`optimizer_to_dict`: ``{"type": "sgd" | "adagrad" | "adam", **fields}``.
+:func:`optimizer_to_dict`: ``{"type": name, **fields}``, ``name`` one registered in
+:data:`OPTIMIZER_TYPES` (``sgd``, ``adagrad``, ``adam``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from persia_py.config.checks import check_number
+from persia_py.config.registry import Registry
+
+_Schema = TypeVar("_Schema", bound=type)
+
+
+class OptimizerConfig(Protocol):
+    """What every optimizer schema has (a frozen keyword-only dataclass): the fields the
+    servers apply to every optimizer, before its own rule."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    @property
+    def lr(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+
+
+OPTIMIZER_TYPES: Registry[type] = Registry("optimizer")
+"""Wire name -> schema: an optimizer's hyper-parameters are added by registering its
+schema with :func:`optimizer_schema`; the servers' rule for it is registered in
+:mod:`persia_py.servers.optimizers` under the same name."""
+
+
+def optimizer_schema(name: str) -> Callable[[_Schema], _Schema]:
+    """Class decorator: register the schema under the wire name ``name``."""
+    def register(cls: _Schema) -> _Schema:
+        OPTIMIZER_TYPES.register(name, cls)
+        return cls
+    return register
 
 
 def _number(cfg: object, name: str, **interval: Any) -> None:
@@ -19,6 +49,7 @@ def _number(cfg: object, name: str, **interval: Any) -> None:
     object.__setattr__(cfg, name, check_number(name, getattr(cfg, name), **interval))
 
 
+@optimizer_schema("sgd")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SGDConfig:
     """Plain SGD with L2 weight decay: ``w -= lr * (g + weight_decay * w)``."""
@@ -33,6 +64,7 @@ class SGDConfig:
         _number(self, "weight_decay", low=0.0)
 
 
+@optimizer_schema("adagrad")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdagradConfig:
     """Adagrad with PERSIA's hyper-parameters and torch.optim.Adagrad's update and
@@ -67,6 +99,7 @@ class AdagradConfig:
                 f"vectorwise_shared: expected True or False, got {self.vectorwise_shared!r}")
 
 
+@optimizer_schema("adam")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdamConfig:
     """Adam with per-row bias correction and L2 weight decay (like torch.optim.Adam)."""
@@ -92,22 +125,14 @@ class AdamConfig:
         object.__setattr__(self, "betas", checked)
 
 
-OptimizerConfig = SGDConfig | AdagradConfig | AdamConfig
-
-OPTIMIZER_TYPES: dict[str, type] = {"sgd": SGDConfig, "adagrad": AdagradConfig,
-                                    "adam": AdamConfig}
-"""Wire name -> schema."""
-_NAMES = {cls: name for name, cls in OPTIMIZER_TYPES.items()}
-
-
 def optimizer_kind(cfg: OptimizerConfig) -> str:
     """The wire name of ``cfg``'s type; ValueError for anything but an optimizer config."""
-    try:
-        return _NAMES[type(cfg)]
-    except KeyError:
-        raise ValueError(
-            f"optimizer must be one of {[c.__name__ for c in OPTIMIZER_TYPES.values()]}, "
-            f"got {type(cfg).__name__}") from None
+    for name, cls in OPTIMIZER_TYPES.items():
+        if type(cfg) is cls:
+            return name
+    raise ValueError(
+        f"optimizer must be one of {[c.__name__ for _, c in OPTIMIZER_TYPES.items()]}, "
+        f"got {type(cfg).__name__}")
 
 
 def optimizer_to_dict(cfg: OptimizerConfig) -> dict[str, Any]:

@@ -354,7 +354,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.ParameterServerCheckpointServicer):
         return self.root.path.joinpath(*(name for name, _ in names))
 
     @grpc_method
-    def Dump(self, request, context):
+    def Dump(self, request: pb.DumpRequest, context: grpc.ServicerContext) -> pb.DumpResponse:
         names = _names(request)
         with _file_errors("Dump"), self.root.open(*names) as fd:
             num_rows, num_bytes = dump_replica(self.ps, fd, path=self._path(names))
@@ -363,7 +363,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.ParameterServerCheckpointServicer):
                                replica_size=self.ps.replica_size)
 
     @grpc_method
-    def Load(self, request, context):
+    def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
         names = _names(request)
         with _file_errors("Load"), self.root.open(*names) as fd:
             num_rows, num_bytes = load_replica(self.ps, fd, path=self._path(names))

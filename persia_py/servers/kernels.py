@@ -23,11 +23,19 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from persia_py.ids.dedup import rows_in_order
 from persia_py.ids.hashing import mix64_one
-from persia_py.servers.row_types import as_answered, narrow, next_column_key, rounding_args, row_key, widen
+from persia_py.servers.row_types import (
+    as_answered,
+    narrow,
+    next_column_key,
+    numba_intrinsic,
+    rounding_args,
+    row_key,
+    widen,
+)
 
 PREFETCH_AHEAD = 16
 """Ids between a prefetch and the use of its row: far enough for the miss to resolve,
@@ -54,12 +62,12 @@ def _prefetch_codegen(context, builder, signature, args):
     return context.get_dummy_value()
 
 
-@intrinsic
+@numba_intrinsic
 def _prefetch1(typingctx, array, index):
     return types.void(array, index), _prefetch_codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _prefetch2(typingctx, array, row, col):
     return types.void(array, row, col), _prefetch_codegen
 
@@ -82,14 +90,13 @@ def prefetch_row(array: np.ndarray, row: int) -> None:
     width = array.shape[1]
     per_line = _per_line(array)
     for col in range(0, width, per_line):
-        # numba's stubs count typingctx among an intrinsic's call arguments; it has none.
-        _prefetch2(array, row, col)  # type: ignore[call-arg]
+        _prefetch2(array, row, col)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def prefetch_item(array: np.ndarray, index: int) -> None:
     """Prefetch the cache line of ``array[index]`` (a 1-D array, any stride)."""
-    _prefetch1(array, index)  # type: ignore[call-arg]  # as _prefetch2's
+    _prefetch1(array, index)
 
 
 # -- lookup -----------------------------------------------------------------------------

@@ -39,11 +39,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
-from persia_py.config.table_policy import check_init_bounds, check_weight_bound
 from persia_py.ids.routing import RESERVED_ID, replica_of
 from persia_py.servers import call_memory
 from persia_py.servers.call_memory import LookupAnswer
-from persia_py.servers.optimizers import optimizer_from_dict, optimizer_to_dict
+from persia_py.servers.optimizers import optimizer_from_dict
 from persia_py.servers.sizing import (
     capacity_warning,
     derived_capacity_note,
@@ -52,6 +51,7 @@ from persia_py.servers.sizing import (
 )
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.servers.swap_lock import SwapLock
+from persia_py.servers.table_settings import TableSettings, checked_settings, old_default_hint
 from persia_py.servers.update_window import UpdateWindow, check_worker_id, checked_window
 from persia_py.wire.rpc import FailedPrecondition
 
@@ -60,7 +60,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SETTINGS_KEYS = ("optimizer", "init_lower", "init_upper", "weight_bound", "seed")
 _ROW_KEYS = ("ids", "weights", "state", "last_access", "clock")
 Rows = dict
 """One table's rows as plain arrays: ``ids`` (uint64 [n]), ``weights`` ([n, dim], as
@@ -82,41 +81,6 @@ class ReplicaState:
     least recently updating worker first."""
     increment_seq: int = 0
     """Sequence number of the last incremental export taken before these rows."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TableSettings:
-    """What ``configure`` sets; identical repeats are accepted, conflicting ones refused."""
-
-    optimizer: dict
-    init_lower: float
-    init_upper: float
-    weight_bound: float | None
-    seed: int
-
-
-def _settings(**given: object) -> TableSettings:
-    """Checked ``TableSettings`` from ``configure``'s arguments (or a checkpoint's copy of
-    them); ValueError names the argument that is wrong."""
-    if set(given) != set(_SETTINGS_KEYS):
-        raise ValueError(f"settings need exactly the keys {list(_SETTINGS_KEYS)}, got "
-                         f"{sorted(given)}")
-    if not isinstance(given["optimizer"], dict):
-        raise ValueError(f"optimizer must be a mapping, got {given['optimizer']!r}")
-    opt = optimizer_from_dict(given["optimizer"])  # validates
-    bounds = check_init_bounds(given["init_lower"], given["init_upper"],
-                               "init_lower, init_upper")
-    weight_bound = check_weight_bound(given["weight_bound"])
-    seed = given["seed"]
-    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64):
-        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-    return TableSettings(
-        optimizer=optimizer_to_dict(opt),
-        init_lower=float(bounds[0]),
-        init_upper=float(bounds[1]),
-        weight_bound=weight_bound,
-        seed=seed,
-    )
 
 
 class ParameterServer:
@@ -172,8 +136,8 @@ class ParameterServer:
         seed: int = 0,
     ) -> None:
         """Create the tables with this optimizer; a repeat with equal settings is a no-op."""
-        settings = _settings(optimizer=optimizer, init_lower=init_lower, init_upper=init_upper,
-                             weight_bound=weight_bound, seed=seed)
+        settings = checked_settings(optimizer=optimizer, init_lower=init_lower,
+                                    init_upper=init_upper, weight_bound=weight_bound, seed=seed)
         with self._lock:
             if self._settings is not None:
                 self._check_same_settings(settings)
@@ -188,7 +152,7 @@ class ParameterServer:
             raise FailedPrecondition(
                 "already configured with different settings: "
                 f"{json.dumps(self._settings.__dict__)}; {source} has "
-                f"{json.dumps(settings.__dict__)}" + _old_default_hint(self._settings, settings))
+                f"{json.dumps(settings.__dict__)}" + old_default_hint(self._settings, settings))
 
     def _build_tables(self, settings: TableSettings) -> dict[str, EmbeddingTable]:
         """New, empty tables of the embedding config with ``settings``."""
@@ -303,7 +267,7 @@ class ParameterServer:
         (answer or LookupAnswer()).check([ids for _, ids in requests], shapes,
                                          self.global_config.common_config.max_message_bytes)
         wire = answer or LookupAnswer()
-        dtypes = [np.dtype(np.float16 if wire.fp16 and t.row_dtype != "bfloat16"
+        dtypes = [np.dtype(np.float16 if wire.fp16 and t.row_type.answers_float16
                            else np.float32) for t in tables]
         as_gathered = not wire.lz4 and all(d.name == wire.dtype for d in dtypes)
         outs = (out(shapes, [d.name for d in dtypes]) if out is not None and as_gathered
@@ -399,7 +363,7 @@ class ParameterServer:
             raise ValueError("settings: the state has no optimizer settings")
         if not isinstance(state.settings, dict):
             raise ValueError(f"settings: expected a mapping, got {state.settings!r}")
-        settings = _settings(**state.settings)
+        settings = checked_settings(**state.settings)
         with self._lock:
             self._check_same_settings(settings, "the checkpoint (its embedding optimizer)")
         unknown = sorted(set(state.tables) - set(self.embedding_config.tables))
@@ -503,20 +467,3 @@ class ParameterServer:
     def close(self) -> None:
         for table in self._tables.values():
             table.close()
-
-
-def _old_default_hint(held: TableSettings, asked: TableSettings) -> str:
-    """What to do when two settings differ only in Adagrad's initial accumulator, whose
-    default was PERSIA's 0.01 before it became torch's 0 (docs/porting_from_persia.md):
-    a checkpoint written then holds 0.01."""
-    values = {held.optimizer.get("initial_accumulator_value"),
-              asked.optimizer.get("initial_accumulator_value")}
-    same_else = (dataclasses.replace(held, optimizer={**held.optimizer,
-                                                      "initial_accumulator_value": 0})
-                 == dataclasses.replace(asked, optimizer={**asked.optimizer,
-                                                          "initial_accumulator_value": 0}))
-    if values != {0.0, 0.01} or not same_else:
-        return ""
-    return ("; they differ only in Adagrad's initial_accumulator_value, whose default was "
-            "0.01 (PERSIA's) before persia_py took torch's 0: to go on from a checkpoint "
-            "written then, pass Adagrad(..., initial_accumulator_value=0.01)")

@@ -36,18 +36,25 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from persia_py.ids.hashing import MIX_M1, MIX_M2
-from persia_py.wire.finite import BF16_EXPONENT, F16_EXPONENT, halves_finite
 
-ROW_DTYPES = ("float32", "float16", "bfloat16")
-"""Names of the storage types a slot may choose (``slots_config.<slot>.row_dtype``)."""
-_NUMPY: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-          "bfloat16": np.dtype(np.uint16)}
+# The registry of storage types by name; re-exported for the code that converts rows.
+from persia_py.servers.row_type_registry import (  # noqa: F401 - re-exported
+    F16_MAX,
+    ROW_DTYPES,
+    ROW_TYPES,
+    RowType,
+    bytes_per_weight,
+    check_row_dtype,
+    numpy_dtype,
+    row_type,
+)
+from persia_py.wire.finite import halves_finite
+
 NEAREST = np.uint32(0x8000)
 """The "random" 16 bits that make :func:`round_bits` round to nearest (halves away from
 zero): a fraction of one half or more rounds up."""
 F16_MAX_BITS = 0x7BFF
-"""float16's largest finite magnitude (65504), where float16 rows saturate."""
-F16_MAX = 65504.0
+"""The bits of :data:`F16_MAX`, float16's largest finite magnitude."""
 _BF16_MAX_BITS = np.uint32(0x7F7F)
 _S16 = np.uint32(16)
 _GOLDEN32, _MIX32_1 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
@@ -62,23 +69,6 @@ _NEAREST_HIGH = np.uint32(0x80000000)
 _ALL_BITS, _NO_BITS = np.uint32(0xFFFFFFFF), np.uint32(0)
 
 
-def check_row_dtype(value: object, name: str = "row_dtype") -> str:
-    """``value`` if it names a storage type; ValueError naming ``name`` otherwise."""
-    if value not in ROW_DTYPES:
-        raise ValueError(f"{name}: expected one of {list(ROW_DTYPES)}, got {value!r}")
-    return str(value)
-
-
-def numpy_dtype(row_dtype: str) -> np.dtype:
-    """The numpy element type rows of ``row_dtype`` are kept in (bfloat16: uint16 bits)."""
-    return _NUMPY[check_row_dtype(row_dtype)]
-
-
-def bytes_per_weight(row_dtype: str) -> int:
-    """Bytes of one stored weight: 4 for float32, 2 for float16 and bfloat16."""
-    return numpy_dtype(row_dtype).itemsize
-
-
 def kernel_view(array: np.ndarray) -> np.ndarray:
     """``array`` as the numba kernels take it (no copy): float16 as ``int16`` bits,
     bfloat16 (``uint16`` bits) and float32 as they are. The element type alone then
@@ -89,7 +79,13 @@ def kernel_view(array: np.ndarray) -> np.ndarray:
 # -- scalar conversions (numba) -----------------------------------------------------------
 
 
-@intrinsic
+def numba_intrinsic(typer: Callable[..., Any]) -> Callable[..., Any]:
+    """``numba.extending.intrinsic``, typed as numba code calls what it makes: numba's
+    stubs count ``typingctx`` among the call's arguments, which no call passes."""
+    return intrinsic(typer)
+
+
+@numba_intrinsic
 def _f16_value(typingctx, bits):
     """float16 bits (int16) as float32: the CPU's conversion (F16C on x86), exact."""
     def codegen(context, builder, signature, args):
@@ -97,7 +93,7 @@ def _f16_value(typingctx, bits):
     return types.float32(types.int16), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _f16_bits(typingctx, value):
     """float32 as float16 bits (int16), rounded to nearest even by the CPU: exact for the
     values :func:`float_to_f16` hands it, which float16 holds."""
@@ -109,7 +105,7 @@ def _f16_bits(typingctx, value):
 @njit(cache=True, nogil=True, inline="always")
 def f16_to_float(bits: np.int16) -> np.float32:
     """The float32 value of float16 bits (exact)."""
-    return _f16_value(bits)  # type: ignore[call-arg]  # numba stub
+    return _f16_value(bits)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -132,7 +128,7 @@ def _u32_op(name: str, build: Callable[[ir.IRBuilder, ir.Value, ir.Value], ir.Va
             return build(builder, args[0], args[1])
         return types.uint32(types.uint32, types.uint32), codegen
     typer.__name__ = typer.__qualname__ = name
-    return intrinsic(typer)
+    return numba_intrinsic(typer)
 
 
 def _select_typer(typingctx, condition, if_true, if_false):
@@ -144,7 +140,7 @@ def _select_typer(typingctx, condition, if_true, if_false):
 
 
 _select_typer.__name__ = _select_typer.__qualname__ = "_pick32"
-_pick32: Callable[..., Any] = intrinsic(_select_typer)
+_pick32 = numba_intrinsic(_select_typer)
 """``_pick32(condition, if_true, if_false)``: ``if_true if condition else if_false`` for
 uint32 values, as one select: numba lowers a conditional expression to branches, which
 the vectorizer must undo (and numba's inliner warns about)."""
@@ -183,7 +179,7 @@ def _llvm_f32(builder: ir.IRBuilder, name: str, *args: ir.Value) -> ir.Value:
     return builder.call(fn, list(args))
 
 
-@intrinsic
+@numba_intrinsic
 def _fma32(typingctx, x, y, z):
     """``x * y + z`` in float32, rounded once."""
     def codegen(context, builder, signature, args):
@@ -191,7 +187,7 @@ def _fma32(typingctx, x, y, z):
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _floor32(typingctx, x):
     """The largest integer not above ``x``, in float32 (one instruction, which numba's
     ``math.floor`` is not: it answers an integer)."""
@@ -200,7 +196,7 @@ def _floor32(typingctx, x):
     return types.float32(types.float32), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _below32(typingctx, x, bound):
     """``x if x < bound else bound`` for float32 values, as one select (x86's ``minps``:
     NaN gives ``bound``); numba would lower the conditional expression to branches."""
@@ -209,7 +205,7 @@ def _below32(typingctx, x, bound):
     return types.float32(types.float32, types.float32), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _draw_fraction(typingctx, rand_high, scale):
     """The top 13 bits of ``rand_high`` as a fraction in ``[0, 1)``: ``(rand_high >> 19) *
     scale`` in float32 (exact), ``scale`` being 2**-13."""
@@ -219,7 +215,7 @@ def _draw_fraction(typingctx, rand_high, scale):
     return types.float32(types.uint32, types.float32), codegen
 
 
-@intrinsic
+@numba_intrinsic
 def _opaque32(typingctx, value):
     """``value`` (uint32) through an empty inline asm, so LLVM cannot fold it back into a
     constant (see :data:`_F16_CONSTANTS`)."""
@@ -265,7 +261,7 @@ def _f16_round(value: np.float32, rand_high: np.uint32, k: tuple) -> np.int16:
     inv_ulp = np.uint32(_sub32(k[2], base)).view(np.float32)
     ulp = np.uint32(_sub32(base, k[3])).view(np.float32)
     magnitude = np.uint32(_and32(bits, k[4])).view(np.float32)
-    draw: np.float32 = _draw_fraction(np.uint32(rand_high), np.uint32(k[7]).view(np.float32))  # type: ignore[call-arg]  # numba stub
+    draw: np.float32 = _draw_fraction(np.uint32(rand_high), np.uint32(k[7]).view(np.float32))
     quanta = _floor32(_fma32(magnitude, inv_ulp, draw))
     kept: np.float32 = _below32(quanta * ulp, np.uint32(k[6]).view(np.float32))  # NaN saturates too
     return _f16_bits(np.uint32(_or32(_and32(bits, k[5]), np.float32(kept).view(np.uint32))).view(np.float32))
@@ -399,7 +395,7 @@ def _as_answered(stored, like):
     return None  # a typing error: no such answer
 
 
-@intrinsic
+@numba_intrinsic
 def _fold_mix32(typingctx, value):
     """The top 32 bits of ``hi ^ lo``, the halves of the 128-bit product ``value *
     MIX_M2``: every bit of ``value`` reaches them (through the high half's carries), in
@@ -480,9 +476,10 @@ def to_float32(rows: np.ndarray, row_dtype: str) -> np.ndarray:
 def all_finite(rows: np.ndarray, row_dtype: str) -> bool:
     """Whether no stored value is infinite or NaN (half-precision rows by their exponent
     bits, in one pass: numpy's ``isfinite`` of float16 converts value by value)."""
-    if row_dtype == "float32":
+    exponent = row_type(row_dtype).exponent
+    if exponent is None:
         return bool(np.isfinite(rows).all())
-    return halves_finite(rows, F16_EXPONENT if row_dtype == "float16" else BF16_EXPONENT)
+    return halves_finite(rows, exponent)
 
 
 def convert(rows: np.ndarray, source: str, target: str) -> np.ndarray:
@@ -492,9 +489,11 @@ def convert(rows: np.ndarray, source: str, target: str) -> np.ndarray:
     if source == target:
         return rows
     values = to_float32(rows, source)
-    if target == "float16" and values.size:
+    bound = row_type(target).largest
+    if bound is not None and values.size:
         largest = float(np.abs(values).max())
-        if largest > F16_MAX:
-            raise ValueError(f"weights: the largest magnitude {largest:g} is past float16's "
-                             f"{F16_MAX:g}; keep this table in float32 or bfloat16")
+        if largest > bound:
+            wide = " or ".join(n for n, t in ROW_TYPES.items() if t.largest is None)
+            raise ValueError(f"weights: the largest magnitude {largest:g} is past {target}'s "
+                             f"{bound:g}; keep this table in {wide}")
     return to_stored(values, target)

@@ -63,12 +63,14 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
         self.metrics = metrics or ParameterServerMetrics(ps)
 
     @grpc_method
-    def Configure(self, request, context):
+    def Configure(self, request: common_pb2.ConfigureRequest, context: grpc.ServicerContext
+                  ) -> common_pb2.ConfigureResponse:
         self.ps.configure(**configure_args(request))
         return common_pb2.ConfigureResponse()
 
     @grpc_method
-    def Lookup(self, request, context):
+    def Lookup(self, request: codec.RawMessage, context: grpc.ServicerContext) -> bytes:
+        # request: a parsed pb.LookupRequest (create_ps_server)
         tables = [
             (t.table, codec.decode(t.ids, name=f"tables[{i}].ids", dtypes=("uint64",), ndim=1))
             for i, t in enumerate(request.tables)
@@ -87,7 +89,8 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
         return _answer(embeddings, answer, wire)
 
     @grpc_method
-    def Update(self, request, context):
+    def Update(self, request: codec.RawMessage, context: grpc.ServicerContext) -> pb.UpdateResponse:
+        # request: a parsed pb.UpdateRequest (create_ps_server)
         # What the arrays claim, checked before they are decoded.
         call_memory.check_update(
             [(codec.claimed_elements(t.ids), codec.claimed_elements(t.grads), t.grads.dtype)
@@ -111,12 +114,13 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
         return pb.UpdateResponse(num_updated=num_updated, duplicate=duplicate)
 
     @grpc_method
-    def Stats(self, request, context):
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         tables = [pb.TableStats(table=name, **stats) for name, stats in self.ps.stats().items()]
         return pb.StatsResponse(tables=tables, num_updates=self.ps.num_updates)
 
     @grpc_method
-    def Health(self, request, context):
+    def Health(self, request: common_pb2.HealthRequest, context: grpc.ServicerContext
+               ) -> common_pb2.HealthResponse:
         return common_pb2.HealthResponse(role="embedding-parameter-server",
                                          configured=self.ps.configured, instance=rewind.INSTANCE)
 

@@ -98,6 +98,8 @@ class EmbeddingTable:
         self.expire_after_seconds = (None if expire_after_seconds is None
                                      else float(expire_after_seconds))
         self.row_dtype = row_types.check_row_dtype(row_dtype)
+        self.row_type = row_types.row_type(self.row_dtype)
+        """What the storage type ``row_dtype`` is (:data:`row_types.ROW_TYPES`)."""
         if type(stochastic_rounding) is not bool:
             raise ValueError(f"stochastic_rounding: expected True or False, got "
                              f"{stochastic_rounding!r}")
@@ -187,10 +189,10 @@ class EmbeddingTable:
         ids = self._check_ids(ids)
         shape = (ids.shape[0], self.dim)
         dtype = np.dtype(dtype)
-        if dtype != np.float32 and not (dtype == np.float16 and self.row_dtype != "bfloat16"):
+        half = self.row_type.answers_float16
+        if dtype != np.float32 and not (dtype == np.float16 and half):
             raise ValueError(f"dtype: a {self.row_dtype} table answers float32 rows"
-                             f"{'' if self.row_dtype == 'bfloat16' else ' or float16 ones'}, "
-                             f"not {dtype}")
+                             f"{' or float16 ones' if half else ''}, not {dtype}")
         if out is None:
             out = np.empty(shape, dtype=dtype)
         elif (not isinstance(out, np.ndarray) or out.dtype != dtype

@@ -162,19 +162,21 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
             self.segments.forget([_descriptor(m) for m in messages])
 
     @grpc_method
-    def Configure(self, request, context):
+    def Configure(self, request: common_pb2.ConfigureRequest, context: grpc.ServicerContext
+                  ) -> common_pb2.ConfigureResponse:
         self.worker.configure(request)
         return common_pb2.ConfigureResponse()
 
     @grpc_method
-    def PutBatch(self, request, context):
+    def PutBatch(self, request: codec.RawMessage, context: grpc.ServicerContext) -> pb.PutBatchResponse:
+        # request: a parsed pb.PutBatchRequest (create_embedding_worker_server)
         identity = (request.stream, request.batch_id) if request.stream else None
         ref = self.worker.put_batch(_features(request.features, self.worker), request.batch_size,
                                     request.requires_grad, identity=identity)
         return pb.PutBatchResponse(ref=ref)
 
     @grpc_method
-    def Lookup(self, request, context):
+    def Lookup(self, request: pb.LookupBatchRequest, context: grpc.ServicerContext) -> bytes:
         self._forget(request.forget_segments)
         segment, refused = None, ""
         if request.HasField("answer_segment"):
@@ -202,12 +204,15 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
                            *codec.message_field(2, [use.SerializeToString()])])
 
     @grpc_method
-    def LookupDirect(self, request, context):
+    def LookupDirect(self, request: codec.RawMessage, context: grpc.ServicerContext) -> bytes:
+        # request: a parsed pb.LookupDirectRequest (create_embedding_worker_server)
         return _encode_rows(self.worker.lookup_direct(_features(request.features, self.worker),
                                                       request.batch_size), request.wire)
 
     @grpc_method
-    def UpdateGradients(self, request, context):
+    def UpdateGradients(self, request: codec.RawMessage, context: grpc.ServicerContext
+                        ) -> pb.UpdateGradientsResponse:
+        # request: a parsed pb.UpdateGradientsRequest (create_embedding_worker_server)
         self._forget(request.forget_segments)
         segment = None
         if request.grads_segment.name:  # a RawMessage: an absent one has an empty name
@@ -237,12 +242,14 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
         return answer
 
     @grpc_method
-    def Health(self, request, context):
+    def Health(self, request: common_pb2.HealthRequest, context: grpc.ServicerContext
+               ) -> common_pb2.HealthResponse:
         return common_pb2.HealthResponse(role="embedding-worker", configured=self.worker.configured,
                                          instance=rewind.INSTANCE)
 
     @grpc_method
-    def Restart(self, request, context):
+    def Restart(self, request: common_pb2.RestartRequest, context: grpc.ServicerContext
+                ) -> common_pb2.RestartResponse:
         """Exit, to come back empty: a restarted training rewinds (persia_py/checkpoint/rewind.py)."""
         logger.warning("embedding worker: asked to restart (%s)", request.reason[:200])
         rewind.exit_after_answer(context, "embedding worker")

@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import grpc
+
 from persia_py.checkpoint import rewind
 from persia_py.ids.positions import DataPositions, loader_of, seq_of
 from persia_py.proto import common_pb2, data_loader_pb2_grpc
@@ -169,7 +171,7 @@ class _CallsInFlight:
         self._count = 0
         self._changed = threading.Condition()
 
-    def enter(self, context) -> None:
+    def enter(self, context: grpc.ServicerContext) -> None:
         if context is None:  # called directly, not over gRPC: no answer to deliver
             return
         with self._changed:
@@ -211,7 +213,8 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
         return self._in_flight.wait_none(timeout)
 
     @grpc_method
-    def NextBatch(self, request, context):
+    def NextBatch(self, request: pb.NextBatchRequest, context: grpc.ServicerContext
+                  ) -> pb.NextBatchResponse:
         self._in_flight.enter(context)
         # Only this loader's batch ids: another loader's, cut to a sequence number, could
         # mark one of ours finished in the handover log.
@@ -224,19 +227,22 @@ class DataLoaderServicer(data_loader_pb2_grpc.DataLoaderServicer):
         return self.batches.next(request.rank, _POLL_SEC, request.consumer, request.request_seq)
 
     @grpc_method
-    def ResendBatch(self, request, context):
+    def ResendBatch(self, request: pb.ResendBatchRequest, context: grpc.ServicerContext
+                    ) -> pb.ResendBatchResponse:
         if self.resend is None:
             raise NotFound("this data loader does not resend batches")
         worker_index, ref = self.resend(request.batch_id)
         return pb.ResendBatchResponse(embedding_worker=worker_index, ref=ref)
 
     @grpc_method
-    def Health(self, request, context):
+    def Health(self, request: common_pb2.HealthRequest, context: grpc.ServicerContext
+               ) -> common_pb2.HealthResponse:
         return common_pb2.HealthResponse(role="data-loader", configured=True,
                                          instance=rewind.INSTANCE)
 
     @grpc_method
-    def Rewind(self, request, context):
+    def Rewind(self, request: common_pb2.RestartRequest, context: grpc.ServicerContext
+               ) -> common_pb2.RestartResponse:
         """Go back to a restarted training's checkpoint (see persia_py/checkpoint/rewind.py)."""
         log = self.batches.log
         if log is None:
