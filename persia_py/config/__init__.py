@@ -23,7 +23,7 @@ from persia_py.config.strict import ConfigError, build, load_file
 from persia_py.config.table_policy import TablePolicy
 
 __all__ = [
-    "CheckpointConfig", "CommonConfig", "ConfigError", "EmbeddingTablesConfig",
+    "CheckpointConfig", "CommonConfig", "ConfigError", "DiskTierConfig", "EmbeddingTablesConfig",
     "EmbeddingWorkerConfig", "GlobalConfig", "HashStackConfig", "NNWorkerConfig",
     "ParameterServerConfig", "SlotConfig", "embedding_config_from_dict",
     "global_config_from_dict", "load_embedding_config", "load_global_config",
@@ -97,6 +97,41 @@ class CommonConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class DiskTierConfig:
+    """A disk tier under every internal shard of every table (off unless ``path`` is set):
+    rows evicted from RAM at ``capacity`` go to a file on local disk instead of being
+    deleted, and come back into RAM when looked up or updated
+    (``persia_py.servers.disk_tier``)."""
+
+    path: str | None = None
+    """Existing folder on a local disk for the tier's files (unnamed: nothing is left in
+    it after the process ends, and the tier always starts empty). None: no tier."""
+    capacity_rows: int = 0
+    """Most rows on disk per table per replica (split evenly among the internal shards);
+    when full, the rows spilled longest ago are deleted (counted as evicted). Its disk
+    space is reserved at start: about ``capacity_rows x 512 / (512 // record bytes)``
+    bytes (a record: 8 + dim x bytes per weight + 4 x optimizer state columns)."""
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            if self.capacity_rows:
+                raise ConfigError("capacity_rows: set, but path is not; set path (a folder on "
+                                  "a local disk) to turn the disk tier on, or drop capacity_rows")
+            return
+        if not self.path:
+            raise ConfigError("path: empty; give a folder on a local disk, or leave path out")
+        if not self.capacity_rows:
+            raise ConfigError("capacity_rows: required (>= 1) when path is set")
+        _check_range(self, "capacity_rows", 1, 2**40)
+        if not os.path.isdir(self.path):
+            raise ConfigError(f"path: {self.path!r} is not an existing folder")
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+
+@dataclass(kw_only=True, frozen=True)
 class ParameterServerConfig:
     capacity: int | None = None
     """Most rows one parameter-server replica holds per table; beyond it the least
@@ -105,6 +140,9 @@ class ParameterServerConfig:
     the tables, full, take at most half of its cgroup's limit or the machine's memory)."""
     num_hashmap_internal_shards: int = 1
     """Internal shards per table; shards are locked and served independently."""
+    disk_tier: DiskTierConfig = field(default_factory=DiskTierConfig)
+    """Rows evicted at ``capacity`` spill to local disk instead of being deleted (off by
+    default: see :class:`DiskTierConfig`)."""
 
     def __post_init__(self) -> None:
         if self.capacity is not None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from persia_py.config import EmbeddingTablesConfig, GlobalConfig
+from persia_py.config import DiskTierConfig, EmbeddingTablesConfig, GlobalConfig
 from persia_py.ids.routing import RESERVED_ID, replica_of
 from persia_py.servers import call_memory
 from persia_py.servers.call_memory import LookupAnswer
@@ -185,11 +185,18 @@ class ParameterServer:
                 expire_after_seconds=None if self.inference else slot.expire_after_seconds,
                 row_dtype=self.embedding_config.row_dtype_of(name),
                 stochastic_rounding=self.embedding_config.stochastic_rounding,
+                disk_tier=self._disk_tier(),
             )
             if self.tracks_changes:
                 tables[name].track_changes()
         self.warn_if_too_big(settings.optimizer)
         return tables
+
+    def _disk_tier(self) -> DiskTierConfig | None:
+        """The disk tier of every table on this replica (None: off). Its files are
+        unnamed, so replicas and tables may share the configured folder."""
+        config = self.global_config.embedding_parameter_server_config.disk_tier
+        return config if config.enabled else None
 
     def warn_if_too_big(self, optimizer: dict | None) -> str | None:
         """Log (and return) a warning when the tables whose capacity is configured, full,

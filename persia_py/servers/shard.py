@@ -9,6 +9,13 @@ optimizer steps are fused numba kernels (:mod:`persia_py.servers.kernels`) that 
 write each id's row in place, and eviction compacts by moving surviving tail rows into
 the holes. Where the OS allows, the arrays take the shard's whole share of the capacity
 as address space at once, so rows never move to grow.
+
+With a disk tier (:mod:`persia_py.servers.disk_tier`, opt-in), eviction spills the rows
+(weights and optimizer state) to it instead of deleting them, and a lookup or update that
+meets an id absent from RAM asks the tier for it in one batch and brings the rows found
+back into RAM, where they are looked up or updated like any other. A row is in RAM or on
+disk, never both; what leaves the disk (its own capacity) is deleted and counted as
+evicted.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from persia_py.ids.dedup import unique_in_order
 from persia_py.servers import kernels, memory, row_types
 from persia_py.servers.access_clock import STAMP_DTYPE, AccessClock
 from persia_py.servers.admission import Admission
+from persia_py.servers.disk_tier import DiskTier
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
 from persia_py.servers.optimizers import OptimizerConfig, initial_state
@@ -81,8 +89,10 @@ def _row_arrays(table: ShardOwner, share: int) -> tuple[dict[str, np.ndarray], b
 class Shard:
     """One internal shard; every method that reads or writes rows holds ``lock``."""
 
-    def __init__(self, table: ShardOwner, share: int) -> None:
+    def __init__(self, table: ShardOwner, share: int, tier: DiskTier | None = None) -> None:
         self.table = table
+        self.tier = tier
+        """Where evicted rows go (None: they are deleted)."""
         self.share = share
         self.lock = threading.Lock()
         arrays, self.reserved = _row_arrays(table, share)
@@ -95,6 +105,8 @@ class Shard:
         self.size = 0
         self.hits = self.misses = self.inserted = self.evicted = 0
         self.admitted = self.rejected = self.expired = 0
+        self.spilled = self.restored = 0
+        """Rows moved to the disk tier / brought back from it."""
         self.admission = Admission(share, admit_probability=table.admit_probability,
                                    min_occurrences=table.min_occurrences, seed=table.seed)
         self.changed: list[np.ndarray] | None = None
@@ -105,11 +117,13 @@ class Shard:
         self.num_removed = 0
 
     def nbytes(self) -> int:
-        """Bytes of the rows in use (with reserved arrays: ever used), index and sketch."""
+        """Bytes of the rows in use (with reserved arrays: ever used), index, sketch and
+        the disk tier's RAM index."""
         arrays = (self.ids, self.weights, self.state, self.last_access)
         rows = self.high_water if self.reserved else self.weights.shape[0]
         row_bytes = sum(a.itemsize * (a.size // max(a.shape[0], 1)) for a in arrays)
-        return rows * row_bytes + self.index.nbytes + self.admission.nbytes
+        tier = 0 if self.tier is None else self.tier.ram_bytes
+        return rows * row_bytes + self.index.nbytes + self.admission.nbytes + tier
 
     def lookup(self, ids: np.ndarray, insert: bool, tick: int, out: np.ndarray,
                positions: np.ndarray | None) -> None:
@@ -123,6 +137,16 @@ class Shard:
             rows = self.index.find_gather(ids, weights, out, self.last_access, stamp,
                                           positions)
             num_missing = int(np.count_nonzero(rows < 0))
+            if num_missing and self.tier is not None and self.tier.num_rows:
+                back = rows < 0
+                rows = self._bring_back(ids, rows, stamp)
+                back &= rows >= 0
+                if back.any():
+                    at = np.flatnonzero(back)
+                    kernels.gather_rows_at(kernel_view(self.weights), rows[at],
+                                           at if positions is None else positions[at], out,
+                                           self.last_access, stamp)
+                    num_missing = int(np.count_nonzero(rows < 0))
             self.hits += ids.shape[0] - num_missing
             self.misses += num_missing
             if num_missing and insert:
@@ -134,6 +158,42 @@ class Shard:
                 # The weights again: arrays that could not be reserved grow by moving.
                 kernels.gather_rows_at(kernel_view(self.weights), rows[new], at, out,
                                        self.last_access, stamp)
+
+    def _bring_back(self, ids: np.ndarray, rows: np.ndarray, stamp: int) -> np.ndarray:
+        """Move the rows of ``ids`` absent from RAM (``rows`` -1) that the tier holds into
+        RAM, stamped ``stamp``, evicting (spilling) others if the share is full but never
+        rows of ``ids``; returns ``rows`` with theirs filled in."""
+        tier = self.tier
+        assert tier is not None
+        missing = rows < 0
+        wanted, inverse = unique_in_order(ids[missing])
+        found, weights, state = tier.take(wanted)
+        n_back = weights.shape[0]
+        if n_back == 0:
+            return rows
+        back_ids = wanted[found]
+        try:
+            overflow = self.size + n_back - self.share
+            if overflow > 0:
+                hit_rows = rows[~missing]
+                remap = self._evict(overflow, n_back, hit_rows)
+                rows[~missing] = remap[hit_rows]
+        except BaseException:
+            tier.write(back_ids, weights, state)  # refused before anything moved: put back
+            raise
+        self._reserve(self.size + n_back)
+        start, end = self.size, self.size + n_back
+        new_rows, is_new = self.index.find_or_insert(back_ids, start)
+        assert bool(is_new.all()), "a row brought back from disk was also in RAM"
+        self.weights[start:end] = weights
+        self.state[start:end] = state
+        self.last_access[start:end] = stamp
+        self.size = end
+        self.restored += n_back
+        per_wanted = np.full(wanted.shape[0], -1, np.int64)
+        per_wanted[found] = new_rows
+        rows[missing] = per_wanted[inverse]
+        return rows
 
     def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, tick: int, stamp: int
                         ) -> np.ndarray:
@@ -191,8 +251,22 @@ class Shard:
                 f"raise capacity (now {self.table.capacity}) or send smaller batches")
         count = min(max(overflow, self.share // _EVICT_FRACTION), candidates)
         victims = np.argpartition(order, count - 1)[:count]
-        self.evicted += count
-        return self._remove(victims)
+        if self.tier is None:
+            self.evicted += count
+            return self._remove(victims)
+        self._spill(victims)
+        return self._remove(victims, removed=False)
+
+    def _spill(self, victims: np.ndarray) -> None:
+        """Write rows ``victims`` to the tier; rows the tier drops to make room are gone
+        from the table: counted as evicted (and logged as removed)."""
+        assert self.tier is not None
+        victims = np.sort(victims)  # sequential gathers
+        gone = self.tier.write(self.ids[victims], self.weights[victims], self.state[victims])
+        self.spilled += victims.shape[0]
+        self.evicted += gone.shape[0]
+        if gone.shape[0] and self.changed is not None:
+            self._log_removed(gone)
 
     def expire(self, cutoff: int) -> None:
         """Remove every row last touched before clock value ``cutoff``."""
@@ -203,11 +277,13 @@ class Shard:
                 self.expired += victims.shape[0]
                 self._remove(victims)
 
-    def _remove(self, victims: np.ndarray) -> np.ndarray:
-        """Delete rows ``victims`` (distinct), compacting; returns old -> new row (-1: gone)."""
+    def _remove(self, victims: np.ndarray, *, removed: bool = True) -> np.ndarray:
+        """Delete rows ``victims`` (distinct) from RAM, compacting; returns old -> new row
+        (-1: gone). ``removed``: they leave the table (logged for increments), rather than
+        moving to the disk tier."""
         size = self.size
         count = victims.shape[0]
-        gone = self.ids[victims].copy() if self.changed is not None else None
+        gone = self.ids[victims].copy() if self.changed is not None and removed else None
         keep = np.ones(size, dtype=np.bool_)
         keep[victims] = False
         n_keep = size - count
@@ -274,30 +350,51 @@ class Shard:
             self.changed, self.num_changed = [], 0
             self.removed, self.num_removed = [], 0
             rows = self.index.find(ids)
+            on_disk = ids[rows < 0]
             rows = rows[rows >= 0]
             removed = removed[self.index.find(removed) < 0]
-            return (self.ids[rows], self.weights[rows], self.state[rows],
-                    self.clock.absolute(self.last_access[rows]), removed)
+            parts = (self.ids[rows], self.weights[rows], self.state[rows],
+                     self.clock.absolute(self.last_access[rows]))
+            if self.tier is None:
+                return (*parts, removed)
+            # A row changed, then spilled, is still exported (read back from disk).
+            found, weights, state = self.tier.peek(on_disk)
+            removed = removed[~self.tier.holds(removed)]
+            return (*self._with_disk_rows(parts, on_disk[found], weights, state), removed)
+
+    def _with_disk_rows(self, parts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                        ids: np.ndarray, weights: np.ndarray, state: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``parts`` (ids, weights, state, absolute last access) and rows from the tier
+        after them, stamped the oldest unit (they left RAM as least recently used)."""
+        stamps = self.clock.absolute(np.zeros(ids.shape[0], self.last_access.dtype))
+        kept_ids, kept_weights, kept_state, kept_stamps = parts
+        return (np.concatenate([kept_ids, ids]), np.concatenate([kept_weights, weights]),
+                np.concatenate([kept_state, state]), np.concatenate([kept_stamps, stamps]))
 
     def remove_ids(self, ids: np.ndarray) -> int:
         """Delete the rows of ``ids`` (distinct) that are stored; returns how many."""
         with self.lock:
             rows = self.index.find(ids)
+            on_disk = 0 if self.tier is None else self.tier.delete(ids[rows < 0])
             rows = rows[rows >= 0]
             if rows.shape[0]:
                 self._remove(rows)
-            return int(rows.shape[0])
+            return int(rows.shape[0]) + on_disk
 
     def update(self, ids: np.ndarray, grads: np.ndarray, tick: int) -> int:
         """One optimizer step on the stored rows of ``ids`` (repeats summed first) at
         lookup ``tick``; returns how many distinct rows were stepped."""
         with self.lock:
             self._log_changes(ids)
-            rows, grads, merged = kernels.sum_duplicate_rows(self.index.find(ids),
-                                                             kernel_view(grads), self.size)
+            stamp = self.clock.stamp(tick, self.last_access[:self.size])
+            rows = self.index.find(ids)
+            if self.tier is not None and self.tier.num_rows and bool((rows < 0).any()):
+                rows = self._bring_back(ids, rows, stamp)
+            rows, grads, merged = kernels.sum_duplicate_rows(rows, kernel_view(grads),
+                                                             self.size)
             if merged and self.table.row_dtype != "float32":
                 ids = self.ids[rows]  # the ids of the distinct rows, which key rounding
-            stamp = self.clock.stamp(tick, self.last_access[:self.size])
             return self.table.row_step(self.weights, self.state, rows, grads,
                                        self.last_access, stamp, ids)
 
@@ -305,17 +402,30 @@ class Shard:
         """Copies of every stored row: ids, weights, state and last access (absolute)."""
         with self.lock:
             n = self.size
-            return (self.ids[:n].copy(), self.weights[:n].copy(), self.state[:n].copy(),
-                    self.clock.absolute(self.last_access[:n]))
+            parts = (self.ids[:n].copy(), self.weights[:n].copy(), self.state[:n].copy(),
+                     self.clock.absolute(self.last_access[:n]))
+            if self.tier is None or not self.tier.num_rows:
+                return parts
+            return self._with_disk_rows(parts, *self.tier.scan())
 
     def check_fits(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """Rows of ``ids`` (-1: absent) and how many are absent; ValueError if storing
         them would exceed the shard's share. The caller holds ``lock``."""
         rows = self.index.find(ids)
         n_new = int(np.count_nonzero(rows < 0))
-        if self.size + n_new > self.share:
+        if self.tier is None:
+            if self.size + n_new > self.share:
+                raise ValueError(f"{self.size + n_new} rows do not fit one internal shard's "
+                                 f"share of {self.share} (capacity {self.table.capacity}); "
+                                 f"raise capacity")
+            return rows, n_new
+        tier = self.tier
+        disk_free = tier.num_slots - tier.num_rows + int(tier.holds(ids[rows < 0]).sum())
+        if self.size + n_new > self.share + disk_free:
             raise ValueError(f"{self.size + n_new} rows do not fit one internal shard's share "
-                             f"of {self.share} (capacity {self.table.capacity}); raise capacity")
+                             f"of {self.share} (capacity {self.table.capacity}) and the "
+                             f"{disk_free} rows free in its disk tier; raise capacity or the "
+                             f"disk tier's capacity_rows")
         return rows, n_new
 
     def store_rows(self, ids: np.ndarray, pos: np.ndarray, weights: np.ndarray,
@@ -329,6 +439,19 @@ class Shard:
             # (training lookups of a live table) may have taken room meanwhile.
             rows, n_new = self.check_fits(part)
             new = rows < 0
+            if self.tier is not None:
+                self.tier.delete(part[new], counted=False)  # replaced by the import
+                if self.size + n_new > self.share:
+                    # The most recently used new rows in RAM, the others on disk.
+                    new_at = np.flatnonzero(new)
+                    order = np.argsort(-stamps[pos[new_at]], kind="stable")
+                    to_disk = new_at[order[self.share - self.size:]]
+                    self.tier.write(part[to_disk], weights[pos[to_disk]],
+                                    state[pos[to_disk]])
+                    keep = np.ones(pos.shape[0], np.bool_)
+                    keep[to_disk] = False
+                    pos, part, rows, new = pos[keep], part[keep], rows[keep], new[keep]
+                    n_new -= to_disk.shape[0]
             # The rows stored so far: a rebase for the import re-stamps them.
             units = self.clock.relative(stamps[pos], clock, self.last_access[:self.size])
             self._reserve(self.size + n_new)

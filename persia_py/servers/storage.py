@@ -25,10 +25,12 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 import numpy.typing as npt
 
+from persia_py.config import DiskTierConfig
 from persia_py.config.table_policy import TablePolicy, check_init_bounds, check_weight_bound
 from persia_py.ids.hashing import HashKey, keyed_buckets
 from persia_py.ids.routing import RESERVED_ID, split_by
 from persia_py.servers import row_types
+from persia_py.servers.disk_tier import DiskTier
 from persia_py.servers.lookup_clock import LookupClock
 from persia_py.servers.optimizers import OptimizerConfig, state_width
 from persia_py.servers.row_step import RowStep
@@ -67,7 +69,13 @@ class EmbeddingTable:
     * ``expire_after_steps`` / ``expire_after_seconds``: rows neither looked up nor
       updated during the last that many lookup calls (steps) / seconds are removed; a
       sweep runs at the start of a lookup once 1/16 of the period has passed since the
-      last sweep, so a row may outlive its period by up to 1/16 of it.
+      last sweep, so a row may outlive its period by up to 1/16 of it. Rows on a disk
+      tier do not expire (not yet).
+    * ``disk_tier``: rows evicted at capacity spill to a disk tier per internal shard
+      (:mod:`persia_py.servers.disk_tier`; ``capacity_rows`` split among the shards) and
+      come back into RAM when looked up or updated; :meth:`disk_stats`. Checkpoints
+      (:meth:`export_rows`, :meth:`import_rows`) and increments hold disk rows too.
+      :meth:`close` deletes the tier's rows: the table is then no longer usable.
     """
 
     def __init__(self, *, dim: int, optimizer: OptimizerConfig, init_lower: float = -0.01,
@@ -77,6 +85,7 @@ class EmbeddingTable:
                  expire_after_steps: int | None = None,
                  expire_after_seconds: float | None = None, row_dtype: str = "float32",
                  stochastic_rounding: bool = True,
+                 disk_tier: DiskTierConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         # The same rules as the config file and the user's EmbeddingConfig.
         TablePolicy(capacity=capacity, admit_probability=admit_probability,
@@ -107,7 +116,16 @@ class EmbeddingTable:
                                 stochastic_rounding=stochastic_rounding)
         """The optimizer step the shards run on their rows."""
         share = -(-capacity // num_shards)
-        self._shards = [Shard(self, share) for _ in range(num_shards)]
+        if disk_tier is not None and not isinstance(disk_tier, DiskTierConfig):
+            raise ValueError(f"disk_tier: expected a DiskTierConfig or None, got {disk_tier!r}")
+        self.disk_tier = disk_tier if disk_tier is not None and disk_tier.enabled else None
+        self._shards: list[Shard] = []
+        try:
+            for _ in range(num_shards):
+                self._shards.append(Shard(self, share, self._new_tier()))
+        except BaseException:
+            self._close_tiers()
+            raise
         self._shard_key = HashKey.random()
         self._clock = LookupClock(expire_after_steps=self.expire_after_steps,
                                   expire_after_seconds=self.expire_after_seconds, now=clock)
@@ -117,11 +135,28 @@ class EmbeddingTable:
                 max_workers=min(num_shards, os.cpu_count() or 1),
                 thread_name_prefix="embedding-shard")
 
+    def _new_tier(self) -> DiskTier | None:
+        config = self.disk_tier
+        if config is None:
+            return None
+        return DiskTier(str(config.path),
+                        capacity_rows=-(-config.capacity_rows // self.num_shards),
+                        dim=self.dim, weight_dtype=row_types.numpy_dtype(self.row_dtype),
+                        state_width=self.state_width)
+
+    def _close_tiers(self) -> None:
+        for shard in self._shards:
+            if shard.tier is not None:
+                with shard.lock:
+                    shard.tier.close()
+
     def close(self) -> None:
-        """Stop the shard worker threads; the table stays usable, serially."""
+        """Stop the shard worker threads; the table stays usable, serially. With a disk
+        tier, its files are closed and their rows gone: the table is no longer usable."""
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        self._close_tiers()
 
     def __enter__(self) -> EmbeddingTable:
         return self
@@ -326,8 +361,27 @@ class EmbeddingTable:
 
     @property
     def num_entries(self) -> int:
-        """Rows currently stored, over all internal shards."""
+        """Rows currently stored in RAM, over all internal shards (:meth:`disk_stats` for
+        the disk tier's)."""
         return sum(shard.size for shard in self._shards)
+
+    def disk_stats(self) -> dict[str, int]:
+        """The disk tier's counters and sizes summed over the shards (empty without a
+        tier): ``disk_rows`` on disk now, ``disk_capacity_rows``, ``spilled`` /
+        ``restored`` rows moved to disk / back to RAM, ``disk_written``, ``disk_read``
+        (rows), ``disk_evicted`` (rows deleted at the disk's capacity: also in
+        ``stats()['evicted']``), ``disk_deleted`` (on request), ``disk_block_reads``,
+        ``disk_block_bytes`` (of one block), ``disk_bytes`` (files), ``disk_ram_bytes``
+        (the tiers' index)."""
+        totals: dict[str, int] = {}
+        for shard in self._shards:
+            if shard.tier is None:
+                continue
+            with shard.lock:
+                got = dict(shard.tier.stats(), spilled=shard.spilled, restored=shard.restored)
+            for key, value in got.items():
+                totals[key] = value if key == "disk_block_bytes" else totals.get(key, 0) + value
+        return totals
 
     def stats(self) -> dict[str, int]:
         """Counters over all shards.

@@ -1,0 +1,339 @@
+"""``DiskTier``: rows of one internal shard that left RAM, in a log of fixed-size records.
+
+When a shard with a tier is full, its least recently used rows are *spilled* here
+(weights as stored, optimizer state) instead of being deleted, and a lookup or update
+of a spilled id brings its row back into RAM (:class:`persia_py.servers.shard.Shard`).
+A row is in RAM or on disk, never both: bringing it back deletes it here.
+
+Layout (measured against LMDB and RocksDB first: docs/benchmarks.md, "Disk tier").
+
+* **Records.** ``id`` (uint64), the weights' bits, the float32 state: a packed numpy
+  record of ``8 + dim x bytes per weight + 4 x state width`` bytes (140 B at dim 64,
+  float16, row-wise Adagrad). Records are packed into *blocks*, the smallest multiple
+  of the 512-byte sector that holds one; a block holds ``block // record`` of them and
+  no record straddles two, so a read of one row fetches one block: read amplification
+  ``block / record`` (3.7x at 140 B; 11.6x for a 44-byte row, where a sector is the
+  floor of what a disk reads).
+* **A circular log of blocks.** A spill (a batch: at least 1/16 of the shard's share)
+  is written at the log's head, sequentially, as whole blocks (the block the head is
+  in is written again with its earlier records, kept in RAM), one ``pwrite`` per
+  8 MiB. The log holds ``capacity_rows`` records. A record whose row went back to RAM
+  is dead; a write covers the shortest stretch ahead of the head holding as many dead
+  slots as it has rows, and the live rows in that stretch move up with it (compaction:
+  read and written again, so a write costs more the fuller the disk is). Only a full
+  disk deletes rows: the ones spilled longest ago, counted
+  (:attr:`DiskTier.num_evicted`; the shard also logs their ids as removed for
+  incremental exports).
+* **RAM index.** :class:`persia_py.servers.hash_index.HashIndex` from id to log slot,
+  over an array of the id of every slot (``EMPTY``: free or dead): 8 bytes per slot
+  plus 6.7-8.3 bytes of index per entry. Dead entries stay in the index (a probe checks
+  the slot's id, so they never answer) until they outnumber the live ones, then the
+  index is rebuilt from the live slots.
+
+Crash safety: the tier is a cache of rows not in RAM, in an unnamed file
+(:mod:`persia_py.servers.page_file`): after a crash or a restart it starts empty, by
+construction (there is no file to reopen, so no stale or torn one). What survives a
+crash is what the checkpoint and the update log hold. Checkpoints hold every row, RAM
+and disk: :meth:`DiskTier.scan` reads the disk rows for ``EmbeddingTable.export_rows``,
+and an import spills what does not fit in RAM here. Rows are not checksummed: each read
+checks that the record holds the id the index pointed to (:class:`CorruptTier`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from persia_py.ids.routing import RESERVED_ID
+from persia_py.servers.hash_index import HashIndex
+from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
+
+__all__ = ["EMPTY", "CorruptTier", "DiskTier", "record_layout"]
+
+EMPTY = np.uint64(RESERVED_ID)
+"""Id of a log slot that holds no row (the reserved id is never stored)."""
+_SCAN_BLOCKS_BYTES = 16 << 20
+"""Bytes per sequential read of a scan."""
+
+
+class CorruptTier(RuntimeError):
+    """A record read back does not hold the id the index says it holds."""
+
+
+def record_layout(dim: int, weight_dtype: np.dtype, state_width: int
+                  ) -> tuple[np.dtype, int, int]:
+    """``(record dtype, block bytes, records per block)`` of rows of this shape."""
+    weight_dtype = np.dtype(weight_dtype)
+    fields: list[tuple] = [("id", np.uint64), ("weights", weight_dtype, (dim,))]
+    if state_width:
+        fields.append(("state", np.float32, (state_width,)))
+    record = np.dtype(fields)  # packed: no padding between fields
+    block = -(-record.itemsize // SECTOR) * SECTOR
+    return record, block, block // record.itemsize
+
+
+class DiskTier:
+    """Spilled rows of one shard; not thread-safe (the shard's lock serializes calls)."""
+
+    def __init__(self, directory: str, *, capacity_rows: int, dim: int,
+                 weight_dtype: np.dtype, state_width: int, queue_depth: int = 32) -> None:
+        if not isinstance(capacity_rows, int) or capacity_rows < 1:
+            raise ValueError(f"capacity_rows must be an int >= 1, got {capacity_rows!r}")
+        self.dim = dim
+        self.weight_dtype = np.dtype(weight_dtype)
+        self.state_width = state_width
+        self.record, block_bytes, self.rows_per_block = record_layout(
+            dim, self.weight_dtype, state_width)
+        num_blocks = -(-capacity_rows // self.rows_per_block)
+        self.num_slots = num_blocks * self.rows_per_block
+        """Records the log holds (``capacity_rows`` rounded up to whole blocks)."""
+        self.file = PageFile(directory, block_bytes=block_bytes, num_blocks=num_blocks,
+                             queue_depth=queue_depth)
+        self.slot_ids = np.full(self.num_slots, EMPTY, np.uint64)
+        self.index = HashIndex(row_ids=self.slot_ids)
+        self.head = 0
+        """Next slot to write."""
+        self._head_block = np.zeros(self.rows_per_block, self.record)
+        """Records of the block the head is in, as last written (rewritten whole when the
+        head's next write fills it on)."""
+        self.num_rows = 0
+        """Rows on disk now."""
+        self.num_written = 0
+        """Rows ever spilled here."""
+        self.num_read = 0
+        """Rows ever read back (brought back to RAM, or scanned for a checkpoint)."""
+        self.num_evicted = 0
+        """Rows deleted because the disk was full (its capacity): the oldest spilled."""
+        self.num_relocated = 0
+        """Live rows moved up to the head by writes (compaction)."""
+        self.num_deleted = 0
+        """Rows deleted on request (:meth:`delete`)."""
+
+    def close(self) -> None:
+        """Close the file; its disk space is freed (it has no name). Rows on it are gone."""
+        self.file.close()
+
+    # -- sizes -------------------------------------------------------------------------
+
+    @property
+    def ram_bytes(self) -> int:
+        """RAM this tier holds for its rows: the slot -> id array and the index."""
+        return self.slot_ids.nbytes + self.index.nbytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the tier's file (reserved whole at start)."""
+        return self.file.nbytes
+
+    def stats(self) -> dict[str, int]:
+        """Counters and sizes, by name (see the attributes of the same names)."""
+        return {"disk_rows": self.num_rows, "disk_capacity_rows": self.num_slots,
+                "disk_written": self.num_written, "disk_read": self.num_read,
+                "disk_evicted": self.num_evicted, "disk_deleted": self.num_deleted,
+                "disk_relocated": self.num_relocated,
+                "disk_block_reads": self.file.num_block_reads,
+                "disk_block_bytes": self.file.block_bytes, "disk_bytes": self.disk_bytes,
+                "disk_ram_bytes": self.ram_bytes}
+
+    # -- writes ------------------------------------------------------------------------
+
+    def write(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """Store rows (``ids`` distinct uint64, ``weights`` ``(n, dim)`` as stored, ``state``
+        ``(n, state_width)`` float32); a stored row of the same id is replaced. Returns
+        the ids of the rows the log deleted to make room (counted in ``num_evicted``):
+        when more rows come than the log holds, the first ones of the batch go too."""
+        n = ids.shape[0]
+        self._check_rows(ids, weights, state)
+        self.delete(ids, counted=False)  # a replaced row is not a deletion
+        gone: list[np.ndarray] = []
+        if n > self.num_slots:  # cannot all fit: the first ones leave at once
+            gone.append(ids[:n - self.num_slots])
+            self.num_evicted += n - self.num_slots
+            ids, weights, state = (a[n - self.num_slots:] for a in (ids, weights, state))
+            n = self.num_slots
+        if n == 0:
+            return np.zeros(0, np.uint64)
+        over = self.num_rows + n - self.num_slots
+        if over > 0:  # the disk is full: the rows spilled longest ago leave
+            gone.append(self._drop_oldest(over))
+        # Live rows in the stretch of log this write covers move up to the head with it
+        # (compaction), so only a full disk ever deletes a row.
+        moved = self._live_ahead(n)
+        if moved.shape[0]:
+            _, moved_weights, moved_state = self.take(moved)
+            self.num_relocated += moved.shape[0]
+            ids = np.concatenate([moved, ids])
+            weights = np.concatenate([moved_weights, weights])
+            state = np.concatenate([moved_state, state])
+        self.num_written += n
+        n = ids.shape[0]
+        done = 0
+        while done < n:
+            k = min(self.num_slots - self.head, n - done)  # the rest of the log, no wrap
+            gone.append(self._write_at(self.head, ids[done:done + k],
+                                       weights[done:done + k], state[done:done + k]))
+            self.head = (self.head + k) % self.num_slots
+            done += k
+        self._maybe_rebuild()
+        return np.concatenate(gone) if gone else np.zeros(0, np.uint64)
+
+    def _write_at(self, start: int, ids: np.ndarray, weights: np.ndarray,
+                  state: np.ndarray) -> np.ndarray:
+        """Write rows at slots ``start .. start + k - 1`` (no wrap); returns the ids of
+        live rows overwritten there. A block the head is inside is written again whole,
+        its earlier records from :attr:`_head_block` (no read)."""
+        k = ids.shape[0]
+        rpb = self.rows_per_block
+        first = start - start % rpb
+        blocks = -(-(start + k - first) // rpb)
+        old = self.slot_ids[start:start + k]
+        live = old != EMPTY
+        gone = old[live].copy()
+        self.num_evicted += gone.shape[0]
+        self.num_rows -= gone.shape[0]
+        old[:] = EMPTY
+        records = np.zeros(blocks * rpb, self.record)
+        records["id"] = EMPTY
+        records[:start - first] = self._head_block[:start - first]
+        records["id"][start - first:start - first + k] = ids
+        records["weights"][start - first:start - first + k] = weights
+        if self.state_width:
+            records["state"][start - first:start - first + k] = state
+        buf = aligned_empty((blocks, self.file.block_bytes))
+        used = rpb * self.record.itemsize
+        buf[:, :used] = records.view(np.uint8).reshape(blocks, used)
+        buf[:, used:] = 0
+        self.file.write_blocks(first // rpb, buf)
+        self._head_block = records[-rpb:].copy()
+        rows, is_new = self.index.find_or_insert(ids, start)
+        assert bool(is_new.all()), "an id written to the tier was still indexed"
+        self.num_rows += k
+        return gone
+
+    def _scan_ahead(self, count: int, dead: bool) -> tuple[int, list[np.ndarray]]:
+        """From the head on (circularly), the length of log holding ``count`` slots that
+        are dead (``dead``: then on to the end of that block) or live (not ``dead``), and
+        the live ids within it."""
+        pos, seen, length, live_ids = self.head, 0, 0, []
+        while True:
+            span = min(max(4 * count, 1 << 16), self.num_slots - pos)
+            live = self.slot_ids[pos:pos + span] != EMPTY
+            hits = np.cumsum(~live if dead else live)
+            if seen + int(hits[-1]) >= count:
+                m = int(np.searchsorted(hits, count - seen)) + 1
+                if dead:  # to the end of the block: the write rewrites it whole
+                    m = min(span, m + (-(pos + m)) % self.rows_per_block)
+                live_ids.append(self.slot_ids[pos:pos + m][live[:m]])
+                return length + m, live_ids
+            live_ids.append(self.slot_ids[pos:pos + span][live])
+            seen += int(hits[-1])
+            length += span
+            pos = (pos + span) % self.num_slots
+
+    def _live_ahead(self, n: int) -> np.ndarray:
+        """Ids of the live rows in the shortest stretch from the head holding ``n`` dead
+        slots (there are that many: the caller made room)."""
+        return np.concatenate(self._scan_ahead(n, dead=True)[1])
+
+    def _drop_oldest(self, count: int) -> np.ndarray:
+        """Delete the ``count`` rows spilled longest ago (the first live ones from the
+        head); returns their ids, counted in ``num_evicted``."""
+        ids = np.concatenate(self._scan_ahead(count, dead=False)[1])
+        self.delete(ids, counted=False)
+        self.num_evicted += ids.shape[0]
+        return ids
+
+    def holds(self, ids: np.ndarray) -> np.ndarray:
+        """Whether each id's row is on disk (RAM only: no disk read)."""
+        return self.index.find(ids) >= 0 if self.num_rows else np.zeros(ids.shape[0], bool)
+
+    def delete(self, ids: np.ndarray, *, counted: bool = True) -> int:
+        """Delete the stored rows of ``ids`` (distinct); returns how many were stored."""
+        slots = self.index.find(ids)
+        slots = slots[slots >= 0]
+        self.slot_ids[slots] = EMPTY
+        self.num_rows -= slots.shape[0]
+        if counted:
+            self.num_deleted += slots.shape[0]
+        return int(slots.shape[0])
+
+    def _maybe_rebuild(self) -> None:
+        """Rebuild the index from the live slots once dead entries outnumber live ones."""
+        if len(self.index) - self.num_rows <= max(self.num_rows, 4096):
+            return
+        slots = np.flatnonzero(self.slot_ids != EMPTY)
+        self.index.rebuild(self.slot_ids[slots], slots, room=self.num_rows)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def take(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Read and delete the stored rows of ``ids`` (distinct uint64): ``(found,
+        weights, state)``, ``found`` a bool mask over ``ids`` and the rows of the found
+        ones, in their order. Disk reads: one block per distinct block, in one batch."""
+        found, slots, weights, state = self._read(ids)
+        self.slot_ids[slots] = EMPTY
+        self.num_rows -= slots.shape[0]
+        return found, weights, state
+
+    def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`take` without deleting the rows."""
+        found, _, weights, state = self._read(ids)
+        return found, weights, state
+
+    def _read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        slots = self.index.find(ids) if self.num_rows else np.full(ids.shape[0], -1)
+        found = slots >= 0
+        slots = slots[found]
+        if slots.shape[0] == 0:
+            return (found, slots, np.zeros((0, self.dim), self.weight_dtype),
+                    np.zeros((0, self.state_width), np.float32))
+        rpb = self.rows_per_block
+        blocks, where = np.unique(slots // rpb, return_inverse=True)
+        data = self.file.read_blocks(blocks)
+        # (blocks, rpb) records: a view, as long as it stays 2-D.
+        records = data[:, :rpb * self.record.itemsize].view(self.record)
+        rows = records[where, slots % rpb]
+        if not np.array_equal(rows["id"], ids[found]):
+            bad = int(np.flatnonzero(rows["id"] != ids[found])[0])
+            raise CorruptTier(f"disk tier: slot {int(slots[bad])} holds id "
+                              f"{int(rows['id'][bad])}, the index says "
+                              f"{int(ids[found][bad])}; the tier file is corrupt")
+        self.num_read += slots.shape[0]
+        state = (np.ascontiguousarray(rows["state"]) if self.state_width
+                 else np.zeros((slots.shape[0], 0), np.float32))
+        return found, slots, np.ascontiguousarray(rows["weights"]), state
+
+    def scan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every stored row, ``(ids, weights, state)``, in log order (for checkpoints);
+        sequential reads of the whole log."""
+        parts = []
+        rpb = self.rows_per_block
+        step = max(1, _SCAN_BLOCKS_BYTES // self.file.block_bytes)
+        for first in range(0, self.file.num_blocks, step):
+            n = min(step, self.file.num_blocks - first)
+            live = self.slot_ids[first * rpb:(first + n) * rpb] != EMPTY
+            if not live.any():
+                continue
+            data = self.file.read_range(first, n)
+            records = data[:, :rpb * self.record.itemsize].view(self.record)
+            rows = records[live.reshape(n, rpb)]
+            if not np.array_equal(rows["id"], self.slot_ids[first * rpb:(first + n) * rpb][live]):
+                raise CorruptTier("disk tier: a scanned record does not hold the id its "
+                                  "slot should; the tier file is corrupt")
+            parts.append(rows)
+        rows = np.concatenate(parts) if parts else np.zeros(0, self.record)
+        self.num_read += rows.shape[0]
+        state = (np.ascontiguousarray(rows["state"]) if self.state_width
+                 else np.zeros((rows.shape[0], 0), np.float32))
+        return (np.ascontiguousarray(rows["id"]), np.ascontiguousarray(rows["weights"]),
+                state)
+
+    def _check_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> None:
+        n = ids.shape[0]
+        if ids.dtype != np.uint64 or ids.ndim != 1:
+            raise ValueError("ids must be a 1-D uint64 array")
+        if weights.dtype != self.weight_dtype or weights.shape != (n, self.dim):
+            raise ValueError(f"weights must be {self.weight_dtype} of shape ({n}, {self.dim}),"
+                             f" got {weights.dtype} {weights.shape}")
+        if state.dtype != np.float32 or state.shape != (n, self.state_width):
+            raise ValueError(f"state must be float32 of shape ({n}, {self.state_width}), got "
+                             f"{state.dtype} {state.shape}")

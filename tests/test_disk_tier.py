@@ -1,0 +1,212 @@
+"""The disk tier (issue 42): rows evicted at capacity spill to real files and come back
+bit-identical, training goes on as if they had stayed in RAM, the disk's own capacity
+deletes and counts, the tier starts empty whatever lies in its folder, and off it
+changes nothing."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from persia_py.config import ConfigError, DiskTierConfig, global_config_from_dict
+from persia_py.servers.disk_tier import DiskTier
+from persia_py.servers.optimizers import AdagradConfig, AdamConfig
+from persia_py.servers.storage import EmbeddingTable
+
+DIM = 8
+
+
+def _table(tmp_path, *, capacity: int, disk_rows: int | None, row_dtype: str = "float32",
+           num_shards: int = 1, optimizer=None) -> EmbeddingTable:
+    tier = None if disk_rows is None else DiskTierConfig(path=str(tmp_path),
+                                                         capacity_rows=disk_rows)
+    return EmbeddingTable(dim=DIM, optimizer=optimizer or AdagradConfig(lr=0.1),
+                          capacity=capacity, num_shards=num_shards, seed=3,
+                          row_dtype=row_dtype, disk_tier=tier)
+
+
+def _rows(table: EmbeddingTable) -> dict[int, tuple[bytes, bytes]]:
+    rows = table.export_rows()
+    return {int(i): (w.tobytes(), s.tobytes())
+            for i, w, s in zip(rows["ids"], rows["weights"], rows["state"])}
+
+
+def _train(table: EmbeddingTable, steps: int, seed: int, universe: int = 600,
+           batch: int = 64) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    answers = []
+    for _ in range(steps):
+        ids = rng.integers(1, universe, batch).astype(np.uint64)
+        answers.append(table.lookup(ids, True))
+        grads = rng.standard_normal((batch, DIM)).astype(np.float32)
+        table.update(ids, grads)
+    return answers
+
+
+@pytest.mark.parametrize("row_dtype", ["float32", "float16", "bfloat16"])
+def test_training_with_rows_on_disk_matches_all_in_ram(tmp_path, row_dtype) -> None:
+    """Same lookups and updates: every answer and every row (weights and optimizer state)
+    bit-identical to a table big enough to keep them all in RAM."""
+    with _table(tmp_path, capacity=10_000, disk_rows=None, row_dtype=row_dtype) as ram, \
+            _table(tmp_path, capacity=128, disk_rows=2_000, row_dtype=row_dtype,
+                   num_shards=2) as tiered:
+        want, got = _train(ram, 60, seed=1), _train(tiered, 60, seed=1)
+        for a, b in zip(want, got):
+            assert a.tobytes() == b.tobytes()
+        disk = tiered.disk_stats()
+        assert disk["spilled"] > 500 and disk["restored"] > 500 and disk["disk_rows"] > 300
+        assert tiered.stats()["evicted"] == 0  # nothing left the table
+        assert tiered.num_entries <= 128
+        assert _rows(tiered) == _rows(ram)  # checkpoint export: RAM and disk rows
+
+
+def test_rows_come_back_bit_identical_with_adam_state(tmp_path) -> None:
+    with _table(tmp_path, capacity=16, disk_rows=1_000, optimizer=AdamConfig(lr=0.01)) as t:
+        ids = np.arange(1, 17, dtype=np.uint64)
+        t.lookup(ids, True)
+        t.update(ids, np.full((16, DIM), 0.5, np.float32))
+        before = _rows(t)
+        t.lookup(np.arange(100, 116, dtype=np.uint64), True)  # pushes all 16 to disk
+        assert t.disk_stats()["disk_rows"] == 16
+        back = t.lookup(ids, False)  # an inference lookup brings them back too
+        assert t.disk_stats()["disk_rows"] == 16  # the other 16 went down meanwhile
+        after = _rows(t)
+        assert {i: after[i] for i in before} == before
+        assert np.array_equal(back, np.stack([np.frombuffer(before[int(i)][0], np.float32)
+                                              for i in ids]))
+
+
+def test_update_of_a_row_on_disk_brings_it_back(tmp_path) -> None:
+    with _table(tmp_path, capacity=16, disk_rows=100) as t, \
+            _table(tmp_path, capacity=100, disk_rows=None) as ram:
+        for table in (t, ram):
+            table.lookup(np.arange(1, 17, dtype=np.uint64), True)
+            table.lookup(np.arange(17, 33, dtype=np.uint64), True)
+            # Row 1 is on disk in ``t`` (staleness: the lookup of another batch evicted it).
+            assert table.update(np.array([1, 1], np.uint64),
+                                np.ones((2, DIM), np.float32)) == 1
+        assert t.disk_stats()["restored"] == 1
+        assert _rows(t) == _rows(ram)
+
+
+def test_disk_capacity_deletes_oldest_and_counts(tmp_path) -> None:
+    with _table(tmp_path, capacity=16, disk_rows=64) as t:
+        for start in range(0, 320, 16):  # 320 distinct ids through 16 RAM + 64 disk rows
+            t.lookup(np.arange(start + 1, start + 17, dtype=np.uint64), True)
+        disk, stats = t.disk_stats(), t.stats()
+        assert disk["disk_rows"] <= disk["disk_capacity_rows"]
+        assert stats["evicted"] == disk["disk_evicted"] > 0
+        # Every row is in RAM, on disk, or counted as gone.
+        assert stats["entries"] + disk["disk_rows"] + stats["evicted"] == 320
+        gone = t.lookup(np.array([1], np.uint64), False)  # the oldest left: reads as zeros
+        assert not gone.any()
+
+
+def test_increments_export_rows_changed_then_spilled_and_removals(tmp_path) -> None:
+    with _table(tmp_path, capacity=16, disk_rows=21) as t:  # 21: three 7-row blocks
+        t.track_changes()
+        t.lookup(np.arange(1, 17, dtype=np.uint64), True)
+        t.lookup(np.arange(17, 33, dtype=np.uint64), True)  # 1..16 spill
+        rows, removed = t.export_changed_rows()
+        assert set(rows["ids"].tolist()) == set(range(1, 33)) and removed.size == 0
+        t.lookup(np.arange(33, 49, dtype=np.uint64), True)  # 17..32 spill, 11 leave
+        rows, removed = t.export_changed_rows()
+        assert set(rows["ids"].tolist()) == set(range(33, 49))
+        assert set(removed.tolist()) == set(range(1, 12))  # spilled longest ago
+        assert t.stats()["evicted"] == t.disk_stats()["disk_evicted"] == 11
+        t.update(np.array([20], np.uint64), np.ones((1, DIM), np.float32))  # back to RAM
+        t.lookup(np.arange(49, 65, dtype=np.uint64), True)  # ...and 20 spills again
+        rows, removed = t.export_changed_rows()
+        assert 20 in set(rows["ids"].tolist())  # updated, then spilled: still exported
+        stored = set(t.export_rows()["ids"].tolist())
+        assert set(removed.tolist()) == set(range(12, 65)) - stored - set(range(1, 12))
+        assert t.remove_ids(np.arange(1, 65, dtype=np.uint64)) == len(stored)  # RAM, disk
+
+
+def test_checkpoint_of_rows_on_disk_loads_into_a_tiered_table(tmp_path) -> None:
+    with _table(tmp_path, capacity=32, disk_rows=500) as t:
+        _train(t, 30, seed=4, universe=300, batch=16)
+        rows = t.export_rows()
+        assert rows["ids"].shape[0] > 32
+        with _table(tmp_path, capacity=32, disk_rows=500) as loaded:
+            loaded.import_rows(rows["ids"], rows["weights"], rows["state"],
+                               rows["last_access"], rows["clock"])
+            assert loaded.num_entries == 32
+            assert _rows(loaded) == _rows(t)
+        with _table(tmp_path, capacity=32, disk_rows=8) as small, \
+                pytest.raises(ValueError, match="disk tier's capacity_rows"):
+            small.import_rows(rows["ids"], rows["weights"], rows["state"],
+                              rows["last_access"], rows["clock"])
+
+
+def test_tier_starts_empty_and_leaves_nothing_behind(tmp_path) -> None:
+    """The tier's file is unnamed: a leftover or garbage file in the folder is neither
+    read nor touched, a new tier starts empty, and closing frees the disk space."""
+    junk = tmp_path / "shard0.tier"
+    junk.write_bytes(b"\x00garbage, truncated" * 7)
+    before = sorted(os.listdir(tmp_path))
+    tier = DiskTier(str(tmp_path), capacity_rows=1_000, dim=DIM,
+                    weight_dtype=np.dtype(np.float16), state_width=1)
+    try:
+        assert tier.num_rows == 0 and tier.file.direct
+        found, _, _ = tier.take(np.arange(1, 100, dtype=np.uint64))
+        assert not found.any()
+        assert sorted(os.listdir(tmp_path)) == before
+    finally:
+        tier.close()
+    assert junk.read_bytes() == b"\x00garbage, truncated" * 7
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_tier_batch_api_and_bad_input(tmp_path) -> None:
+    tier = DiskTier(str(tmp_path), capacity_rows=10, dim=4, weight_dtype=np.float32,
+                    state_width=4)
+    try:
+        ids = np.arange(1, 13, dtype=np.uint64)
+        weights = np.random.default_rng(0).random((12, 4), dtype=np.float32)
+        gone = tier.write(ids, weights, weights * 2)  # 12 rows into a log of 12 slots
+        assert tier.num_slots == 12 and gone.size == 0
+        found, w, s = tier.peek(np.array([3, 99, 12], np.uint64))
+        assert found.tolist() == [True, False, True]
+        assert np.array_equal(w, weights[[2, 11]]) and np.array_equal(s, 2 * weights[[2, 11]])
+        with pytest.raises(ValueError, match="weights must be float32"):
+            tier.write(ids[:1], weights[:1].astype(np.float16), weights[:1])
+        assert tier.delete(np.array([3, 99], np.uint64)) == 1 and tier.num_deleted == 1
+    finally:
+        tier.close()
+    with pytest.raises(ValueError, match="not an existing folder"):
+        DiskTier(str(tmp_path / "nope"), capacity_rows=10, dim=4, weight_dtype=np.float32,
+                 state_width=0)
+
+
+def test_config_is_strict(tmp_path) -> None:
+    def ps(tier: dict):
+        return global_config_from_dict(
+            {"embedding_parameter_server_config": {"disk_tier": tier}})
+
+    config = ps({"path": str(tmp_path), "capacity_rows": 1000})
+    assert config.embedding_parameter_server_config.disk_tier.enabled
+    assert not global_config_from_dict({}).embedding_parameter_server_config.disk_tier.enabled
+    with pytest.raises(ConfigError, match="capacity_rows: required"):
+        ps({"path": str(tmp_path)})
+    with pytest.raises(ConfigError, match="not an existing folder"):
+        ps({"path": str(tmp_path / "nope"), "capacity_rows": 10})
+    with pytest.raises(ConfigError, match="set, but path is not"):
+        ps({"capacity_rows": 10})
+    with pytest.raises(ConfigError, match="did you mean 'capacity_rows'"):
+        ps({"path": str(tmp_path), "capacity_row": 10})
+
+
+def test_off_changes_nothing(tmp_path) -> None:
+    """Without a tier, eviction deletes as before: the same answers and counters as a
+    table built without the argument."""
+    plain = EmbeddingTable(dim=DIM, optimizer=AdagradConfig(lr=0.1), capacity=128, seed=3)
+    off = _table(tmp_path, capacity=128, disk_rows=None)
+    with plain, off:
+        for a, b in zip(_train(plain, 40, seed=2), _train(off, 40, seed=2)):
+            assert a.tobytes() == b.tobytes()
+        assert plain.stats() == off.stats() and off.stats()["evicted"] > 0
+        assert off.disk_stats() == {} and off.disk_tier is None
+    assert os.listdir(tmp_path) == []
