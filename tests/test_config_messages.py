@@ -19,7 +19,7 @@ CASES = [  # (file, text, message after "<path>: ")
     # unknown / misspelled key
     ("global", "embedding_parameter_server_config:\n  capacty: 10\n",
      "embedding_parameter_server_config.capacty: unknown key (valid keys here: ['capacity', "
-     "'num_hashmap_internal_shards']); did you mean 'capacity'?"),
+     "'disk_tier', 'num_hashmap_internal_shards']); did you mean 'capacity'?"),
     ("global", "common_confg: {}\n",
      "common_confg: unknown key (valid keys here: {GlobalConfig}); did you mean 'common_config'?"),
     ("embedding", "slots_config:\n  a:\n    dimm: 8\n",
