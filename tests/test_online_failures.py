@@ -24,11 +24,12 @@ import numpy as np
 import pytest
 from conftest import RoleProcess, launcher_command
 from online_jobs import ROWS_PER_FILE, add_file, csv_rows, run_to_its_end, start, write_config
+from test_online_training import COLUMNS
 
 from benchmarks.role_processes import role_pid
-from persia_py.ops.final_errors import DATA_EXIT_CODE
-
-pytestmark = pytest.mark.processes
+from persia_py.input.readers import CsvReaderConfig
+from persia_py.input.stream_reader import CsvFormat, StreamReader
+from persia_py.ops.final_errors import DATA_EXIT_CODE, DataError
 
 BATCH = 32
 """The test loader's batch size."""
@@ -53,6 +54,7 @@ def _kill(job: RoleProcess, kind: str) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.processes
 def test_each_role_failing_in_turn_is_restarted_alone(tmp_path: Path) -> None:
     stream = tmp_path / "stream"
     stream.mkdir()
@@ -123,6 +125,7 @@ def _bad_file(folder: Path, index: int, bad_row: int) -> None:
     (folder / f"{index:03d}.csv").write_text("".join(lines))
 
 
+@pytest.mark.processes
 def test_a_file_that_cannot_be_parsed_ends_the_job_and_the_fixed_stream_goes_on(
         tmp_path: Path) -> None:
     stream = tmp_path / "stream"
@@ -157,6 +160,7 @@ def test_a_file_that_cannot_be_parsed_ends_the_job_and_the_fixed_stream_goes_on(
     np.testing.assert_array_equal(every, np.arange(5 * ROWS_PER_FILE))  # none lost, none twice
 
 
+@pytest.mark.processes
 def test_a_loader_role_told_to_hold_holds_on_a_data_error(tmp_path: Path) -> None:
     """A StatefulSet restarts a pod whatever its exit code; a data error would come back:
     the role holds, saying why, and exits 65 on SIGTERM."""
@@ -175,3 +179,25 @@ def test_a_loader_role_told_to_hold_holds_on_a_data_error(tmp_path: Path) -> Non
         assert job.wait(timeout=30) == DATA_EXIT_CODE, job.output()
     finally:
         job.stop()
+
+
+@pytest.mark.parametrize("text,where", [
+    # a value that does not parse
+    (b"sid,label,x,user,item\n0,1,0.5,3,4\n1,0,0.5abc,5,6\n", r"row 3: column 'x': '0\.5abc'"),
+    # a column missing from the header, or from a row
+    (b"sid,label,x,user\n0,1,0.5,3\n", r"row 1: column 'item' is missing"),
+    (b"sid,label,x,user,item\n0,1,0.5,3\n", r"row 2: 4 fields, expected 5 .*no field for "
+                                              r"column 'item'"),
+    # an extra column
+    (b"sid,label,x,user,item\n0,1,0.5,3,4,9\n", r"row 2: 6 fields, expected 5 .*1 field\(s\) "
+                                                 r"after the last column 'item'"),
+    # bytes that are not text where a number belongs
+    (b"sid,label,x,user,item\n0,1,0.5,3,\xff\xfe\n", r"row 2: column 'item': "),
+], ids=["value", "header-column", "row-column", "extra-column", "encoding"])
+def test_every_kind_of_unparseable_file_is_a_data_error_naming_file_row_and_column(
+        tmp_path: Path, text: bytes, where: str) -> None:
+    (tmp_path / "003.csv").write_bytes(text)
+    reader = StreamReader(tmp_path, CsvFormat(CsvReaderConfig(columns=COLUMNS, header=True)),
+                          pattern="*.csv", idle_timeout_sec=1.0)
+    with pytest.raises(DataError, match=r"003\.csv: " + where):
+        list(reader.batches(10))

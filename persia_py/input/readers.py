@@ -77,10 +77,18 @@ def check_header(config: CsvReaderConfig, fields: list[str], path: str) -> None:
             c.kind == "skip" or f.strip() == c.name for c, f in zip(config.columns, fields)):
         return
     shown = repr(fields) if len(repr(fields)) <= 200 else repr(fields)[:200] + "..."
-    raise BadRecordError(path, 1, f"CsvReaderConfig(header=True), but the first line's "
-                                  f"fields {shown} are not the header naming the columns "
-                                  f"{expected} (a 'skip' column's field may have any name); "
-                                  "name the columns as the file's header does, or set "
+    names = [f.strip() for f in fields]
+    missing = [c.name for c in config.columns if c.kind != "skip" and c.name not in names]
+    if missing:
+        where = f"column {missing[0]!r} is missing"
+    elif len(fields) > len(expected):
+        where = f"{len(fields) - len(expected)} field(s) after the last column {expected[-1]!r}"
+    else:
+        where = "the columns are in another order"
+    raise BadRecordError(path, 1, f"{where}: CsvReaderConfig(header=True), but the first "
+                                  f"line's fields {shown} are not the header naming the "
+                                  f"columns {expected} (a 'skip' column's field may have any "
+                                  "name); name the columns as the file's header does, or set "
                                   "header=False if the files have none")
 
 
