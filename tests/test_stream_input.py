@@ -357,7 +357,7 @@ def test_a_first_line_that_is_not_the_header_is_an_error(tmp_path: Path, first_l
     (stream / "001.csv").write_text(first_line + "\n" + "".join(_rows(3)))
     reader = _reader(stream, "*.csv", header=True).batches(10)
     assert next(reader).records.num_records == 3  # 'city' is skipped: any name will do
-    expected = rf"{stream / '001.csv'}: row 1: CsvReaderConfig\(header=True\), but the first"
+    expected = rf"{stream / '001.csv'}: row 1: .*CsvReaderConfig\(header=True\), but the first"
     with pytest.raises(BadRecordError, match=expected):
         next(reader)
     config = CsvReaderConfig(columns=COLUMNS, header=True, skip_bad_rows=True)

@@ -81,10 +81,14 @@ def check_header(config: CsvReaderConfig, fields: list[str], path: str) -> None:
     missing = [c.name for c in config.columns if c.kind != "skip" and c.name not in names]
     if missing:
         where = f"column {missing[0]!r} is missing"
+    elif len(fields) < len(expected):
+        where = f"no field for column {expected[len(fields)]!r}"
     elif len(fields) > len(expected):
         where = f"{len(fields) - len(expected)} field(s) after the last column {expected[-1]!r}"
     else:
-        where = "the columns are in another order"
+        where = next(f"column {i + 1} is named {f!r}, not {c.name!r}"
+                     for i, (c, f) in enumerate(zip(config.columns, names))
+                     if c.kind != "skip" and f != c.name)
     raise BadRecordError(path, 1, f"{where}: CsvReaderConfig(header=True), but the first "
                                   f"line's fields {shown} are not the header naming the "
                                   f"columns {expected} (a 'skip' column's field may have any "
