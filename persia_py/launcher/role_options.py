@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["DataLoaderOptions", "EmbeddingWorkerOptions", "NNWorkerOptions",
            "ParameterServerOptions", "PlanOptions", "RoleOptions", "ServeOptions",
@@ -142,13 +145,13 @@ _ROLE_OPTIONS: dict[str, type[RoleOptions]] = {
 }
 """Each command that runs a role (or ``serve``) and its options."""
 
-_Options = TypeVar("_Options")
+_Options = TypeVar("_Options", bound="DataclassInstance")
 
 
 def _from_flags(cls: type[_Options], args: argparse.Namespace) -> _Options:
     """``cls`` with each field the flag of its name (repeated or remainder flags, parsed
     as lists, as tuples)."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls)}  # type: ignore[arg-type]
+    values = {f.name: getattr(args, f.name) for f in fields(cls)}
     return cls(**{name: tuple(value) if isinstance(value, list) else value
                   for name, value in values.items()})
 
