@@ -339,11 +339,12 @@ def restart_without_checkpoint(fx: Fixtures):
 def replay_without_update_log(fx: Fixtures):
     from persia_py.launcher import roles
     from persia_py.launcher.cli import build_parser
+    from persia_py.launcher.role_options import role_options_from_flags
 
     config = str(ROOT / "examples" / "criteo_synthetic" / "embedding_config.yml")
     args = build_parser().parse_args(["embedding-parameter-server", "--embedding-config",
                                       config, "--replay-update-log"])
-    return raised(lambda: roles.run_parameter_server(args)), {}
+    return raised(lambda: roles.run_parameter_server(role_options_from_flags(args))), {}
 
 
 def folder_not_writable(fx: Fixtures) -> tuple[BaseException, dict[str, str]]:

@@ -151,3 +151,28 @@ def test_the_configs_folders_say_who_writes_and_who_reads_them(tmp_path) -> None
     checkpoints = folders["checkpoint_config.dir"]
     assert checkpoints.shared and set(checkpoints.writers) == {NN_WORKER, PARAMETER_SERVER}
     assert all(f.outlives_process for f in folders.values())
+
+
+def test_serves_servers_are_the_training_roles_placed_as_serving_replicas(tmp_path) -> None:
+    """``serve``'s parameter servers and embedding worker get their commands from
+    role_commands: a training role's, plus what a serving replica takes."""
+    from pathlib import Path
+
+    from persia_py.launcher.cli import build_parser
+    from persia_py.launcher.role_options import role_options_from_flags
+    from persia_py.launcher.serve import _server_roles
+
+    options = role_options_from_flags(build_parser().parse_args([
+        "serve", "--checkpoint", str(tmp_path), "--embedding-config", "e.yml", "--model",
+        "m.py:M", "--num-ps", "2", "--insecure", "--follow-increments", "inc",
+        "--metrics-port", "0"]))
+    ps0, ps1, worker = (build_parser().parse_args(role.command[3:])
+                        for role in _server_roles(options, "/abs/e.yml", Path("/ckpt/7"),
+                                                  "127.0.0.1", [5001, 5002], 5003))
+    assert (ps1.command, ps1.port, ps1.replica_index, ps1.replica_size) == (
+        "embedding-parameter-server", 5002, 1, 2)
+    assert (ps0.inference, ps0.load_checkpoint, ps0.insecure, ps0.metrics_port) == (
+        True, "/ckpt/7", True, 0)
+    assert ps0.follow_increments.endswith("/inc") and ps0.follow_increments.startswith("/")
+    assert (worker.command, worker.port, worker.bind, worker.metrics_port) == (
+        "embedding-worker", 5003, "127.0.0.1", 0)

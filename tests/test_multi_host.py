@@ -233,6 +233,7 @@ def test_three_hosts_train_like_one_machine(emulated_hosts, tmp_path) -> None:
 def test_local_addr_is_advertised_and_decides_who_hosts_the_rendezvous(monkeypatch) -> None:
     from persia_py.launcher import roles
     from persia_py.launcher.cli import build_parser
+    from persia_py.launcher.role_options import role_options_from_flags
 
     started = []
     monkeypatch.setattr(roles, "run_torchrun",
@@ -241,12 +242,12 @@ def test_local_addr_is_advertised_and_decides_who_hosts_the_rendezvous(monkeypat
         args = build_parser().parse_args([
             "nn-worker", "--nnodes", "2", "--rdzv-endpoint", "10.77.0.2:29400",
             "--local-addr", local_addr, "--insecure", "train.py"])
-        assert roles.run_nn_worker(args) == 0
+        assert roles.run_nn_worker(role_options_from_flags(args)) == 0
         assert f"--local-addr={local_addr}" in started[-1]
         assert f"--rdzv-conf=is_host={is_host},read_timeout=60,close_timeout=60" in started[-1]
     args = build_parser().parse_args(["nn-worker", "--max-restarts", "1", "--insecure",
                                       "train.py"])
-    roles.run_nn_worker(args)
+    roles.run_nn_worker(role_options_from_flags(args))
     assert not [a for a in started[-1] if a.startswith(("--local-addr", "--rdzv-conf"))]
 
 

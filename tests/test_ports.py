@@ -106,12 +106,13 @@ def _ranks(monkeypatch, *flags: str) -> tuple[list[str], int, dict[str, str], in
     ranks, their environment, and the port of their store."""
     from persia_py.launcher import roles
     from persia_py.launcher.cli import build_parser
+    from persia_py.launcher.role_options import role_options_from_flags
 
     started = []
     monkeypatch.setattr(roles, "run_ranks", lambda script, nproc, env, port:
                         started.append((script, nproc, env, port)) or 0)
-    assert roles.run_nn_worker(build_parser().parse_args(
-        ["nn-worker", "--insecure", *flags, "train.py", "--epochs", "2"])) == 0
+    assert roles.run_nn_worker(role_options_from_flags(build_parser().parse_args(
+        ["nn-worker", "--insecure", *flags, "train.py", "--epochs", "2"]))) == 0
     return started[0]
 
 
@@ -120,12 +121,13 @@ def _nn_worker(monkeypatch, *flags: str) -> tuple[list[str], dict[str, str]]:
     one node, only where torchrun restarts the ranks)."""
     from persia_py.launcher import roles
     from persia_py.launcher.cli import build_parser
+    from persia_py.launcher.role_options import role_options_from_flags
 
     started = []
     monkeypatch.setattr(roles, "run_torchrun",
                         lambda command, env, grace_sec: started.append((command, env)) or 0)
-    assert roles.run_nn_worker(build_parser().parse_args(
-        ["nn-worker", "--insecure", *flags, "train.py"])) == 0
+    assert roles.run_nn_worker(role_options_from_flags(build_parser().parse_args(
+        ["nn-worker", "--insecure", *flags, "train.py"]))) == 0
     return started[0]
 
 

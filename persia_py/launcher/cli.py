@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from persia_py.config import ConfigError
 from persia_py.launcher.job_token import add_insecure_flag, add_insecure_token_flag
@@ -13,6 +14,9 @@ from persia_py.launcher.role_kinds import ROLE_KINDS
 from persia_py.ops.final_errors import DATA_EXIT_CODE
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 from persia_py.wire.security import ENV_INSECURE_TOKEN
+
+if TYPE_CHECKING:
+    from persia_py.launcher.role_options import RoleOptions
 
 _NEEDS_TOKEN = (*(kind.command for kind in ROLE_KINDS), "serve")
 """Subcommands that refuse to start without a job token unless ``--insecure``."""
@@ -317,26 +321,18 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from persia_py.launcher import roles
 
-    run = {
-        "embedding-parameter-server": roles.run_parameter_server,
-        "embedding-worker": roles.run_embedding_worker,
-        "nn-worker": roles.run_nn_worker,
-        "data-loader": roles.run_data_loader,
-        "local": _run_local,
-        "serve": _run_serve,
-        "k8s": _run_k8s,
-        "slurm": _run_slurm,
-        "slurm-run": _run_slurm,
-        "plot": _run_plot,
-        "plan": _run_plan,
-    }[args.command]
     if getattr(args, "insecure_token", False):
         # Read by every token check in this process and in those it starts.
         os.environ[ENV_INSECURE_TOKEN] = "1"
     try:
         if args.command in _NEEDS_TOKEN:
-            roles.require_token(args)
-        code = run(args)
+            from persia_py.launcher.role_options import role_options_from_flags
+
+            options = role_options_from_flags(args)
+            roles.require_token(options)
+            code = _run_role(options)
+        else:
+            code = _ENGINES_AND_TOOLS[args.command](args)
     except ConfigError as exc:
         # Final: a supervisor that restarted the role would meet the same error.
         print(f"persia-launcher {args.command}: config error: {exc}", file=sys.stderr)
@@ -347,6 +343,31 @@ def main(argv: list[str] | None = None) -> int:
         # a restart would meet it again.
         return roles.hold_after_config_error(args.command, code)
     return code
+
+
+def _run_role(options: RoleOptions) -> int:
+    """Run the role (or ``serve``) that ``options`` are of."""
+    from persia_py.launcher import roles
+    from persia_py.launcher.role_options import (
+        DataLoaderOptions,
+        EmbeddingWorkerOptions,
+        NNWorkerOptions,
+        ParameterServerOptions,
+        ServeOptions,
+    )
+
+    if isinstance(options, ParameterServerOptions):
+        return roles.run_parameter_server(options)
+    if isinstance(options, EmbeddingWorkerOptions):
+        return roles.run_embedding_worker(options)
+    if isinstance(options, NNWorkerOptions):
+        return roles.run_nn_worker(options)
+    if isinstance(options, DataLoaderOptions):
+        return roles.run_data_loader(options)
+    assert isinstance(options, ServeOptions), options
+    from persia_py.launcher.serve import run_serve  # imports torch: only this command pays for it
+
+    return run_serve(options)
 
 
 def _run_local(args: argparse.Namespace) -> int:
@@ -376,16 +397,11 @@ def _run_slurm(args: argparse.Namespace) -> int:
     return run_in_allocation(spec, options)
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    from persia_py.launcher.serve import run_serve  # imports torch: only this command pays for it
-
-    return run_serve(args)
-
-
 def _run_plan(args: argparse.Namespace) -> int:
     from persia_py.launcher.plan_cli import run_plan
+    from persia_py.launcher.role_options import plan_options_from_flags
 
-    return run_plan(args)
+    return run_plan(plan_options_from_flags(args))
 
 
 def _run_plot(args: argparse.Namespace) -> int:
@@ -395,6 +411,11 @@ def _run_plot(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}")
     return 0
 
+
+_ENGINES_AND_TOOLS = {"local": _run_local, "k8s": _run_k8s, "slurm": _run_slurm,
+                      "slurm-run": _run_slurm, "plan": _run_plan, "plot": _run_plot}
+"""The subcommands that run no role themselves (and need no token), each with the
+function that runs it from its flags."""
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,8 @@
-"""From the command line to the job model: the one place where ``local``'s and ``k8s``'s
-parsed flags (an ``argparse.Namespace``) become a typed
-:class:`~persia_py.launcher.job_model.Job` and the engine's own options. Past this module
-no launcher function takes a Namespace."""
+"""From the command line to the job model: the one place where ``local``'s, ``k8s``'s and
+``slurm``'s parsed flags (an ``argparse.Namespace``) become a typed
+:class:`~persia_py.launcher.job_model.Job` and the engine's own options (a role's, and
+``serve``'s and ``plan``'s: :mod:`persia_py.launcher.role_options`). Past these two
+modules no launcher function takes a Namespace."""
 
 from __future__ import annotations
 

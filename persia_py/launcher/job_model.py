@@ -28,8 +28,8 @@ from persia_py.launcher.role_kinds import (
     RoleKind,
 )
 
-__all__ = ["Folder", "Job", "Layout", "NNPlacement", "Placement", "RESTARTS", "Resources",
-           "Script"]
+__all__ = ["Folder", "Job", "Layout", "NNPlacement", "NO_SCRIPT", "Placement", "RESTARTS",
+           "Resources", "Script"]
 
 RESTARTS = ("launcher", "torchrun")
 """Who restarts a dead NN rank: the launcher (the training roles from the last
@@ -42,6 +42,11 @@ class Script:
 
     path: str
     args: tuple[str, ...] = ()
+
+
+NO_SCRIPT = Script("")
+"""The script of a job that runs none of that role (``serve``'s: parameter servers and
+an embedding worker, no NN worker or data loader)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,12 @@ class Placement:
     """A restart: replay the role's own log (update log, handover log)."""
     flags: tuple[str, ...] = ()
     """Flags every role of this engine takes (e.g. ``--insecure``)."""
+    inference: bool = False
+    """A serving replica (``serve``'s parameter servers): read-only tables."""
+    load_checkpoint: str | None = None
+    """The checkpoint a parameter server loads before serving (None: none)."""
+    follow_increments: str | None = None
+    """The incremental exports a serving parameter server applies as they appear."""
 
 
 @dataclass(frozen=True)

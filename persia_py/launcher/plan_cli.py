@@ -17,6 +17,7 @@ from persia_py.launcher.plan import (
     make_plan,
     tables_from_config,
 )
+from persia_py.launcher.role_options import PlanOptions
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
@@ -94,52 +95,52 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def _distinct_ids(args: argparse.Namespace, slots: list[str]
+def _distinct_ids(options: PlanOptions, slots: list[str]
                   ) -> tuple[dict[str, int], dict[str, float]]:
     counts: dict[str, int] = {}
     per_sample: dict[str, float] = {}
-    if args.sample:
+    if options.sample:
         from persia_py.launcher.plan_sample import estimate_distinct_ids
 
         counts, per_sample = estimate_distinct_ids(
-            args.sample, set(slots), fmt=args.sample_format, scale=args.sample_scale,
-            delimiter=args.sample_delimiter)
-    if args.ids_file:
-        with open(args.ids_file) as f:
+            options.sample, set(slots), fmt=options.sample_format, scale=options.sample_scale,
+            delimiter=options.sample_delimiter)
+    if options.ids_file:
+        with open(options.ids_file) as f:
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
-            raise ValueError(f"--ids-file {args.ids_file}: expected a mapping slot -> count")
+            raise ValueError(f"--ids-file {options.ids_file}: expected a mapping slot -> count")
         counts.update({str(k): parse_count(str(v)) for k, v in data.items()})
-    counts.update(dict(args.ids))
-    if args.ids_all is not None:
+    counts.update(dict(options.ids))
+    if options.ids_all is not None:
         for slot in slots:
-            counts.setdefault(slot, args.ids_all)
+            counts.setdefault(slot, options.ids_all)
     return counts, per_sample
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_plan(options: PlanOptions) -> int:
     """``persia-launcher plan``: print the plan (text, or JSON with ``--json``)."""
-    embedding = load_embedding_config(args.embedding_config)
-    global_config = load_global_config(args.global_config)
+    embedding = load_embedding_config(options.embedding_config)
+    global_config = load_global_config(options.global_config)
     try:
-        counts, per_sample = _distinct_ids(args, list(embedding.slots_config))
-        tables = tables_from_config(embedding, global_config, counts, args.optimizer,
-                                    per_sample, row_dtype=args.row_dtype)
-        machine = Machine(memory_bytes=args.machine_memory, cores=args.machine_cores,
-                          usable=args.usable_memory)
+        counts, per_sample = _distinct_ids(options, list(embedding.slots_config))
+        tables = tables_from_config(embedding, global_config, counts, options.optimizer,
+                                    per_sample, row_dtype=options.row_dtype)
+        machine = Machine(memory_bytes=options.machine_memory, cores=options.machine_cores,
+                          usable=options.usable_memory)
         workload = Workload(
-            num_nn_workers=args.nn_workers, nn_workers_per_node=args.nn_workers_per_node,
-            batch_size=args.batch_size, staleness=args.staleness,
+            num_nn_workers=options.nn_workers, nn_workers_per_node=options.nn_workers_per_node,
+            batch_size=options.batch_size, staleness=options.staleness,
             wire_bytes=2 if global_config.common_config.embedding_fp16 else 4,
             num_internal_shards=(
                 global_config.embedding_parameter_server_config.num_hashmap_internal_shards),
-            update_log_max_bytes=args.update_log_max_bytes)
+            update_log_max_bytes=options.update_log_max_bytes)
         plan = make_plan(tables, machine=machine, workload=workload)
     except ValueError as exc:
         raise SystemExit(f"persia-launcher plan: {exc}") from None
-    plan["optimizer"] = args.optimizer
+    plan["optimizer"] = options.optimizer
     plan["row_dtype"] = "/".join(sorted({t.row_dtype for t in tables}))
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    print(json.dumps(plan, indent=2) if options.json else format_plan(plan))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Each role's command line, built in one function per role kind for every engine
-(``local``, ``k8s``): the :class:`~persia_py.launcher.job_model.Job` says what the role
-runs, the engine's :class:`~persia_py.launcher.job_model.Placement` where and how."""
+(``local``, ``k8s``, ``slurm``, and ``serve``'s servers): the
+:class:`~persia_py.launcher.job_model.Job` says what the role runs, the engine's
+:class:`~persia_py.launcher.job_model.Placement` where and how."""
 
 from __future__ import annotations
 
@@ -29,10 +30,13 @@ def _server_flags(kind: RoleKind, job: Job, at: Placement) -> list[str]:
 
 def parameter_server(job: Job, at: Placement) -> list[str]:
     """A parameter server: its update log (``at.own_log``, a folder), replayed by a
-    restart."""
+    restart; a serving replica's checkpoint and the increments it follows."""
     return [*at.launcher, *_server_flags(PARAMETER_SERVER, job, at),
             *(["--update-log", at.own_log] if at.own_log else []),
-            *(["--replay-update-log"] if at.replay else [])]
+            *(["--replay-update-log"] if at.replay else []),
+            *(["--inference"] if at.inference else []),
+            *(["--load-checkpoint", at.load_checkpoint] if at.load_checkpoint else []),
+            *(["--follow-increments", at.follow_increments] if at.follow_increments else [])]
 
 
 def embedding_worker(job: Job, at: Placement) -> list[str]:

@@ -4,7 +4,6 @@ servers and an embedding worker loading it, the serving gRPC front answering
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import select
@@ -20,8 +19,10 @@ from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.dense_export import DenseFollower, DenseModelSlot
 from persia_py.config import CommonConfig, load_global_config
 from persia_py.ctx import InferCtx
-from persia_py.launcher import stop_signals
+from persia_py.launcher import role_commands, stop_signals
+from persia_py.launcher.job_model import NO_SCRIPT, Job, Placement
 from persia_py.launcher.role_kinds import EMBEDDING_WORKER, PARAMETER_SERVER
+from persia_py.launcher.role_options import ServeOptions
 from persia_py.ops import safe_files
 from persia_py.serving import (
     build_model,
@@ -32,6 +33,7 @@ from persia_py.serving import (
 from persia_py.wire.rpc import create_channel, wait_for_ready
 
 if TYPE_CHECKING:
+    from persia_py.launcher.local import Role
     from persia_py.telemetry.monitoring import MetricsServer
 
 logger = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ def _checkpoint_to_serve(path: str, *, wait: bool, stop: stop_signals.Requested
             return None
 
 
-def _follow_dense(args: argparse.Namespace, slot: DenseModelSlot,
+def _follow_dense(options: ServeOptions, slot: DenseModelSlot,
                   factory: Callable[[], torch.nn.Module], device: torch.device,
                   global_config) -> tuple[DenseFollower | None, MetricsServer | None]:
     """The started follower of ``--follow-dense`` (None without it) and the metrics
@@ -111,63 +113,78 @@ def _follow_dense(args: argparse.Namespace, slot: DenseModelSlot,
                        "Failed attempts to load a dense model version (each is retried)",
                        registry=registry)
     follower = None
-    if args.follow_dense:
+    if options.follow_dense:
         every_sec = global_config.checkpoint_config.dense_export_every_sec
-        follower = DenseFollower(slot, args.follow_dense,
+        follower = DenseFollower(slot, options.follow_dense,
                                  lambda: build_model(factory).to(device),
                                  warn_after_sec=2 * every_sec or None,
                                  on_failure=failures.inc).start()
     register_freshness(registry, "dense_model", lambda: max(0.0, time.time() - slot.created_unix),
                        lambda: 0 if follower is None else follower.num_loaded)
-    metrics_server = (None if args.metrics_port is None
-                      else serve_metrics(registry, args.metrics_port, args.bind, "serve"))
+    metrics_server = (None if options.metrics_port is None
+                      else serve_metrics(registry, options.metrics_port, options.bind, "serve"))
     return follower, metrics_server
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def _server_roles(options: ServeOptions, embedding_config: str, folder: Path, host: str,
+                  ps_ports: list[int], ew_port: int) -> list[Role]:
+    """The parameter servers, serving replicas of ``folder`` (a replica that dies comes
+    back from the same checkpoint), and the embedding worker; their commands built as
+    every engine's (:mod:`persia_py.launcher.role_commands`)."""
+    from persia_py.launcher import local
+
+    job = Job(embedding_config=embedding_config,
+              global_config=options.global_config, nn_worker=NO_SCRIPT,
+              data_loader=NO_SCRIPT, num_ps=options.num_ps, insecure=options.insecure)
+    launcher = (sys.executable, "-m", "persia_py.launcher.cli")
+    # With --metrics-port each replica prints its endpoint (freshness, load).
+    metrics_port = None if options.metrics_port is None else 0
+    follow = options.follow_increments and os.path.abspath(options.follow_increments)
+    roles = []
+    for i, port in enumerate(ps_ports):
+        command = role_commands.parameter_server(job, Placement(
+            launcher, str(i), port, host, metrics_port=metrics_port, inference=True,
+            load_checkpoint=str(folder), follow_increments=follow or None))
+        role = local.Role(f"{PARAMETER_SERVER.short}-{i}", command)
+        role.restart = (lambda fixed: lambda: fixed)(command)
+        roles.append(role)
+    roles.append(local.Role(f"{EMBEDDING_WORKER.short}-0", role_commands.embedding_worker(
+        job, Placement(launcher, "0", ew_port, host, metrics_port=metrics_port)),
+        kind=EMBEDDING_WORKER))
+    return roles
+
+
+def run_serve(options: ServeOptions) -> int:
     from persia_py.env import ENV_EMBEDDING_CONFIG, ENV_GLOBAL_CONFIG, ENV_PS_ADDRS
-    from persia_py.launcher.local import LocalCluster, Role
+    from persia_py.launcher.local import LocalCluster
     from persia_py.launcher.ports import free_ports
     from persia_py.launcher.roles import validate_configs
 
-    if args.num_ps < 1:
+    if options.num_ps < 1:
         raise SystemExit("--num-ps must be >= 1")
-    validate_configs(args.global_config, args.embedding_config)
-    global_config = load_global_config(args.global_config)
+    assert options.embedding_config is not None, "serve's parser requires it"
+    embedding_config = os.path.abspath(options.embedding_config)
+    validate_configs(options.global_config, options.embedding_config)
+    global_config = load_global_config(options.global_config)
     stop_signals.on_stop_signals()  # read from a descriptor (persia_py/launcher/stop_signals.py)
     stop = stop_signals.Requested()
-    folder = _checkpoint_to_serve(args.checkpoint, wait=args.wait, stop=stop)
+    folder = _checkpoint_to_serve(options.checkpoint, wait=options.wait, stop=stop)
     if folder is None:
         print("serve: stopped while waiting for the first checkpoint", flush=True)
         return 0
-    factory = load_factory(args.model)
+    factory = load_factory(options.model)
     model = load_dense_model(factory, folder)
-    print(f"serve: dense model {args.model} loaded from {folder}", flush=True)
+    print(f"serve: dense model {options.model} loaded from {folder}", flush=True)
 
-    host = args.bind
-    *ps_ports, ew_port = free_ports(args.num_ps + 1, host)
+    host = options.bind
+    *ps_ports, ew_port = free_ports(options.num_ps + 1, host)
     ps_addrs = [f"{host}:{p}" for p in ps_ports]
     env = dict(os.environ)
-    env.update({ENV_EMBEDDING_CONFIG: os.path.abspath(args.embedding_config),
+    env.update({ENV_EMBEDDING_CONFIG: embedding_config,
                 ENV_PS_ADDRS: ",".join(ps_addrs), "PYTHONUNBUFFERED": "1"})
-    if args.global_config:
-        env[ENV_GLOBAL_CONFIG] = os.path.abspath(args.global_config)
-    launcher = [sys.executable, "-m", "persia_py.launcher.cli"]
-    follow = (["--follow-increments", os.path.abspath(args.follow_increments)]
-              if args.follow_increments else [])
-    insecure = ["--insecure"] if args.insecure else []  # the servers have no token either
-    if args.metrics_port is not None:  # each replica prints its endpoint (freshness, load)
-        insecure.extend(["--metrics-port", "0"])
-    roles = [Role(f"{PARAMETER_SERVER.short}-{i}",
-                  [*launcher, PARAMETER_SERVER.command, "--port", str(p), "--bind", host,
-                   "--replica-index", str(i), "--replica-size", str(args.num_ps),
-                   "--inference", *insecure, "--load-checkpoint", str(folder), *follow])
-             for i, p in enumerate(ps_ports)]
-    for role in roles:  # a replica that dies comes back from the same checkpoint
-        role.restart = (lambda command: lambda: command)(role.command)
-    roles.append(Role(f"{EMBEDDING_WORKER.short}-0", [*launcher, EMBEDDING_WORKER.command,
-                                                   "--port", str(ew_port), "--bind", host,
-                                                   *insecure], kind=EMBEDDING_WORKER))
+    if options.global_config:
+        env[ENV_GLOBAL_CONFIG] = os.path.abspath(options.global_config)
+    roles = _server_roles(options, embedding_config, folder, host, ps_ports, ew_port)
     cluster = LocalCluster(roles, env)
     try:
         cluster.start()
@@ -176,12 +193,12 @@ def run_serve(args: argparse.Namespace) -> int:
                                stop):
             return 0
         with InferCtx(model=model, embedding_worker_addresses=[ew_addr],
-                      global_config=global_config, device_id=args.device_id) as ctx:
+                      global_config=global_config, device_id=options.device_id) as ctx:
             model.to(ctx.device)
             slot = DenseModelSlot(model, created_unix=(folder / fmt.MANIFEST).stat().st_mtime)
-            follower, metrics_server = _follow_dense(args, slot, factory, ctx.device,
+            follower, metrics_server = _follow_dense(options, slot, factory, ctx.device,
                                                      global_config)
-            server, port = create_serving_server(ctx, f"{host}:{args.port}", slot)
+            server, port = create_serving_server(ctx, f"{host}:{options.port}", slot)
             print(f"serve: parameter servers {','.join(ps_addrs)}", flush=True)
             print(f"serve ready on port {port}", flush=True)
             try:
