@@ -6,20 +6,18 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from persia_py.config import ConfigError
 from persia_py.launcher.job_token import add_insecure_flag, add_insecure_token_flag
-from persia_py.launcher.role_kinds import ROLE_KINDS
 from persia_py.ops.final_errors import DATA_EXIT_CODE
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 from persia_py.wire.security import ENV_INSECURE_TOKEN
 
 if TYPE_CHECKING:
     from persia_py.launcher.role_options import RoleOptions
-
-_NEEDS_TOKEN = (*(kind.command for kind in ROLE_KINDS), "serve")
-"""Subcommands that refuse to start without a job token unless ``--insecure``."""
 
 
 def _non_negative(text: str) -> int:
@@ -82,9 +80,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Launch the roles of a persia_py training job.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, add in _SUBCOMMANDS.items():
+    for name, subcommand in _SUBCOMMANDS.items():
         if command is None or command not in _SUBCOMMANDS or name == command:
-            add(sub)
+            subcommand.add(sub)
     return parser
 
 
@@ -294,22 +292,6 @@ def _plot_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default="curves.png", help="PNG to write")
 
 
-_SUBCOMMANDS = {
-    "embedding-parameter-server": _parameter_server_parser,
-    "embedding-worker": _embedding_worker_parser,
-    "nn-worker": _nn_worker_parser,
-    "data-loader": _data_loader_parser,
-    "local": _local_parser,
-    "serve": _serve_parser,
-    "k8s": _k8s_parser,
-    "slurm": _slurm_parser,
-    "slurm-run": _slurm_run_parser,
-    "plan": _plan_parser,
-    "plot": _plot_parser,
-}
-"""Each subcommand's name and the function that adds its parser, in ``--help``'s order."""
-
-
 def main(argv: list[str] | None = None) -> int:
     from persia_py.launcher.lifeline import watch_lifeline
 
@@ -325,14 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         # Read by every token check in this process and in those it starts.
         os.environ[ENV_INSECURE_TOKEN] = "1"
     try:
-        if args.command in _NEEDS_TOKEN:
-            from persia_py.launcher.role_options import role_options_from_flags
-
-            options = role_options_from_flags(args)
-            roles.require_token(options)
-            code = _run_role(options)
-        else:
-            code = _ENGINES_AND_TOOLS[args.command](args)
+        code = _SUBCOMMANDS[args.command].run(args)
     except ConfigError as exc:
         # Final: a supervisor that restarted the role would meet the same error.
         print(f"persia-launcher {args.command}: config error: {exc}", file=sys.stderr)
@@ -343,6 +318,16 @@ def main(argv: list[str] | None = None) -> int:
         # a restart would meet it again.
         return roles.hold_after_config_error(args.command, code)
     return code
+
+
+def _run_role_from_flags(args: argparse.Namespace) -> int:
+    """A role (or ``serve``): refused without a job token unless ``--insecure``."""
+    from persia_py.launcher import roles
+    from persia_py.launcher.role_options import role_options_from_flags
+
+    options = role_options_from_flags(args)
+    roles.require_token(options)
+    return _run_role(options)
 
 
 def _run_role(options: RoleOptions) -> int:
@@ -412,10 +397,29 @@ def _run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-_ENGINES_AND_TOOLS = {"local": _run_local, "k8s": _run_k8s, "slurm": _run_slurm,
-                      "slurm-run": _run_slurm, "plan": _run_plan, "plot": _run_plot}
-"""The subcommands that run no role themselves (and need no token), each with the
-function that runs it from its flags."""
+@dataclass(frozen=True)
+class _Subcommand:
+    add: Callable[[argparse._SubParsersAction], None]
+    """Adds its parser."""
+    run: Callable[[argparse.Namespace], int]
+    """Runs it from its flags; its exit code."""
+
+
+_SUBCOMMANDS = {
+    "embedding-parameter-server": _Subcommand(_parameter_server_parser, _run_role_from_flags),
+    "embedding-worker": _Subcommand(_embedding_worker_parser, _run_role_from_flags),
+    "nn-worker": _Subcommand(_nn_worker_parser, _run_role_from_flags),
+    "data-loader": _Subcommand(_data_loader_parser, _run_role_from_flags),
+    "local": _Subcommand(_local_parser, _run_local),
+    "serve": _Subcommand(_serve_parser, _run_role_from_flags),
+    "k8s": _Subcommand(_k8s_parser, _run_k8s),
+    "slurm": _Subcommand(_slurm_parser, _run_slurm),
+    "slurm-run": _Subcommand(_slurm_run_parser, _run_slurm),
+    "plan": _Subcommand(_plan_parser, _run_plan),
+    "plot": _Subcommand(_plot_parser, _run_plot),
+}
+"""Every subcommand, in ``--help``'s order: how its parser is made and how it runs (the
+roles and ``serve`` refuse to start without a job token unless ``--insecure``)."""
 
 if __name__ == "__main__":
     sys.exit(main())
