@@ -161,8 +161,8 @@ def test_tier_starts_empty_and_leaves_nothing_behind(tmp_path) -> None:
 
 
 def test_tier_batch_api_and_bad_input(tmp_path) -> None:
-    tier = DiskTier(str(tmp_path), capacity_rows=10, dim=4, weight_dtype=np.float32,
-                    state_width=4)
+    tier = DiskTier(str(tmp_path), capacity_rows=12, dim=4, weight_dtype=np.float32,
+                    state_width=4, free_fraction=0.0)
     try:
         ids = np.arange(1, 13, dtype=np.uint64)
         weights = np.random.default_rng(0).random((12, 4), dtype=np.float32)
@@ -210,3 +210,35 @@ def test_off_changes_nothing(tmp_path) -> None:
         assert plain.stats() == off.stats() and off.stats()["evicted"] > 0
         assert off.disk_stats() == {} and off.disk_tier is None
     assert os.listdir(tmp_path) == []
+
+
+def test_free_reserve_bounds_compaction_and_counts_evictions(tmp_path) -> None:
+    """A disk kept full of live rows: with a third of the log in reserve, making room
+    moves at most ~2 live rows per row spilled (0 in reserve: about as many as the log is
+    full); past ``capacity_rows`` live, exactly the surplus is deleted and counted."""
+    rng = np.random.default_rng(4)
+    relocated = {}
+    for free in (1 / 3, 0.0):
+        tier = DiskTier(str(tmp_path), capacity_rows=3_000, dim=4, weight_dtype=np.float32,
+                        state_width=1, free_fraction=free)
+        try:
+            ids = np.arange(1, 3_001, dtype=np.uint64)
+            w = rng.random((3_000, 4), dtype=np.float32)
+            assert tier.write(ids, w, w[:, :1]).size == 0 and tier.num_rows == 3_000
+            written = tier.num_written
+            for _ in range(40):  # 200 rows come back, 200 others go out: still full
+                back = rng.choice(ids, 200, replace=False)
+                found, bw, bs = tier.take(back)
+                assert found.all()
+                assert tier.write(back, bw, bs).size == 0
+                assert tier.num_rows == 3_000
+            relocated[free] = tier.num_relocated / (tier.num_written - written)
+            found, got, _ = tier.peek(ids)
+            assert found.all() and np.array_equal(got, w)  # every row intact
+            more = np.arange(10_001, 10_251, dtype=np.uint64)
+            gone = tier.write(more, w[:250], w[:250, :1])
+            assert gone.size == 250 and tier.num_evicted == 250 and tier.num_rows == 3_000
+            assert not tier.holds(gone).any() and tier.holds(more).all()
+        finally:
+            tier.close()
+    assert relocated[1 / 3] <= 2.5 < relocated[0.0]

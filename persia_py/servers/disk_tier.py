@@ -17,12 +17,17 @@ Layout (measured against LMDB and RocksDB first: docs/benchmarks.md, "Disk tier"
 * **A circular log of blocks.** A spill (a batch: at least 1/16 of the shard's share)
   is written at the log's head, sequentially, as whole blocks (the block the head is
   in is written again with its earlier records, kept in RAM), one ``pwrite`` per
-  8 MiB. The log holds ``capacity_rows`` records. A record whose row went back to RAM
-  is dead; a write covers the shortest stretch ahead of the head holding as many dead
-  slots as it has rows, and the live rows in that stretch move up with it (compaction:
-  read and written again, so a write costs more the fuller the disk is). Only a full
-  disk deletes rows: the ones spilled longest ago, counted
-  (:attr:`DiskTier.num_evicted`; the shard also logs their ids as removed for
+  8 MiB. A record whose row went back to RAM is dead; a write covers the shortest
+  stretch ahead of the head holding as many dead slots as it has rows, and the live rows
+  in that stretch move up with it (compaction: read and written again, so a write costs
+  more the fuller the log is).
+* **Free space kept in reserve.** ``capacity_rows`` counts live rows; the log has
+  ``capacity_rows / (1 - free_fraction)`` slots, so at most ``1 - free_fraction`` of them
+  are ever live and, over a pass of the head around the log, a write moves at most
+  ``(1 - f) / f`` live rows per row it stores (``f = free_fraction``: 2 at 1/3), however
+  full the disk is. The price is disk space: ``1 / (1 - f)`` times the live rows' blocks.
+  Only a full disk (``capacity_rows`` live) deletes rows: the ones spilled longest ago,
+  counted (:attr:`DiskTier.num_evicted`; the shard also logs their ids as removed for
   incremental exports).
 * **RAM index.** :class:`persia_py.servers.hash_index.HashIndex` from id to log slot,
   over an array of the id of every slot (``EMPTY``: free or dead): 8 bytes per slot
@@ -47,7 +52,11 @@ from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
 
-__all__ = ["EMPTY", "CorruptTier", "DiskTier", "record_layout"]
+__all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "record_layout"]
+
+DEFAULT_FREE_FRACTION = 1 / 3
+"""Share of the log's slots kept free by default: a write moves at most 2 live rows per
+row it stores, amortized, for 1.5x the live rows' blocks of disk."""
 
 EMPTY = np.uint64(RESERVED_ID)
 """Id of a log slot that holds no row (the reserved id is never stored)."""
@@ -75,17 +84,24 @@ class DiskTier:
     """Spilled rows of one shard; not thread-safe (the shard's lock serializes calls)."""
 
     def __init__(self, directory: str, *, capacity_rows: int, dim: int,
-                 weight_dtype: np.dtype, state_width: int, queue_depth: int = 32) -> None:
+                 weight_dtype: np.dtype, state_width: int, queue_depth: int = 32,
+                 free_fraction: float = DEFAULT_FREE_FRACTION) -> None:
         if not isinstance(capacity_rows, int) or capacity_rows < 1:
             raise ValueError(f"capacity_rows must be an int >= 1, got {capacity_rows!r}")
+        if not 0.0 <= free_fraction <= 0.9:
+            raise ValueError(f"free_fraction must be in [0, 0.9], got {free_fraction!r}")
         self.dim = dim
         self.weight_dtype = np.dtype(weight_dtype)
         self.state_width = state_width
         self.record, block_bytes, self.rows_per_block = record_layout(
             dim, self.weight_dtype, state_width)
-        num_blocks = -(-capacity_rows // self.rows_per_block)
+        self.capacity_rows = capacity_rows
+        """Most live rows on disk; beyond it the rows spilled longest ago are deleted."""
+        slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
+        num_blocks = -(-slots // self.rows_per_block)
         self.num_slots = num_blocks * self.rows_per_block
-        """Records the log holds (``capacity_rows`` rounded up to whole blocks)."""
+        """Records the log holds: ``capacity_rows / (1 - free_fraction)``, rounded up to
+        whole blocks."""
         self.file = PageFile(directory, block_bytes=block_bytes, num_blocks=num_blocks,
                              queue_depth=queue_depth)
         self.slot_ids = np.full(self.num_slots, EMPTY, np.uint64)
@@ -126,7 +142,8 @@ class DiskTier:
 
     def stats(self) -> dict[str, int]:
         """Counters and sizes, by name (see the attributes of the same names)."""
-        return {"disk_rows": self.num_rows, "disk_capacity_rows": self.num_slots,
+        return {"disk_rows": self.num_rows, "disk_capacity_rows": self.capacity_rows,
+                "disk_slots": self.num_slots,
                 "disk_written": self.num_written, "disk_read": self.num_read,
                 "disk_evicted": self.num_evicted, "disk_deleted": self.num_deleted,
                 "disk_relocated": self.num_relocated,
@@ -140,19 +157,20 @@ class DiskTier:
         """Store rows (``ids`` distinct uint64, ``weights`` ``(n, dim)`` as stored, ``state``
         ``(n, state_width)`` float32); a stored row of the same id is replaced. Returns
         the ids of the rows the log deleted to make room (counted in ``num_evicted``):
-        when more rows come than the log holds, the first ones of the batch go too."""
+        when more rows come than ``capacity_rows``, the first ones of the batch go too."""
         n = ids.shape[0]
         self._check_rows(ids, weights, state)
         self.delete(ids, counted=False)  # a replaced row is not a deletion
         gone: list[np.ndarray] = []
-        if n > self.num_slots:  # cannot all fit: the first ones leave at once
-            gone.append(ids[:n - self.num_slots])
-            self.num_evicted += n - self.num_slots
-            ids, weights, state = (a[n - self.num_slots:] for a in (ids, weights, state))
-            n = self.num_slots
+        cap = self.capacity_rows
+        if n > cap:  # cannot all fit: the first ones leave at once
+            gone.append(ids[:n - cap])
+            self.num_evicted += n - cap
+            ids, weights, state = (a[n - cap:] for a in (ids, weights, state))
+            n = cap
         if n == 0:
             return np.zeros(0, np.uint64)
-        over = self.num_rows + n - self.num_slots
+        over = self.num_rows + n - cap
         if over > 0:  # the disk is full: the rows spilled longest ago leave
             gone.append(self._drop_oldest(over))
         # Live rows in the stretch of log this write covers move up to the head with it

@@ -142,7 +142,7 @@ class EmbeddingTable:
         return DiskTier(str(config.path),
                         capacity_rows=-(-config.capacity_rows // self.num_shards),
                         dim=self.dim, weight_dtype=row_types.numpy_dtype(self.row_dtype),
-                        state_width=self.state_width)
+                        state_width=self.state_width, free_fraction=config.free_fraction)
 
     def _close_tiers(self) -> None:
         for shard in self._shards:
