@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from persia_py.config import DiskTierConfig
-from persia_py.servers.disk_tier import DiskTier
+from persia_py.servers.disk_tier import DEFAULT_FREE_FRACTION, DiskTier
 from persia_py.servers.optimizers import AdagradConfig
 from persia_py.servers.page_file import PageFile, aligned_empty
 from persia_py.servers.storage import EmbeddingTable
@@ -248,6 +248,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="rows of the table (default 5,000,000; --smoke 50,000)")
     parser.add_argument("--ram-fraction", type=float, default=0.1,
                         help="share of the rows RAM holds (default 0.1)")
+    parser.add_argument("--free-fraction", type=float, default=DEFAULT_FREE_FRACTION,
+                        help="share of the tier's file kept free (default 1/3)")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     return parser.parse_args(argv)
 
@@ -276,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _table(rows_in_ram: int, tier_dir: str | None, tier_rows: int) -> EmbeddingTable:
-    tier = None if tier_dir is None else DiskTierConfig(path=tier_dir, capacity_rows=tier_rows)
+def _table(rows_in_ram: int, tier_dir: str | None, tier_rows: int,
+           free_fraction: float = DEFAULT_FREE_FRACTION) -> EmbeddingTable:
+    tier = None if tier_dir is None else DiskTierConfig(path=tier_dir, capacity_rows=tier_rows,
+                                                        free_fraction=free_fraction)
     return EmbeddingTable(dim=DIM, optimizer=AdagradConfig(lr=0.01, vectorwise_shared=True),
                           capacity=rows_in_ram, row_dtype="float16", disk_tier=tier, seed=1)
 
@@ -314,11 +318,12 @@ def run_tier(args: argparse.Namespace) -> dict:
                               2_000 if args.smoke else 60_000)
     print(f"device: {device:,.0f} random 4 KiB O_DIRECT reads/s at queue depth 32")
     all_ids = ZipfIds.ids(np.arange(rows))
-    figures: dict = {"rows": rows, "ram_row_fraction": ram_rows / rows, "batch": batch,
+    figures: dict = {"rows": rows, "ram_row_fraction": ram_rows / rows,
+                     "free_fraction": args.free_fraction, "batch": batch,
                      "batches": batches, "device_read_iops": device}
     results = {}
     for name, tier_dir in (("tier", args.dir), ("ram", None)):
-        table = _table(ram_rows if tier_dir else rows + 1, tier_dir, rows)
+        table = _table(ram_rows if tier_dir else rows + 1, tier_dir, rows, args.free_fraction)
         try:
             t0 = time.perf_counter()
             chunk = max(1, min(100_000, ram_rows // 2))
@@ -350,6 +355,7 @@ def run_tier(args: argparse.Namespace) -> dict:
         "fill_seconds_tier": tier["fill_seconds"],
         "fill_seconds_ram": results["ram"]["fill_seconds"],
         "disk_evicted": after["disk_evicted"],
+        "relocated_per_spilled": delta["disk_relocated"] / max(delta["spilled"], 1),
         # Not measured yet (issue 42): the embedding-heavy workload, UCI Adult, checkpoints.
         "disk_utilization": None, "auc_delta_adult": None, "checkpoint_gb_per_s": None,
     })

@@ -9,10 +9,22 @@ import os
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from persia_py.config import ConfigError, DiskTierConfig, global_config_from_dict
+from persia_py.config import (
+    ConfigError,
+    DiskTierConfig,
+    EmbeddingTablesConfig,
+    GlobalConfig,
+    ParameterServerConfig,
+    SlotConfig,
+    global_config_from_dict,
+)
 from persia_py.servers.disk_tier import DiskTier
+from persia_py.servers.metrics import ParameterServerMetrics
 from persia_py.servers.optimizers import AdagradConfig, AdamConfig
+from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.storage import EmbeddingTable
 
 DIM = 8
@@ -242,3 +254,51 @@ def test_free_reserve_bounds_compaction_and_counts_evictions(tmp_path) -> None:
         finally:
             tier.close()
     assert relocated[1 / 3] <= 2.5 < relocated[0.0]
+
+
+def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
+    """Rows on disk, disk hits and misses, reads, bytes read and disk evictions are
+    Prometheus metrics of the parameter server, and move as rows spill and come back."""
+    config = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
+        capacity=256, disk_tier=DiskTierConfig(path=str(tmp_path), capacity_rows=1_000)))
+    ps = ParameterServer(config, EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4)}))
+    ps.configure(optimizer={"type": "sgd", "lr": 1.0})
+    metrics = ParameterServerMetrics(ps)
+
+    def scrape() -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name.startswith("persia_ps_disk")}
+
+    try:
+        empty = scrape()  # the file is reserved; nothing on it yet
+        assert empty.pop("persia_ps_disk_bytes") > 0 and set(empty.values()) == {0.0}
+        assert len(empty) == 7
+        (table,) = ps.stats()
+        ids = np.arange(1, 1_201, dtype=np.uint64)
+        for part in np.split(ids, 6):  # 1,200 rows through 256 in RAM: most spill
+            ps.lookup([(table, part)], training=True)
+        spilled = scrape()
+        assert spilled["persia_ps_disk_rows"] > 800
+        assert spilled["persia_ps_disk_spilled_total"] >= spilled["persia_ps_disk_rows"]
+        assert spilled["persia_ps_disk_bytes"] > 0 and spilled["persia_ps_disk_reads_total"] == 0
+        assert spilled["persia_ps_disk_evictions_total"] == 0
+        ps.lookup([(table, np.concatenate([ids[:100], ids[:100] + 5_000]))], training=False)
+        back = scrape()
+        moved = {k: back[k] - spilled[k] for k in back}
+        assert moved["persia_ps_disk_hits_total"] == 100  # the first rows spilled come back
+        assert moved["persia_ps_disk_misses_total"] == 100  # never stored
+        assert back["persia_ps_disk_reads_total"] > 0
+        assert back["persia_ps_disk_read_bytes_total"] >= 512 * back["persia_ps_disk_reads_total"]
+        # RAM is full: the rows coming back push as many others out to disk.
+        assert moved["persia_ps_disk_spilled_total"] >= 100
+        assert moved["persia_ps_disk_rows"] == moved["persia_ps_disk_spilled_total"] - 100
+        for part in np.split(np.arange(10_001, 11_201, dtype=np.uint64), 6):
+            ps.lookup([(table, part)], training=True)
+        full = scrape()  # 2,400 rows for 256 + 1,000: the disk deletes and counts
+        assert full["persia_ps_disk_evictions_total"] > 0
+        assert full["persia_ps_disk_rows"] <= 1_000
+        evicted = {k: v for k, v in ps.stats()[table].items() if k == "evicted"}
+        assert evicted["evicted"] == full["persia_ps_disk_evictions_total"]
+    finally:
+        ps.close()

@@ -123,6 +123,10 @@ class DiskTier:
         """Live rows moved up to the head by writes (compaction)."""
         self.num_deleted = 0
         """Rows deleted on request (:meth:`delete`)."""
+        self.num_hits = 0
+        """Ids asked of :meth:`take` whose row was here (brought back to RAM)."""
+        self.num_misses = 0
+        """Ids asked of :meth:`take` whose row was not here."""
 
     def close(self) -> None:
         """Close the file; its disk space is freed (it has no name). Rows on it are gone."""
@@ -146,8 +150,9 @@ class DiskTier:
                 "disk_slots": self.num_slots,
                 "disk_written": self.num_written, "disk_read": self.num_read,
                 "disk_evicted": self.num_evicted, "disk_deleted": self.num_deleted,
-                "disk_relocated": self.num_relocated,
-                "disk_block_reads": self.file.num_block_reads,
+                "disk_relocated": self.num_relocated, "disk_hits": self.num_hits,
+                "disk_misses": self.num_misses, "disk_block_reads": self.file.num_block_reads,
+                "disk_bytes_read": self.file.num_bytes_read,
                 "disk_block_bytes": self.file.block_bytes, "disk_bytes": self.disk_bytes,
                 "disk_ram_bytes": self.ram_bytes}
 
@@ -290,6 +295,8 @@ class DiskTier:
         found, slots, weights, state = self._read(ids)
         self.slot_ids[slots] = EMPTY
         self.num_rows -= slots.shape[0]
+        self.num_hits += slots.shape[0]
+        self.num_misses += ids.shape[0] - slots.shape[0]
         return found, weights, state
 
     def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

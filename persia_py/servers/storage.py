@@ -370,9 +370,11 @@ class EmbeddingTable:
         tier): ``disk_rows`` on disk now, ``disk_capacity_rows``, ``spilled`` /
         ``restored`` rows moved to disk / back to RAM, ``disk_written``, ``disk_read``
         (rows), ``disk_evicted`` (rows deleted at the disk's capacity: also in
-        ``stats()['evicted']``), ``disk_deleted`` (on request), ``disk_block_reads``,
-        ``disk_block_bytes`` (of one block), ``disk_bytes`` (files), ``disk_ram_bytes``
-        (the tiers' index)."""
+        ``stats()['evicted']``), ``disk_deleted`` (on request), ``disk_relocated`` (rows
+        moved by compaction), ``disk_hits`` / ``disk_misses`` (ids absent from RAM found /
+        not found on disk), ``disk_block_reads``, ``disk_bytes_read``, ``disk_block_bytes``
+        (of one block), ``disk_slots``, ``disk_bytes`` (files), ``disk_ram_bytes`` (the
+        tiers' index)."""
         totals: dict[str, int] = {}
         for shard in self._shards:
             if shard.tier is None:
