@@ -248,8 +248,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="rows of the table (default 5,000,000; --smoke 50,000)")
     parser.add_argument("--ram-fraction", type=float, default=0.1,
                         help="share of the rows RAM holds (default 0.1)")
+    parser.add_argument("--batches", type=int, default=None,
+                        help="training steps measured (default 100; --smoke 20)")
     parser.add_argument("--free-fraction", type=float, default=DEFAULT_FREE_FRACTION,
-                        help="share of the tier's file kept free (default 1/3)")
+                        help="share of the tier's file kept free (default 1/8)")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     return parser.parse_args(argv)
 
@@ -313,6 +315,7 @@ def _steps(table: EmbeddingTable, sampler: ZipfIds, batches: int, batch: int,
 def run_tier(args: argparse.Namespace) -> dict:
     rows = args.rows or (50_000 if args.smoke else 5_000_000)
     batches, batch = (20, 2_000) if args.smoke else (100, 20_000)
+    batches = args.batches or batches
     ram_rows = max(1, int(rows * args.ram_fraction))
     device = device_read_iops(args.dir, 16 if args.smoke else 1024,
                               2_000 if args.smoke else 60_000)
@@ -346,6 +349,9 @@ def run_tier(args: argparse.Namespace) -> dict:
         "distinct_ids_per_batch": tier["distinct_ids_per_batch"],
         "ram_bytes_per_disk_row": after["disk_ram_bytes"] / max(after["disk_rows"], 1),
         "disk_space_amplification": after["disk_bytes"] / (max(after["disk_rows"], 1) * row_bytes),
+        # The same at a full disk (``capacity_rows`` live; the run fills it to 1 - RAM's share).
+        "disk_space_amplification_full": after["disk_bytes"]
+                                         / (after["disk_capacity_rows"] * row_bytes),
         "read_amplification": (delta["disk_block_reads"] * after["disk_block_bytes"])
                               / (max(delta["disk_read"], 1) * row_bytes),
         "tier_disk_reads_per_s": reads_per_s,

@@ -112,12 +112,13 @@ class DiskTierConfig:
     space is reserved at start: about ``capacity_rows / (1 - free_fraction) x 512 /
     (512 // record bytes)`` bytes (a record: 8 + dim x bytes per weight + 4 x optimizer
     state columns)."""
-    free_fraction: float = 1 / 3
+    free_fraction: float = 1 / 8
     """Share of the tier's file kept free beyond ``capacity_rows``, so that making room
     for a spill moves at most ``(1 - free_fraction) / free_fraction`` rows already on
-    disk per row spilled (2 at the default), however full the disk is; lower trades write
-    work for disk space (0: the file holds exactly ``capacity_rows``, and a nearly full
-    disk moves many rows per spill). In [0, 0.9]."""
+    disk per row spilled (7 at the default, 2 at 1/3; about 1 under Zipf ids at the
+    default), however full the disk is; lower trades write work for disk space (0: the
+    file holds exactly ``capacity_rows``, and a nearly full disk moves many rows per
+    spill). In [0, 0.9]."""
 
     def __post_init__(self) -> None:
         if self.path is None:

@@ -14,8 +14,8 @@ Layout (measured against LMDB and RocksDB first: docs/benchmarks.md, "Disk tier"
   no record straddles two, so a read of one row fetches one block: read amplification
   ``block / record`` (3.7x at 140 B; 11.6x for a 44-byte row, where a sector is the
   floor of what a disk reads).
-* **A log of segments.** The file is cut into segments of whole blocks (8 MiB, or a
-  sixteenth of the file where that is less). A spill (a batch: at least 1/16 of the
+* **A log of segments.** The file is cut into segments of whole blocks (8 MiB, or 1/64
+  of the file where that is less). A spill (a batch: at least 1/16 of the
   shard's share) is written at the head, sequentially, as whole blocks (the block the
   head is in is written again with its earlier records, kept in RAM), one ``pwrite`` per
   8 MiB, filling the open segment. A record whose row went back to RAM is dead. When the
@@ -28,8 +28,9 @@ Layout (measured against LMDB and RocksDB first: docs/benchmarks.md, "Disk tier"
 * **Free space kept in reserve.** ``capacity_rows`` counts live rows; the file has
   ``capacity_rows / (1 - free_fraction)`` slots, so at most ``1 - free_fraction`` of them
   are ever live, the emptiest segment is at least ``free_fraction`` free, and a write
-  moves at most ``(1 - f) / f`` live rows per row it stores (``f = free_fraction``: 2 at
-  1/3), however full the disk is. The price is disk space: ``1 / (1 - f)`` times the
+  moves at most ``(1 - f) / f`` live rows per row it stores (``f = free_fraction``: 7 at
+  the default 1/8, 2 at 1/3), however full the disk is; under a skewed stream far fewer
+  (docs/benchmarks.md, "Disk tier"). The price is disk space: ``1 / (1 - f)`` times the
   live rows' blocks. Only a full disk (``capacity_rows`` live) deletes rows: those of
   the segments opened longest ago first, counted (:attr:`DiskTier.num_evicted`; the
   shard also logs their ids as removed for incremental exports).
@@ -60,16 +61,17 @@ from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
 
 __all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "record_layout"]
 
-DEFAULT_FREE_FRACTION = 1 / 3
-"""Share of the log's slots kept free by default: a write moves at most 2 live rows per
-row it stores, amortized, for 1.5x the live rows' blocks of disk."""
+DEFAULT_FREE_FRACTION = 1 / 8
+"""Share of the file's slots kept free by default: a write moves at most 7 live rows per
+row it stores (measured under Zipf(1.05): 1.2, docs/benchmarks.md "Disk tier"), and a full
+disk takes 1.48x its rows' bytes at dim 64 float16 row-wise Adagrad (issue 42: <= 1.5x)."""
 
 EMPTY = np.uint64(RESERVED_ID)
 """Id of a log slot that holds no row (the reserved id is never stored)."""
 _SCAN_BLOCKS_BYTES = 16 << 20
 """Bytes per sequential read of a scan."""
 _SEGMENT_BYTES = 8 << 20
-"""Bytes of a segment (fewer where the file has under 16 of them)."""
+"""Bytes of a segment (fewer where the file would have under 64 of them)."""
 
 
 class CorruptTier(RuntimeError):
@@ -107,9 +109,10 @@ class DiskTier:
         """Most live rows on disk; beyond it the rows spilled longest ago are deleted."""
         slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
         blocks = -(-slots // self.rows_per_block)
-        # At least 16 segments where the file has that many blocks: a write never waits
-        # on compacting more than a sixteenth of the log.
-        segment_blocks = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 16))
+        # At least 64 segments where the file has that many blocks: a write never waits
+        # on compacting more than 1/64 of the file, and rounding up to whole segments
+        # adds at most that much disk.
+        segment_blocks = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
         self.num_segments = -(-blocks // segment_blocks)
         self.segment_slots = segment_blocks * self.rows_per_block
         """Records per segment (whole blocks): the unit that compaction frees."""
@@ -312,7 +315,7 @@ class DiskTier:
         if len(self.index) + k <= self.index.slots * num // den or len(self.index) == self.num_rows:
             return
         slots = np.flatnonzero(self.slot_ids != EMPTY)
-        self.index.rebuild(self.slot_ids[slots], slots, room=2 * (self.num_rows + k))
+        self.index.rebuild(self.slot_ids[slots], slots, room=self.num_rows + k + self.num_rows // 4)
 
     def _maybe_rebuild(self) -> None:
         """Rebuild the index from the live slots once dead entries outnumber live ones."""
