@@ -110,10 +110,11 @@ class DiskTier:
         slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
         blocks = -(-slots // self.rows_per_block)
         # At least 64 segments where the file has that many blocks: a write never waits
-        # on compacting more than 1/64 of the file, and rounding up to whole segments
-        # adds at most that much disk.
-        segment_blocks = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
-        self.num_segments = -(-blocks // segment_blocks)
+        # on compacting more than 1/64 of the file; rounding up to whole segments adds
+        # under one block per segment.
+        most = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
+        self.num_segments = -(-blocks // most)
+        segment_blocks = -(-blocks // self.num_segments)
         self.segment_slots = segment_blocks * self.rows_per_block
         """Records per segment (whole blocks): the unit that compaction frees."""
         num_blocks = self.num_segments * segment_blocks
