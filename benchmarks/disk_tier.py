@@ -1,6 +1,7 @@
 """The disk tier under a parameter-server table (issue 42), beside baselines of the same run.
 
-    python -m benchmarks.disk_tier [--smoke] [--rows 5000000] [--json PATH]
+    python -m benchmarks.disk_tier [--smoke] [--rows 5000000] [--batches 100]
+                                   [--free-fraction 0.125] [--json PATH]
     python -m benchmarks.disk_tier --compare-stores [--rows 1000000]
 
 Default run, in this order, all in one process, files in ``--dir`` (default: the current

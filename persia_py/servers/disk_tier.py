@@ -63,7 +63,7 @@ __all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "record_
 
 DEFAULT_FREE_FRACTION = 1 / 8
 """Share of the file's slots kept free by default: a write moves at most 7 live rows per
-row it stores (measured under Zipf(1.05): 1.2, docs/benchmarks.md "Disk tier"), and a full
+row it stores (measured under Zipf(1.05): 1.4, docs/benchmarks.md "Disk tier"), and a full
 disk takes 1.48x its rows' bytes at dim 64 float16 row-wise Adagrad (issue 42: <= 1.5x)."""
 
 EMPTY = np.uint64(RESERVED_ID)

@@ -88,8 +88,8 @@ class ParameterServerMetrics:
                 "persia_ps_disk_reads", "Random block reads from the disk tier, per table",
                 labels=label)),
             ("disk_bytes_read", CounterMetricFamily(
-                "persia_ps_disk_read_bytes", "Bytes read from the disk tier (random reads "
-                "and checkpoint scans), per table", labels=label)),
+                "persia_ps_disk_read_bytes", "Bytes read from the disk tier (random reads, "
+                "compaction and checkpoint scans), per table", labels=label)),
             ("disk_evicted", CounterMetricFamily(
                 "persia_ps_disk_evictions", "Rows deleted from a full disk tier (also in "
                 "persia_ps_evictions), per table", labels=label)),
