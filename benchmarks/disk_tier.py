@@ -1,6 +1,7 @@
 """The disk tier under a parameter-server table (issue 42), beside baselines of the same run.
 
-    python -m benchmarks.disk_tier [--smoke] [--rows 5000000] [--json PATH]
+    python -m benchmarks.disk_tier [--smoke] [--rows 5000000] [--batches 100]
+                                   [--free-fraction 0.125] [--json PATH]
     python -m benchmarks.disk_tier --compare-stores [--rows 1000000]
 
 Default run, in this order, all in one process, files in ``--dir`` (default: the current
@@ -50,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from persia_py.config import DiskTierConfig
-from persia_py.servers.disk_tier import DiskTier
+from persia_py.servers.disk_tier import DEFAULT_FREE_FRACTION, DiskTier
 from persia_py.servers.optimizers import AdagradConfig
 from persia_py.servers.page_file import PageFile, aligned_empty
 from persia_py.servers.storage import EmbeddingTable
@@ -248,6 +249,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="rows of the table (default 5,000,000; --smoke 50,000)")
     parser.add_argument("--ram-fraction", type=float, default=0.1,
                         help="share of the rows RAM holds (default 0.1)")
+    parser.add_argument("--batches", type=int, default=None,
+                        help="training steps measured (default 100; --smoke 20)")
+    parser.add_argument("--free-fraction", type=float, default=DEFAULT_FREE_FRACTION,
+                        help="share of the tier's file kept free (default 1/8)")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     return parser.parse_args(argv)
 
@@ -276,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _table(rows_in_ram: int, tier_dir: str | None, tier_rows: int) -> EmbeddingTable:
-    tier = None if tier_dir is None else DiskTierConfig(path=tier_dir, capacity_rows=tier_rows)
+def _table(rows_in_ram: int, tier_dir: str | None, tier_rows: int,
+           free_fraction: float = DEFAULT_FREE_FRACTION) -> EmbeddingTable:
+    tier = None if tier_dir is None else DiskTierConfig(path=tier_dir, capacity_rows=tier_rows,
+                                                        free_fraction=free_fraction)
     return EmbeddingTable(dim=DIM, optimizer=AdagradConfig(lr=0.01, vectorwise_shared=True),
                           capacity=rows_in_ram, row_dtype="float16", disk_tier=tier, seed=1)
 
@@ -309,16 +316,18 @@ def _steps(table: EmbeddingTable, sampler: ZipfIds, batches: int, batch: int,
 def run_tier(args: argparse.Namespace) -> dict:
     rows = args.rows or (50_000 if args.smoke else 5_000_000)
     batches, batch = (20, 2_000) if args.smoke else (100, 20_000)
+    batches = args.batches or batches
     ram_rows = max(1, int(rows * args.ram_fraction))
     device = device_read_iops(args.dir, 16 if args.smoke else 1024,
                               2_000 if args.smoke else 60_000)
     print(f"device: {device:,.0f} random 4 KiB O_DIRECT reads/s at queue depth 32")
     all_ids = ZipfIds.ids(np.arange(rows))
-    figures: dict = {"rows": rows, "ram_row_fraction": ram_rows / rows, "batch": batch,
+    figures: dict = {"rows": rows, "ram_row_fraction": ram_rows / rows,
+                     "free_fraction": args.free_fraction, "batch": batch,
                      "batches": batches, "device_read_iops": device}
     results = {}
     for name, tier_dir in (("tier", args.dir), ("ram", None)):
-        table = _table(ram_rows if tier_dir else rows + 1, tier_dir, rows)
+        table = _table(ram_rows if tier_dir else rows + 1, tier_dir, rows, args.free_fraction)
         try:
             t0 = time.perf_counter()
             chunk = max(1, min(100_000, ram_rows // 2))
@@ -341,6 +350,9 @@ def run_tier(args: argparse.Namespace) -> dict:
         "distinct_ids_per_batch": tier["distinct_ids_per_batch"],
         "ram_bytes_per_disk_row": after["disk_ram_bytes"] / max(after["disk_rows"], 1),
         "disk_space_amplification": after["disk_bytes"] / (max(after["disk_rows"], 1) * row_bytes),
+        # The same at a full disk (``capacity_rows`` live; the run fills it to 1 - RAM's share).
+        "disk_space_amplification_full": after["disk_bytes"]
+                                         / (after["disk_capacity_rows"] * row_bytes),
         "read_amplification": (delta["disk_block_reads"] * after["disk_block_bytes"])
                               / (max(delta["disk_read"], 1) * row_bytes),
         "tier_disk_reads_per_s": reads_per_s,
@@ -350,6 +362,7 @@ def run_tier(args: argparse.Namespace) -> dict:
         "fill_seconds_tier": tier["fill_seconds"],
         "fill_seconds_ram": results["ram"]["fill_seconds"],
         "disk_evicted": after["disk_evicted"],
+        "relocated_per_spilled": delta["disk_relocated"] / max(delta["spilled"], 1),
         # Not measured yet (issue 42): the embedding-heavy workload, UCI Adult, checkpoints.
         "disk_utilization": None, "auc_delta_adult": None, "checkpoint_gb_per_s": None,
     })

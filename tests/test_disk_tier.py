@@ -9,10 +9,22 @@ import os
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from persia_py.config import ConfigError, DiskTierConfig, global_config_from_dict
+from persia_py.config import (
+    ConfigError,
+    DiskTierConfig,
+    EmbeddingTablesConfig,
+    GlobalConfig,
+    ParameterServerConfig,
+    SlotConfig,
+    global_config_from_dict,
+)
 from persia_py.servers.disk_tier import DiskTier
+from persia_py.servers.metrics import ParameterServerMetrics
 from persia_py.servers.optimizers import AdagradConfig, AdamConfig
+from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.storage import EmbeddingTable
 
 DIM = 8
@@ -161,8 +173,8 @@ def test_tier_starts_empty_and_leaves_nothing_behind(tmp_path) -> None:
 
 
 def test_tier_batch_api_and_bad_input(tmp_path) -> None:
-    tier = DiskTier(str(tmp_path), capacity_rows=10, dim=4, weight_dtype=np.float32,
-                    state_width=4)
+    tier = DiskTier(str(tmp_path), capacity_rows=12, dim=4, weight_dtype=np.float32,
+                    state_width=4, free_fraction=0.0)
     try:
         ids = np.arange(1, 13, dtype=np.uint64)
         weights = np.random.default_rng(0).random((12, 4), dtype=np.float32)
@@ -210,3 +222,85 @@ def test_off_changes_nothing(tmp_path) -> None:
         assert plain.stats() == off.stats() and off.stats()["evicted"] > 0
         assert off.disk_stats() == {} and off.disk_tier is None
     assert os.listdir(tmp_path) == []
+
+
+def test_free_reserve_bounds_compaction_and_counts_evictions(tmp_path) -> None:
+    """A disk kept full of live rows: with a third of the log in reserve, making room
+    moves at most ~2 live rows per row spilled (0 in reserve: about as many as the log is
+    full); past ``capacity_rows`` live, exactly the surplus is deleted and counted."""
+    rng = np.random.default_rng(4)
+    relocated = {}
+    for free in (1 / 3, 0.0):
+        tier = DiskTier(str(tmp_path), capacity_rows=3_000, dim=4, weight_dtype=np.float32,
+                        state_width=1, free_fraction=free)
+        try:
+            ids = np.arange(1, 3_001, dtype=np.uint64)
+            w = rng.random((3_000, 4), dtype=np.float32)
+            assert tier.write(ids, w, w[:, :1]).size == 0 and tier.num_rows == 3_000
+            written = tier.num_written
+            for _ in range(40):  # 200 rows come back, 200 others go out: still full
+                back = rng.choice(ids, 200, replace=False)
+                found, bw, bs = tier.take(back)
+                assert found.all()
+                assert tier.write(back, bw, bs).size == 0
+                assert tier.num_rows == 3_000
+            relocated[free] = tier.num_relocated / (tier.num_written - written)
+            # Dead index entries (rows taken back) never pile onto one home: probes stay short.
+            assert tier.index.probe_bound() < 64
+            found, got, _ = tier.peek(ids)
+            assert found.all() and np.array_equal(got, w)  # every row intact
+            more = np.arange(10_001, 10_251, dtype=np.uint64)
+            gone = tier.write(more, w[:250], w[:250, :1])
+            assert gone.size == 250 and tier.num_evicted == 250 and tier.num_rows == 3_000
+            assert not tier.holds(gone).any() and tier.holds(more).all()
+        finally:
+            tier.close()
+    assert relocated[1 / 3] <= 2.5 < relocated[0.0]
+
+
+def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
+    """Rows on disk, disk hits and misses, reads, bytes read and disk evictions are
+    Prometheus metrics of the parameter server, and move as rows spill and come back."""
+    config = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
+        capacity=256, disk_tier=DiskTierConfig(path=str(tmp_path), capacity_rows=1_000)))
+    ps = ParameterServer(config, EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4)}))
+    ps.configure(optimizer={"type": "sgd", "lr": 1.0})
+    metrics = ParameterServerMetrics(ps)
+
+    def scrape() -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name.startswith("persia_ps_disk")}
+
+    try:
+        empty = scrape()  # the file is reserved; nothing on it yet
+        assert empty.pop("persia_ps_disk_bytes") > 0 and set(empty.values()) == {0.0}
+        assert len(empty) == 7
+        (table,) = ps.stats()
+        ids = np.arange(1, 1_201, dtype=np.uint64)
+        for part in np.split(ids, 6):  # 1,200 rows through 256 in RAM: most spill
+            ps.lookup([(table, part)], training=True)
+        spilled = scrape()
+        assert spilled["persia_ps_disk_rows"] > 800
+        assert spilled["persia_ps_disk_spilled_total"] >= spilled["persia_ps_disk_rows"]
+        assert spilled["persia_ps_disk_bytes"] > 0 and spilled["persia_ps_disk_reads_total"] == 0
+        assert spilled["persia_ps_disk_evictions_total"] == 0
+        ps.lookup([(table, np.concatenate([ids[:100], ids[:100] + 5_000]))], training=False)
+        back = scrape()
+        moved = {k: back[k] - spilled[k] for k in back}
+        assert moved["persia_ps_disk_hits_total"] == 100  # the first rows spilled come back
+        assert moved["persia_ps_disk_misses_total"] == 100  # never stored
+        assert back["persia_ps_disk_reads_total"] > 0
+        assert back["persia_ps_disk_read_bytes_total"] >= 512 * back["persia_ps_disk_reads_total"]
+        # RAM is full: the rows coming back push as many others out to disk.
+        assert moved["persia_ps_disk_spilled_total"] >= 100
+        assert moved["persia_ps_disk_rows"] == moved["persia_ps_disk_spilled_total"] - 100
+        for part in np.split(np.arange(10_001, 11_201, dtype=np.uint64), 6):
+            ps.lookup([(table, part)], training=True)
+        full = scrape()  # 2,400 rows for 256 + 1,000: the disk deletes and counts
+        assert full["persia_ps_disk_evictions_total"] > 0
+        assert full["persia_ps_disk_rows"] <= 1_000
+        evicted = {k: v for k, v in ps.stats()[table].items() if k == "evicted"}
+        assert evicted["evicted"] == full["persia_ps_disk_evictions_total"]
+    finally:
+        ps.close()

@@ -14,21 +14,33 @@ Layout (measured against LMDB and RocksDB first: docs/benchmarks.md, "Disk tier"
   no record straddles two, so a read of one row fetches one block: read amplification
   ``block / record`` (3.7x at 140 B; 11.6x for a 44-byte row, where a sector is the
   floor of what a disk reads).
-* **A circular log of blocks.** A spill (a batch: at least 1/16 of the shard's share)
-  is written at the log's head, sequentially, as whole blocks (the block the head is
-  in is written again with its earlier records, kept in RAM), one ``pwrite`` per
-  8 MiB. The log holds ``capacity_rows`` records. A record whose row went back to RAM
-  is dead; a write covers the shortest stretch ahead of the head holding as many dead
-  slots as it has rows, and the live rows in that stretch move up with it (compaction:
-  read and written again, so a write costs more the fuller the disk is). Only a full
-  disk deletes rows: the ones spilled longest ago, counted
-  (:attr:`DiskTier.num_evicted`; the shard also logs their ids as removed for
-  incremental exports).
-* **RAM index.** :class:`persia_py.servers.hash_index.HashIndex` from id to log slot,
-  over an array of the id of every slot (``EMPTY``: free or dead): 8 bytes per slot
-  plus 6.7-8.3 bytes of index per entry. Dead entries stay in the index (a probe checks
-  the slot's id, so they never answer) until they outnumber the live ones, then the
-  index is rebuilt from the live slots.
+* **A log of segments.** The file is cut into segments of whole blocks (8 MiB, or 1/64
+  of the file where that is less). A spill (a batch: at least 1/16 of the
+  shard's share) is written at the head, sequentially, as whole blocks (the block the
+  head is in is written again with its earlier records, kept in RAM), one ``pwrite`` per
+  8 MiB, filling the open segment. A record whose row went back to RAM is dead. When the
+  open segment is full, the segment with the fewest live rows is opened next: its live
+  rows are read (one sequential read) and written again at its start (compaction), and
+  the head goes on after them. Picking the emptiest segment rather than the oldest
+  leaves segments of cold rows, which never come back, where they are: under a skewed
+  stream they hold most of the disk's rows, and a circular log would move them all once
+  per turn.
+* **Free space kept in reserve.** ``capacity_rows`` counts live rows; the file has
+  ``capacity_rows / (1 - free_fraction)`` slots, so at most ``1 - free_fraction`` of them
+  are ever live, the emptiest segment is at least ``free_fraction`` free, and a write
+  moves at most ``(1 - f) / f`` live rows per row it stores (``f = free_fraction``: 7 at
+  the default 1/8, 2 at 1/3), however full the disk is; under a skewed stream far fewer
+  (docs/benchmarks.md, "Disk tier"). The price is disk space: ``1 / (1 - f)`` times the
+  live rows' blocks. Only a full disk (``capacity_rows`` live) deletes rows: those of
+  the segments opened longest ago first, counted (:attr:`DiskTier.num_evicted`; the
+  shard also logs their ids as removed for incremental exports).
+* **RAM index.** :class:`persia_py.servers.hash_index.HashIndex` from id to slot, over
+  an array of the id of every slot (``EMPTY``: free or dead): 8 bytes per slot plus
+  6.7-8.3 bytes of index per entry. Dead entries stay in the index (a probe checks the
+  slot's id, so they never answer) until they outnumber the live ones, or until the
+  index would have to grow, then it is rebuilt from the live slots (a growth would
+  rehash a dead entry by its slot's current id: those of free slots would all share
+  the home of ``EMPTY``, a run of probes as long as they are many).
 
 Crash safety: the tier is a cache of rows not in RAM, in an unnamed file
 (:mod:`persia_py.servers.page_file`): after a crash or a restart it starts empty, by
@@ -44,15 +56,22 @@ from __future__ import annotations
 import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
-from persia_py.servers.hash_index import HashIndex
+from persia_py.servers.hash_index import MAX_LOAD, HashIndex
 from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
 
-__all__ = ["EMPTY", "CorruptTier", "DiskTier", "record_layout"]
+__all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "record_layout"]
+
+DEFAULT_FREE_FRACTION = 1 / 8
+"""Share of the file's slots kept free by default: a write moves at most 7 live rows per
+row it stores (measured under Zipf(1.05): 1.4, docs/benchmarks.md "Disk tier"), and a full
+disk takes 1.48x its rows' bytes at dim 64 float16 row-wise Adagrad (issue 42: <= 1.5x)."""
 
 EMPTY = np.uint64(RESERVED_ID)
 """Id of a log slot that holds no row (the reserved id is never stored)."""
 _SCAN_BLOCKS_BYTES = 16 << 20
 """Bytes per sequential read of a scan."""
+_SEGMENT_BYTES = 8 << 20
+"""Bytes of a segment (fewer where the file would have under 64 of them)."""
 
 
 class CorruptTier(RuntimeError):
@@ -75,23 +94,43 @@ class DiskTier:
     """Spilled rows of one shard; not thread-safe (the shard's lock serializes calls)."""
 
     def __init__(self, directory: str, *, capacity_rows: int, dim: int,
-                 weight_dtype: np.dtype, state_width: int, queue_depth: int = 32) -> None:
+                 weight_dtype: np.dtype, state_width: int, queue_depth: int = 32,
+                 free_fraction: float = DEFAULT_FREE_FRACTION) -> None:
         if not isinstance(capacity_rows, int) or capacity_rows < 1:
             raise ValueError(f"capacity_rows must be an int >= 1, got {capacity_rows!r}")
+        if not 0.0 <= free_fraction <= 0.9:
+            raise ValueError(f"free_fraction must be in [0, 0.9], got {free_fraction!r}")
         self.dim = dim
         self.weight_dtype = np.dtype(weight_dtype)
         self.state_width = state_width
         self.record, block_bytes, self.rows_per_block = record_layout(
             dim, self.weight_dtype, state_width)
-        num_blocks = -(-capacity_rows // self.rows_per_block)
+        self.capacity_rows = capacity_rows
+        """Most live rows on disk; beyond it the rows spilled longest ago are deleted."""
+        slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
+        blocks = -(-slots // self.rows_per_block)
+        # At least 64 segments where the file has that many blocks: a write never waits
+        # on compacting more than 1/64 of the file; rounding up to whole segments adds
+        # under one block per segment.
+        most = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
+        self.num_segments = -(-blocks // most)
+        segment_blocks = -(-blocks // self.num_segments)
+        self.segment_slots = segment_blocks * self.rows_per_block
+        """Records per segment (whole blocks): the unit that compaction frees."""
+        num_blocks = self.num_segments * segment_blocks
         self.num_slots = num_blocks * self.rows_per_block
-        """Records the log holds (``capacity_rows`` rounded up to whole blocks)."""
+        """Records the file holds: ``capacity_rows / (1 - free_fraction)``, rounded up to
+        whole segments."""
+        self.segment_epoch = np.zeros(self.num_segments, np.int64)
+        """When each segment was last opened for writing (a count of openings): the
+        order in which a full disk deletes."""
+        self._num_opened = 0
         self.file = PageFile(directory, block_bytes=block_bytes, num_blocks=num_blocks,
                              queue_depth=queue_depth)
         self.slot_ids = np.full(self.num_slots, EMPTY, np.uint64)
         self.index = HashIndex(row_ids=self.slot_ids)
         self.head = 0
-        """Next slot to write."""
+        """Next slot to write; the segment it is in is open for writes up to its end."""
         self._head_block = np.zeros(self.rows_per_block, self.record)
         """Records of the block the head is in, as last written (rewritten whole when the
         head's next write fills it on)."""
@@ -107,6 +146,10 @@ class DiskTier:
         """Live rows moved up to the head by writes (compaction)."""
         self.num_deleted = 0
         """Rows deleted on request (:meth:`delete`)."""
+        self.num_hits = 0
+        """Ids asked of :meth:`take` whose row was here (brought back to RAM)."""
+        self.num_misses = 0
+        """Ids asked of :meth:`take` whose row was not here."""
 
     def close(self) -> None:
         """Close the file; its disk space is freed (it has no name). Rows on it are gone."""
@@ -126,11 +169,13 @@ class DiskTier:
 
     def stats(self) -> dict[str, int]:
         """Counters and sizes, by name (see the attributes of the same names)."""
-        return {"disk_rows": self.num_rows, "disk_capacity_rows": self.num_slots,
+        return {"disk_rows": self.num_rows, "disk_capacity_rows": self.capacity_rows,
+                "disk_slots": self.num_slots,
                 "disk_written": self.num_written, "disk_read": self.num_read,
                 "disk_evicted": self.num_evicted, "disk_deleted": self.num_deleted,
-                "disk_relocated": self.num_relocated,
-                "disk_block_reads": self.file.num_block_reads,
+                "disk_relocated": self.num_relocated, "disk_hits": self.num_hits,
+                "disk_misses": self.num_misses, "disk_block_reads": self.file.num_block_reads,
+                "disk_bytes_read": self.file.num_bytes_read,
                 "disk_block_bytes": self.file.block_bytes, "disk_bytes": self.disk_bytes,
                 "disk_ram_bytes": self.ram_bytes}
 
@@ -140,41 +185,69 @@ class DiskTier:
         """Store rows (``ids`` distinct uint64, ``weights`` ``(n, dim)`` as stored, ``state``
         ``(n, state_width)`` float32); a stored row of the same id is replaced. Returns
         the ids of the rows the log deleted to make room (counted in ``num_evicted``):
-        when more rows come than the log holds, the first ones of the batch go too."""
+        when more rows come than ``capacity_rows``, the first ones of the batch go too."""
         n = ids.shape[0]
         self._check_rows(ids, weights, state)
         self.delete(ids, counted=False)  # a replaced row is not a deletion
         gone: list[np.ndarray] = []
-        if n > self.num_slots:  # cannot all fit: the first ones leave at once
-            gone.append(ids[:n - self.num_slots])
-            self.num_evicted += n - self.num_slots
-            ids, weights, state = (a[n - self.num_slots:] for a in (ids, weights, state))
-            n = self.num_slots
+        cap = self.capacity_rows
+        if n > cap:  # cannot all fit: the first ones leave at once
+            gone.append(ids[:n - cap])
+            self.num_evicted += n - cap
+            ids, weights, state = (a[n - cap:] for a in (ids, weights, state))
+            n = cap
         if n == 0:
             return np.zeros(0, np.uint64)
-        over = self.num_rows + n - self.num_slots
+        over = self.num_rows + n - cap
         if over > 0:  # the disk is full: the rows spilled longest ago leave
             gone.append(self._drop_oldest(over))
-        # Live rows in the stretch of log this write covers move up to the head with it
-        # (compaction), so only a full disk ever deletes a row.
-        moved = self._live_ahead(n)
-        if moved.shape[0]:
-            _, moved_weights, moved_state = self.take(moved)
-            self.num_relocated += moved.shape[0]
-            ids = np.concatenate([moved, ids])
-            weights = np.concatenate([moved_weights, weights])
-            state = np.concatenate([moved_state, state])
         self.num_written += n
-        n = ids.shape[0]
         done = 0
         while done < n:
-            k = min(self.num_slots - self.head, n - done)  # the rest of the log, no wrap
+            room = -self.head % self.segment_slots if self.head else 0
+            if room == 0:  # the open segment is full (or none is open yet)
+                room = self._open_segment()
+            k = min(room, n - done)
             gone.append(self._write_at(self.head, ids[done:done + k],
                                        weights[done:done + k], state[done:done + k]))
-            self.head = (self.head + k) % self.num_slots
+            self.head += k
             done += k
         self._maybe_rebuild()
         return np.concatenate(gone) if gone else np.zeros(0, np.uint64)
+
+    def _live_per_segment(self) -> np.ndarray:
+        return np.count_nonzero(
+            self.slot_ids.reshape(self.num_segments, self.segment_slots) != EMPTY, axis=1)
+
+    def _open_segment(self) -> int:
+        """Open the segment with the fewest live rows for writes: its live rows are read
+        (one sequential read) and written again at its start (compaction), the head goes
+        after them. Returns the free slots it has (> 0: the caller made room)."""
+        seg = int(np.argmin(self._live_per_segment()))
+        start = seg * self.segment_slots
+        self._num_opened += 1
+        self.segment_epoch[seg] = self._num_opened
+        self.head = start
+        live = np.flatnonzero(self.slot_ids[start:start + self.segment_slots] != EMPTY)
+        if live.shape[0]:
+            rpb = self.rows_per_block
+            data = self.file.read_range(start // rpb, self.segment_slots // rpb)
+            records = data[:, :rpb * self.record.itemsize].view(self.record).reshape(-1)
+            rows = records[live]
+            if not np.array_equal(rows["id"], self.slot_ids[start + live]):
+                raise CorruptTier("disk tier: a record read for compaction does not hold "
+                                  "the id its slot should; the tier file is corrupt")
+            self.slot_ids[start + live] = EMPTY
+            self.num_rows -= live.shape[0]
+            self.num_relocated += live.shape[0]
+            state = (np.ascontiguousarray(rows["state"]) if self.state_width
+                     else np.zeros((live.shape[0], 0), np.float32))
+            self._write_at(start, np.ascontiguousarray(rows["id"]),
+                           np.ascontiguousarray(rows["weights"]), state)
+            self.head = start + live.shape[0]
+        room = self.segment_slots - live.shape[0]
+        assert room > 0, "a segment opened for writes has no free slot"
+        return room
 
     def _write_at(self, start: int, ids: np.ndarray, weights: np.ndarray,
                   state: np.ndarray) -> np.ndarray:
@@ -204,40 +277,18 @@ class DiskTier:
         buf[:, used:] = 0
         self.file.write_blocks(first // rpb, buf)
         self._head_block = records[-rpb:].copy()
+        self._index_room(k)
         rows, is_new = self.index.find_or_insert(ids, start)
         assert bool(is_new.all()), "an id written to the tier was still indexed"
         self.num_rows += k
         return gone
 
-    def _scan_ahead(self, count: int, dead: bool) -> tuple[int, list[np.ndarray]]:
-        """From the head on (circularly), the length of log holding ``count`` slots that
-        are dead (``dead``: then on to the end of that block) or live (not ``dead``), and
-        the live ids within it."""
-        pos, seen, length, live_ids = self.head, 0, 0, []
-        while True:
-            span = min(max(4 * count, 1 << 16), self.num_slots - pos)
-            live = self.slot_ids[pos:pos + span] != EMPTY
-            hits = np.cumsum(~live if dead else live)
-            if seen + int(hits[-1]) >= count:
-                m = int(np.searchsorted(hits, count - seen)) + 1
-                if dead:  # to the end of the block: the write rewrites it whole
-                    m = min(span, m + (-(pos + m)) % self.rows_per_block)
-                live_ids.append(self.slot_ids[pos:pos + m][live[:m]])
-                return length + m, live_ids
-            live_ids.append(self.slot_ids[pos:pos + span][live])
-            seen += int(hits[-1])
-            length += span
-            pos = (pos + span) % self.num_slots
-
-    def _live_ahead(self, n: int) -> np.ndarray:
-        """Ids of the live rows in the shortest stretch from the head holding ``n`` dead
-        slots (there are that many: the caller made room)."""
-        return np.concatenate(self._scan_ahead(n, dead=True)[1])
-
     def _drop_oldest(self, count: int) -> np.ndarray:
-        """Delete the ``count`` rows spilled longest ago (the first live ones from the
-        head); returns their ids, counted in ``num_evicted``."""
-        ids = np.concatenate(self._scan_ahead(count, dead=False)[1])
+        """Delete ``count`` rows, those of the segments written longest ago first (in
+        slot order within one); returns their ids, counted in ``num_evicted``."""
+        by_segment = self.slot_ids.reshape(self.num_segments, self.segment_slots)
+        oldest_first = by_segment[np.argsort(self.segment_epoch, kind="stable")].reshape(-1)
+        ids = oldest_first[oldest_first != EMPTY][:count]
         self.delete(ids, counted=False)
         self.num_evicted += ids.shape[0]
         return ids
@@ -256,6 +307,17 @@ class DiskTier:
             self.num_deleted += slots.shape[0]
         return int(slots.shape[0])
 
+    def _index_room(self, k: int) -> None:
+        """Rebuild the index from the live slots where ``k`` inserts would make it grow
+        while it holds dead entries: a growth rehashes an entry by the id its slot holds
+        *now*, so every dead entry of a free slot would land on the home of ``EMPTY``, one
+        run of probes as long as the dead entries are many."""
+        num, den = MAX_LOAD
+        if len(self.index) + k <= self.index.slots * num // den or len(self.index) == self.num_rows:
+            return
+        slots = np.flatnonzero(self.slot_ids != EMPTY)
+        self.index.rebuild(self.slot_ids[slots], slots, room=self.num_rows + k + self.num_rows // 4)
+
     def _maybe_rebuild(self) -> None:
         """Rebuild the index from the live slots once dead entries outnumber live ones."""
         if len(self.index) - self.num_rows <= max(self.num_rows, 4096):
@@ -272,6 +334,8 @@ class DiskTier:
         found, slots, weights, state = self._read(ids)
         self.slot_ids[slots] = EMPTY
         self.num_rows -= slots.shape[0]
+        self.num_hits += slots.shape[0]
+        self.num_misses += ids.shape[0] - slots.shape[0]
         return found, weights, state
 
     def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -61,9 +61,44 @@ class ParameterServerMetrics:
             families["evicted"].add_metric([table], s["evicted"])
             families["inserted"].add_metric([table], s["inserted"])
         yield from families.values()
+        yield from self._disk_tiers()
         yield GaugeMetricFamily("persia_ps_entries_total", "Rows held, all slots",
                                 value=sum(s["entries"] for s in stats.values()))
         yield GaugeMetricFamily("persia_ps_bytes_total", "Bytes of the row arrays, all slots",
                                 value=sum(s["bytes"] for s in stats.values()))
         yield CounterMetricFamily("persia_ps_update_requests", "Update requests applied",
                                   value=self._ps.num_updates)
+
+    def _disk_tiers(self) -> Iterator:
+        """The disk tier's rows and counters, per table with a tier (none without)."""
+        label = ["table"]
+        families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+            ("disk_rows", GaugeMetricFamily("persia_ps_disk_rows", "Rows on disk, per table",
+                                            labels=label)),
+            ("disk_bytes", GaugeMetricFamily("persia_ps_disk_bytes",
+                                             "Bytes of the disk tier's files, per table",
+                                             labels=label)),
+            ("disk_hits", CounterMetricFamily(
+                "persia_ps_disk_hits", "Ids absent from RAM found on disk (brought back), "
+                "per table", labels=label)),
+            ("disk_misses", CounterMetricFamily(
+                "persia_ps_disk_misses", "Ids absent from RAM asked of the disk tier and not "
+                "there, per table", labels=label)),
+            ("disk_block_reads", CounterMetricFamily(
+                "persia_ps_disk_reads", "Random block reads from the disk tier, per table",
+                labels=label)),
+            ("disk_bytes_read", CounterMetricFamily(
+                "persia_ps_disk_read_bytes", "Bytes read from the disk tier (random reads, "
+                "compaction and checkpoint scans), per table", labels=label)),
+            ("disk_evicted", CounterMetricFamily(
+                "persia_ps_disk_evictions", "Rows deleted from a full disk tier (also in "
+                "persia_ps_evictions), per table", labels=label)),
+            ("spilled", CounterMetricFamily("persia_ps_disk_spilled",
+                                            "Rows moved from RAM to disk, per table",
+                                            labels=label)),
+        ]
+        for table, s in self._ps.disk_stats().items():
+            for key, family in families:
+                family.add_metric([table], s[key])
+        for _, family in families:
+            yield family

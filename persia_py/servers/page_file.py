@@ -130,7 +130,10 @@ class PageFile:
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=self.queue_depth, thread_name_prefix="disk-tier-read")
         self.num_block_reads = 0
+        """Blocks read by :meth:`read_blocks` (random reads)."""
         self.num_block_writes = 0
+        self.num_bytes_read = 0
+        """Bytes read, random reads and scans."""
 
     @property
     def nbytes(self) -> int:
@@ -167,6 +170,7 @@ class PageFile:
                                out[a:b]) for a, b in zip(bounds, bounds[1:])]
         failed = [f.result() for f in futures]
         self.num_block_reads += n
+        self.num_bytes_read += n * self.block_bytes
         for a, f in zip(bounds, failed):
             if f >= 0:
                 block = int(blocks[a + f])
@@ -211,4 +215,5 @@ class PageFile:
             if got <= 0:
                 raise OSError(f"disk tier: read at byte {offset + done} returned nothing")
             done += got
+        self.num_bytes_read += flat.nbytes
         return out

@@ -471,6 +471,12 @@ class ParameterServer:
         """Per-table statistics (empty before configuration)."""
         return {name: table.stats() for name, table in self._tables.items()}
 
+    def disk_stats(self) -> dict[str, dict[str, int]]:
+        """Per-table counters of the disk tier (tables with one only; see
+        :meth:`persia_py.servers.storage.EmbeddingTable.disk_stats`)."""
+        return {name: stats for name, table in self._tables.items()
+                if (stats := table.disk_stats())}
+
     def close(self) -> None:
         for table in self._tables.values():
             table.close()

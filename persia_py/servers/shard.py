@@ -420,7 +420,7 @@ class Shard:
                                  f"raise capacity")
             return rows, n_new
         tier = self.tier
-        disk_free = tier.num_slots - tier.num_rows + int(tier.holds(ids[rows < 0]).sum())
+        disk_free = tier.capacity_rows - tier.num_rows + int(tier.holds(ids[rows < 0]).sum())
         if self.size + n_new > self.share + disk_free:
             raise ValueError(f"{self.size + n_new} rows do not fit one internal shard's share "
                              f"of {self.share} (capacity {self.table.capacity}) and the "

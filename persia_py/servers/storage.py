@@ -142,7 +142,7 @@ class EmbeddingTable:
         return DiskTier(str(config.path),
                         capacity_rows=-(-config.capacity_rows // self.num_shards),
                         dim=self.dim, weight_dtype=row_types.numpy_dtype(self.row_dtype),
-                        state_width=self.state_width)
+                        state_width=self.state_width, free_fraction=config.free_fraction)
 
     def _close_tiers(self) -> None:
         for shard in self._shards:
@@ -370,9 +370,11 @@ class EmbeddingTable:
         tier): ``disk_rows`` on disk now, ``disk_capacity_rows``, ``spilled`` /
         ``restored`` rows moved to disk / back to RAM, ``disk_written``, ``disk_read``
         (rows), ``disk_evicted`` (rows deleted at the disk's capacity: also in
-        ``stats()['evicted']``), ``disk_deleted`` (on request), ``disk_block_reads``,
-        ``disk_block_bytes`` (of one block), ``disk_bytes`` (files), ``disk_ram_bytes``
-        (the tiers' index)."""
+        ``stats()['evicted']``), ``disk_deleted`` (on request), ``disk_relocated`` (rows
+        moved by compaction), ``disk_hits`` / ``disk_misses`` (ids absent from RAM found /
+        not found on disk), ``disk_block_reads``, ``disk_bytes_read``, ``disk_block_bytes``
+        (of one block), ``disk_slots``, ``disk_bytes`` (files), ``disk_ram_bytes`` (the
+        tiers' index)."""
         totals: dict[str, int] = {}
         for shard in self._shards:
             if shard.tier is None:
