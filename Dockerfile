@@ -16,6 +16,8 @@ WORKDIR /opt/persia_py
 COPY setup.cfg pyproject.toml README.md ./
 COPY requirements ./requirements
 COPY persia_py ./persia_py
+COPY servers ./servers
+COPY workers ./workers
 COPY proto ./proto
 RUN pip install --extra-index-url ${TORCH_INDEX_URL} \
         -c requirements/cpu-constraints.txt . \

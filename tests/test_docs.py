@@ -50,8 +50,9 @@ def test_cli_reference_is_current() -> None:
 def test_grafana_dashboard_charts_existing_metrics() -> None:
     dashboard = json.loads((ROOT / "monitoring" / "grafana_dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    names = {name for source in ("telemetry/monitoring.py", "servers/metrics.py", "workers/metrics.py")
-             for name in re.findall(r"persia_\w+", (ROOT / "persia_py" / source).read_text())}
+    names = {name for source in ("persia_py/telemetry/monitoring.py", "servers/metrics.py",
+                                 "workers/metrics.py")
+             for name in re.findall(r"persia_\w+", (ROOT / source).read_text())}
     used = {re.sub(r"_(total|bucket|count|sum)$", "", n) for e in exprs
             for n in re.findall(r"persia_\w+", e)}
     assert used and used <= names, used - names

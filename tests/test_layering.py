@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {"persia_py": ROOT / "persia_py"}
-"""Import name of each source folder."""
+SOURCES = {"persia_py": ROOT / "persia_py", "persia_py.servers": ROOT / "servers",
+           "persia_py.workers": ROOT / "workers"}
+"""Import name of each source folder (setup.cfg ``package_dir``)."""
 
 
 def _modules() -> dict[str, Path]:

@@ -21,7 +21,7 @@ PICKLING_COLLECTIVES = {"all_gather_object", "gather_object", "broadcast_object_
                         "scatter_object_list", "send_object_list", "recv_object_list",
                         "_object_to_tensor", "_tensor_to_object"}
 """torch.distributed's functions that pickle what they send or unpickle what they get."""
-SCANNED = ["persia_py", "benchmarks", "examples", "scripts"]
+SCANNED = ["persia_py", "servers", "workers", "benchmarks", "examples", "scripts"]
 
 
 def _sources() -> list:

@@ -9,15 +9,16 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import ROOT
+from conftest import PACKAGE_DIRS, ROOT
 
 
 def _checked_files() -> int:
     """What ``[tool.mypy]`` covers: every module of persia_py, the generated protobuf
     modules through their ``.pyi`` stubs instead."""
-    package = ROOT / "persia_py"
-    modules = [p for p in package.rglob("*.py") if not re.search(r"_pb2(_grpc)?\.py$", p.name)]
-    return len(modules) + len(list(package.rglob("*_pb2.pyi")))
+    folders = [ROOT / "persia_py", *PACKAGE_DIRS.values()]
+    modules = [p for folder in folders for p in folder.rglob("*.py")
+               if not re.search(r"_pb2(_grpc)?\.py$", p.name)]
+    return len(modules) + len(list((ROOT / "persia_py").rglob("*_pb2.pyi")))
 
 
 @pytest.mark.processes
