@@ -423,7 +423,8 @@ def package_tree(folder: Path) -> Path:
     tree = folder / "tree"
     (tree / "persia_py").mkdir(parents=True)
     for entry in (ROOT / "persia_py").iterdir():
-        (tree / "persia_py" / entry.name).symlink_to(entry)
+        if f"persia_py/{entry.name}" not in PACKAGE_DIRS:  # a checkout's stale __pycache__
+            (tree / "persia_py" / entry.name).symlink_to(entry)
     for inside, source in PACKAGE_DIRS.items():
         (tree / inside).symlink_to(source, target_is_directory=True)
     (tree / "pyproject.toml").symlink_to(ROOT / "pyproject.toml")
