@@ -211,6 +211,25 @@ def kill_marked(marker: str) -> None:
             pass
 
 
+HOLD_CHECK_SEC = 1.0
+"""How long a held role is watched for an exit after it said it holds."""
+
+
+def held_until_sigterm(job: RoleProcess, command: str) -> None:
+    """``job`` (``persia-launcher COMMAND ...``) says it holds on a config error, does not
+    exit, and exits with the config exit code on SIGTERM."""
+    from persia_py.ops.start_checks import CONFIG_EXIT_CODE
+
+    job.wait_for_line(rf"persia-launcher {command}: stopped on a config error \(code 78; its "
+                      r"message is above\); holding instead of exiting", timeout=120)
+    with pytest.raises(subprocess.TimeoutExpired):
+        job.process.wait(timeout=HOLD_CHECK_SEC)
+    assert job.process.poll() is None, job.output()
+    job.process.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == CONFIG_EXIT_CODE, job.output()
+    assert processes_with_marker(job.marker) == []
+
+
 def launcher_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "persia_py.launcher.cli", *args]
 
