@@ -230,6 +230,15 @@ def held_until_sigterm(job: RoleProcess, command: str) -> None:
     assert processes_with_marker(job.marker) == []
 
 
+def refused(call: Callable, request, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+            ) -> str:
+    """``call(request)`` (a gRPC stub's method) fails with ``code``; returns the details."""
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, timeout=30)
+    assert info.value.code() == code, info.value.details()
+    return info.value.details()
+
+
 def launcher_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "persia_py.launcher.cli", *args]
 
