@@ -7,9 +7,11 @@
   stream and every sample exactly once (the ranks write the ids they trained).
 * The parameter server's step killed mid-run (its process on node1, SIGKILL) is restarted
   by the job itself, on the same node and port, its update log replayed; then
-  ``scontrol requeue`` runs the batch script again, which resumes from the newest
-  checkpoint: the job ends 0, every sample trained once after the checkpoints it went back
-  to (the ranks write the ids they trained, and where each run of theirs started).
+  ``scontrol requeue`` stops the job in order (the NN workers' final checkpoint first,
+  then the servers) and runs the batch script again, which resumes from that checkpoint:
+  the job ends 0, each rank's second run starts where its first stopped, and every sample
+  is trained once (the ranks write the ids they trained, and where each run of theirs
+  started).
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ def test_a_killed_step_is_restarted_and_a_requeued_job_resumes(slurm, tmp_path: 
         os.kill(pid, signal.SIGKILL)
     slurm.wait_for_output(job_id, r"ps-0 died \(.*\); restarting it on the same port",
                           timeout=120)
-    # Then Slurm requeues the job (as after a node failure or a preemption): the batch
-    # script runs again and resumes from the newest checkpoint.
+    # Then Slurm requeues the job (as after a preemption): the job stops in order and the
+    # batch script runs again, resuming from the checkpoint written at the stop.
     slurm.wait_for_output(job_id, r"checkpoint \S+ckpt-\S+ written", timeout=300, count=2)
     slurm.requeue(job_id)
     slurm.wait_for_output(job_id, rf"Slurm job {job_id} \(restart 1\)", timeout=120)
@@ -103,15 +105,20 @@ def test_a_killed_step_is_restarted_and_a_requeued_job_resumes(slurm, tmp_path: 
     assert slurm.job(job_id)["JobState"] == "COMPLETED", out[-20000:]
     [batches] = [int(n) for n in re.findall(r"resuming from \S+ckpt-\S+ \((\d+) batches "
                                             r"trained\)", out)]
-    # Each rank's steps up to the checkpoint its second run went back to (the ranks step
-    # together mid-stream: half the batches each), then that run's: every sample once
-    # (what the first run trained after the checkpoint was rolled back).
+    # The requeue stopped the job in order: the ranks finished their step and wrote a
+    # final checkpoint while the servers still served (they wait for the supervisor, not
+    # for Slurm's SIGTERM), then the servers stopped. The second run resumed from that
+    # checkpoint, the step the ranks had reached, not from an earlier periodic one: each
+    # rank's second run starts right after the last step of its first (the ranks step
+    # together mid-stream: half the batches each), and every sample was trained once.
+    first_run = out[:out.index(f"Slurm job {job_id} (restart 1)")]
+    assert re.search(r"training ended \([^)]*\) at step \d+; final checkpoint", first_run), \
+        first_run[-20000:]
     assert batches > 0 and batches % 2 == 0, out[-20000:]
-    kept = []
+    trained = []
     for rank in (0, 1):
-        lines = _lines(tmp_path / "run", rank)
         starts = [int(n) for n in
                   (tmp_path / "run" / f"starts-rank{rank}.txt").read_text().split()]
-        assert len(starts) == 2 and starts[1] >= batches // 2, (starts, batches)
-        kept += lines[:batches // 2] + lines[starts[1]:]
-    np.testing.assert_array_equal(np.sort(np.concatenate(kept)), np.arange(total))
+        assert starts == [0, batches // 2], (starts, batches, out[-20000:])
+        trained += _lines(tmp_path / "run", rank)
+    np.testing.assert_array_equal(np.sort(np.concatenate(trained)), np.arange(total))

@@ -81,10 +81,12 @@ class LocalCluster:
     """Starts, watches and stops the processes of one local job."""
 
     def __init__(self, roles: list[Role], env: dict[str, str], *,
-                 max_restarts: int = MAX_RESTARTS) -> None:
+                 max_restarts: int = MAX_RESTARTS, stop_signal: int = signal.SIGTERM) -> None:
         self.roles = roles
         self.env = env
         self.max_restarts = max_restarts
+        self.stop_signal = stop_signal
+        """What stops a role's process (``Layout.stop_signal``: SIGUSR2 to ``srun``)."""
         self._print_lock = threading.Lock()
         self._exited = threading.Event()
         self._lifeline: Lifeline | None = None
@@ -249,7 +251,7 @@ class LocalCluster:
         nn = [r for r in self.roles if r.kind is NN_WORKER and r.process is not None]
         for role in nn:
             if role.started.poll() is None:
-                os.kill(role.started.pid, signal.SIGTERM)
+                os.kill(role.started.pid, self.stop_signal)
         deadline = time.monotonic() + GRACEFUL_STOP_SEC
         codes = []
         for role in nn:
@@ -323,7 +325,7 @@ class LocalCluster:
                 pids.extend(descendants(role.process.pid))
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, self.stop_signal)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + _STOP_GRACE_SEC
