@@ -34,7 +34,7 @@ import select
 import signal
 from collections.abc import Callable, Mapping
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
 """The signals that stop a role unless ``$PERSIA_STOP_SIGNALS`` says others."""
 ENV_STOP_SIGNALS = "PERSIA_STOP_SIGNALS"
 """Comma-separated names (``SIGUSR2,SIGINT``) of the signals that stop a role; of
