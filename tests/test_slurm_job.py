@@ -4,7 +4,9 @@
 * One batch script, a heterogeneous job: the parameter server on ``highmem`` (node1), two
   NN-worker nodes on ``gpu`` (node2, node3; one rank each, c10d rendezvous on node2), the
   embedding worker and data loader beside them, each role a job step. It trains a finite
-  stream and every sample exactly once (the ranks write the ids they trained).
+  stream and every sample exactly once (the ranks write the ids they trained), and trains
+  like the same job on one machine (``persia-launcher local``): its test AUC on rows it
+  never trained lies within the three-host test's tolerance (conftest.AUC_TOLERANCE).
 * The parameter server's step killed mid-run (its process on node1, SIGKILL) is restarted
   by the job itself, on the same node and port, its update log replayed; then
   ``scontrol requeue`` stops the job in order (the NN workers' final checkpoint first,
@@ -24,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, launcher_command
-from online_jobs import ROWS_PER_FILE, add_file, write_config
+from conftest import ROOT, RoleProcess, auc_like_reference, launcher_command
+from online_jobs import ROWS_PER_FILE, add_file, start, write_config, write_test_rows
 
 pytestmark = pytest.mark.processes
 
@@ -35,7 +37,7 @@ KILL_FILES = 30
 """The stream of the kill test: long enough that the PS dies well before its end."""
 
 
-def _script(slurm, tmp_path: Path, run: str, loader_args: str = "") -> str:
+def _script(slurm, tmp_path: Path, run: str, loader_args: str = "", nn_args: str = "") -> str:
     done = slurm.run(*launcher_command(
         "slurm", "--job-name", f"persia-{run}", "--run-dir", str(tmp_path / run),
         "--nn-worker", str(JOB / "train.py"), "--data-loader", str(JOB / "data_loader.py"),
@@ -46,7 +48,7 @@ def _script(slurm, tmp_path: Path, run: str, loader_args: str = "") -> str:
         "--data-loader-args",
         f"--stream {tmp_path / 'stream'} --positions {tmp_path / 'positions'} --finite "
         f"{loader_args}",
-        "--nn-worker-args", f"--out {tmp_path / run}"), timeout=120)
+        "--nn-worker-args", f"--out {tmp_path / run} {nn_args}"), timeout=120)
     return done.stdout
 
 
@@ -63,17 +65,47 @@ def _stream(tmp_path: Path, num_files: int = NUM_FILES, every_steps: int = 4) ->
     return num_files * ROWS_PER_FILE
 
 
-def test_a_three_host_job_trains_every_sample_once(slurm, tmp_path: Path) -> None:
+def _test_auc(out: str) -> float:
+    found = re.findall(r"test_auc: ([\d.]+)", out)
+    assert len(found) == 1, out[-20000:]
+    return float(found[0])
+
+
+def test_a_three_host_job_trains_every_sample_once_like_one_machine(slurm, tmp_path: Path
+                                                                     ) -> None:
     total = _stream(tmp_path)
-    script = _script(slurm, tmp_path, "run")
-    assert "#SBATCH hetjob" in script and "#SBATCH --requeue" in script
-    job_id = slurm.submit(script)
-    slurm.wait_for_job(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
-    out = slurm.output(job_id)
-    assert slurm.job(job_id)["JobState"] == "COMPLETED", out[-20000:]
-    # Each role ran where the layout put it: the NN ranks on two nodes.
-    assert re.search(r"training finished", out), out[-20000:]
-    np.testing.assert_array_equal(_trained(tmp_path / "run"), np.arange(total))
+    test_rows = write_test_rows(tmp_path / "test.csv")
+    # The same job on one machine (persia-launcher local: same scripts, configs, stream,
+    # roles and ranks, a folder of its own); the 3-host job's test AUC lies within
+    # conftest.AUC_TOLERANCE of the range of its runs (auc_like_reference). The first
+    # runs beside the Slurm job: neither waits for the other's CPU for long.
+    def start_one_machine(name: str) -> RoleProcess:
+        work = tmp_path / name
+        work.mkdir()
+        (work / "stream").symlink_to(tmp_path / "stream")
+        write_config(work, every_steps=4)
+        return start(work, "run", 2, loader_args="--finite", nn_args=f"--test-csv {test_rows}")
+
+    beside = [start_one_machine("reference-1")]
+    try:
+        script = _script(slurm, tmp_path, "run", nn_args=f"--test-csv {test_rows}")
+        assert "#SBATCH hetjob" in script and "#SBATCH --requeue" in script
+        job_id = slurm.submit(script)
+        slurm.wait_for_job(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+        out = slurm.output(job_id)
+        assert slurm.job(job_id)["JobState"] == "COMPLETED", out[-20000:]
+        # Each role ran where the layout put it: the NN ranks on two nodes.
+        assert re.search(r"training finished", out), out[-20000:]
+        np.testing.assert_array_equal(_trained(tmp_path / "run"), np.arange(total))
+
+        def one_machine(name: str) -> float:
+            return _test_auc((beside.pop() if beside else start_one_machine(name)
+                              ).finish(timeout=300))
+
+        auc_like_reference(_test_auc(out), one_machine)
+    finally:
+        for local in beside:  # the test failed before its reference finished
+            local.stop()
 
 
 def _lines(run_dir: Path, rank: int) -> list[np.ndarray]:
@@ -107,8 +139,10 @@ def test_a_killed_step_is_restarted_and_a_requeued_job_resumes(slurm, tmp_path: 
     slurm.wait_for_job(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     out = slurm.output(job_id)
     assert slurm.job(job_id)["JobState"] == "COMPLETED", out[-20000:]
-    [batches] = [int(n) for n in re.findall(r"resuming from \S+ckpt-\S+ \((\d+) batches "
-                                            r"trained\)", out)]
+    resumed = [int(n) for n in re.findall(r"resuming from \S+ckpt-\S+ \((\d+) batches "
+                                          r"trained\)", out)]
+    assert len(resumed) == 1, f"not resumed from one checkpoint: {resumed}\n{out[-20000:]}"
+    batches = resumed[0]
     # The requeue stopped the job in order: the ranks finished their step and wrote a
     # final checkpoint while the servers still served (they wait for the supervisor, not
     # for Slurm's SIGTERM), then the servers stopped. The second run resumed from that
