@@ -8,7 +8,8 @@ outright (SIGKILL) takes every role with it, torchrun's ranks and the user's scr
 included (persia_py/launcher/lifeline.py). SIGTERM stops the NN
 workers first and waits for them (an online job's ranks, ``TrainCtx(stop_on_signal=True)``,
 finish their step and write a final checkpoint, then exit 0), then the other roles; a
-second SIGTERM stops all at once.
+second SIGTERM stops all at once. (The roles are stopped with ``stop_signal``: SIGTERM,
+or under Slurm SIGUSR2 to each role's ``srun``: persia_py/launcher/slurm_run.py.)
 A process that dies while training runs (a non-zero exit or a signal) does not stop the
 job, up to ``max_restarts`` times per role, while the others wait and retry: a parameter
 server is started again alone, on the same port with the same replica index, from the

@@ -13,6 +13,14 @@ and an NN step that died by rolling the training back to its last checkpoint.
 A step's environment is the supervisor's (``srun`` passes it on through Slurm, not on a
 command line): the roles' addresses, the config paths and the job token (also in the run
 folder, mode 0600); the launcher's lifeline is a pipe of this node and is dropped there.
+
+A requeue or ``scancel`` stops the job in order, as SIGTERM stops ``local``: Slurm's
+SIGTERM reaches every process of the job at once, so only the NN workers act on it (a
+step, a final checkpoint); the servers' and data loaders' steps ignore it
+(``$PERSIA_STOP_SIGNALS``: persia_py/launcher/stop_signals.py) and are stopped by the
+supervisor once the NN step has ended, with SIGUSR2 to their ``srun`` (which turns a
+SIGTERM of its own into SIGKILL, but passes SIGUSR2 on). All within Slurm's ``KillWait``
+(docs/deployment.md#running-on-slurm).
 """
 
 from __future__ import annotations
