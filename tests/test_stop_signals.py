@@ -43,26 +43,26 @@ def _role(stop: str | None) -> RoleProcess:
     return proc
 
 
-def test_a_server_step_under_slurm_ignores_sigterm_and_stops_on_sigusr2() -> None:
-    proc = _role("SIGUSR2,SIGINT")
+@pytest.mark.parametrize("stop, sent, taken", [
+    # A server's step under Slurm: Slurm's SIGTERM, then the supervisor's SIGUSR2, each to
+    # every process of the step.
+    ("SIGUSR2,SIGINT", (signal.SIGTERM, signal.SIGUSR2), "['SIGUSR2']"),
+    # Anywhere else: SIGTERM, to the role (which would pass it on).
+    (None, (signal.SIGTERM,), "['SIGTERM']"),
+])
+def test_a_role_stops_on_its_stop_signals_alone(stop: str | None, sent: tuple[int, ...],
+                                                taken: str) -> None:
+    proc = _role(stop)
     try:
-        # Slurm's SIGTERM, then the supervisor's SIGUSR2, each to the whole step.
-        os.killpg(proc.process.pid, signal.SIGTERM)
-        os.killpg(proc.process.pid, signal.SIGUSR2)
+        for sig in sent:
+            if stop is None:
+                os.kill(proc.process.pid, sig)
+            else:
+                os.killpg(proc.process.pid, sig)
         assert proc.wait(timeout=60) == 0, proc.output()
-        assert "taken ['SIGUSR2']" in proc.output(), proc.output()
-        # The child ignored both: it ended when its stdin closed.
-        assert "child exited 0" in proc.output(), proc.output()
-    finally:
-        proc.stop()
-
-
-def test_by_default_sigterm_stops_a_role() -> None:
-    proc = _role(None)
-    try:
-        os.kill(proc.process.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.output()
-        assert "taken ['SIGTERM']" in proc.output(), proc.output()
+        assert f"taken {taken}" in proc.output(), proc.output()
+        # The child took none of them (ignored, or left to its parent): it ended when its
+        # stdin closed.
         assert "child exited 0" in proc.output(), proc.output()
     finally:
         proc.stop()
