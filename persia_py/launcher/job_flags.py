@@ -121,7 +121,8 @@ def slurm_from_flags(args: argparse.Namespace) -> tuple[SlurmJob, LocalOptions]:
                          flag_names={"nn_nodes": "--num-nn-worker-nodes"})
     flags: list[str] = []
     for key, value in vars(args).items():
-        if key in ("command", *_RENDER_ONLY) or value in (None, False, ""):
+        # Left out when unset; not a 0 (``0 == False``: --max-restarts 0 would be lost).
+        if key in ("command", *_RENDER_ONLY) or value is None or value is False or value == "":
             continue
         flag = "--" + ("time" if key == "time_limit" else key.replace("_", "-"))
         # FLAG=VALUE: a value that starts with '-' (a script's arguments) stays a value.
