@@ -87,15 +87,16 @@ def slurm_layout(spec: SlurmJob, environ: Mapping[str, str] = os.environ) -> Lay
     # Slurm's SIGTERM (a requeue, scancel) reaches every process of the job at once: the
     # NN workers act on it, the servers wait for the supervisor's SIGUSR2 (the NN workers
     # stopped, their final checkpoint written), which srun passes on as it is.
-    env = ["env", "-u", ENV_LIFELINE_FD]
+    drop_lifeline = ["env", "-u", ENV_LIFELINE_FD]
 
     def launch(kind: RoleKind | None, index: int, command: list[str]) -> list[str]:
         if kind is None:  # the NN workers: a task on every node of component 1
             return [*step, "--het-group=1", f"--nodes={len(groups[1])}",
-                    "--ntasks-per-node=1", *env, f"{ENV_STOP_SIGNALS}={NN_STOP}", *command]
+                    "--ntasks-per-node=1", *drop_lifeline, f"{ENV_STOP_SIGNALS}={NN_STOP}",
+                    *command]
         return [*step, f"--het-group={_GROUP[kind]}", "--nodes=1", "--ntasks=1",
-                f"--nodelist={hosts[kind][index]}", *env, f"{ENV_STOP_SIGNALS}={SERVER_STOP}",
-                *command]
+                f"--nodelist={hosts[kind][index]}", *drop_lifeline,
+                f"{ENV_STOP_SIGNALS}={SERVER_STOP}", *command]
 
     rendezvous = (f"{groups[1][0]}:{spec.port_base + PORT_OFFSETS['rendezvous']}"
                   if len(groups[1]) > 1 else None)
