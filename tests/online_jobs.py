@@ -36,6 +36,17 @@ def add_file(folder: Path, index: int) -> int:
     return ROWS_PER_FILE
 
 
+TEST_FIRST_ID = 1_000_000
+"""The first sample id of the rows a job is tested on (:func:`write_test_rows`): no stream
+reaches it."""
+
+
+def write_test_rows(path: Path, count: int = 4000) -> Path:
+    """Rows as the stream's, never trained (``train.py --test-csv``); returns ``path``."""
+    path.write_text("sid,label,x,user,item\n" + csv_rows(TEST_FIRST_ID, count))
+    return path
+
+
 def write_config(work: Path, every_steps: int) -> None:
     (work / "global_config.yml").write_text(
         (ROOT / "examples" / "criteo_synthetic" / "global_config.yml").read_text()

@@ -11,6 +11,7 @@ What it builds, in a folder of the test run:
   (the default, every node), ``highmem`` (node1) and ``gpu`` (node2, node3; a name only),
   each node 4 CPUs and 1 GiB whatever the machine has (``config_overrides``) and every
   partition ``OverSubscribe=FORCE:4``, so several jobs share a node; ``JobRequeue=1``,
+  ``KillWait`` Slurm's default 30 s (:data:`KILL_WAIT_S`),
   ``ReturnToService=2`` and timeouts of seconds: a lost node is DOWN about 16 s after it
   stopped answering (:data:`MESSAGE_TIMEOUT_S`), and a requeued job starts again 11 s
   after its requeue at the earliest (:data:`CRED_EXPIRE_S`);
@@ -61,6 +62,11 @@ A ping to a lost node fails only after it, and a node is DOWN after two failed p
 these two, a node killed or cut off mid-job was DOWN 16 s after (15.6-16.0 s, three runs
 on this 2-core VM); at 3 and 3 it took 7 s (killed) and 11 s (cut off), at 6 and 5, 17-18
 s. Lower values would make a loaded machine's slow answers count as failures."""
+KILL_WAIT_S = 30
+"""How long a job's processes have between Slurm's SIGTERM (a requeue, ``scancel``) and its
+SIGKILL (``KillWait``; Slurm's default): the time a job has to stop in order, its NN
+workers' last step and final checkpoint first (docs/deployment.md#slurm). A job that
+stops in time costs nothing of it."""
 CRED_EXPIRE_S = 10
 """A job step's credential lifetime (``AuthInfo=cred_expire``): a requeued job may start
 again only that long (and a second) after its requeue (Slurm's default: 120 s)."""
@@ -418,7 +424,7 @@ SlurmdTimeout={SLURMD_TIMEOUT_S}
 SlurmctldTimeout=10
 MessageTimeout={MESSAGE_TIMEOUT_S}
 TCPTimeout=1
-KillWait=2
+KillWait={KILL_WAIT_S}
 InactiveLimit=0
 MinJobAge=300
 BatchStartTimeout=10

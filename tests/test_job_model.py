@@ -122,6 +122,9 @@ def test_every_engine_runs_the_same_command_for_each_role(insecure: bool, monkey
     assert {"--het-group=0", "--nodelist=big1"} <= set(slurm[PARAMETER_SERVER])
     assert {"--het-group=1", "--nodes=2"} <= set(slurm[NN_WORKER])
     assert _parsed(slurm[NN_WORKER]).rdzv_endpoint == "gpu1:23300"
+    # Slurm's SIGTERM stops the NN workers; the servers wait for the supervisor's SIGUSR2.
+    assert "PERSIA_STOP_SIGNALS=SIGUSR2,SIGINT" in slurm[PARAMETER_SERVER]
+    assert "PERSIA_STOP_SIGNALS=SIGTERM,SIGUSR2,SIGINT" in slurm[NN_WORKER]
 
 
 def test_a_restart_in_local_replays_the_roles_own_log() -> None:
@@ -176,3 +179,16 @@ def test_serves_servers_are_the_training_roles_placed_as_serving_replicas(tmp_pa
     assert ps0.follow_increments.endswith("/inc") and ps0.follow_increments.startswith("/")
     assert (worker.command, worker.port, worker.bind, worker.metrics_port) == (
         "embedding-worker", 5003, "127.0.0.1", 0)
+
+
+def test_the_batch_scripts_slurm_run_gets_the_job_slurm_was_given() -> None:
+    from persia_py.launcher.job_flags import slurm_from_flags
+
+    spec, _ = slurm_from_flags(build_parser("slurm").parse_args([
+        "slurm", "--job-name", "ctr", "--run-dir", "/shared/run", "--nn-worker", "t.py",
+        "--data-loader", "d.py", "--embedding-config", "e.yml", "--num-nn-worker-nodes", "2",
+        "--nn-worker-args", "--lr -1", "--max-restarts", "0", "--no-metrics", "--submit"]))
+    again, options = slurm_from_flags(build_parser("slurm-run").parse_args(
+        ["slurm-run", *spec.flags]))
+    assert again.job == spec.job and again.job.max_restarts == 0, spec.flags
+    assert again.job.nn_worker.args == ("--lr", "-1") and not options.metrics

@@ -180,17 +180,12 @@ def _data_loader_parser(sub: argparse._SubParsersAction) -> None:
 
 def _local_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="run a whole job on this machine")
-    p.add_argument("--nn-worker", required=True, help="training script")
-    p.add_argument("--data-loader", required=True, help="data-loader script")
-    p.add_argument("--nn-worker-args", default="", help="arguments of the training script")
-    p.add_argument("--data-loader-args", default="", help="arguments of the data-loader script")
-    p.add_argument("--embedding-config", required=True, help="embedding_config.yml")
-    p.add_argument("--global-config", default=None,
-                   help="global_config.yml (default: all defaults)")
-    p.add_argument("--num-ps", type=int, default=1, help="parameter-server replicas")
-    p.add_argument("--num-embedding-workers", type=int, default=1, help="embedding workers")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="NN-worker ranks")
-    p.add_argument("--num-data-loaders", type=int, default=1, help="data loaders")
+    from persia_py.launcher.job_flags import add_job_flags, add_supervisor_flags
+
+    add_job_flags(p)
+    add_supervisor_flags(p, "the configured token, else a new one per run, handed to the "
+                            "roles by environment and written to RUN_DIR/auth_token, mode "
+                            "0600, for clients outside the job")
     p.add_argument("--bind", default="127.0.0.1", help="address every server binds")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process (repeatable)")
@@ -198,22 +193,10 @@ def _local_parser(sub: argparse._SubParsersAction) -> None:
                    help="folder of this run's files (training log), made with mode 0700; "
                         "refused when another user owns it or others may write into it; "
                         "default runs/local-<date>-<time>")
-    p.add_argument("--no-metrics", action="store_true",
-                   help="do not serve Prometheus metrics (default: every role serves them on "
-                        "a free port, printed at start-up)")
-    add_insecure_flag(p, "every role", "the configured token, else a new one per run, handed "
-                      "to the roles by environment and written to RUN_DIR/auth_token, mode "
-                      "0600, for clients outside the job")
-    add_insecure_token_flag(p)
     _add_dir_flag(p, "--resume",
                   "continue a job from its last checkpoint in DIR (a checkpoint root or "
                   "folder): the NN workers load it, the data loaders skip the batches "
                   "it had trained")
-    _add_max_restarts(p, 3,
-                      "restarts of each role after it died (a parameter server, embedding "
-                      "worker or data loader alone; the training, from the last checkpoint, "
-                      "for an NN worker) or exited when asked to by a Restart or Rewind "
-                      "call, before the job stops; 0: the first death stops it")
     p.add_argument("--nn-restarts", choices=("launcher", "torchrun"), default="launcher",
                    help="who restarts dead NN ranks: the launcher (it restarts the training "
                         "roles from the last checkpoint) or torchrun (--max-restarts; the "
@@ -257,26 +240,35 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     add_insecure_token_flag(p)
 
 
-def _k8s_parser(sub) -> None:
+def _k8s_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("k8s", help="render Kubernetes manifests for a job")
+    from persia_py.launcher.job_flags import add_job_flags
     from persia_py.launcher.k8s_flags import add_k8s_flags
 
+    add_job_flags(p, nn_node="pod", in_image=True)
     add_k8s_flags(p)
 
 
 def _slurm_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("slurm", help="render (and submit) a Slurm batch script for a job")
-    from persia_py.launcher.slurm import add_slurm_flags
-
-    add_slurm_flags(p, render=True)
+    _add_slurm_flags(sub.add_parser(
+        "slurm", help="render (and submit) a Slurm batch script for a job"), render=True)
 
 
 def _slurm_run_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("slurm-run", help="run a job inside its Slurm allocation (the batch "
-                                         "script persia-launcher slurm renders calls it)")
+    _add_slurm_flags(sub.add_parser(
+        "slurm-run", help="run a job inside its Slurm allocation (the batch script "
+                          "persia-launcher slurm renders calls it)"), render=False)
+
+
+def _add_slurm_flags(p: argparse.ArgumentParser, *, render: bool) -> None:
+    """``slurm``'s flags (``render``: and the script's own) or ``slurm-run``'s."""
+    from persia_py.launcher.job_flags import add_job_flags, add_supervisor_flags
     from persia_py.launcher.slurm import add_slurm_flags
 
-    add_slurm_flags(p, render=False)
+    add_job_flags(p, nn_node="node")
+    add_supervisor_flags(p, "a new token per run, in RUN_DIR/auth_token, mode 0600, handed "
+                            "to the roles by Slurm")
+    add_slurm_flags(p, render=render)
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,4 +1,6 @@
-"""From the command line to the job model: the one place where ``local``'s, ``k8s``'s and
+"""From the command line to the job model: the flags of the job every engine runs
+(:func:`add_job_flags`, and the supervisor's that ``local`` and ``slurm`` share:
+:func:`add_supervisor_flags`), and the one place where ``local``'s, ``k8s``'s and
 ``slurm``'s parsed flags (an ``argparse.Namespace``) become a typed
 :class:`~persia_py.launcher.job_model.Job` and the engine's own options (a role's, and
 ``serve``'s and ``plan``'s: :mod:`persia_py.launcher.role_options`). Past these two
@@ -9,13 +11,59 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from persia_py.launcher import job_token
 from persia_py.launcher.job_model import Job, Resources, Script
 from persia_py.launcher.job_run import LocalOptions
 from persia_py.launcher.k8s_flags import K8sJob
 from persia_py.launcher.role_kinds import DATA_LOADER, EMBEDDING_WORKER, NN_WORKER, PARAMETER_SERVER
 from persia_py.launcher.slurm import SlurmJob
 
-__all__ = ["job_from_flags", "k8s_from_flags", "local_from_flags", "slurm_from_flags"]
+__all__ = ["add_job_flags", "add_supervisor_flags", "job_from_flags", "k8s_from_flags",
+           "local_from_flags", "slurm_from_flags"]
+
+
+def add_job_flags(p: argparse.ArgumentParser, *, nn_node: str | None = None,
+                  in_image: bool = False) -> None:
+    """The flags of the job itself, alike for every engine (:func:`job_from_flags` reads
+    them): its scripts and their arguments, its configs, each role's replicas.
+    ``nn_node``: what one NN-worker node is to the engine (``--num-nn-worker-nodes``;
+    None: one node, this machine); ``in_image``: the scripts are paths in the container
+    image, the configs are put into a ConfigMap (``k8s``)."""
+    where = ", as a path in the image" if in_image else ""
+    p.add_argument("--nn-worker", required=True, help=f"training script{where}")
+    p.add_argument("--nn-worker-args", default="", help="arguments of the training script")
+    p.add_argument("--data-loader", required=True, help=f"data-loader script{where}")
+    p.add_argument("--data-loader-args", default="", help="arguments of the data-loader script")
+    checked = " (validated, then put into the ConfigMap)" if in_image else ""
+    p.add_argument("--embedding-config", required=True, help=f"embedding_config.yml{checked}")
+    p.add_argument("--global-config", default=None,
+                   help=f"global_config.yml{checked} (default: all defaults)")
+    p.add_argument("--num-ps", type=int, default=1, help="parameter-server replicas")
+    p.add_argument("--num-embedding-workers", type=int, default=1, help="embedding workers")
+    p.add_argument("--num-data-loaders", type=int, default=1, help="data loaders")
+    if nn_node is None:
+        p.add_argument("--nproc-per-node", type=int, default=1, help="NN-worker ranks")
+        return
+    p.add_argument("--num-nn-worker-nodes", type=int, default=1,
+                   help=f"NN-worker {nn_node}s (torchrun nodes)")
+    p.add_argument("--nproc-per-node", type=int, default=1,
+                   help=f"NN-worker ranks per {nn_node}")
+
+
+def add_supervisor_flags(p: argparse.ArgumentParser, token: str) -> None:
+    """The flags of persia_py's own supervisor (``local``, ``slurm``): each role's
+    restarts, metrics, the job token (``token``: where it comes from without
+    ``--insecure``)."""
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="restarts of each role after it died (a parameter server, embedding "
+                        "worker or data loader alone; the training, from the last checkpoint, "
+                        "for an NN worker) or exited when asked to by a Restart or Rewind "
+                        "call, before the job stops; 0: the first death stops it")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="do not serve Prometheus metrics (default: every role serves them on "
+                        "a free port, printed at start-up)")
+    job_token.add_insecure_flag(p, "every role", token)
+    job_token.add_insecure_token_flag(p)
 
 
 def job_from_flags(args: argparse.Namespace, *, nn_nodes: int = 1,
@@ -73,7 +121,8 @@ def slurm_from_flags(args: argparse.Namespace) -> tuple[SlurmJob, LocalOptions]:
                          flag_names={"nn_nodes": "--num-nn-worker-nodes"})
     flags: list[str] = []
     for key, value in vars(args).items():
-        if key in ("command", *_RENDER_ONLY) or value in (None, False, ""):
+        # Left out when unset; not a 0 (``0 == False``: --max-restarts 0 would be lost).
+        if key in ("command", *_RENDER_ONLY) or value is None or value is False or value == "":
             continue
         flag = "--" + ("time" if key == "time_limit" else key.replace("_", "-"))
         # FLAG=VALUE: a value that starts with '-' (a script's arguments) stays a value.

@@ -16,6 +16,7 @@ other roles running, plain StatefulSets that need no Volcano, and the job token 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -212,6 +213,9 @@ class Layout:
     rendezvous: str | None = None
     """HOST:PORT of the NN workers' elastic rendezvous across nodes (None: one node)."""
     rendezvous_id: str | None = None
+    stop_signal: int = signal.SIGTERM
+    """What the supervisor sends a started command to stop its role: SIGTERM, or
+    SIGUSR2 to ``srun``, which passes it on (persia_py/launcher/stop_signals.py)."""
 
     def addresses(self, kind: RoleKind) -> list[str]:
         return [f"{h}:{p}" for h, p in zip(self.hosts[kind], self.ports[kind])]

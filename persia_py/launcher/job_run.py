@@ -127,7 +127,8 @@ def run_job(job: Job, options: LocalOptions, layout: Layout) -> int:
     job = dataclasses.replace(
         job, insecure=bool(job_token.give_job_token(job.insecure, env, run_dir)))
     roles = job_roles(job, run_dir=run_dir, root=root, layout=layout, metrics=options.metrics)
-    cluster = LocalCluster(roles, env, max_restarts=job.max_restarts)
+    cluster = LocalCluster(roles, env, max_restarts=job.max_restarts,
+                           stop_signal=layout.stop_signal)
     recovery = TrainingRecovery(cluster, servers=roles[:job.num_ps], training=roles[job.num_ps:],
                                 root=root, train_log=train_log,
                                 max_restarts=job.max_restarts, log=cluster.log)

@@ -31,26 +31,13 @@ MAX_JOB_NAME = MAX_STATEFUL_SET_NAME - len("-") - max(len(kind.short) for kind i
 
 
 def add_k8s_flags(p: argparse.ArgumentParser) -> None:
+    """Kubernetes' own flags of ``k8s``, beside the job's
+    (:func:`persia_py.launcher.job_flags.add_job_flags`)."""
     p.add_argument("--job-name", required=True, help="name of the job; prefixes every object")
     p.add_argument("--namespace", default="default", help="Kubernetes namespace")
     p.add_argument("--image", required=True, help="container image (built from the Dockerfile)")
     p.add_argument("--image-pull-policy", default="IfNotPresent",
                    choices=["Always", "IfNotPresent", "Never"], help="imagePullPolicy")
-    p.add_argument("--embedding-config", required=True,
-                   help="embedding_config.yml (validated, then put into the ConfigMap)")
-    p.add_argument("--global-config", default=None,
-                   help="global_config.yml (validated, then put into the ConfigMap)")
-    p.add_argument("--nn-worker", required=True, help="training script, as a path in the image")
-    p.add_argument("--nn-worker-args", default="", help="arguments of the training script")
-    p.add_argument("--data-loader", required=True,
-                   help="data-loader script, as a path in the image")
-    p.add_argument("--data-loader-args", default="", help="arguments of the data-loader script")
-    p.add_argument("--num-ps", type=int, default=1, help="parameter-server replicas")
-    p.add_argument("--num-embedding-workers", type=int, default=1, help="embedding workers")
-    p.add_argument("--num-data-loaders", type=int, default=1, help="data loaders")
-    p.add_argument("--num-nn-worker-nodes", type=int, default=1,
-                   help="NN-worker pods (torchrun nodes)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="NN-worker ranks per pod")
     p.add_argument("--ps-port", type=int, default=23000, help="gRPC port of the parameter servers")
     p.add_argument("--embedding-worker-port", type=int, default=23001,
                    help="gRPC port of the embedding workers")

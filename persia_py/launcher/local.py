@@ -8,7 +8,8 @@ outright (SIGKILL) takes every role with it, torchrun's ranks and the user's scr
 included (persia_py/launcher/lifeline.py). SIGTERM stops the NN
 workers first and waits for them (an online job's ranks, ``TrainCtx(stop_on_signal=True)``,
 finish their step and write a final checkpoint, then exit 0), then the other roles; a
-second SIGTERM stops all at once.
+second SIGTERM stops all at once. (The roles are stopped with ``stop_signal``: SIGTERM,
+or under Slurm SIGUSR2 to each role's ``srun``: persia_py/launcher/slurm_run.py.)
 A process that dies while training runs (a non-zero exit or a signal) does not stop the
 job, up to ``max_restarts`` times per role, while the others wait and retry: a parameter
 server is started again alone, on the same port with the same replica index, from the
@@ -81,10 +82,12 @@ class LocalCluster:
     """Starts, watches and stops the processes of one local job."""
 
     def __init__(self, roles: list[Role], env: dict[str, str], *,
-                 max_restarts: int = MAX_RESTARTS) -> None:
+                 max_restarts: int = MAX_RESTARTS, stop_signal: int = signal.SIGTERM) -> None:
         self.roles = roles
         self.env = env
         self.max_restarts = max_restarts
+        self.stop_signal = stop_signal
+        """What stops a role's process (``Layout.stop_signal``: SIGUSR2 to ``srun``)."""
         self._print_lock = threading.Lock()
         self._exited = threading.Event()
         self._lifeline: Lifeline | None = None
@@ -249,7 +252,7 @@ class LocalCluster:
         nn = [r for r in self.roles if r.kind is NN_WORKER and r.process is not None]
         for role in nn:
             if role.started.poll() is None:
-                os.kill(role.started.pid, signal.SIGTERM)
+                os.kill(role.started.pid, self.stop_signal)
         deadline = time.monotonic() + GRACEFUL_STOP_SEC
         codes = []
         for role in nn:
@@ -323,7 +326,7 @@ class LocalCluster:
                 pids.extend(descendants(role.process.pid))
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, self.stop_signal)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + _STOP_GRACE_SEC

@@ -100,9 +100,10 @@ def run_ranks(script: list[str], nproc: int, env: dict[str, str], *, port: int =
     with rank_failed_file() as failed_file:
         env = {**env, ENV_RANK_FAILED_FILE: failed_file}
         # Each rank dies with this wrapper, which dies with the launcher (lifeline.py).
+        preexec = stop_signals.child_ignores(stop_signals.configured(), die_with_parent())
         ranks = [subprocess.Popen([python, "-u", *script],
                                   env=rank_env(env, r, nproc, store.port),
-                                  start_new_session=True, preexec_fn=die_with_parent())
+                                  start_new_session=True, preexec_fn=preexec)
                  for r in range(nproc)]
         stop_with = signal.SIGTERM
         try:
@@ -118,14 +119,16 @@ def run_ranks(script: list[str], nproc: int, env: dict[str, str], *, port: int =
 
 
 def _forward(ranks: list[subprocess.Popen], signals: list[int]) -> None:
-    """SIGTERM goes to the ranks: one that stops cleanly on it (TrainCtx(stop_on_signal=True))
-    exits 0, and the node with it. SIGINT ends the watch, as it ends torchrun's."""
+    """SIGTERM goes to the ranks (for any stop signal but SIGINT: SIGUSR2 under Slurm,
+    persia_py/launcher/stop_signals.py): one that stops cleanly on it
+    (TrainCtx(stop_on_signal=True)) exits 0, and the node with it. SIGINT ends the watch,
+    as it ends torchrun's."""
     for signum in signals:
         if signum == signal.SIGINT:
             raise _Interrupted
         for rank in ranks:
             if rank.returncode is None:
-                _signal(rank.pid, signum, group=False)
+                _signal(rank.pid, signal.SIGTERM, group=False)
 
 
 def _watch(ranks: list[subprocess.Popen], store: _Store, failed_file: str) -> int:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from persia_py.launcher import stop_signals
 from persia_py.ops.final_errors import CONFIG_EXIT_CODE, ENV_RANK_FAILED_FILE, RANK_CONFIG_ERROR
 
 _PR_SET_PDEATHSIG = 1
@@ -95,7 +96,8 @@ def run_torchrun(command: list[str], env: dict[str, str], *, grace_sec: float) -
     with rank_failed_file() as failed_file:
         # torchrun dies with this wrapper, which dies with the launcher (lifeline.py).
         child = subprocess.Popen(command, env={**env, ENV_RANK_FAILED_FILE: failed_file},
-                                 preexec_fn=die_with_parent())
+                                 preexec_fn=stop_signals.child_ignores(
+                                     stop_signals.configured(), die_with_parent()))
         return _watch_torchrun(child, failed_file, grace_sec)
 
 
@@ -103,17 +105,23 @@ def _watch_torchrun(child: subprocess.Popen, failed_file: str, grace_sec: float)
     """:func:`run_torchrun`'s watch of ``child`` (torchrun) and of the ranks' failures."""
 
     def forward(signum, _frame):
-        # SIGTERM goes to the ranks themselves while they run: one that stops cleanly on
-        # it (TrainCtx(stop_on_signal=True)) exits 0, and torchrun with it. torchrun,
-        # signalled itself, would kill them 30 s later and fail whatever they did.
-        ranks = children(child.pid) if signum == signal.SIGTERM else []
+        # SIGTERM goes to the ranks themselves while they run (for any stop signal but
+        # SIGINT: SIGUSR2 under Slurm, persia_py/launcher/stop_signals.py): one that stops
+        # cleanly on it (TrainCtx(stop_on_signal=True)) exits 0, and torchrun with it.
+        # torchrun, signalled itself, would kill them 30 s later and fail whatever they did.
+        term = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
+        ranks = children(child.pid) if term == signal.SIGTERM else []
         for pid in ranks or [child.pid]:
             try:
-                os.kill(pid, signum)
+                os.kill(pid, term)
             except ProcessLookupError:
                 pass
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    stop = stop_signals.configured()
+    for sig in stop_signals.STOP_SIGNALS:
+        if sig not in stop:
+            signal.signal(sig, signal.SIG_IGN)
+    for sig in stop:
         signal.signal(sig, forward)
     idle_since = None
     while True:

@@ -114,43 +114,26 @@ def run_slurm(spec: SlurmJob, output: str, submit: bool) -> int:
 
 
 def add_slurm_flags(p: argparse.ArgumentParser, *, render: bool) -> None:
-    """The flags of ``slurm`` (``render``: and the script's own) and of ``slurm-run``."""
+    """Slurm's own flags of ``slurm`` (``render``: and the script's own) and of
+    ``slurm-run``, beside the job's and the supervisor's
+    (:mod:`persia_py.launcher.job_flags`)."""
     p.add_argument("--job-name", required=True, help="name of the Slurm job")
     p.add_argument("--run-dir", required=True, metavar="DIR",
                    help="the job's folder, on a file system every node mounts at the same "
                         "path: job token (mode 0600), roles' logs, Slurm's output")
-    p.add_argument("--nn-worker", required=True, help="training script")
-    p.add_argument("--data-loader", required=True, help="data-loader script")
-    p.add_argument("--nn-worker-args", default="", help="arguments of the training script")
-    p.add_argument("--data-loader-args", default="", help="arguments of the data-loader script")
-    p.add_argument("--embedding-config", required=True, help="embedding_config.yml")
-    p.add_argument("--global-config", default=None,
-                   help="global_config.yml (default: all defaults)")
-    p.add_argument("--num-ps", type=int, default=1, help="parameter-server replicas")
-    p.add_argument("--num-embedding-workers", type=int, default=1, help="embedding workers")
-    p.add_argument("--num-data-loaders", type=int, default=1, help="data loaders")
-    p.add_argument("--num-nn-worker-nodes", type=int, default=1,
-                   help="nodes of the NN workers (component 1 of the job)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="NN-worker ranks per node")
     p.add_argument("--ps-nodes", type=int, default=1,
                    help="nodes of the parameter servers (component 0), round robin")
     p.add_argument("--ps-partition", default=None,
                    help="partition of the parameter servers (default: Slurm's default)")
     p.add_argument("--worker-partition", default=None,
-                   help="partition of the NN workers, embedding workers and data loaders")
+                   help="partition of the NN workers (component 1), embedding workers and "
+                        "data loaders")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per NN-worker node")
     p.add_argument("--time", default=None, dest="time_limit",
                    help="the job's time limit (sbatch --time)")
     p.add_argument("--port-base", type=int, default=23000,
                    help="first port of the roles on each node (parameter servers from it, "
                         "embedding workers +100, data loaders +200, the rendezvous +300)")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of each role (or of the training) before the job stops")
-    p.add_argument("--no-metrics", action="store_true",
-                   help="do not serve Prometheus metrics (default: each role on a free port)")
-    p.add_argument("--insecure", action="store_true",
-                   help="run every role WITHOUT a job token (default: a new token per run, "
-                        "in RUN_DIR/auth_token, mode 0600, handed to the roles by Slurm)")
     if render:
         p.add_argument("--submit", action="store_true", help="submit the script with sbatch")
         p.add_argument("-o", "--output", default="-",

@@ -13,11 +13,20 @@ and an NN step that died by rolling the training back to its last checkpoint.
 A step's environment is the supervisor's (``srun`` passes it on through Slurm, not on a
 command line): the roles' addresses, the config paths and the job token (also in the run
 folder, mode 0600); the launcher's lifeline is a pipe of this node and is dropped there.
+
+A requeue or ``scancel`` stops the job in order, as SIGTERM stops ``local``: Slurm's
+SIGTERM reaches every process of the job at once, so only the NN workers act on it (a
+step, a final checkpoint); the servers' and data loaders' steps ignore it
+(``$PERSIA_STOP_SIGNALS``: persia_py/launcher/stop_signals.py) and are stopped by the
+supervisor once the NN step has ended, with SIGUSR2 to their ``srun`` (which turns a
+SIGTERM of its own into SIGKILL, but passes SIGUSR2 on). All within Slurm's ``KillWait``
+(docs/deployment.md#running-on-slurm).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Mapping
 
@@ -31,11 +40,17 @@ from persia_py.launcher.role_kinds import (
     RoleKind,
 )
 from persia_py.launcher.slurm import PORT_OFFSETS, SlurmJob
+from persia_py.launcher.stop_signals import ENV_STOP_SIGNALS
 
 __all__ = ["run_in_allocation", "slurm_layout"]
 
 _GROUP = {PARAMETER_SERVER: 0, EMBEDDING_WORKER: 1, DATA_LOADER: 1}
 """The heterogeneous job's component each kind runs on."""
+SERVER_STOP = "SIGUSR2,SIGINT"
+"""What stops a server's or data loader's step (``$PERSIA_STOP_SIGNALS``): not Slurm's
+SIGTERM, which comes while the NN workers still need them for their final checkpoint."""
+NN_STOP = "SIGTERM,SIGUSR2,SIGINT"
+"""What stops the NN workers' step: Slurm's SIGTERM too."""
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -69,19 +84,25 @@ def slurm_layout(spec: SlurmJob, environ: Mapping[str, str] = os.environ) -> Lay
                        for i in range(spec.job.replicas(kind))]
     step = ["srun", "--overlap", "--kill-on-bad-exit=1", f"--job-name={spec.job_name}"]
     # The lifeline is a pipe of this node; on another node its number means nothing.
+    # Slurm's SIGTERM (a requeue, scancel) reaches every process of the job at once: the
+    # NN workers act on it, the servers wait for the supervisor's SIGUSR2 (the NN workers
+    # stopped, their final checkpoint written), which srun passes on as it is.
     drop_lifeline = ["env", "-u", ENV_LIFELINE_FD]
 
     def launch(kind: RoleKind | None, index: int, command: list[str]) -> list[str]:
         if kind is None:  # the NN workers: a task on every node of component 1
             return [*step, "--het-group=1", f"--nodes={len(groups[1])}",
-                    "--ntasks-per-node=1", *drop_lifeline, *command]
+                    "--ntasks-per-node=1", *drop_lifeline, f"{ENV_STOP_SIGNALS}={NN_STOP}",
+                    *command]
         return [*step, f"--het-group={_GROUP[kind]}", "--nodes=1", "--ntasks=1",
-                f"--nodelist={hosts[kind][index]}", *drop_lifeline, *command]
+                f"--nodelist={hosts[kind][index]}", *drop_lifeline,
+                f"{ENV_STOP_SIGNALS}={SERVER_STOP}", *command]
 
     rendezvous = (f"{groups[1][0]}:{spec.port_base + PORT_OFFSETS['rendezvous']}"
                   if len(groups[1]) > 1 else None)
     return Layout(hosts=hosts, ports=ports, bind="0.0.0.0", launch=launch,
-                  rendezvous=rendezvous, rendezvous_id=spec.job_name)
+                  rendezvous=rendezvous, rendezvous_id=spec.job_name,
+                  stop_signal=signal.SIGUSR2)
 
 
 def run_in_allocation(spec: SlurmJob, options: LocalOptions) -> int:

@@ -3,7 +3,9 @@
 grouped by sample id modulo 7). After each step a rank appends the sample ids it
 trained to ``OUT/ids-rank<r>.txt`` (a line per step; each start of the rank appends that
 file's line count to ``OUT/starts-rank<r>.txt``) and prints its running sample count, each
-in one write: the launcher's roles run unbuffered, and two ranks' lines must not interleave."""
+in one write: the launcher's roles run unbuffered, and two ranks' lines must not interleave.
+With ``--test-csv FILE`` (rows as the stream's, never trained), rank 0 then scores them and
+prints ``test_auc: <value>``, as the synthetic Criteo example does."""
 
 import argparse
 import logging
@@ -15,12 +17,19 @@ import time
 import numpy as np
 import torch
 
-from persia_py.ctx import TrainCtx
-from persia_py.data import DataLoader, StreamingDataset
+from persia_py.ctx import TrainCtx, eval_ctx
+from persia_py.data import DataLoader, IterableDataset, StreamingDataset
+from persia_py.embedding.data import IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
 from persia_py.embedding.optim import Adagrad
 from persia_py.env import get_rank
+from persia_py.input.readers import CsvColumn, CsvReader, CsvReaderConfig
+from persia_py.metrics import roc_auc
 from persia_py.progressive import ProgressiveValidation
 from persia_py.workers.handover_log import read_handovers
+
+COLUMNS = (CsvColumn(name="sid", kind="int"), CsvColumn(name="label", kind="float"),
+           CsvColumn(name="x", kind="float"), CsvColumn(name="user", kind="ids"),
+           CsvColumn(name="item", kind="ids"))
 
 
 class Model(torch.nn.Module):
@@ -30,6 +39,32 @@ class Model(torch.nn.Module):
 
     def forward(self, dense, embeddings):
         return torch.sigmoid(self.linear(torch.cat([dense[0], *embeddings], dim=1)))
+
+
+class TestRows(IterableDataset):
+    """The rows of a CSV file as the data loader's, scored only (no gradients)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(buffer_size=4)
+        self.path = path
+
+    def __iter__(self):
+        for r in CsvReader(self.path, CsvReaderConfig(columns=COLUMNS, header=True)).batches(256):
+            yield PersiaBatch(
+                [IDTypeFeatureWithSingleID("user", r.id_lists["user"][0]),
+                 IDTypeFeatureWithSingleID("item", r.id_lists["item"][0])],
+                non_id_type_features=[NonIDTypeFeature(r.values["x"][:, None], name="x")],
+                labels=[Label(r.values["label"][:, None], name="click")], requires_grad=False)
+
+
+def score_auc(model: torch.nn.Module, path: str) -> float:
+    scores, labels = [], []
+    with eval_ctx(model=model) as ctx:
+        for batch in DataLoader(TestRows(path)):
+            output, batch_labels = ctx.forward(batch)
+            scores.append(output.float().cpu().numpy().reshape(-1))
+            labels.append(batch_labels[0].cpu().numpy().reshape(-1))
+    return roc_auc(np.concatenate(labels), np.concatenate(scores))
 
 
 LATE_START_SEC = 2.0
@@ -55,6 +90,8 @@ if __name__ == "__main__":
                         help="rank 1 starts taking batches only once the loader has handed "
                              f"rank 0 this many, and {LATE_START_SEC:g} s after that (a rank "
                              "that starts late)")
+    parser.add_argument("--test-csv", default=None,
+                        help="after training, rank 0 prints the test AUC of these rows")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Model()
@@ -86,6 +123,8 @@ if __name__ == "__main__":
             num_samples += sids.size
             sys.stdout.write(f"rank {rank} trained {num_samples} samples\n")
             sys.stdout.flush()
+        if args.test_csv and rank == 0:
+            print(f"test_auc: {score_auc(model, args.test_csv):.5f}", flush=True)
     os.close(ids_file)
     sys.stdout.write(f"rank {rank} stopped cleanly after {num_samples} samples\n")
     sys.stdout.flush()
