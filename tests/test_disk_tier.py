@@ -103,6 +103,21 @@ def test_update_of_a_row_on_disk_brings_it_back(tmp_path) -> None:
         assert _rows(t) == _rows(ram)
 
 
+def test_frequent_rows_stay_in_ram_through_a_scan_of_cold_ones(tmp_path) -> None:
+    # LRU would spill the hot rows (touched before the scan); the tier's eviction spills
+    # the least frequently looked up first, so the scan of one-time ids goes to disk.
+    hot = np.arange(1, 17, dtype=np.uint64)
+    with _table(tmp_path, capacity=64, disk_rows=1000) as t:
+        for _ in range(4):
+            t.lookup(hot, True)
+        for start in range(100, 500, 16):
+            t.lookup(np.arange(start, start + 16, dtype=np.uint64), True)
+        stats = t.disk_stats()
+        assert stats["spilled"] >= 400 - 64
+        t.lookup(hot, True)
+        assert t.disk_stats()["restored"] == stats["restored"] == 0
+
+
 def test_disk_capacity_deletes_oldest_and_counts(tmp_path) -> None:
     with _table(tmp_path, capacity=16, disk_rows=64) as t:
         for start in range(0, 320, 16):  # 320 distinct ids through 16 RAM + 64 disk rows
