@@ -172,10 +172,29 @@ class Shard:
                 kernels.gather_rows_at(kernel_view(self.weights), rows[new], at, out,
                                        self.last_access, stamp)
 
-    def _bring_back(self, ids: np.ndarray, rows: np.ndarray, stamp: int) -> np.ndarray:
+    def prefetch(self, ids: np.ndarray, tick: int) -> int:
+        """Bring the rows of ``ids`` absent from RAM that the tier holds back into RAM,
+        stamped ``tick``, counted as sightings (they will be looked up); evicts as a
+        lookup does, and spares rows of the latest stamp (a batch between its lookup and
+        its update) where they leave room. Returns how many came back."""
+        with self.lock:
+            rows = self.index.find(ids)
+            if self.tier is None or not self.tier.num_rows or bool((rows >= 0).all()):
+                return 0
+            if self.frequency is not None:
+                self.frequency.seen_enough(ids, 0)
+            stamp = self.clock.stamp(tick, self.last_access[:self.size])
+            spare = np.flatnonzero(self.last_access[:self.size] == stamp)
+            before = self.restored
+            self._bring_back(ids, rows, stamp, spare if spare.shape[0] + ids.shape[0]
+                             <= self.share // 2 else None)
+            return self.restored - before
+
+    def _bring_back(self, ids: np.ndarray, rows: np.ndarray, stamp: int,
+                    protect: np.ndarray | None = None) -> np.ndarray:
         """Move the rows of ``ids`` absent from RAM (``rows`` -1) that the tier holds into
         RAM, stamped ``stamp``, evicting (spilling) others if the share is full but never
-        rows of ``ids``; returns ``rows`` with theirs filled in."""
+        rows of ``ids`` or rows ``protect``; returns ``rows`` with theirs filled in."""
         tier = self.tier
         assert tier is not None
         missing = rows < 0
@@ -189,7 +208,8 @@ class Shard:
             overflow = self.size + n_back - self.share
             if overflow > 0:
                 hit_rows = rows[~missing]
-                remap = self._evict(overflow, n_back, hit_rows)
+                remap = self._evict(overflow, n_back, hit_rows if protect is None
+                                    else np.concatenate([hit_rows, protect]))
                 rows[~missing] = remap[hit_rows]
         except BaseException:
             tier.write(back_ids, weights, state)  # refused before anything moved: put back

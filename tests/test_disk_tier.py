@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import grpc
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
@@ -26,7 +27,11 @@ from persia_py.servers.metrics import ParameterServerMetrics
 from persia_py.servers.optimizers import AdagradConfig, AdamConfig
 from persia_py.servers.page_file import aligned_empty
 from persia_py.servers.parameter_server import ParameterServer
+from persia_py.servers.service import create_ps_server
 from persia_py.servers.storage import EmbeddingTable
+from persia_py.workers.embedding_worker import EmbeddingWorker
+from persia_py.workers.ps_client import PSClient
+from persia_py.workers.slots import SlotIds
 
 DIM = 8
 
@@ -352,7 +357,7 @@ def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
     try:
         empty = scrape()  # the file is reserved; nothing on it yet
         assert empty.pop("persia_ps_disk_bytes") > 0 and set(empty.values()) == {0.0}
-        assert len(empty) == 7
+        assert len(empty) == 9
         (table,) = ps.stats()
         ids = np.arange(1, 1_201, dtype=np.uint64)
         for part in np.split(ids, 6):  # 1,200 rows through 256 in RAM: most spill
@@ -382,3 +387,44 @@ def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
     finally:
         ps.close()
 
+
+def test_a_put_batch_has_its_disk_rows_read_back_before_its_lookup(tmp_path) -> None:
+    """The embedding worker hints a batch's ids to the parameter server (real gRPC) when
+    the batch is put; the server's background thread brings their rows on disk back
+    into RAM, so the lookup reads nothing from disk and answers the same rows."""
+    config = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
+        capacity=256, disk_tier=DiskTierConfig(path=str(tmp_path), capacity_rows=2_000)))
+    emb = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4)})
+    ps = ParameterServer(config, emb)
+    ps.configure(optimizer={"type": "sgd", "lr": 1.0})
+    server, port = create_ps_server(ps, "127.0.0.1:0")
+    client = PSClient(f"127.0.0.1:{port}", config.common_config)
+    worker = EmbeddingWorker(config, emb, [client])
+    try:
+        raw = np.arange(1, 1_201, dtype=np.uint64)
+        (stored,) = worker.validate_features([SlotIds("user", raw, np.ones(1_200, np.int32))],
+                                             1_200)
+        (table,) = ps.stats()
+        for part in np.split(stored.ids, 6):  # 1,200 rows through 256 in RAM: most spill
+            ps.lookup([(table, part)], training=True)
+        before = ps.disk_stats()[table]
+        assert before["disk_rows"] > 900
+        ref = worker.put_batch([SlotIds("user", raw[:100], np.ones(100, np.int32))], 100, True)
+        assert ps.prefetcher is not None and ps.prefetcher.wait(1, timeout=60)
+        hinted = ps.disk_stats()[table]
+        assert hinted["restored"] - before["restored"] == 100  # all were on disk
+        (rows,) = worker.lookup(ref)
+        assert ps.disk_stats()[table]["disk_hits"] == hinted["disk_hits"]  # RAM only
+        expected = ps.lookup([(table, stored.ids[:100])], training=False)[0]
+        assert np.array_equal(rows.rows[rows.index], expected)
+        assert ps.prefetcher.num_rows == 100 and ps.prefetcher.num_dropped == 0
+        with pytest.raises(grpc.RpcError, match="unknown table"):
+            client.prefetch([("nope", stored.ids[:3])])
+        plain = ParameterServer(GlobalConfig(), emb)  # no tier: no thread, hints not queued
+        plain.configure(optimizer={"type": "sgd", "lr": 1.0})
+        assert plain.prefetcher is None and not plain.prefetch([(table, stored.ids[:3])])
+    finally:
+        worker.close()
+        client.close()
+        server.stop(None)
+        ps.close()
