@@ -24,11 +24,13 @@ _SKETCH_DECAY_PER_COLUMN = 8
 
 class CountMinSketch:
     """Sightings of ids, ``4 x width`` one-byte counters sized for a shard's share:
-    ``width`` the power of two at or above ``columns_per_row x share``."""
+    ``width`` the power of two at or above ``columns_per_row x share``, at most
+    ``max_width``."""
 
-    def __init__(self, share: int, columns_per_row: int = 1) -> None:
+    def __init__(self, share: int, columns_per_row: int = 1,
+                 max_width: int = _SKETCH_MAX_WIDTH) -> None:
         width = 1 << max(share * columns_per_row - 1, 1).bit_length()
-        width = min(max(width, _SKETCH_MIN_WIDTH), _SKETCH_MAX_WIDTH)
+        width = min(max(width, _SKETCH_MIN_WIDTH), max_width)
         self.counters = np.zeros((_SKETCH_DEPTH, width), dtype=np.uint8)
         # Secret salts: with public ones, ids could be crafted to share counters and
         # reach ``min_occurrences`` sooner (no slowdown: the sketch never probes).

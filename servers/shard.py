@@ -115,7 +115,7 @@ class Shard:
         self.admission = Admission(share, admit_probability=table.admit_probability,
                                    min_occurrences=table.min_occurrences, seed=table.seed)
         self.frequency = (None if tier is None
-                          else CountMinSketch(share, columns_per_row=_FREQUENCY_COLUMNS))
+                          else CountMinSketch(share, _FREQUENCY_COLUMNS, max_width=1 << 40))
         """With a disk tier: lookups of every id, in RAM, on disk or new (halved as it
         ages); eviction spills the least frequent rows first, then the least recent."""
         self.changed: list[np.ndarray] | None = None
