@@ -133,7 +133,10 @@ class EmbeddingWorker:
         parameter-server calls; post: assembling the answer)."""
         self._prefetch = global_config.embedding_parameter_server_config.disk_tier.enabled
         """Send the ids of every batch put to the replicas ahead of its lookup (their
-        disk tier reads them back meanwhile)."""
+        disk tier reads them back meanwhile), on threads of their own: a slow hint never
+        holds up a lookup."""
+        self._hints = ThreadPoolExecutor(max_workers=max(1, len(ps_clients)),
+                                         thread_name_prefix="ps-hint")
         self._configured = False
         self._configure_request: common_pb2.ConfigureRequest | None = None
         self._done: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -286,7 +289,7 @@ class EmbeddingWorker:
 
         try:
             for r in range(plan.num_replicas):
-                self._pool.submit(send, r)
+                self._hints.submit(send, r)
         except RuntimeError:  # the worker is closing: no more hints
             pass
 
@@ -491,4 +494,5 @@ class EmbeddingWorker:
         parameter server that stopped too retry for ``rpc_timeout_sec``."""
         for client in self.ps_clients:
             client.close()
+        self._hints.shutdown(wait=True)
         self._pool.shutdown(wait=True)

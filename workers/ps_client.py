@@ -66,7 +66,9 @@ class PSClient(ServiceClient):
         their rows back into RAM in the background); whether the server queued it."""
         pieces = [piece for table, ids in tables for piece in codec.message_field(1, [
             pb.TableIds(table=table).SerializeToString(), *codec.tensor_field(2, ids)])]
-        return self._call(self._prefetch, codec.join(pieces), idempotent=True).queued
+        # Not retried, and within a tenth of the deadline: a late hint is worth nothing.
+        return self._call(self._prefetch, codec.join(pieces), idempotent=False,
+                          timeout=self.common.rpc_timeout_sec / 10).queued
 
     def update(
         self,
