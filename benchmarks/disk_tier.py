@@ -1,7 +1,7 @@
 """The disk tier under a parameter-server table (issue 42), beside baselines of the same run.
 
     python -m benchmarks.disk_tier [--smoke] [--rows 5000000] [--batches 100]
-                                   [--free-fraction 0.125] [--json PATH]
+                                   [--warmup 200] [--free-fraction 0.125] [--json PATH]
     python -m benchmarks.disk_tier --compare-stores [--rows 1000000]
 
 Default run, in this order, all in one process, files in ``--dir`` (default: the current
@@ -12,18 +12,25 @@ folder; the tier's files are unnamed and vanish with the process):
    ``device_read_iops``; the tier is held to it.
 2. **Table with a tier.** A real ``EmbeddingTable`` (dim 64, float16 rows, row-wise
    Adagrad) of ``--rows`` rows, ``--ram-fraction`` of them in RAM, the rest spilled to
-   the tier: filled by inserting every id once, then ``--batches`` training steps
-   (lookup + update) of batches of Zipf(1.05) ids (``--batch`` ids drawn per batch,
-   deduplicated as a parameter server sees them). ``hit_rate``: the share of a batch's
-   distinct ids found in RAM; ``hit_rate_ceiling``: the share a static cache of the same
-   size holding the most frequent ids finds on the same stream (computed from the
-   sampler's ranks, exact). RAM bytes per disk row, disk space amplification (file bytes
-   / the disk rows' weight and state bytes), read amplification (bytes read / rows' bytes
-   brought back), the tier's disk reads per second in its lookups beside the device's.
-3. **Baseline.** The same steps on a table with every row in RAM (capacity above the
-   row count): ``throughput_ratio_vs_ram`` is the tier's steps/s over it. At this size and
-   this stream it is not the issue's "fitting workload" (misses per second are not held
-   to half the device's rate): the figure says what it is, not what the bar asks.
+   the tier: filled by inserting every id once, then ``--warmup`` training steps (lookup
+   + update) that are not measured (the fill leaves the rows inserted last in RAM, the
+   coldest: ``hit_rate_warmup`` is the hit rate over them), then ``--batches`` measured
+   ones, of batches of Zipf(1.05) ids (20,000 ids drawn per batch, deduplicated as a
+   parameter server sees them). ``hit_rate``: the share of a batch's distinct ids found
+   in RAM; ``hit_rate_ceiling``: the share a static cache of the same size holding the
+   most frequent ids finds on the same stream (computed from the sampler's ranks,
+   exact): a steady-state figure, hence the warm-up. RAM bytes per disk row, disk space
+   amplification (file bytes / the disk rows' weight and state bytes), read
+   amplification (bytes read / rows' bytes brought back), the tier's disk reads per
+   second in its lookups beside the device's.
+3. **The fitting workload, prefetch off and on, and the baseline.** Measured steps wait
+   ``--step-ms`` between lookup and update, the NN worker's time (default: twice the
+   warm-up's misses per batch over the device's rate, so misses per second are at most
+   half of it). The same steps again on a second tiered table whose server is hinted
+   each next batch's ids after a lookup (:mod:`persia_py.servers.prefetch`, as an
+   embedding worker does), and on a table with every row in RAM:
+   ``throughput_ratio_vs_ram`` is the prefetching tier's steps/s over the latter,
+   ``throughput_ratio_vs_ram_no_prefetch`` the first tier's.
 
 ``--compare-stores``: the measurement behind the store (docs/benchmarks.md, "Disk tier"):
 batch writes and random batch reads of fixed 140-byte records (dim 64 float16 + one float32
@@ -54,6 +61,7 @@ from persia_py.config import DiskTierConfig
 from persia_py.servers.disk_tier import DEFAULT_FREE_FRACTION, DiskTier
 from persia_py.servers.optimizers import AdagradConfig
 from persia_py.servers.page_file import PageFile, aligned_empty
+from persia_py.servers.prefetch import Prefetcher
 from persia_py.servers.storage import EmbeddingTable
 
 DIM = 64
@@ -251,6 +259,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="share of the rows RAM holds (default 0.1)")
     parser.add_argument("--batches", type=int, default=None,
                         help="training steps measured (default 100; --smoke 20)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="training steps before the measured ones, not measured: the "
+                             "RAM starts with the rows filled last (default 200; --smoke 100)")
+    parser.add_argument("--step-ms", type=float, default=None,
+                        help="the NN worker's time per batch, between lookup and update "
+                             "(default: the fitting workload's, whose misses per second are "
+                             "half the device's random reads; 0: none)")
+    parser.add_argument("--tier-only", action="store_true",
+                        help="only the tier's run (hit rate, sizes): no prefetch, no all-in-RAM "
+                             "baseline (which needs every row's RAM)")
     parser.add_argument("--free-fraction", type=float, default=DEFAULT_FREE_FRACTION,
                         help="share of the tier's file kept free (default 1/8)")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
@@ -290,20 +308,33 @@ def _table(rows_in_ram: int, tier_dir: str | None, tier_rows: int,
 
 
 def _steps(table: EmbeddingTable, sampler: ZipfIds, batches: int, batch: int,
-           ram_rows: int) -> dict:
-    """``batches`` lookup+update steps; hit rates against the static-cache ceiling."""
+           ram_rows: int, step_s: float = 0.0, prefetcher: Prefetcher | None = None) -> dict:
+    """``batches`` lookup+update steps; hit rates against the static-cache ceiling.
+
+    ``step_s``: the NN worker's time per batch, between its lookup and its update (the
+    parameter server idles meanwhile). ``prefetcher``: the next batch's ids are hinted
+    (:meth:`EmbeddingTable.prefetch` on the server's background thread) after each
+    lookup, as an embedding worker does for the batches queued behind it."""
     grads_rng = np.random.default_rng(5)
     distinct = found_in_ram = in_ceiling = 0
     before = table.disk_stats()
     t0 = time.perf_counter()
+    upcoming = np.unique(sampler.ranks(batch))
     for _ in range(batches):
-        ranks = np.unique(sampler.ranks(batch))
+        ranks, upcoming = upcoming, np.unique(sampler.ranks(batch))
         ids = ZipfIds.ids(ranks)
         restored = table.disk_stats().get("restored", 0)
         table.lookup(ids, True, dtype=np.float16)
+        # Rows the lookup itself brought from disk (with prefetch: also any the background
+        # thread moved during the lookup, so an upper bound).
+        found_in_ram += ids.shape[0] - (table.disk_stats().get("restored", 0) - restored)
+        if prefetcher is not None:
+            hint = ZipfIds.ids(upcoming)
+            prefetcher.submit(lambda hint=hint: table.prefetch(hint))
+        if step_s:
+            time.sleep(step_s)  # the NN worker's forward and backward of this batch
         table.update(ids, grads_rng.standard_normal((ids.shape[0], DIM)).astype(np.float16))
         distinct += ids.shape[0]
-        found_in_ram += ids.shape[0] - (table.disk_stats().get("restored", 0) - restored)
         in_ceiling += int(np.count_nonzero(ranks < ram_rows))
     seconds = time.perf_counter() - t0
     after = table.disk_stats()
@@ -313,42 +344,77 @@ def _steps(table: EmbeddingTable, sampler: ZipfIds, batches: int, batch: int,
             "distinct_ids_per_batch": distinct / batches, "delta": delta, "after": after}
 
 
+def _run_table(tier_dir: str | None, rows: int, ram_rows: int, free_fraction: float,
+               warmup: int, batches: int, batch: int, device: float, step_s: float | None,
+               prefetch: bool) -> dict:
+    """Fill a table (every row exists: most go to disk), run ``warmup`` steps at full
+    speed, then ``batches`` measured ones. ``step_s`` None: the fitting workload's, set
+    from the warm-up so that its misses per second are half the device's rate."""
+    all_ids = ZipfIds.ids(np.arange(rows))
+    table = _table(ram_rows if tier_dir else rows + 1, tier_dir, rows, free_fraction)
+    prefetcher = Prefetcher() if prefetch else None
+    try:
+        t0 = time.perf_counter()
+        chunk = max(1, min(100_000, ram_rows // 2))
+        for start in range(0, rows, chunk):
+            table.lookup(all_ids[start:start + chunk], True, dtype=np.float16)
+        fill = time.perf_counter() - t0
+        sampler = ZipfIds(rows, 1.05, seed=2)
+        warm = _steps(table, sampler, warmup, batch, ram_rows) if warmup else None
+        if step_s is None:
+            misses = (1 - warm["hit_rate"]) * warm["distinct_ids_per_batch"] if warm else 0.0
+            step_s = 2 * misses / device
+        result = _steps(table, sampler, batches, batch, ram_rows, step_s, prefetcher)
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
+        table.close()
+    return dict(result, warmup_hit_rate=warm["hit_rate"] if warm else None,
+                fill_seconds=fill, step_s=step_s)
+
+
 def run_tier(args: argparse.Namespace) -> dict:
     rows = args.rows or (50_000 if args.smoke else 5_000_000)
     batches, batch = (20, 2_000) if args.smoke else (100, 20_000)
     batches = args.batches or batches
+    warmup = args.warmup if args.warmup is not None else (100 if args.smoke else 200)
     ram_rows = max(1, int(rows * args.ram_fraction))
     device = device_read_iops(args.dir, 16 if args.smoke else 1024,
                               2_000 if args.smoke else 60_000)
     print(f"device: {device:,.0f} random 4 KiB O_DIRECT reads/s at queue depth 32")
-    all_ids = ZipfIds.ids(np.arange(rows))
     figures: dict = {"rows": rows, "ram_row_fraction": ram_rows / rows,
                      "free_fraction": args.free_fraction, "batch": batch,
-                     "batches": batches, "device_read_iops": device}
-    results = {}
-    for name, tier_dir in (("tier", args.dir), ("ram", None)):
-        table = _table(ram_rows if tier_dir else rows + 1, tier_dir, rows, args.free_fraction)
-        try:
-            t0 = time.perf_counter()
-            chunk = max(1, min(100_000, ram_rows // 2))
-            for start in range(0, rows, chunk):  # every row exists: most go to disk
-                table.lookup(all_ids[start:start + chunk], True, dtype=np.float16)
-            fill = time.perf_counter() - t0
-            results[name] = _steps(table, ZipfIds(rows, 1.05, seed=2), batches, batch,
-                                   ram_rows)
-            results[name]["fill_seconds"] = fill
-        finally:
-            table.close()
-        print(f"{name}: filled {rows:,} rows in {fill:.1f}s; "
-              f"{results[name]['steps_per_s']:.2f} steps/s")
-    tier, after, delta = results["tier"], results["tier"]["after"], results["tier"]["delta"]
+                     "batches": batches, "warmup_batches": warmup,
+                     "device_read_iops": device}
+    results: dict[str, dict] = {}
+    step_s = None if args.step_ms is None else args.step_ms / 1000
+    runs = (("tier", args.dir, False), ("prefetch", args.dir, True), ("ram", None, False))
+    for name, tier_dir, prefetch in runs[:1] if args.tier_only else runs:
+        results[name] = got = _run_table(tier_dir, rows, ram_rows, args.free_fraction, warmup,
+                                         batches, batch, device, step_s, prefetch)
+        step_s = got["step_s"]
+        print(f"{name}: filled {rows:,} rows in {got['fill_seconds']:.1f}s; "
+              f"{got['steps_per_s']:.2f} steps/s ({got['step_s'] * 1000:.0f} ms per step "
+              f"for the NN worker)", flush=True)
+    figures.update(_tier_figures(results["tier"], device))
+    figures.update(_speed_figures(results, device))
+    for key, value in figures.items():
+        print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
+    return figures
+
+
+def _tier_figures(tier: dict, device: float) -> dict:
+    """Hit rate, sizes and amplifications of the tier's run."""
+    after, delta = tier["after"], tier["delta"]
     row_bytes = DIM * 2 + 4  # weights and state of a row
     reads_per_s = delta["disk_block_reads"] / tier["seconds"]
-    figures.update({
+    return {
         "hit_rate": tier["hit_rate"], "hit_rate_ceiling": tier["hit_rate_ceiling"],
         "hit_rate_vs_ceiling": tier["hit_rate"] / tier["hit_rate_ceiling"],
+        "hit_rate_warmup": tier["warmup_hit_rate"],
         "distinct_ids_per_batch": tier["distinct_ids_per_batch"],
         "ram_bytes_per_disk_row": after["disk_ram_bytes"] / max(after["disk_rows"], 1),
+        "fingerprint_clashes": after["disk_fingerprint_clashes"],
         "disk_space_amplification": after["disk_bytes"] / (max(after["disk_rows"], 1) * row_bytes),
         # The same at a full disk (``capacity_rows`` live; the run fills it to 1 - RAM's share).
         "disk_space_amplification_full": after["disk_bytes"]
@@ -357,18 +423,33 @@ def run_tier(args: argparse.Namespace) -> dict:
                               / (max(delta["disk_read"], 1) * row_bytes),
         "tier_disk_reads_per_s": reads_per_s,
         "tier_reads_vs_device": reads_per_s / device,
-        "steps_per_s_tier": tier["steps_per_s"], "steps_per_s_ram": results["ram"]["steps_per_s"],
-        "throughput_ratio_vs_ram": tier["steps_per_s"] / results["ram"]["steps_per_s"],
+        "step_ms": tier["step_s"] * 1000,
+        "steps_per_s_tier": tier["steps_per_s"],
         "fill_seconds_tier": tier["fill_seconds"],
-        "fill_seconds_ram": results["ram"]["fill_seconds"],
         "disk_evicted": after["disk_evicted"],
         "relocated_per_spilled": delta["disk_relocated"] / max(delta["spilled"], 1),
         # Not measured yet (issue 42): the embedding-heavy workload, UCI Adult, checkpoints.
         "disk_utilization": None, "auc_delta_adult": None, "checkpoint_gb_per_s": None,
-    })
-    for key, value in figures.items():
-        print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
-    return figures
+    }
+
+
+def _speed_figures(results: dict[str, dict], device: float) -> dict:
+    """The fitting workload: prefetching tier and tier beside all in RAM (None where
+    ``--tier-only`` left them out)."""
+    if "ram" not in results:
+        return {"throughput_ratio_vs_ram": None}
+    tier, ram, prefetch = results["tier"], results["ram"], results["prefetch"]
+    return {
+        # Misses per second of the tier's stream at the all-in-RAM job's pace.
+        "fitting_misses_per_s_vs_device": (1 - tier["hit_rate"]) * tier["distinct_ids_per_batch"]
+                                          * ram["steps_per_s"] / device,
+        "steps_per_s_ram": ram["steps_per_s"],
+        "steps_per_s_tier_prefetch": prefetch["steps_per_s"],
+        "throughput_ratio_vs_ram": prefetch["steps_per_s"] / ram["steps_per_s"],
+        "throughput_ratio_vs_ram_no_prefetch": tier["steps_per_s"] / ram["steps_per_s"],
+        "lookup_hit_rate_prefetch": prefetch["hit_rate"],
+        "fill_seconds_ram": ram["fill_seconds"],
+    }
 
 
 if __name__ == "__main__":

@@ -23,11 +23,14 @@ _SKETCH_DECAY_PER_COLUMN = 8
 
 
 class CountMinSketch:
-    """Sightings of ids, ``4 x width`` one-byte counters sized for a shard's share."""
+    """Sightings of ids, ``4 x width`` one-byte counters sized for a shard's share:
+    ``width`` the power of two at or above ``columns_per_row x share``, at most
+    ``max_width``."""
 
-    def __init__(self, share: int) -> None:
-        width = 1 << max(share - 1, 1).bit_length()
-        width = min(max(width, _SKETCH_MIN_WIDTH), _SKETCH_MAX_WIDTH)
+    def __init__(self, share: int, columns_per_row: int = 1,
+                 max_width: int = _SKETCH_MAX_WIDTH) -> None:
+        width = 1 << max(share * columns_per_row - 1, 1).bit_length()
+        width = min(max(width, _SKETCH_MIN_WIDTH), max_width)
         self.counters = np.zeros((_SKETCH_DEPTH, width), dtype=np.uint8)
         # Secret salts: with public ones, ids could be crafted to share counters and
         # reach ``min_occurrences`` sooner (no slowdown: the sketch never probes).
@@ -48,6 +51,11 @@ class CountMinSketch:
             self.counters >>= 1
             self.sightings = 0
         return keep
+
+    def estimate(self, ids: np.ndarray) -> np.ndarray:
+        """Sightings of each id as counted (uint8; collisions can only add), halved as
+        the sketch ages; counts nothing."""
+        return kernels.sketch_estimates(self.counters, self.salts, ids)
 
 
 class Admission:

@@ -34,13 +34,13 @@ Layout (measured against LMDB and RocksDB first: docs/benchmarks.md, "Disk tier"
   live rows' blocks. Only a full disk (``capacity_rows`` live) deletes rows: those of
   the segments opened longest ago first, counted (:attr:`DiskTier.num_evicted`; the
   shard also logs their ids as removed for incremental exports).
-* **RAM index.** :class:`persia_py.servers.hash_index.HashIndex` from id to slot, over
-  an array of the id of every slot (``EMPTY``: free or dead): 8 bytes per slot plus
-  6.7-8.3 bytes of index per entry. Dead entries stay in the index (a probe checks the
-  slot's id, so they never answer) until they outnumber the live ones, or until the
-  index would have to grow, then it is rebuilt from the live slots (a growth would
-  rehash a dead entry by its slot's current id: those of free slots would all share
-  the home of ``EMPTY``, a run of probes as long as they are many).
+* **RAM index.** :class:`persia_py.servers.tier_index.TierIndex`: a 32-bit fingerprint
+  of the id per slot (the id itself is in the record, and every read checks it) and a
+  hash index from fingerprint to slot: 4 bytes per slot plus 6.7-8.3 bytes of index per
+  entry, 12-14 B per disk row (the 8-byte id per slot it replaced: 19.4 B). Entries of
+  rows gone back to RAM stay in the index (a probe checks the slot's fingerprint, so
+  they never answer) until they outnumber the live ones, or until the index would have
+  to grow, then it is rebuilt from the live slots.
 
 Crash safety: the tier is a cache of rows not in RAM, in an unnamed file
 (:mod:`persia_py.servers.page_file`): after a crash or a restart it starts empty, by
@@ -48,7 +48,10 @@ construction (there is no file to reopen, so no stale or torn one). What survive
 crash is what the checkpoint and the update log hold. Checkpoints hold every row, RAM
 and disk: :meth:`DiskTier.scan` reads the disk rows for ``EmbeddingTable.export_rows``,
 and an import spills what does not fit in RAM here. Rows are not checksummed: each read
-checks that the record holds the id the index pointed to (:class:`CorruptTier`).
+checks that the record holds the id asked for, or another id of the slot's fingerprint
+(a false positive of the fingerprint: the id is absent), else raises
+:class:`CorruptTier`. :meth:`DiskTier.holds` and :meth:`DiskTier.delete` read the
+records of the ids whose fingerprint they find, for the same reason.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ from __future__ import annotations
 import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
-from persia_py.servers.hash_index import MAX_LOAD, HashIndex
 from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
+from persia_py.servers.tier_index import FREE, CorruptTier, TierIndex
 
 __all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "record_layout"]
 
@@ -67,15 +70,11 @@ row it stores (measured under Zipf(1.05): 1.4, docs/benchmarks.md "Disk tier"), 
 disk takes 1.48x its rows' bytes at dim 64 float16 row-wise Adagrad (issue 42: <= 1.5x)."""
 
 EMPTY = np.uint64(RESERVED_ID)
-"""Id of a log slot that holds no row (the reserved id is never stored)."""
+"""Id of a record that holds no row (the reserved id is never stored)."""
 _SCAN_BLOCKS_BYTES = 16 << 20
 """Bytes per sequential read of a scan."""
 _SEGMENT_BYTES = 8 << 20
 """Bytes of a segment (fewer where the file would have under 64 of them)."""
-
-
-class CorruptTier(RuntimeError):
-    """A record read back does not hold the id the index says it holds."""
 
 
 def record_layout(dim: int, weight_dtype: np.dtype, state_width: int
@@ -95,7 +94,8 @@ class DiskTier:
 
     def __init__(self, directory: str, *, capacity_rows: int, dim: int,
                  weight_dtype: np.dtype, state_width: int, queue_depth: int = 32,
-                 free_fraction: float = DEFAULT_FREE_FRACTION) -> None:
+                 free_fraction: float = DEFAULT_FREE_FRACTION, fingerprint_bits: int = 32
+                 ) -> None:
         if not isinstance(capacity_rows, int) or capacity_rows < 1:
             raise ValueError(f"capacity_rows must be an int >= 1, got {capacity_rows!r}")
         if not 0.0 <= free_fraction <= 0.9:
@@ -127,8 +127,9 @@ class DiskTier:
         self._num_opened = 0
         self.file = PageFile(directory, block_bytes=block_bytes, num_blocks=num_blocks,
                              queue_depth=queue_depth)
-        self.slot_ids = np.full(self.num_slots, EMPTY, np.uint64)
-        self.index = HashIndex(row_ids=self.slot_ids)
+        self.index = TierIndex(self.num_slots, fingerprint_bits)
+        self.slot_fp = self.index.slot_fp
+        """Per slot: ``FREE`` or the fingerprint of its row's id (:mod:`tier_index`)."""
         self.head = 0
         """Next slot to write; the segment it is in is open for writes up to its end."""
         self._head_block = np.zeros(self.rows_per_block, self.record)
@@ -159,8 +160,8 @@ class DiskTier:
 
     @property
     def ram_bytes(self) -> int:
-        """RAM this tier holds for its rows: the slot -> id array and the index."""
-        return self.slot_ids.nbytes + self.index.nbytes
+        """RAM this tier holds for its rows: the slot fingerprints and the index."""
+        return self.index.nbytes
 
     @property
     def disk_bytes(self) -> int:
@@ -177,7 +178,8 @@ class DiskTier:
                 "disk_misses": self.num_misses, "disk_block_reads": self.file.num_block_reads,
                 "disk_bytes_read": self.file.num_bytes_read,
                 "disk_block_bytes": self.file.block_bytes, "disk_bytes": self.disk_bytes,
-                "disk_ram_bytes": self.ram_bytes}
+                "disk_ram_bytes": self.ram_bytes,
+                "disk_fingerprint_clashes": int(self.index.side_ids.shape[0])}
 
     # -- writes ------------------------------------------------------------------------
 
@@ -208,16 +210,15 @@ class DiskTier:
             if room == 0:  # the open segment is full (or none is open yet)
                 room = self._open_segment()
             k = min(room, n - done)
-            gone.append(self._write_at(self.head, ids[done:done + k],
-                                       weights[done:done + k], state[done:done + k]))
+            self._write_at(self.head, ids[done:done + k], weights[done:done + k],
+                           state[done:done + k])
             self.head += k
             done += k
-        self._maybe_rebuild()
         return np.concatenate(gone) if gone else np.zeros(0, np.uint64)
 
     def _live_per_segment(self) -> np.ndarray:
         return np.count_nonzero(
-            self.slot_ids.reshape(self.num_segments, self.segment_slots) != EMPTY, axis=1)
+            self.slot_fp.reshape(self.num_segments, self.segment_slots) != FREE, axis=1)
 
     def _open_segment(self) -> int:
         """Open the segment with the fewest live rows for writes: its live rows are read
@@ -228,16 +229,9 @@ class DiskTier:
         self._num_opened += 1
         self.segment_epoch[seg] = self._num_opened
         self.head = start
-        live = np.flatnonzero(self.slot_ids[start:start + self.segment_slots] != EMPTY)
+        live, rows = self._segment_rows(seg)
         if live.shape[0]:
-            rpb = self.rows_per_block
-            data = self.file.read_range(start // rpb, self.segment_slots // rpb)
-            records = data[:, :rpb * self.record.itemsize].view(self.record).reshape(-1)
-            rows = records[live]
-            if not np.array_equal(rows["id"], self.slot_ids[start + live]):
-                raise CorruptTier("disk tier: a record read for compaction does not hold "
-                                  "the id its slot should; the tier file is corrupt")
-            self.slot_ids[start + live] = EMPTY
+            self.index.remove(live)
             self.num_rows -= live.shape[0]
             self.num_relocated += live.shape[0]
             state = (np.ascontiguousarray(rows["state"]) if self.state_width
@@ -249,21 +243,29 @@ class DiskTier:
         assert room > 0, "a segment opened for writes has no free slot"
         return room
 
+    def _segment_rows(self, seg: int) -> tuple[np.ndarray, np.ndarray]:
+        """The live slots of segment ``seg`` and their records (one sequential read)."""
+        start = seg * self.segment_slots
+        live = np.flatnonzero(self.slot_fp[start:start + self.segment_slots] != FREE) + start
+        if not live.shape[0]:
+            return live, np.zeros(0, self.record)
+        rpb = self.rows_per_block
+        data = self.file.read_range(start // rpb, self.segment_slots // rpb)
+        records = data[:, :rpb * self.record.itemsize].view(self.record).reshape(-1)
+        rows = records[live - start]
+        self.index.check_slots(live, rows["id"])
+        return live, rows
+
     def _write_at(self, start: int, ids: np.ndarray, weights: np.ndarray,
-                  state: np.ndarray) -> np.ndarray:
-        """Write rows at slots ``start .. start + k - 1`` (no wrap); returns the ids of
-        live rows overwritten there. A block the head is inside is written again whole,
-        its earlier records from :attr:`_head_block` (no read)."""
+                  state: np.ndarray) -> None:
+        """Write rows at free slots ``start .. start + k - 1`` (no wrap). A block the head
+        is inside is written again whole, its earlier records from :attr:`_head_block`
+        (no read)."""
         k = ids.shape[0]
         rpb = self.rows_per_block
         first = start - start % rpb
         blocks = -(-(start + k - first) // rpb)
-        old = self.slot_ids[start:start + k]
-        live = old != EMPTY
-        gone = old[live].copy()
-        self.num_evicted += gone.shape[0]
-        self.num_rows -= gone.shape[0]
-        old[:] = EMPTY
+        assert not self.slot_fp[start:start + k].any(), "a write over live rows"
         records = np.zeros(blocks * rpb, self.record)
         records["id"] = EMPTY
         records[:start - first] = self._head_block[:start - first]
@@ -277,53 +279,39 @@ class DiskTier:
         buf[:, used:] = 0
         self.file.write_blocks(first // rpb, buf)
         self._head_block = records[-rpb:].copy()
-        self._index_room(k)
-        rows, is_new = self.index.find_or_insert(ids, start)
-        assert bool(is_new.all()), "an id written to the tier was still indexed"
+        self.index.add(ids, np.arange(start, start + k, dtype=np.int64))
         self.num_rows += k
-        return gone
 
     def _drop_oldest(self, count: int) -> np.ndarray:
         """Delete ``count`` rows, those of the segments written longest ago first (in
-        slot order within one); returns their ids, counted in ``num_evicted``."""
-        by_segment = self.slot_ids.reshape(self.num_segments, self.segment_slots)
-        oldest_first = by_segment[np.argsort(self.segment_epoch, kind="stable")].reshape(-1)
-        ids = oldest_first[oldest_first != EMPTY][:count]
-        self.delete(ids, counted=False)
-        self.num_evicted += ids.shape[0]
-        return ids
+        slot order within one; their ids read from disk); returns their ids, counted in
+        ``num_evicted``."""
+        gone = []
+        for seg in np.argsort(self.segment_epoch, kind="stable"):
+            live, rows = self._segment_rows(int(seg))
+            live, ids = live[:count], np.ascontiguousarray(rows["id"][:count])
+            self.index.remove(live)
+            self.num_rows -= live.shape[0]
+            self.num_evicted += live.shape[0]
+            gone.append(ids)
+            count -= live.shape[0]
+            if count <= 0:
+                break
+        return np.concatenate(gone)
 
     def holds(self, ids: np.ndarray) -> np.ndarray:
-        """Whether each id's row is on disk (RAM only: no disk read)."""
-        return self.index.find(ids) >= 0 if self.num_rows else np.zeros(ids.shape[0], bool)
+        """Whether each id's row is on disk (reads the records of the ids whose
+        fingerprint is indexed, to tell a false positive)."""
+        return self._locate(ids)[0]
 
     def delete(self, ids: np.ndarray, *, counted: bool = True) -> int:
         """Delete the stored rows of ``ids`` (distinct); returns how many were stored."""
-        slots = self.index.find(ids)
-        slots = slots[slots >= 0]
-        self.slot_ids[slots] = EMPTY
+        _, slots, _ = self._locate(ids)
+        self.index.remove(slots)
         self.num_rows -= slots.shape[0]
         if counted:
             self.num_deleted += slots.shape[0]
         return int(slots.shape[0])
-
-    def _index_room(self, k: int) -> None:
-        """Rebuild the index from the live slots where ``k`` inserts would make it grow
-        while it holds dead entries: a growth rehashes an entry by the id its slot holds
-        *now*, so every dead entry of a free slot would land on the home of ``EMPTY``, one
-        run of probes as long as the dead entries are many."""
-        num, den = MAX_LOAD
-        if len(self.index) + k <= self.index.slots * num // den or len(self.index) == self.num_rows:
-            return
-        slots = np.flatnonzero(self.slot_ids != EMPTY)
-        self.index.rebuild(self.slot_ids[slots], slots, room=self.num_rows + k + self.num_rows // 4)
-
-    def _maybe_rebuild(self) -> None:
-        """Rebuild the index from the live slots once dead entries outnumber live ones."""
-        if len(self.index) - self.num_rows <= max(self.num_rows, 4096):
-            return
-        slots = np.flatnonzero(self.slot_ids != EMPTY)
-        self.index.rebuild(self.slot_ids[slots], slots, room=self.num_rows)
 
     # -- reads -------------------------------------------------------------------------
 
@@ -332,7 +320,7 @@ class DiskTier:
         weights, state)``, ``found`` a bool mask over ``ids`` and the rows of the found
         ones, in their order. Disk reads: one block per distinct block, in one batch."""
         found, slots, weights, state = self._read(ids)
-        self.slot_ids[slots] = EMPTY
+        self.index.remove(slots)
         self.num_rows -= slots.shape[0]
         self.num_hits += slots.shape[0]
         self.num_misses += ids.shape[0] - slots.shape[0]
@@ -343,24 +331,29 @@ class DiskTier:
         found, _, weights, state = self._read(ids)
         return found, weights, state
 
-    def _read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        slots = self.index.find(ids) if self.num_rows else np.full(ids.shape[0], -1)
+    def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(found, slots, rows)``: which ids are stored, and the slots and records of
+        those, read from disk (one block per distinct block, in one batch)."""
+        slots, exact = self.index.candidates(ids)
         found = slots >= 0
-        slots = slots[found]
+        slots, exact = slots[found], exact[found]
         if slots.shape[0] == 0:
-            return (found, slots, np.zeros((0, self.dim), self.weight_dtype),
-                    np.zeros((0, self.state_width), np.float32))
+            return found, slots, np.zeros(0, self.record)
         rpb = self.rows_per_block
         blocks, where = np.unique(slots // rpb, return_inverse=True)
         data = self.file.read_blocks(blocks)
         # (blocks, rpb) records: a view, as long as it stays 2-D.
         records = data[:, :rpb * self.record.itemsize].view(self.record)
         rows = records[where, slots % rpb]
-        if not np.array_equal(rows["id"], ids[found]):
-            bad = int(np.flatnonzero(rows["id"] != ids[found])[0])
-            raise CorruptTier(f"disk tier: slot {int(slots[bad])} holds id "
-                              f"{int(rows['id'][bad])}, the index says "
-                              f"{int(ids[found][bad])}; the tier file is corrupt")
+        match = self.index.verify(slots, exact, rows["id"], ids[found])
+        found[found] = match
+        return found, slots[match], rows[match]
+
+    def _read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        found, slots, rows = self._locate(ids)
+        if slots.shape[0] == 0:
+            return (found, slots, np.zeros((0, self.dim), self.weight_dtype),
+                    np.zeros((0, self.state_width), np.float32))
         self.num_read += slots.shape[0]
         state = (np.ascontiguousarray(rows["state"]) if self.state_width
                  else np.zeros((slots.shape[0], 0), np.float32))
@@ -374,15 +367,13 @@ class DiskTier:
         step = max(1, _SCAN_BLOCKS_BYTES // self.file.block_bytes)
         for first in range(0, self.file.num_blocks, step):
             n = min(step, self.file.num_blocks - first)
-            live = self.slot_ids[first * rpb:(first + n) * rpb] != EMPTY
+            live = self.slot_fp[first * rpb:(first + n) * rpb] != FREE
             if not live.any():
                 continue
             data = self.file.read_range(first, n)
             records = data[:, :rpb * self.record.itemsize].view(self.record)
             rows = records[live.reshape(n, rpb)]
-            if not np.array_equal(rows["id"], self.slot_ids[first * rpb:(first + n) * rpb][live]):
-                raise CorruptTier("disk tier: a scanned record does not hold the id its "
-                                  "slot should; the tier file is corrupt")
+            self.index.check_slots(np.flatnonzero(live) + first * rpb, rows["id"])
             parts.append(rows)
         rows = np.concatenate(parts) if parts else np.zeros(0, self.record)
         self.num_read += rows.shape[0]

@@ -414,6 +414,25 @@ class HashIndex:
             # usually already present, and geometric steps keep rehash cost amortized O(1).
             self._grow(slots_for(self._count + 1, self.slots + 1), self._row_limit)
 
+    def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Add ``ids[i] -> rows[i]`` for ids absent from the index (distinct; ``rows``
+        anywhere in ``row_ids``, not only next), growing as needed."""
+        ids = _check_ids(ids)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if rows.shape != ids.shape:
+            raise ValueError(f"rows must have shape {ids.shape}, got {rows.shape}")
+        if not rows.size:
+            return
+        self._ensure_rows(int(rows.max()) + 1)
+        num, den = MAX_LOAD
+        if self._count + rows.shape[0] > self.slots * num // den:
+            self._grow(slots_for(self._count + rows.shape[0], self.slots + 1), self._row_limit)
+        dup = _insert_all_kernel(self._slots, self.row_ids, self._row_mask, ids,
+                                 *self._homes(ids), rows)
+        self._count += rows.shape[0] if dup < 0 else dup
+        if dup >= 0:
+            raise ValueError(f"id {int(ids[dup])} is already in the index")
+
     def _grow(self, slots: int, row_limit: int) -> None:
         old, old_row_mask, count = self._slots, self._row_mask, self._count
         self._reset(slots, row_limit)

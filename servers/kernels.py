@@ -398,3 +398,20 @@ def count_sightings(sketch: np.ndarray, salts: np.ndarray, ids: np.ndarray,
                 sketch[k, cells[k]] = estimate
         passed[i] = estimate >= threshold
     return passed
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def sketch_estimates(sketch: np.ndarray, salts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The count-min estimate of each id (the least of its ``depth`` counters), as
+    :func:`count_sightings` counts them; the sketch is only read."""
+    depth, width = sketch.shape
+    mask = np.uint64(width - 1)
+    out = np.empty(ids.shape[0], np.uint8)
+    for i in range(ids.shape[0]):
+        low = 255
+        for k in range(depth):
+            v = sketch[k, np.int64(mix64_one(ids[i] ^ salts[k]) & mask)]
+            if v < low:
+                low = v
+        out[i] = low
+    return out

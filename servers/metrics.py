@@ -102,3 +102,10 @@ class ParameterServerMetrics:
                 family.add_metric([table], s[key])
         for _, family in families:
             yield family
+        prefetcher = self._ps.prefetcher
+        if prefetcher is not None:  # a disk tier: hints of the batches to come
+            yield CounterMetricFamily("persia_ps_disk_prefetched", "Rows brought back from "
+                                      "disk by prefetch hints, all tables",
+                                      value=prefetcher.num_rows)
+            yield CounterMetricFamily("persia_ps_disk_prefetch_dropped", "Prefetch hints not "
+                                      "queued (too many waiting)", value=prefetcher.num_dropped)

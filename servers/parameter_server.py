@@ -43,6 +43,7 @@ from persia_py.ids.routing import RESERVED_ID, replica_of
 from persia_py.servers import call_memory
 from persia_py.servers.call_memory import LookupAnswer
 from persia_py.servers.optimizers import optimizer_from_dict
+from persia_py.servers.prefetch import Prefetcher, serve_hint
 from persia_py.servers.sizing import (
     capacity_warning,
     derived_capacity_note,
@@ -110,6 +111,8 @@ class ParameterServer:
         self._count_lock = threading.Lock()
         self._increments = SwapLock()
         """Lookups share it, :meth:`apply_increment` holds it alone."""
+        self.prefetcher = (Prefetcher() if global_config.embedding_parameter_server_config
+                           .disk_tier.enabled else None)
         self.num_updates = 0
         self.tracks_changes = False
         """Tables remember changed rows (for incremental exports; see ``track_changes``)."""
@@ -285,6 +288,17 @@ class ParameterServer:
         if training and self.update_log is not None:  # the rows it inserted, for a restart
             self.update_log.lookup(requests)
         return answers
+
+    def prefetch(self, requests: list[tuple[str, np.ndarray]]) -> bool:
+        """Queue bringing the rows of these ids that are on disk back into RAM, off the
+        lookups' path (:mod:`persia_py.servers.prefetch`); False if not queued."""
+        tables = [self._table(name) for name, _ in requests]
+        for name, ids in requests:
+            self._check_ids(name, ids)
+        if self.prefetcher is None:  # no disk tier
+            return False
+        return self.prefetcher.submit(
+            lambda: serve_hint(tables, [ids for _, ids in requests], self._increments))
 
     def update(
         self,
@@ -478,5 +492,7 @@ class ParameterServer:
                 if (stats := table.disk_stats())}
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         for table in self._tables.values():
             table.close()

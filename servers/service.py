@@ -89,6 +89,16 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
         return _answer(embeddings, answer, wire)
 
     @grpc_method
+    def Prefetch(self, request: codec.RawMessage, context: grpc.ServicerContext
+                 ) -> pb.PrefetchResponse:
+        # request: a parsed pb.PrefetchRequest (create_ps_server); answered at once
+        tables = [
+            (t.table, codec.decode(t.ids, name=f"tables[{i}].ids", dtypes=("uint64",), ndim=1))
+            for i, t in enumerate(request.tables)
+        ]
+        return pb.PrefetchResponse(queued=self.ps.prefetch(tables))
+
+    @grpc_method
     def Update(self, request: codec.RawMessage, context: grpc.ServicerContext) -> pb.UpdateResponse:
         # request: a parsed pb.UpdateRequest (create_ps_server)
         # What the arrays claim, checked before they are decoded.
@@ -138,7 +148,8 @@ def create_ps_server(ps: ParameterServer, address: str,
     # gradients are read from the requests' bytes without protobuf's copies.
     wire_rpc.add_servicer(parameter_server_pb2_grpc.add_ParameterServerServicer_to_server,
                           ParameterServerServicer(ps, metrics), server,
-                          parsed_requests={"Lookup": pb.LookupRequest, "Update": pb.UpdateRequest},
+                          parsed_requests={"Lookup": pb.LookupRequest, "Update": pb.UpdateRequest,
+                                           "Prefetch": pb.PrefetchRequest},
                           bytes_answers=("Lookup",))
     add_checkpoint_service(ps, server, checkpoint_root)
     server.start()

@@ -11,9 +11,12 @@ the holes. Where the OS allows, the arrays take the shard's whole share of the c
 as address space at once, so rows never move to grow.
 
 With a disk tier (:mod:`persia_py.servers.disk_tier`, opt-in), eviction spills the rows
-(weights and optimizer state) to it instead of deleting them, and a lookup or update that
-meets an id absent from RAM asks the tier for it in one batch and brings the rows found
-back into RAM, where they are looked up or updated like any other. A row is in RAM or on
+(weights and optimizer state) to it instead of deleting them, the least frequently looked
+up first (a count-min sketch of every id's lookups, RAM, disk or new, halved as it ages:
+LRU alone keeps 0.80-0.84 of what a static cache of the most frequent rows would hit
+under Zipf ids, this 0.9-0.95; docs/benchmarks.md, "Disk tier"), and a lookup or
+update that meets an id absent from RAM asks the tier for it in one batch and brings the
+rows found back into RAM, where they are looked up or updated like any other. A row is in RAM or on
 disk, never both; what leaves the disk (its own capacity) is deleted and counted as
 evicted.
 """
@@ -28,7 +31,7 @@ import numpy as np
 from persia_py.ids.dedup import unique_in_order
 from persia_py.servers import kernels, memory, row_types
 from persia_py.servers.access_clock import STAMP_DTYPE, AccessClock
-from persia_py.servers.admission import Admission
+from persia_py.servers.admission import Admission, CountMinSketch
 from persia_py.servers.disk_tier import DiskTier
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
@@ -44,6 +47,8 @@ rebuild after an eviction is amortized over many inserts."""
 
 _TOUCHED = 1 << 30
 """Eviction order of the rows a batch touches: above every stamp."""
+_FREQUENCY_COLUMNS = 2
+"""Sketch columns per row of the share for the frequency of ids under a disk tier."""
 
 _DTYPES: dict[str, np.dtype] = {"ids": np.dtype(np.uint64), "weights": np.dtype(np.float32),
                                 "state": np.dtype(np.float32), "last_access": STAMP_DTYPE}
@@ -109,6 +114,10 @@ class Shard:
         """Rows moved to the disk tier / brought back from it."""
         self.admission = Admission(share, admit_probability=table.admit_probability,
                                    min_occurrences=table.min_occurrences, seed=table.seed)
+        self.frequency = (None if tier is None
+                          else CountMinSketch(share, _FREQUENCY_COLUMNS, max_width=1 << 40))
+        """With a disk tier: lookups of every id, in RAM, on disk or new (halved as it
+        ages); eviction spills the least frequent rows first, then the least recent."""
         self.changed: list[np.ndarray] | None = None
         """Ids inserted or updated since the last ``take_changes`` (None: not tracked)."""
         self.num_changed = 0
@@ -123,7 +132,9 @@ class Shard:
         rows = self.high_water if self.reserved else self.weights.shape[0]
         row_bytes = sum(a.itemsize * (a.size // max(a.shape[0], 1)) for a in arrays)
         tier = 0 if self.tier is None else self.tier.ram_bytes
-        return rows * row_bytes + self.index.nbytes + self.admission.nbytes + tier
+        frequency = 0 if self.frequency is None else self.frequency.nbytes
+        return (rows * row_bytes + self.index.nbytes + self.admission.nbytes + tier
+                + frequency)
 
     def lookup(self, ids: np.ndarray, insert: bool, tick: int, out: np.ndarray,
                positions: np.ndarray | None) -> None:
@@ -137,6 +148,8 @@ class Shard:
             rows = self.index.find_gather(ids, weights, out, self.last_access, stamp,
                                           positions)
             num_missing = int(np.count_nonzero(rows < 0))
+            if self.frequency is not None:
+                self.frequency.seen_enough(ids, 0)
             if num_missing and self.tier is not None and self.tier.num_rows:
                 back = rows < 0
                 rows = self._bring_back(ids, rows, stamp)
@@ -159,10 +172,29 @@ class Shard:
                 kernels.gather_rows_at(kernel_view(self.weights), rows[new], at, out,
                                        self.last_access, stamp)
 
-    def _bring_back(self, ids: np.ndarray, rows: np.ndarray, stamp: int) -> np.ndarray:
+    def prefetch(self, ids: np.ndarray, tick: int) -> int:
+        """Bring the rows of ``ids`` absent from RAM that the tier holds back into RAM,
+        stamped ``tick``, counted as sightings (they will be looked up); evicts as a
+        lookup does, and spares rows of the latest stamp (a batch between its lookup and
+        its update) where they leave room. Returns how many came back."""
+        with self.lock:
+            rows = self.index.find(ids)
+            if self.tier is None or not self.tier.num_rows or bool((rows >= 0).all()):
+                return 0
+            if self.frequency is not None:
+                self.frequency.seen_enough(ids, 0)
+            stamp = self.clock.stamp(tick, self.last_access[:self.size])
+            spare = np.flatnonzero(self.last_access[:self.size] == stamp)
+            before = self.restored
+            self._bring_back(ids, rows, stamp, spare if spare.shape[0] + ids.shape[0]
+                             <= self.share // 2 else None)
+            return self.restored - before
+
+    def _bring_back(self, ids: np.ndarray, rows: np.ndarray, stamp: int,
+                    protect: np.ndarray | None = None) -> np.ndarray:
         """Move the rows of ``ids`` absent from RAM (``rows`` -1) that the tier holds into
         RAM, stamped ``stamp``, evicting (spilling) others if the share is full but never
-        rows of ``ids``; returns ``rows`` with theirs filled in."""
+        rows of ``ids`` or rows ``protect``; returns ``rows`` with theirs filled in."""
         tier = self.tier
         assert tier is not None
         missing = rows < 0
@@ -176,7 +208,8 @@ class Shard:
             overflow = self.size + n_back - self.share
             if overflow > 0:
                 hit_rows = rows[~missing]
-                remap = self._evict(overflow, n_back, hit_rows)
+                remap = self._evict(overflow, n_back, hit_rows if protect is None
+                                    else np.concatenate([hit_rows, protect]))
                 rows[~missing] = remap[hit_rows]
         except BaseException:
             tier.write(back_ids, weights, state)  # refused before anything moved: put back
@@ -236,12 +269,15 @@ class Shard:
         return rows
 
     def _evict(self, overflow: int, n_new: int, touched: np.ndarray) -> np.ndarray:
-        """Drop at least ``overflow`` least-recently-used rows, never rows ``touched`` (the
-        batch's own); returns old->new rows."""
+        """Drop at least ``overflow`` least-recently-used rows (with a tier: least
+        frequent, then least recent), never rows ``touched`` (the batch's own); returns
+        old->new rows."""
         size = self.size
         # Rows the batch touches rank after every other (a stamp is coarser than one
         # lookup once the shard's rows span many: its own would not tell them apart).
         order = self.last_access[:size].astype(np.int32)
+        if self.frequency is not None:  # least frequent first (uint8 above the stamp)
+            order |= self.frequency.estimate(self.ids[:size]).astype(np.int32) << 16
         order[touched] = _TOUCHED
         candidates = int(np.count_nonzero(order < _TOUCHED))
         if candidates < overflow:

@@ -246,6 +246,22 @@ class EmbeddingTable:
         self._per_shard(ids, work)
         return out
 
+    def prefetch(self, ids: np.ndarray) -> int:
+        """Bring the rows of ``ids`` that are on the disk tier back into RAM, as a lookup
+        would (a hint that they will be looked up soon: :mod:`persia_py.servers.prefetch`);
+        ids stored nowhere are not created. Returns how many rows came back."""
+        ids = self._check_ids(ids)
+        if self.disk_tier is None:
+            return 0
+        tick = self._clock.current()
+        moved: list[int] = []
+
+        def work(shard: Shard, positions: np.ndarray | None) -> None:
+            moved.append(shard.prefetch(ids if positions is None else ids[positions], tick))
+
+        self._per_shard(ids, work)
+        return sum(moved)
+
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
         """Apply one optimizer step; returns how many distinct rows were updated.
 

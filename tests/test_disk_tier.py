@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import grpc
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
@@ -21,11 +22,16 @@ from persia_py.config import (
     SlotConfig,
     global_config_from_dict,
 )
-from persia_py.servers.disk_tier import DiskTier
+from persia_py.servers.disk_tier import CorruptTier, DiskTier
 from persia_py.servers.metrics import ParameterServerMetrics
 from persia_py.servers.optimizers import AdagradConfig, AdamConfig
+from persia_py.servers.page_file import aligned_empty
 from persia_py.servers.parameter_server import ParameterServer
+from persia_py.servers.service import create_ps_server
 from persia_py.servers.storage import EmbeddingTable
+from persia_py.workers.embedding_worker import EmbeddingWorker
+from persia_py.workers.ps_client import PSClient
+from persia_py.workers.slots import SlotIds
 
 DIM = 8
 
@@ -101,6 +107,21 @@ def test_update_of_a_row_on_disk_brings_it_back(tmp_path) -> None:
                                 np.ones((2, DIM), np.float32)) == 1
         assert t.disk_stats()["restored"] == 1
         assert _rows(t) == _rows(ram)
+
+
+def test_frequent_rows_stay_in_ram_through_a_scan_of_cold_ones(tmp_path) -> None:
+    # LRU would spill the hot rows (touched before the scan); the tier's eviction spills
+    # the least frequently looked up first, so the scan of one-time ids goes to disk.
+    hot = np.arange(1, 17, dtype=np.uint64)
+    with _table(tmp_path, capacity=64, disk_rows=1000) as t:
+        for _ in range(4):
+            t.lookup(hot, True)
+        for start in range(100, 500, 16):
+            t.lookup(np.arange(start, start + 16, dtype=np.uint64), True)
+        stats = t.disk_stats()
+        assert stats["spilled"] >= 400 - 64
+        t.lookup(hot, True)
+        assert t.disk_stats()["restored"] == stats["restored"] == 0
 
 
 def test_disk_capacity_deletes_oldest_and_counts(tmp_path) -> None:
@@ -193,6 +214,67 @@ def test_tier_batch_api_and_bad_input(tmp_path) -> None:
                  state_width=0)
 
 
+@pytest.mark.parametrize("bits", [3, 32])
+def test_fingerprint_clashes_never_lose_or_mix_rows(tmp_path, bits: int) -> None:
+    # RAM keeps a fingerprint of each disk row's id, not the id. With 3 bits nearly every
+    # row clashes (side table, false positives verified against the records); with 32
+    # none do. Either way the tier answers exactly as a dict of the rows it was given.
+    rng = np.random.default_rng(bits)
+    tier = DiskTier(str(tmp_path), capacity_rows=3_000, dim=2, weight_dtype=np.float32,
+                    state_width=1, free_fraction=0.25, fingerprint_bits=bits)
+    model: dict[int, float] = {}
+    try:
+        for step in range(60):
+            new = rng.choice(2**40, 80, replace=False).astype(np.uint64) + np.uint64(1)
+            new = new[~np.isin(new, np.fromiter(model, np.uint64, len(model)))]
+            w = rng.random((new.shape[0], 2), dtype=np.float32)
+            gone = tier.write(new, w, w[:, :1])
+            model.update(zip(new.tolist(), w[:, 0].tolist()))
+            for i in gone.tolist():
+                del model[i]
+            known = np.fromiter(model, np.uint64, len(model))
+            asked = np.concatenate([rng.choice(known, 60, replace=False), new[:5] + np.uint64(7)])
+            asked = np.unique(asked)
+            expect = np.array([int(i) in model for i in asked.tolist()])
+            assert np.array_equal(tier.holds(asked), expect)
+            found, tw, ts = (tier.take if step % 2 else tier.peek)(asked)
+            assert np.array_equal(found, expect)
+            assert tw[:, 0].tolist() == [model[int(i)] for i in asked[found].tolist()]
+            if step % 2:
+                for i in asked[found].tolist():
+                    del model[i]
+            if step % 7 == 0:
+                assert tier.delete(asked[:10]) == sum(int(i) in model for i in asked[:10].tolist())
+                for i in asked[:10].tolist():
+                    model.pop(i, None)
+            assert tier.num_rows == len(model)
+        ids, weights, _ = tier.scan()
+        assert dict(zip(ids.tolist(), weights[:, 0].tolist())) == model
+        assert tier.num_evicted > 0 and tier.num_relocated > 0  # full disk, compaction
+        clashes = tier.stats()["disk_fingerprint_clashes"]
+        assert clashes > 0 if bits == 3 else clashes == 0
+    finally:
+        tier.close()
+
+
+def test_a_record_that_does_not_match_its_slot_is_corruption(tmp_path) -> None:
+    tier = DiskTier(str(tmp_path), capacity_rows=30, dim=2, weight_dtype=np.float32,
+                    state_width=0)
+    try:
+        ids = np.arange(1, 31, dtype=np.uint64)
+        tier.write(ids, np.ones((30, 2), np.float32), np.zeros((30, 0), np.float32))
+        block = aligned_empty((1, tier.file.block_bytes))  # O_DIRECT: an aligned buffer
+        block[:] = 0
+        block[0, :8] = np.frombuffer(np.uint64(999_999).tobytes(), np.uint8)  # slot 0's id
+        tier.file.write_blocks(0, block)
+        with pytest.raises(CorruptTier, match="corrupt"):
+            tier.peek(ids[:1])
+        with pytest.raises(CorruptTier, match="corrupt"):
+            tier.scan()
+    finally:
+        tier.close()
+
+
 def test_config_is_strict(tmp_path) -> None:
     def ps(tier: dict):
         return global_config_from_dict(
@@ -246,7 +328,7 @@ def test_free_reserve_bounds_compaction_and_counts_evictions(tmp_path) -> None:
                 assert tier.num_rows == 3_000
             relocated[free] = tier.num_relocated / (tier.num_written - written)
             # Dead index entries (rows taken back) never pile onto one home: probes stay short.
-            assert tier.index.probe_bound() < 64
+            assert tier.index.index.probe_bound() < 64
             found, got, _ = tier.peek(ids)
             assert found.all() and np.array_equal(got, w)  # every row intact
             more = np.arange(10_001, 10_251, dtype=np.uint64)
@@ -275,7 +357,7 @@ def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
     try:
         empty = scrape()  # the file is reserved; nothing on it yet
         assert empty.pop("persia_ps_disk_bytes") > 0 and set(empty.values()) == {0.0}
-        assert len(empty) == 7
+        assert len(empty) == 9
         (table,) = ps.stats()
         ids = np.arange(1, 1_201, dtype=np.uint64)
         for part in np.split(ids, 6):  # 1,200 rows through 256 in RAM: most spill
@@ -303,4 +385,46 @@ def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
         evicted = {k: v for k, v in ps.stats()[table].items() if k == "evicted"}
         assert evicted["evicted"] == full["persia_ps_disk_evictions_total"]
     finally:
+        ps.close()
+
+
+def test_a_put_batch_has_its_disk_rows_read_back_before_its_lookup(tmp_path) -> None:
+    """The embedding worker hints a batch's ids to the parameter server (real gRPC) when
+    the batch is put; the server's background thread brings their rows on disk back
+    into RAM, so the lookup reads nothing from disk and answers the same rows."""
+    config = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
+        capacity=256, disk_tier=DiskTierConfig(path=str(tmp_path), capacity_rows=2_000)))
+    emb = EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4)})
+    ps = ParameterServer(config, emb)
+    ps.configure(optimizer={"type": "sgd", "lr": 1.0})
+    server, port = create_ps_server(ps, "127.0.0.1:0")
+    client = PSClient(f"127.0.0.1:{port}", config.common_config)
+    worker = EmbeddingWorker(config, emb, [client])
+    try:
+        raw = np.arange(1, 1_201, dtype=np.uint64)
+        (stored,) = worker.validate_features([SlotIds("user", raw, np.ones(1_200, np.int32))],
+                                             1_200)
+        (table,) = ps.stats()
+        for part in np.split(stored.ids, 6):  # 1,200 rows through 256 in RAM: most spill
+            ps.lookup([(table, part)], training=True)
+        before = ps.disk_stats()[table]
+        assert before["disk_rows"] > 900
+        ref = worker.put_batch([SlotIds("user", raw[:100], np.ones(100, np.int32))], 100, True)
+        assert ps.prefetcher is not None and ps.prefetcher.wait(1, timeout=60)
+        hinted = ps.disk_stats()[table]
+        assert hinted["restored"] - before["restored"] == 100  # all were on disk
+        (rows,) = worker.lookup(ref)
+        assert ps.disk_stats()[table]["disk_hits"] == hinted["disk_hits"]  # RAM only
+        expected = ps.lookup([(table, stored.ids[:100])], training=False)[0]
+        assert np.array_equal(rows.rows[rows.index], expected)
+        assert ps.prefetcher.num_rows == 100 and ps.prefetcher.num_dropped == 0
+        with pytest.raises(grpc.RpcError, match="unknown table"):
+            client.prefetch([("nope", stored.ids[:3])])
+        plain = ParameterServer(GlobalConfig(), emb)  # no tier: no thread, hints not queued
+        plain.configure(optimizer={"type": "sgd", "lr": 1.0})
+        assert plain.prefetcher is None and not plain.prefetch([(table, stored.ids[:3])])
+    finally:
+        worker.close()
+        client.close()
+        server.stop(None)
         ps.close()

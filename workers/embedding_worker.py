@@ -131,6 +131,12 @@ class EmbeddingWorker:
         """Metrics hook: called with the seconds of a lookup's phases (pre: dedup and
         routing of a direct lookup, a stored batch's were done on arrival; rpc:
         parameter-server calls; post: assembling the answer)."""
+        self._prefetch = global_config.embedding_parameter_server_config.disk_tier.enabled
+        """Send the ids of every batch put to the replicas ahead of its lookup (their
+        disk tier reads them back meanwhile), on threads of their own: a slow hint never
+        holds up a lookup."""
+        self._hints = ThreadPoolExecutor(max_workers=max(1, len(ps_clients)),
+                                         thread_name_prefix="ps-hint")
         self._configured = False
         self._configure_request: common_pb2.ConfigureRequest | None = None
         self._done: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -264,7 +270,28 @@ class EmbeddingWorker:
         except BaseException:
             self._release(ref)
             raise
+        if self._prefetch and requires_grad:
+            self._send_prefetch(batch.plan)
         return ref
+
+    def _send_prefetch(self, plan: RoutingPlan) -> None:
+        """Hint every replica that the batch's ids come next: with a disk tier, its rows on
+        disk are read back while earlier batches train (:mod:`persia_py.servers.prefetch`).
+        Not waited for; a hint that fails is logged and the lookup reads the rows itself."""
+        per_replica = plan.lookup_requests()
+
+        def send(r: int) -> None:
+            try:
+                if per_replica[r]:
+                    self.ps_clients[r].prefetch(per_replica[r])
+            except Exception as exc:  # a hint: nothing depends on it
+                logger.debug("prefetch hint to replica %d failed: %s", r, exc)
+
+        try:
+            for r in range(plan.num_replicas):
+                self._hints.submit(send, r)
+        except RuntimeError:  # the worker is closing: no more hints
+            pass
 
     def _release(self, ref: int) -> None:
         with self._buffer_changed:
@@ -467,4 +494,5 @@ class EmbeddingWorker:
         parameter server that stopped too retry for ``rpc_timeout_sec``."""
         for client in self.ps_clients:
             client.close()
+        self._hints.shutdown(wait=True)
         self._pool.shutdown(wait=True)

@@ -32,10 +32,12 @@ class PSClient(ServiceClient):
     _service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
     # Embeddings and gradients skip protobuf's copies.
     wire_methods = {"_lookup": (_service, "Lookup", pb.LookupResponse, True),
-                    "_update": (_service, "Update", pb.UpdateResponse, False)}
+                    "_update": (_service, "Update", pb.UpdateResponse, False),
+                    "_prefetch": (_service, "Prefetch", pb.PrefetchResponse, False)}
     # Set by ServiceClient from wire_methods; each takes a message or its bytes.
     _lookup: Callable[..., codec.RawMessage]
     _update: Callable[..., pb.UpdateResponse]
+    _prefetch: Callable[..., pb.PrefetchResponse]
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call(self.stub.Configure, request, idempotent=True)
@@ -58,6 +60,15 @@ class PSClient(ServiceClient):
             codec.decode(t, name="embeddings", ndim=2, as_float32=as_float32, copy=as_float32)
             for t in response.embeddings
         ]
+
+    def prefetch(self, tables: list[tuple[str, np.ndarray]]) -> bool:
+        """Hint that these ids will be looked up soon (a server with a disk tier brings
+        their rows back into RAM in the background); whether the server queued it."""
+        pieces = [piece for table, ids in tables for piece in codec.message_field(1, [
+            pb.TableIds(table=table).SerializeToString(), *codec.tensor_field(2, ids)])]
+        # Not retried, and within a tenth of the deadline: a late hint is worth nothing.
+        return self._call(self._prefetch, codec.join(pieces), idempotent=False,
+                          timeout=self.common.rpc_timeout_sec / 10).queued
 
     def update(
         self,

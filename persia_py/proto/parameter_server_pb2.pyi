@@ -33,6 +33,18 @@ class LookupResponse(_message.Message):
     embeddings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
     def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableIds]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("queued",)
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    queued: bool
+    def __init__(self, queued: _Optional[bool] = ...) -> None: ...
+
 class TableGradients(_message.Message):
     __slots__ = ("table", "ids", "grads")
     TABLE_FIELD_NUMBER: _ClassVar[int]

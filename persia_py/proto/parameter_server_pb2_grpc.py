@@ -52,6 +52,11 @@ class ParameterServerStub:
                 request_serializer=persia__py_dot_proto_dot_parameter__server__pb2.UpdateRequest.SerializeToString,
                 response_deserializer=persia__py_dot_proto_dot_parameter__server__pb2.UpdateResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/persia_py.ParameterServer/Prefetch',
+                request_serializer=persia__py_dot_proto_dot_parameter__server__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=persia__py_dot_proto_dot_parameter__server__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/persia_py.ParameterServer/Stats',
                 request_serializer=persia__py_dot_proto_dot_parameter__server__pb2.StatsRequest.SerializeToString,
@@ -87,6 +92,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """A hint: these ids will be looked up soon. A server with a disk tier brings their rows
+        on disk back into RAM in the background, off the lookup's path; answered at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -116,6 +129,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Update,
                     request_deserializer=persia__py_dot_proto_dot_parameter__server__pb2.UpdateRequest.FromString,
                     response_serializer=persia__py_dot_proto_dot_parameter__server__pb2.UpdateResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=persia__py_dot_proto_dot_parameter__server__pb2.PrefetchRequest.FromString,
+                    response_serializer=persia__py_dot_proto_dot_parameter__server__pb2.PrefetchResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -211,6 +229,33 @@ class ParameterServer:
             '/persia_py.ParameterServer/Update',
             persia__py_dot_proto_dot_parameter__server__pb2.UpdateRequest.SerializeToString,
             persia__py_dot_proto_dot_parameter__server__pb2.UpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia_py.ParameterServer/Prefetch',
+            persia__py_dot_proto_dot_parameter__server__pb2.PrefetchRequest.SerializeToString,
+            persia__py_dot_proto_dot_parameter__server__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
