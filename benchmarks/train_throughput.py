@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import parse_args_with_smoke
@@ -59,11 +60,16 @@ def _configs(workdir: Path, workload: str, fp16: bool = True) -> tuple[Path, Pat
 
 
 def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = True,
-         tree: Path | None = None, smoke: bool = False) -> JobResult:
+         tree: Path | None = None, smoke: bool = False, *, launcher_args: Sequence[str] = (),
+         script_args: str = "", nn_args: str = "", loader_args: str = "",
+         own_network: bool = False) -> JobResult:
     """One ``local`` job of ``workload`` (its tiny version if ``smoke``); ``tree``: the
     checkout whose persia_py runs it (default: the one installed), the harness being this
-    one either way."""
-    tiny = " --smoke" if smoke else ""
+    one either way. ``launcher_args`` go to ``persia-launcher local`` (the roles' counts),
+    ``script_args`` to both scripts (the workload's sizes), ``nn_args`` to the NN worker's
+    and ``loader_args`` to the data loader's (``benchmarks.scaling``'s); ``own_network``:
+    see ``role_cpu.run_job``."""
+    tiny = "".join(f" {a}" for a in ("--smoke" if smoke else "", script_args) if a)
     embedding, global_ = _configs(workdir, workload, fp16)
     env = None
     if tree is not None:
@@ -74,11 +80,12 @@ def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = 
             sys.executable, "-m", "persia_py.launcher.cli", "local", "--run-dir", str(run_dir),
             "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
             "--embedding-config", str(embedding), "--global-config", str(global_),
-            "--nn-worker-args",
-            f"--workload {workload} --embedding-staleness {staleness}{tiny}",
-            "--data-loader-args", f"--workload {workload} --steps {steps}{tiny}",
+            *launcher_args, "--nn-worker-args",
+            f"--workload {workload} --embedding-staleness {staleness}{tiny} {nn_args}".rstrip(),
+            "--data-loader-args",
+            f"--workload {workload} --steps {steps}{tiny} {loader_args}".rstrip(),
         ], cwd=str(HERE), env=env, what=f"persia_py {workload}", train_script="train.py",
-            loader_script="data_loader.py")
+            loader_script="data_loader.py", own_network=own_network)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
