@@ -9,20 +9,24 @@ one NN worker and one data loader, 26 slots of dim 32, Zipf ids, Adagrad, stalen
 float16 wire), measured as that benchmark measures it (``benchmarks.role_cpu``: each role's
 CPU from /proc over the timed window only). The base point is 1 parameter server, 1
 embedding worker, a 1M-row table, batch 1,024 and 20 ids per slot (520 per sample); each
-other point changes one factor of it (:data:`FACTORS`), so the grid is 11 jobs, not the
+other point changes one factor of it (:data:`FACTORS`), so the grid is 12 jobs, not the
 288 of the full cross product.
 
 * table rows: the id range of the stream, all slots together (each slot draws from
   rows / 26 ids). The parameter servers grow their tables as ids arrive, so a table holds
-  what the stream brought: ``table_rows`` is the distinct ids of the run's batches (the
-  data loader counts them), the rows held at the end.
+  what the stream brought: ``table_rows_held`` is the distinct ids of the run's batches
+  (the data loader counts them), the rows held at the end.
 * steps: every point trains on about the same number of ids (:data:`TIMED_IDS`, at least
   :data:`MIN_STEPS` and at most :data:`MAX_STEPS` batches after a warm-up of about
   :data:`WARMUP_IDS` ids), so that small batches are not timed over a few milliseconds and
-  large ones fit in memory (the data loader builds its batches before sending).
+  large ones fit in memory (the data loader builds its batches before sending). Before the
+  first job every point's worst case (every id distinct, a growing table's copy, the
+  batches: :func:`memory_needed`) is checked against the memory available now.
 * step time: the NN worker's wall time from taking one batch to taking the next.
-* network: each job runs in a network namespace of its own (``unshare --net``, when it can:
-  root or user namespaces), and ``network_bytes_per_sample`` is what its processes sent
+* load: the machine's 1-minute load average before and after each job
+  (``load_average``): other people's processes on the same cores show there.
+* network: each job runs in a network namespace of its own (``unshare --net``, where it
+  can: as root), and ``network_bytes_per_sample`` is what its processes sent
   each other over loopback inside the window, TCP/IP headers included: the parameter
   servers' and embedding workers' messages and the data loader's batches (the NN worker's
   exchange with its embedding worker goes through shared memory).
@@ -41,9 +45,12 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks import parse_args_with_smoke
 from benchmarks.role_cpu import ROLES, own_network_unavailable
-from benchmarks.train_throughput import SLOT_NAMES, ours
+from benchmarks.train_throughput import SLOT_NAMES, WORKLOADS, ours
+from persia_py.servers import sizing
 
 WORKLOAD = "embedding_heavy"
 NUM_SLOTS = len(SLOT_NAMES)
@@ -75,11 +82,15 @@ FACTORS: dict[str, list[int]] = {
 """Each factor's values; the others stay at :data:`BASE`'s."""
 SMOKE_BASE = Point(table_rows=26_000, batch_size=32, ids_per_slot=2)
 SMOKE_FACTORS = {"num_ps": [1, 2]}
-TIMED_IDS = 40_000_000
-WARMUP_IDS = 10_000_000
+TIMED_IDS = 20_000_000
+WARMUP_IDS = 5_000_000
 MIN_STEPS, MAX_STEPS = 10, 200
 MIN_WARMUP, MAX_WARMUP = 3, 20
 SMOKE_STEPS, SMOKE_WARMUP = 3, 1
+MAX_MESSAGE_BYTES = 1 << 30
+"""``common_config.max_message_bytes`` of every job: an embedding worker refuses a batch
+whose lookup answer could pass it (every id distinct, float32), and the default 512 MiB
+refuses batch 8,192 at 520 ids per sample (580 MB)."""
 
 
 def grid(base: Point, factors: dict[str, list[int]]) -> list[tuple[str, Point]]:
@@ -99,19 +110,53 @@ def steps_of(point: Point, smoke: bool) -> tuple[int, int]:
     return warmup, min(MAX_STEPS, max(MIN_STEPS, TIMED_IDS // point.ids_per_batch))
 
 
+def memory_needed(point: Point, num_steps: int) -> int:
+    """Bytes the job could take beyond its processes: the parameter servers' rows (as
+    many as the stream's ids, at most the id range; twice that while a table grows) and
+    the data loader's batches, built before it sends."""
+    num_ids = point.ids_per_batch * num_steps
+    rows = min(point.table_rows, num_ids)
+    dim = WORKLOADS[WORKLOAD].dim
+    return 2 * rows * sizing.row_bytes(dim, dim) + num_ids * np.dtype(np.uint64).itemsize
+
+
+def memory_available() -> int:
+    """MemAvailable of /proc/meminfo, in bytes: what this machine can give without
+    swapping (other people's jobs share it)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise LookupError("no MemAvailable in /proc/meminfo")
+
+
+def check_memory(point: Point, smoke: bool) -> tuple[int, int]:
+    """(bytes ``point``'s job could take, bytes available); MemoryError if more."""
+    needed, available = memory_needed(point, sum(steps_of(point, smoke))), memory_available()
+    if needed > available:
+        raise MemoryError(f"{point}: its tables and batches could take {needed / 2**30:.1f} "
+                          f"GiB (every id distinct), more than the {available / 2**30:.1f} GiB "
+                          "this machine has available now; leave that factor out (--factors) "
+                          "or run it where there is more")
+    return needed, available
+
+
 def measure(point: Point, workdir: Path, *, smoke: bool, own_network: bool) -> dict:
     """Run ``point``'s job once; its figures."""
     warmup, timed = steps_of(point, smoke)
     if point.table_rows < NUM_SLOTS:
         raise ValueError(f"table_rows {point.table_rows}: at least one row per slot "
                          f"({NUM_SLOTS}) is needed")
+    needed, available = check_memory(point, smoke)
     sizes = (f"--batch-size {point.batch_size} --ids-per-slot {point.ids_per_slot} "
              f"--vocab {point.table_rows // NUM_SLOTS}")
+    load_before = os.getloadavg()[0]
     result = ours(WORKLOAD, warmup + timed, 4, workdir, smoke=smoke,
                   launcher_args=["--num-ps", str(point.num_ps), "--num-embedding-workers",
                                  str(point.num_embedding_workers), "--no-metrics"],
                   script_args=sizes, nn_args=f"--warmup {warmup}", loader_args="--count-rows",
-                  own_network=own_network)
+                  own_network=own_network, max_message_bytes=MAX_MESSAGE_BYTES)
+    load = (load_before, os.getloadavg()[0])
     cpu = result.cpu_per_1000()
     ids_per_1000 = 1000 * point.ids_per_slot * NUM_SLOTS
 
@@ -120,6 +165,8 @@ def measure(point: Point, workdir: Path, *, smoke: bool, own_network: bool) -> d
 
     return {
         **asdict(point), "warmup_steps": warmup, "timed_steps": timed,
+        "memory_needed_bytes": needed, "memory_available_bytes": available,
+        "load_average": load,
         "samples_per_sec": result.samples_per_sec, "samples": result.samples,
         "cpu_per_1000_samples": cpu,
         "step_ms_p50": result.figures["step_ms_p50"],
@@ -220,9 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     unavailable = own_network_unavailable()
     if unavailable:
         print(f"network bytes not measured: {unavailable}", flush=True)
+    jobs = grid(base, factors)
+    for _, point in jobs:  # before the first job, not at the last
+        check_memory(point, args.smoke)
     points = []
     with tempfile.TemporaryDirectory(prefix="persia-scaling-") as tmp:
-        for varied, point in grid(base, factors):
+        for varied, point in jobs:
             figures = measure(point, Path(tmp), smoke=args.smoke,
                               own_network=unavailable is None)
             points.append({"varied": varied, **figures})
