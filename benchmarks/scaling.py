@@ -20,8 +20,9 @@ other point changes one factor of it (:data:`FACTORS`), so the grid is 12 jobs, 
   :data:`MIN_STEPS` and at most :data:`MAX_STEPS` batches after a warm-up of about
   :data:`WARMUP_IDS` ids), so that small batches are not timed over a few milliseconds and
   large ones fit in memory (the data loader builds its batches before sending). Before the
-  first job every point's worst case (every id distinct, a growing table's copy, the
-  batches: :func:`memory_needed`) is checked against the memory available now.
+  first job every point's worst case (every id distinct, else the distinct ids the stream
+  holds; a growing table's copy; the batches: :func:`memory_needed`) is checked against
+  the memory available now.
 * step time: the NN worker's wall time from taking one batch to taking the next.
 * load: the machine's 1-minute load average before and after each job
   (``load_average``): other people's processes on the same cores show there.
@@ -110,12 +111,25 @@ def steps_of(point: Point, smoke: bool) -> tuple[int, int]:
     return warmup, min(MAX_STEPS, max(MIN_STEPS, TIMED_IDS // point.ids_per_batch))
 
 
-def memory_needed(point: Point, num_steps: int) -> int:
-    """Bytes the job could take beyond its processes: the parameter servers' rows (as
-    many as the stream's ids, at most the id range; twice that while a table grows) and
-    the data loader's batches, built before it sends."""
+def stream_rows(point: Point, num_steps: int) -> int:
+    """The distinct ids per slot, summed, of the batches ``point``'s data loader sends
+    (the same ones: ``Workload.batch`` is seeded by the step)."""
+    w = replace(WORKLOADS[WORKLOAD], batch_size=point.batch_size,
+                ids_per_slot=point.ids_per_slot, vocab=point.table_rows // NUM_SLOTS)
+    slots: list[list[np.ndarray]] = [[] for _ in range(NUM_SLOTS)]
+    for step in range(num_steps):
+        for slot, ids in zip(slots, w.batch(step)[1]):
+            slot.append(ids)
+    return sum(np.unique(np.concatenate(slot)).size for slot in slots)
+
+
+def memory_needed(point: Point, num_steps: int, rows: int | None = None) -> int:
+    """Bytes the job could take beyond its processes: the parameter servers' ``rows``
+    (default: as many as the stream's ids, at most the id range), twice while a table
+    grows, and the data loader's batches, built before it sends."""
     num_ids = point.ids_per_batch * num_steps
-    rows = min(point.table_rows, num_ids)
+    if rows is None:
+        rows = min(point.table_rows, num_ids)
     dim = WORKLOADS[WORKLOAD].dim
     return 2 * rows * sizing.row_bytes(dim, dim) + num_ids * np.dtype(np.uint64).itemsize
 
@@ -132,12 +146,17 @@ def memory_available() -> int:
 
 def check_memory(point: Point, smoke: bool) -> tuple[int, int]:
     """(bytes ``point``'s job could take, bytes available); MemoryError if more."""
-    needed, available = memory_needed(point, sum(steps_of(point, smoke))), memory_available()
-    if needed > available:
-        raise MemoryError(f"{point}: its tables and batches could take {needed / 2**30:.1f} "
-                          f"GiB (every id distinct), more than the {available / 2**30:.1f} GiB "
-                          "this machine has available now; leave that factor out (--factors) "
-                          "or run it where there is more")
+    num_steps = sum(steps_of(point, smoke))
+    needed, available = memory_needed(point, num_steps), memory_available()
+    if needed > available:  # every id distinct would not fit: count the stream's
+        rows = stream_rows(point, num_steps)
+        needed = memory_needed(point, num_steps, rows)
+        if needed > available:
+            raise MemoryError(
+                f"{point}: its tables ({rows:,} rows) and batches could take "
+                f"{needed / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB this "
+                "machine has available now; leave that factor out (--factors) or run it "
+                "where there is more")
     return needed, available
 
 
