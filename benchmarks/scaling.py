@@ -220,50 +220,51 @@ def table(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PANELS = (("samples_per_sec", "samples/s"), ("cpu", "core-s per 1,000 samples"),
-          ("step_ms", "step ms (p50 solid, p99 dashed)"))
 LABELS = {"num_ps": "parameter servers", "num_embedding_workers": "embedding workers",
           "table_rows": "table rows (id range)", "batch_size": "batch size",
           "ids_per_slot": "ids per slot (26 slots)"}
 
 
 def plot(figures: dict, path: str) -> None:
-    """One column per factor: samples/s, each role's CPU per sample, p50/p99 step time."""
+    """One column per factor: samples/s, each role's CPU per sample, p50/p99 step time and
+    loopback bytes per sample."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     factors = list(figures["factors"])
-    fig, axes = plt.subplots(len(PANELS), len(factors), squeeze=False,
-                             figsize=(3.2 * len(factors), 7.5))
+    fig, axes = plt.subplots(4, len(factors), squeeze=False,
+                             figsize=(3.2 * len(factors), 9.5))
     for column, factor in enumerate(factors):
         points = sorted((p for p in figures["points"] if p["varied"] in ("base", factor)),
                         key=lambda p: p[factor])
         x = [p[factor] for p in points]
-        top, middle, bottom = (axes[row][column] for row in range(len(PANELS)))
-        top.plot(x, [p["samples_per_sec"] for p in points], marker="o")
+        rate, cpu, step, net = (axes[row][column] for row in range(4))
+        rate.plot(x, [p["samples_per_sec"] for p in points], marker="o")
         for role in (*ROLES, "all"):
             values = [p["cpu_per_1000_samples"][role] for p in points]
             if max(values) > 0:
-                middle.plot(x, values, marker=".", label=role.replace("_", " "),
-                            linewidth=2.5 if role == "all" else 1)
-        bottom.plot(x, [p["step_ms_p50"] for p in points], marker="o", color="C0")
-        bottom.plot(x, [p["step_ms_p99"] for p in points], marker="o", color="C0",
-                    linestyle="--")
-        for ax in (top, middle, bottom):
+                cpu.plot(x, values, marker=".", label=role.replace("_", " "),
+                         linewidth=2.5 if role == "all" else 1)
+        step.plot(x, [p["step_ms_p50"] for p in points], marker="o", color="C0", label="p50")
+        step.plot(x, [p["step_ms_p99"] for p in points], marker="o", color="C0",
+                  linestyle="--", label="p99")
+        if all(p["network_bytes_per_sample"] is not None for p in points):
+            net.plot(x, [p["network_bytes_per_sample"] / 1000 for p in points], marker="o")
+        for ax in (rate, cpu, step, net):
             ax.set_xscale("log" if max(x) / min(x) > 8 else "linear")
             ax.set_xticks(x, [f"{v:,}" if v < 1_000_000 else f"{v // 1_000_000}M" for v in x])
-            ax.minorticks_off()
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.grid(alpha=0.3)
-        bottom.set_xlabel(LABELS.get(factor, factor))
-        for ax, (_, label) in zip((top, middle, bottom), PANELS):
-            if column == 0:
-                ax.set_ylabel(label)
-        top.set_ylim(bottom=0)
-        middle.set_ylim(bottom=0)
-        bottom.set_yscale("log")
+            ax.set_ylim(bottom=0)
+        net.set_xlabel(LABELS.get(factor, factor))
+    for ax, label in zip(axes[:, 0], ("samples/s", "core-s per 1,000 samples",
+                                      "step ms (p50, p99)", "loopback kB per sample")):
+        ax.set_ylabel(label)
     axes[1][0].legend(fontsize=7)
+    axes[2][0].legend(fontsize=7)
     fig.suptitle(figures["title"], fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=60)
@@ -277,7 +278,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated, of " + ", ".join(FACTORS))
     parser.add_argument("--json", default=None, help="write the grid here")
     parser.add_argument("--plot", default=None, help="draw the grid into this PNG (matplotlib)")
+    parser.add_argument("--from-json", default=None, metavar="PATH",
+                        help="run nothing: print and draw (--plot) the grid an earlier run wrote")
     args = parse_args_with_smoke(parser, argv, factors=",".join(SMOKE_FACTORS))
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        print(table(result["points"]))
+        if args.plot:
+            plot(result, args.plot)
+            print(f"wrote {args.plot}")
+        return
     names = [f for f in args.factors.split(",") if f]
     if not names or set(names) - set(FACTORS):
         parser.error(f"--factors takes {', '.join(FACTORS)}, got {args.factors!r}")
