@@ -7,12 +7,19 @@ launcher at both lines and polls in between. A process that exits inside the win
 restarted role, or a whole rank, torchrun and wrapper at the job's end) counts to its end,
 once: when the nearest process still running above it has reaped it, what it and its
 gone descendants ran after their last polls shows in that process's ``cutime``/``cstime``.
+
+A job's scripts may print ``figures: NAME=VALUE ...`` lines (per-step latencies, counts of
+their own); :attr:`JobResult.figures` holds them. With ``own_network`` the job runs in a
+network namespace of its own (``unshare --net``, loopback only), and the bytes sent over its
+loopback inside the window (every message between its processes but what they exchange
+through shared memory, TCP/IP headers included) are :attr:`JobResult.network_bytes`.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import threading
 from collections import defaultdict
@@ -24,6 +31,51 @@ from persia_py.launcher.processes import descendants
 ROLES = ("parameter_server", "embedding_worker", "data_loader", "nn_worker", "launcher")
 _TICK = os.sysconf("SC_CLK_TCK")
 _POLL_SEC = 0.25
+_HOLDER = ["unshare", "--net", "sh", "-c", "ip link set lo up && echo up && exec cat"]
+"""A process in a network namespace of its own, loopback up, that holds it until its stdin
+closes."""
+
+
+def own_network_unavailable() -> str | None:
+    """Why a job cannot run in a network namespace of its own here, or None."""
+    missing = [tool for tool in ("unshare", "nsenter", "ip") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found"
+    probe = subprocess.run(_HOLDER, input="", capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0 or probe.stdout != "up\n":
+        return f"unshare --net failed: {probe.stderr.strip() or probe.returncode}"
+    return None
+
+
+class OwnNetwork:
+    """A network namespace of its own, loopback only, for a job: :meth:`run_in` prefixes
+    its command, :meth:`bytes_sent` reads what went over the loopback so far. Held by a
+    process of its own until :meth:`close` (the count stays readable after the job)."""
+
+    def __init__(self) -> None:
+        self._holder = subprocess.Popen(_HOLDER, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+        assert self._holder.stdout is not None
+        if self._holder.stdout.readline() != "up\n":  # set up, or failed
+            self.close()
+            raise RuntimeError(f"no network namespace of its own: unshare --net exited "
+                               f"{self._holder.returncode}")
+
+    def run_in(self, command: list[str]) -> list[str]:
+        return ["nsenter", f"--net=/proc/{self._holder.pid}/ns/net", "--", *command]
+
+    def bytes_sent(self) -> int:
+        with open(f"/proc/{self._holder.pid}/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() == "lo":
+                    return int(counters.split()[8])  # transmit bytes
+        raise LookupError(f"no loopback in /proc/{self._holder.pid}/net/dev")
+
+    def close(self) -> None:
+        if self._holder.stdin is not None:
+            self._holder.stdin.close()
+        self._holder.wait(timeout=60)
 
 
 def role_of(argv: list[str], *, train_script: str, loader_script: str) -> str:
@@ -128,6 +180,10 @@ class JobResult:
     samples_per_sec: float
     samples: int
     cpu_sec: dict[str, float]
+    figures: dict[str, float] = field(default_factory=dict)
+    """What the job's scripts printed on ``figures: NAME=VALUE ...`` lines."""
+    network_bytes: int | None = None
+    """Bytes over the job's own loopback inside the window (``run_job(own_network=True)``)."""
 
     def cpu_per_1000(self) -> dict[str, float]:
         """Core-seconds per 1,000 trained samples, per role and ``all``."""
@@ -136,9 +192,28 @@ class JobResult:
         return per
 
 
+def _figures(line: str) -> dict[str, float]:
+    """The ``NAME=VALUE`` pairs after ``figures:`` on ``line``."""
+    return {name: float(value) for name, value in
+            re.findall(r"(\w+)=([-+0-9.eE]+)", line.partition("figures:")[2])}
+
+
 def run_job(command: list[str], *, cwd: str, env: dict[str, str] | None, what: str,
-            train_script: str, loader_script: str) -> JobResult:
-    """Run a ``local`` job and measure its timed window."""
+            train_script: str, loader_script: str, own_network: bool = False) -> JobResult:
+    """Run a ``local`` job and measure its timed window (in a network namespace of its
+    own if ``own_network``: see :func:`own_network_unavailable`)."""
+    network = OwnNetwork() if own_network else None
+    try:
+        return _run_job(network.run_in(command) if network else command, cwd=cwd, env=env,
+                        what=what, train_script=train_script, loader_script=loader_script,
+                        network=network)
+    finally:
+        if network:
+            network.close()
+
+
+def _run_job(command: list[str], *, cwd: str, env: dict[str, str] | None, what: str,
+             train_script: str, loader_script: str, network: OwnNetwork | None) -> JobResult:
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     window = _Window(proc.pid, train_script, loader_script)
@@ -151,17 +226,23 @@ def run_job(command: list[str], *, cwd: str, env: dict[str, str] | None, what: s
     poller = threading.Thread(target=poll_until_stopped, daemon=True)
     tail: list[str] = []
     result = None
+    figures: dict[str, float] = {}
+    sent = 0
     assert proc.stdout is not None
     for line in proc.stdout:
         tail = (tail + [line])[-200:]
+        if "figures:" in line:
+            figures.update(_figures(line))
         if "timing_started" in line and not poller.is_alive():
             window.poll(baseline=True)
+            sent = network.bytes_sent() if network else 0
             poller.start()
         match = re.search(r"samples_per_sec: ([0-9.]+) samples: ([0-9]+)", line)
         if match and result is None and poller.is_alive():
             window.poll()
             stop.set()
-            result = JobResult(float(match.group(1)), int(match.group(2)), window.seconds())
+            result = JobResult(float(match.group(1)), int(match.group(2)), window.seconds(),
+                               figures, network.bytes_sent() - sent if network else None)
     stop.set()
     code = proc.wait()
     if code != 0 or result is None:

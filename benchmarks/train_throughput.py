@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import parse_args_with_smoke
@@ -46,25 +47,33 @@ TARGETS = {"dense_heavy": 1.0, "embedding_heavy": 1.6}
 workloads); embedding-heavy also at <= 0.6x plain's CPU per sample."""
 
 
-def _configs(workdir: Path, workload: str, fp16: bool = True) -> tuple[Path, Path]:
+def _configs(workdir: Path, workload: str, fp16: bool = True,
+             max_message_bytes: int | None = None) -> tuple[Path, Path]:
     w = WORKLOADS[workload]
     embedding = workdir / f"{workload}_embedding_config.yml"
     embedding.write_text("slots_config:\n" + "".join(
         f"  {name}:\n    dim: {w.dim}\n" for name in SLOT_NAMES))
     global_ = workdir / "global_config.yml"
-    global_.write_text(f"common_config:\n  embedding_fp16: {str(fp16).lower()}\n"
+    limit = "" if max_message_bytes is None else f"  max_message_bytes: {max_message_bytes}\n"
+    global_.write_text(f"common_config:\n  embedding_fp16: {str(fp16).lower()}\n{limit}"
                        "embedding_parameter_server_config:\n  capacity: 100000000\n"
                        "embedding_worker_config:\n  forward_buffer_size: 64\n")
     return embedding, global_
 
 
 def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = True,
-         tree: Path | None = None, smoke: bool = False) -> JobResult:
+         tree: Path | None = None, smoke: bool = False, *, launcher_args: Sequence[str] = (),
+         script_args: str = "", nn_args: str = "", loader_args: str = "",
+         own_network: bool = False, max_message_bytes: int | None = None) -> JobResult:
     """One ``local`` job of ``workload`` (its tiny version if ``smoke``); ``tree``: the
     checkout whose persia_py runs it (default: the one installed), the harness being this
-    one either way."""
-    tiny = " --smoke" if smoke else ""
-    embedding, global_ = _configs(workdir, workload, fp16)
+    one either way. ``launcher_args`` go to ``persia-launcher local`` (the roles' counts),
+    ``script_args`` to both scripts (the workload's sizes), ``nn_args`` to the NN worker's
+    and ``loader_args`` to the data loader's (``benchmarks.scaling``'s); ``own_network``:
+    see ``role_cpu.run_job``; ``max_message_bytes``: ``common_config``'s, for batches whose
+    lookup answers could pass the default."""
+    tiny = "".join(f" {a}" for a in ("--smoke" if smoke else "", script_args) if a)
+    embedding, global_ = _configs(workdir, workload, fp16, max_message_bytes)
     env = None
     if tree is not None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -74,11 +83,12 @@ def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = 
             sys.executable, "-m", "persia_py.launcher.cli", "local", "--run-dir", str(run_dir),
             "--nn-worker", str(HERE / "train.py"), "--data-loader", str(HERE / "data_loader.py"),
             "--embedding-config", str(embedding), "--global-config", str(global_),
-            "--nn-worker-args",
-            f"--workload {workload} --embedding-staleness {staleness}{tiny}",
-            "--data-loader-args", f"--workload {workload} --steps {steps}{tiny}",
+            *launcher_args, "--nn-worker-args",
+            f"--workload {workload} --embedding-staleness {staleness}{tiny} {nn_args}".rstrip(),
+            "--data-loader-args",
+            f"--workload {workload} --steps {steps}{tiny} {loader_args}".rstrip(),
         ], cwd=str(HERE), env=env, what=f"persia_py {workload}", train_script="train.py",
-            loader_script="data_loader.py")
+            loader_script="data_loader.py", own_network=own_network)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 

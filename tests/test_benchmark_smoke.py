@@ -30,17 +30,18 @@ HELPERS = {
     "density_accuracy": "benchmarks.density --parts accuracy (five full training jobs; "
                         "not in the smoke)",
     "ps_process": "the benchmarks that start a parameter server or embedding worker",
-    "role_cpu": "train_throughput and compare (tests/test_compare_benchmark.py too)",
+    "role_cpu": "train_throughput, compare and scaling (tests/test_compare_benchmark.py "
+                "too)",
     "role_processes": "recovery, and the chaos tests",
-    "throughput": "the job scripts of train_throughput, compare, plain_beside_load and "
-                  "shm_round_trip (each passes --smoke on)",
+    "throughput": "the job scripts of train_throughput, compare, scaling, "
+                  "plain_beside_load and shm_round_trip (each passes --smoke on)",
 }
 """Modules and folders of ``benchmarks/`` that are not benchmarks, and what runs them."""
 NUM_PARALLEL = 2
 TIMEOUT_S = 300.0
 """Per smoke run: minutes more than any takes on a loaded 2-core machine."""
 SLOWEST_FIRST = ("recovery", "compare", "dense_sharding", "plain_beside_load",
-                 "online_freshness", "train_throughput", "shm_round_trip")
+                 "online_freshness", "train_throughput", "scaling", "shm_round_trip")
 """Started first, so that the short ones fill the gaps at the end."""
 
 
@@ -132,8 +133,21 @@ def _check_recovery(result: dict) -> None:
         assert result[key] is not None and result[key] >= 0, (key, result)
 
 
+def _check_scaling(result: dict) -> None:
+    # one job per value of each factor, the base shared; every figure measured
+    assert [(p["varied"], p["num_ps"]) for p in result["points"]] == [("base", 1), ("num_ps", 2)]
+    for point in result["points"]:
+        assert point["samples"] > 0 and point["step_ms_p99"] >= point["step_ms_p50"] > 0
+        assert point["cpu_per_1000_samples"]["all"] > 0
+        assert 0 < point["table_rows_held"] <= point["table_rows"]
+        if result["network_unavailable"] is None:  # else it says why
+            assert point["network_bytes_per_sample"] > 0
+        else:
+            assert point["network_bytes_per_sample"] is None
+
+
 CHECKS = {"ps_load": _check_ps_load, "hash_flood": _check_hash_flood,
-          "recovery": _check_recovery}
+          "recovery": _check_recovery, "scaling": _check_scaling}
 """What a smoke run's figures must show beyond a clean exit, where that is machine-free."""
 
 

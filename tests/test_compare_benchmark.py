@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 from benchmarks.compare import checkout, remove
-from benchmarks.role_cpu import ROLES, _Window, role_of, run_job
+from benchmarks.role_cpu import ROLES, OwnNetwork, _Window, own_network_unavailable, role_of, run_job
 
 _JOB = textwrap.dedent("""
     import subprocess, sys, time
@@ -32,6 +32,58 @@ _JOB = textwrap.dedent("""
     child.wait()
     print("samples_per_sec: 100.0 samples: 2000 staleness_mean: 1.00", flush=True)
 """)
+
+
+_SEND = textwrap.dedent("""
+    import socket, sys
+    num_bytes = int(sys.argv[1])
+    server = socket.create_server(("127.0.0.1", 0))  # to itself over loopback, all read back
+    with socket.create_connection(server.getsockname()) as out:
+        into, _ = server.accept()
+        out.sendall(b"x" * num_bytes)
+        out.shutdown(socket.SHUT_WR)
+        while into.recv(1 << 16):
+            pass
+""")
+_FIGURES_JOB = textwrap.dedent("""
+    print("figures: table_rows=12 step_ms_p50=1.5e1", flush=True)
+    print("timing_started", flush=True)
+    print("samples_per_sec: 10.0 samples: 100", flush=True)
+    print("figures: step_ms_p99=40", flush=True)  # after the last line: still read
+""")
+
+
+@pytest.mark.processes
+def test_a_job_of_its_own_network_sends_over_its_own_loopback_only(tmp_path) -> None:
+    reason = own_network_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    network = OwnNetwork()
+    try:
+        def send(num_bytes: int) -> None:
+            subprocess.run(network.run_in([sys.executable, "-c", _SEND, str(num_bytes)]),
+                           check=True, timeout=120)
+
+        send(2_000_000)  # before the first count: not in the difference
+        before = network.bytes_sent()
+        send(300_000)
+        sent = network.bytes_sent() - before
+    finally:
+        network.close()
+    # the 300 kB and their TCP/IP headers; nothing of the host's loopback, busy beside it
+    assert 300_000 <= sent < 1_000_000, sent
+
+
+@pytest.mark.processes
+def test_figures_lines_are_read_and_the_network_counted(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(_FIGURES_JOB)
+    own_network = own_network_unavailable() is None
+    result = run_job([sys.executable, str(script)], cwd=str(tmp_path), env=None, what="job",
+                     train_script="train.py", loader_script="loader.py",
+                     own_network=own_network)
+    assert result.figures == {"table_rows": 12.0, "step_ms_p50": 15.0, "step_ms_p99": 40.0}
+    assert (result.network_bytes is not None) == own_network
 
 
 def test_role_of_names_each_role_of_a_local_job() -> None:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -63,9 +64,29 @@ WORKLOADS = {
 }
 
 
-def workload(name: str, smoke: bool = False) -> Workload:
-    """The workload ``name`` of :data:`WORKLOADS`, tiny when ``smoke``."""
-    return WORKLOADS[name].smoke() if smoke else WORKLOADS[name]
+def workload(name: str, smoke: bool = False, *, batch_size: int | None = None,
+             ids_per_slot: int | None = None, vocab: int | None = None) -> Workload:
+    """The workload ``name`` of :data:`WORKLOADS`, tiny when ``smoke``; sizes given
+    (``benchmarks.scaling``'s) win over both."""
+    w = WORKLOADS[name].smoke() if smoke else WORKLOADS[name]
+    sizes = {"batch_size": batch_size, "ids_per_slot": ids_per_slot, "vocab": vocab}
+    for option, value in sizes.items():
+        if value is not None and value < 1:
+            raise ValueError(f"workload {name}: {option} must be at least 1, got {value}")
+    return replace(w, **{k: v for k, v in sizes.items() if v is not None})
+
+
+def add_size_options(parser: argparse.ArgumentParser) -> None:
+    """The options of :func:`workload`'s sizes, for the job's scripts."""
+    parser.add_argument("--batch-size", type=int, default=None, help="samples per batch")
+    parser.add_argument("--ids-per-slot", type=int, default=None, help="ids per sample per slot")
+    parser.add_argument("--vocab", type=int, default=None, help="id range of each slot")
+
+
+def sized(args: argparse.Namespace) -> Workload:
+    """The workload the script's ``--workload``, ``--smoke`` and size options name."""
+    return workload(args.workload, args.smoke, batch_size=args.batch_size,
+                    ids_per_slot=args.ids_per_slot, vocab=args.vocab)
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
