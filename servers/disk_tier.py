@@ -56,6 +56,7 @@ from __future__ import annotations
 import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
+from persia_py.servers.disk_expiry import DiskStamps
 from persia_py.servers.hash_index import MAX_LOAD, HashIndex
 from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
 
@@ -95,7 +96,7 @@ class DiskTier:
 
     def __init__(self, directory: str, *, capacity_rows: int, dim: int,
                  weight_dtype: np.dtype, state_width: int, queue_depth: int = 32,
-                 free_fraction: float = DEFAULT_FREE_FRACTION) -> None:
+                 free_fraction: float = DEFAULT_FREE_FRACTION, stamped: bool = False) -> None:
         if not isinstance(capacity_rows, int) or capacity_rows < 1:
             raise ValueError(f"capacity_rows must be an int >= 1, got {capacity_rows!r}")
         if not 0.0 <= free_fraction <= 0.9:
@@ -128,6 +129,9 @@ class DiskTier:
         self.file = PageFile(directory, block_bytes=block_bytes, num_blocks=num_blocks,
                              queue_depth=queue_depth)
         self.slot_ids = np.full(self.num_slots, EMPTY, np.uint64)
+        self.stamps = DiskStamps(self.num_slots) if stamped else None
+        """Last access of each slot's row (``stamped``: the tier has a TTL to keep)."""
+        self._latest_tick = 0
         self.index = HashIndex(row_ids=self.slot_ids)
         self.head = 0
         """Next slot to write; the segment it is in is open for writes up to its end."""
@@ -140,12 +144,17 @@ class DiskTier:
         """Rows ever spilled here."""
         self.num_read = 0
         """Rows ever read back (brought back to RAM, or scanned for a checkpoint)."""
+        self.num_read_random = 0
+        """Rows of :attr:`num_read` read by random block reads (not scans): with the
+        blocks read, the read amplification."""
         self.num_evicted = 0
         """Rows deleted because the disk was full (its capacity): the oldest spilled."""
         self.num_relocated = 0
         """Live rows moved up to the head by writes (compaction)."""
         self.num_deleted = 0
         """Rows deleted on request (:meth:`delete`)."""
+        self.num_expired = 0
+        """Rows deleted by a TTL (:meth:`expire`)."""
         self.num_hits = 0
         """Ids asked of :meth:`take` whose row was here (brought back to RAM)."""
         self.num_misses = 0
@@ -160,7 +169,8 @@ class DiskTier:
     @property
     def ram_bytes(self) -> int:
         """RAM this tier holds for its rows: the slot -> id array and the index."""
-        return self.slot_ids.nbytes + self.index.nbytes
+        stamps = 0 if self.stamps is None else self.stamps.nbytes
+        return self.slot_ids.nbytes + self.index.nbytes + stamps
 
     @property
     def disk_bytes(self) -> int:
@@ -172,7 +182,10 @@ class DiskTier:
         return {"disk_rows": self.num_rows, "disk_capacity_rows": self.capacity_rows,
                 "disk_slots": self.num_slots,
                 "disk_written": self.num_written, "disk_read": self.num_read,
+                "disk_read_random": self.num_read_random,
+                "disk_record_bytes": self.record.itemsize,
                 "disk_evicted": self.num_evicted, "disk_deleted": self.num_deleted,
+                "disk_expired": self.num_expired,
                 "disk_relocated": self.num_relocated, "disk_hits": self.num_hits,
                 "disk_misses": self.num_misses, "disk_block_reads": self.file.num_block_reads,
                 "disk_bytes_read": self.file.num_bytes_read,
@@ -181,13 +194,20 @@ class DiskTier:
 
     # -- writes ------------------------------------------------------------------------
 
-    def write(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> np.ndarray:
+    def write(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
+              ticks: np.ndarray | None = None) -> np.ndarray:
         """Store rows (``ids`` distinct uint64, ``weights`` ``(n, dim)`` as stored, ``state``
-        ``(n, state_width)`` float32); a stored row of the same id is replaced. Returns
+        ``(n, state_width)`` float32, ``ticks`` their last access, int64 absolute: kept
+        where :attr:`stamps`; None: the latest tick seen); a stored row of the same id is
+        replaced. Returns
         the ids of the rows the log deleted to make room (counted in ``num_evicted``):
         when more rows come than ``capacity_rows``, the first ones of the batch go too."""
         n = ids.shape[0]
         self._check_rows(ids, weights, state)
+        if self.stamps is not None:  # TTL hook (issue 42): the rows' last access
+            ticks = (np.full(n, self._latest_tick, np.int64) if ticks is None
+                     else np.asarray(ticks, np.int64))
+            self._latest_tick = max(self._latest_tick, int(ticks.max()) if n else 0)
         self.delete(ids, counted=False)  # a replaced row is not a deletion
         gone: list[np.ndarray] = []
         cap = self.capacity_rows
@@ -195,6 +215,7 @@ class DiskTier:
             gone.append(ids[:n - cap])
             self.num_evicted += n - cap
             ids, weights, state = (a[n - cap:] for a in (ids, weights, state))
+            ticks = None if ticks is None else ticks[n - cap:]
             n = cap
         if n == 0:
             return np.zeros(0, np.uint64)
@@ -210,6 +231,8 @@ class DiskTier:
             k = min(room, n - done)
             gone.append(self._write_at(self.head, ids[done:done + k],
                                        weights[done:done + k], state[done:done + k]))
+            if self.stamps is not None and ticks is not None:
+                self.stamps.set(self.head, ticks[done:done + k])
             self.head += k
             done += k
         self._maybe_rebuild()
@@ -237,6 +260,7 @@ class DiskTier:
             if not np.array_equal(rows["id"], self.slot_ids[start + live]):
                 raise CorruptTier("disk tier: a record read for compaction does not hold "
                                   "the id its slot should; the tier file is corrupt")
+            ticks = None if self.stamps is None else self.stamps.get(start + live)
             self.slot_ids[start + live] = EMPTY
             self.num_rows -= live.shape[0]
             self.num_relocated += live.shape[0]
@@ -244,6 +268,8 @@ class DiskTier:
                      else np.zeros((live.shape[0], 0), np.float32))
             self._write_at(start, np.ascontiguousarray(rows["id"]),
                            np.ascontiguousarray(rows["weights"]), state)
+            if self.stamps is not None and ticks is not None:  # rows keep their stamps
+                self.stamps.set(start, ticks)
             self.head = start + live.shape[0]
         room = self.segment_slots - live.shape[0]
         assert room > 0, "a segment opened for writes has no free slot"
@@ -307,6 +333,25 @@ class DiskTier:
             self.num_deleted += slots.shape[0]
         return int(slots.shape[0])
 
+    def expire(self, cutoff: int) -> np.ndarray:
+        """Delete the rows last accessed before tick ``cutoff`` (a TTL; none without
+        :attr:`stamps`); returns their ids, counted in ``num_expired``."""
+        if self.stamps is None or not self.num_rows:
+            return np.zeros(0, np.uint64)
+        slots = np.flatnonzero(self.stamps.older_than(cutoff) & (self.slot_ids != EMPTY))
+        ids = self.slot_ids[slots].copy()
+        self.slot_ids[slots] = EMPTY
+        self.num_rows -= slots.shape[0]
+        self.num_expired += slots.shape[0]
+        self._maybe_rebuild()
+        return ids
+
+    def last_access(self, ids: np.ndarray) -> np.ndarray | None:
+        """Absolute last-access ticks of stored ``ids`` (None: not :attr:`stamps`)."""
+        if self.stamps is None:
+            return None
+        return self.stamps.get(self.index.find(ids))
+
     def _index_room(self, k: int) -> None:
         """Rebuild the index from the live slots where ``k`` inserts would make it grow
         while it holds dead entries: a growth rehashes an entry by the id its slot holds
@@ -362,6 +407,7 @@ class DiskTier:
                               f"{int(rows['id'][bad])}, the index says "
                               f"{int(ids[found][bad])}; the tier file is corrupt")
         self.num_read += slots.shape[0]
+        self.num_read_random += slots.shape[0]
         state = (np.ascontiguousarray(rows["state"]) if self.state_width
                  else np.zeros((slots.shape[0], 0), np.float32))
         return found, slots, np.ascontiguousarray(rows["weights"]), state

@@ -107,6 +107,8 @@ class Shard:
         self.admitted = self.rejected = self.expired = 0
         self.spilled = self.restored = 0
         """Rows moved to the disk tier / brought back from it."""
+        self.disk_answered = 0
+        """Looked-up ids (repeats included) answered with rows brought back from disk."""
         self.admission = Admission(share, admit_probability=table.admit_probability,
                                    min_occurrences=table.min_occurrences, seed=table.seed)
         self.changed: list[np.ndarray] | None = None
@@ -143,6 +145,7 @@ class Shard:
                 back &= rows >= 0
                 if back.any():
                     at = np.flatnonzero(back)
+                    self.disk_answered += at.shape[0]
                     kernels.gather_rows_at(kernel_view(self.weights), rows[at],
                                            at if positions is None else positions[at], out,
                                            self.last_access, stamp)
@@ -262,20 +265,33 @@ class Shard:
         from the table: counted as evicted (and logged as removed)."""
         assert self.tier is not None
         victims = np.sort(victims)  # sequential gathers
-        gone = self.tier.write(self.ids[victims], self.weights[victims], self.state[victims])
+        ticks = (None if self.tier.stamps is None
+                 else self.clock.absolute(self.last_access[victims]))
+        gone = self.tier.write(self.ids[victims], self.weights[victims], self.state[victims],
+                               ticks)
         self.spilled += victims.shape[0]
         self.evicted += gone.shape[0]
         if gone.shape[0] and self.changed is not None:
             self._log_removed(gone)
 
-    def expire(self, cutoff: int) -> None:
-        """Remove every row last touched before clock value ``cutoff``."""
+    def expire(self, cutoff: int, disk_cutoff: int = 0, *, spill: bool = False) -> None:
+        """Remove every row in RAM last touched before clock value ``cutoff`` (0: none)
+        or, with ``spill``, move them to the disk tier; then remove every row on the
+        tier last touched before ``disk_cutoff`` (0: none)."""
         with self.lock:
-            victims = np.flatnonzero(self.last_access[:self.size]
-                                     < self.clock.cutoff(cutoff))
-            if victims.shape[0]:
+            victims = (np.flatnonzero(self.last_access[:self.size] < self.clock.cutoff(cutoff))
+                       if cutoff > 0 else np.zeros(0, np.int64))
+            if victims.shape[0] and spill and self.tier is not None:
+                self._spill(victims)
+                self._remove(victims, removed=False)
+            elif victims.shape[0]:
                 self.expired += victims.shape[0]
                 self._remove(victims)
+            if disk_cutoff > 0 and self.tier is not None:
+                gone = self.tier.expire(disk_cutoff)
+                self.expired += gone.shape[0]
+                if gone.shape[0] and self.changed is not None:
+                    self._log_removed(gone)
 
     def _remove(self, victims: np.ndarray, *, removed: bool = True) -> np.ndarray:
         """Delete rows ``victims`` (distinct) from RAM, compacting; returns old -> new row
@@ -367,7 +383,9 @@ class Shard:
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``parts`` (ids, weights, state, absolute last access) and rows from the tier
         after them, stamped the oldest unit (they left RAM as least recently used)."""
-        stamps = self.clock.absolute(np.zeros(ids.shape[0], self.last_access.dtype))
+        stamps = (self.tier.last_access(ids) if self.tier is not None else None)
+        if stamps is None:  # no stamps kept: the oldest unit
+            stamps = self.clock.absolute(np.zeros(ids.shape[0], self.last_access.dtype))
         kept_ids, kept_weights, kept_state, kept_stamps = parts
         return (np.concatenate([kept_ids, ids]), np.concatenate([kept_weights, weights]),
                 np.concatenate([kept_state, state]), np.concatenate([kept_stamps, stamps]))
@@ -447,7 +465,7 @@ class Shard:
                     order = np.argsort(-stamps[pos[new_at]], kind="stable")
                     to_disk = new_at[order[self.share - self.size:]]
                     self.tier.write(part[to_disk], weights[pos[to_disk]],
-                                    state[pos[to_disk]])
+                                    state[pos[to_disk]], stamps[pos[to_disk]])
                     keep = np.ones(pos.shape[0], np.bool_)
                     keep[to_disk] = False
                     pos, part, rows, new = pos[keep], part[keep], rows[keep], new[keep]

@@ -6,10 +6,10 @@ changes nothing."""
 from __future__ import annotations
 
 import os
+import urllib.request
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from persia_py.config import (
@@ -26,6 +26,7 @@ from persia_py.servers.metrics import ParameterServerMetrics
 from persia_py.servers.optimizers import AdagradConfig, AdamConfig
 from persia_py.servers.parameter_server import ParameterServer
 from persia_py.servers.storage import EmbeddingTable
+from persia_py.telemetry.monitoring import serve_metrics
 
 DIM = 8
 
@@ -265,17 +266,19 @@ def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
         capacity=256, disk_tier=DiskTierConfig(path=str(tmp_path), capacity_rows=1_000)))
     ps = ParameterServer(config, EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4)}))
     ps.configure(optimizer={"type": "sgd", "lr": 1.0})
-    metrics = ParameterServerMetrics(ps)
+    server = serve_metrics(ParameterServerMetrics(ps).registry, 0, "127.0.0.1", "ps")
 
-    def scrape() -> dict[str, float]:
-        text = generate_latest(metrics.registry).decode()
+    def scrape() -> dict[str, float]:  # through the real /metrics endpoint
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=20) as answer:
+            text = answer.read().decode()
         return {s.name: s.value for f in text_string_to_metric_families(text)
                 for s in f.samples if s.name.startswith("persia_ps_disk")}
 
     try:
         empty = scrape()  # the file is reserved; nothing on it yet
         assert empty.pop("persia_ps_disk_bytes") > 0 and set(empty.values()) == {0.0}
-        assert len(empty) == 7
+        assert len(empty) == 10
         (table,) = ps.stats()
         ids = np.arange(1, 1_201, dtype=np.uint64)
         for part in np.split(ids, 6):  # 1,200 rows through 256 in RAM: most spill
@@ -303,4 +306,5 @@ def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
         evicted = {k: v for k, v in ps.stats()[table].items() if k == "evicted"}
         assert evicted["evicted"] == full["persia_ps_disk_evictions_total"]
     finally:
+        server.close()
         ps.close()
