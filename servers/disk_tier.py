@@ -60,7 +60,8 @@ from persia_py.servers.disk_expiry import DiskStamps
 from persia_py.servers.hash_index import MAX_LOAD, HashIndex
 from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
 
-__all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "record_layout"]
+__all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "file_geometry",
+           "record_layout"]
 
 DEFAULT_FREE_FRACTION = 1 / 8
 """Share of the file's slots kept free by default: a write moves at most 7 live rows per
@@ -91,6 +92,21 @@ def record_layout(dim: int, weight_dtype: np.dtype, state_width: int
     return record, block, block // record.itemsize
 
 
+def file_geometry(capacity_rows: int, block_bytes: int, rows_per_block: int,
+                  free_fraction: float) -> tuple[int, int]:
+    """``(segments, blocks per segment)`` of the file of a tier of ``capacity_rows`` (its
+    slots: ``segments x blocks per segment x rows_per_block``; its bytes: ``segments x
+    blocks per segment x block_bytes``, what :mod:`persia_py.servers.sizing` plans)."""
+    slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
+    blocks = -(-slots // rows_per_block)
+    # At least 64 segments where the file has that many blocks: a write never waits on
+    # compacting more than 1/64 of the file; rounding up to whole segments adds under one
+    # block per segment.
+    most = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
+    num_segments = -(-blocks // most)
+    return num_segments, -(-blocks // num_segments)
+
+
 class DiskTier:
     """Spilled rows of one shard; not thread-safe (the shard's lock serializes calls)."""
 
@@ -108,14 +124,8 @@ class DiskTier:
             dim, self.weight_dtype, state_width)
         self.capacity_rows = capacity_rows
         """Most live rows on disk; beyond it the rows spilled longest ago are deleted."""
-        slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
-        blocks = -(-slots // self.rows_per_block)
-        # At least 64 segments where the file has that many blocks: a write never waits
-        # on compacting more than 1/64 of the file; rounding up to whole segments adds
-        # under one block per segment.
-        most = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
-        self.num_segments = -(-blocks // most)
-        segment_blocks = -(-blocks // self.num_segments)
+        self.num_segments, segment_blocks = file_geometry(
+            capacity_rows, block_bytes, self.rows_per_block, free_fraction)
         self.segment_slots = segment_blocks * self.rows_per_block
         """Records per segment (whole blocks): the unit that compaction frees."""
         num_blocks = self.num_segments * segment_blocks

@@ -29,6 +29,7 @@ BENCHMARKS = ROOT / "benchmarks"
 HELPERS = {
     "density_accuracy": "benchmarks.density --parts accuracy (five full training jobs; "
                         "not in the smoke)",
+    "disk_tier_adult": "benchmarks.disk_tier (auc_delta_adult)",
     "ps_process": "the benchmarks that start a parameter server or embedding worker",
     "role_cpu": "train_throughput and compare (tests/test_compare_benchmark.py too)",
     "role_processes": "recovery, and the chaos tests",
@@ -132,8 +133,14 @@ def _check_recovery(result: dict) -> None:
         assert result[key] is not None and result[key] >= 0, (key, result)
 
 
+def _check_disk_tier(result: dict) -> None:
+    # Most of Adult's rows went to disk and back; training matched all-in-RAM.
+    assert result["adult_disk_row_fraction"] > 0.5 and result["adult_rows_restored"] > 0
+    assert abs(result["auc_delta_adult"]) <= 0.001, result
+
+
 CHECKS = {"ps_load": _check_ps_load, "hash_flood": _check_hash_flood,
-          "recovery": _check_recovery}
+          "recovery": _check_recovery, "disk_tier": _check_disk_tier}
 """What a smoke run's figures must show beyond a clean exit, where that is machine-free."""
 
 
