@@ -60,10 +60,10 @@ def resident_bytes(pid: int) -> int:
 def _tier_file_bytes(pid: int, folder: Path) -> int:
     """Bytes the disk holds for process ``pid``'s open files in ``folder`` (its tier's,
     unnamed: found through ``/proc/PID/fd``)."""
-    total = 0
+    total, inside = 0, str(folder.resolve()) + "/"
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
-            if os.readlink(fd).startswith(str(folder) + "/"):
+            if os.readlink(fd).startswith(inside):
                 total += os.stat(fd).st_blocks * 512
         except OSError:
             continue  # closed meanwhile
