@@ -200,3 +200,22 @@ def test_metrics_endpoint_shows_disk_ttl_hit_ratio_and_amplification(tmp_path) -
     finally:
         server.close()
         ps.close()
+
+
+def test_disk_ttl_in_seconds_with_an_injected_clock(tmp_path) -> None:
+    now = [100.0]
+    with _table(tmp_path, tier={"expire_after_seconds": 10.0}, clock=lambda: now[0]) as t:
+        old, new = _ids(1), _ids(100)
+        t.lookup(old, True)
+        now[0] = 105.0
+        t.lookup(new, True)            # ``old`` spills, last used at 100
+        t.lookup(_ids(200), True)      # ``new`` spills, last used at 105
+        assert _where(t, old)[1].all() and _where(t, new)[1].all()
+        now[0] = 110.5
+        t.lookup(_ids(200), True)      # 10.5 s after ``old``'s last use: gone from disk
+        assert not _where(t, old)[1].any() and _where(t, new)[1].all()
+        now[0] = 121.0  # stamps may be a lookup late (never early): 10 s past it
+        t.lookup(_ids(200), True)
+        assert not _where(t, new)[1].any()
+        assert t.stats()["expired"] == t.disk_stats()["disk_expired"] == 32
+        assert _where(t, _ids(200))[0].all()  # in RAM, in use: the disk's TTL leaves it
