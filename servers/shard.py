@@ -14,8 +14,9 @@ With a disk tier (:mod:`persia_py.servers.disk_tier`, opt-in), eviction spills t
 (weights and optimizer state) to it instead of deleting them, and a lookup or update that
 meets an id absent from RAM asks the tier for it in one batch and brings the rows found
 back into RAM, where they are looked up or updated like any other. A row is in RAM or on
-disk, never both; what leaves the disk (its own capacity) is deleted and counted as
-evicted.
+disk, never both; what leaves the disk is deleted: by its capacity (counted as evicted)
+or by a TTL (counted as expired: :meth:`Shard.expire`, stamps in
+:mod:`persia_py.servers.disk_expiry`).
 """
 
 from __future__ import annotations
@@ -382,7 +383,8 @@ class Shard:
                         ids: np.ndarray, weights: np.ndarray, state: np.ndarray
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``parts`` (ids, weights, state, absolute last access) and rows from the tier
-        after them, stamped the oldest unit (they left RAM as least recently used)."""
+        after them, stamped with their last access where the tier keeps it (a TTL), else
+        the oldest unit (they left RAM as least recently used)."""
         stamps = (self.tier.last_access(ids) if self.tier is not None else None)
         if stamps is None:  # no stamps kept: the oldest unit
             stamps = self.clock.absolute(np.zeros(ids.shape[0], self.last_access.dtype))
