@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -56,17 +57,34 @@ def resident_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
+def _tier_file_bytes(pid: int, folder: Path) -> int:
+    """Bytes the disk holds for process ``pid``'s open files in ``folder`` (its tier's,
+    unnamed: found through ``/proc/PID/fd``)."""
+    total, inside = 0, str(folder.resolve()) + "/"
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd).startswith(inside):
+                total += os.stat(fd).st_blocks * 512
+        except OSError:
+            continue  # closed meanwhile
+    return total
+
+
 def _ids(first: int, end: int) -> np.ndarray:
     """Ids ``first..end-1`` of the fill, spread like real ids (the hashes see random bits)."""
     return mix64(np.arange(first, end, dtype=np.uint64), np.uint64(0x5EED))
 
 
 def fill_server(workdir: Path, *, dim: int, optimizer: str, rows: int,
-                row_dtype: str = "float32", chunk: int = FILL_CHUNK) -> dict[str, int]:
+                row_dtype: str = "float32", chunk: int = FILL_CHUNK,
+                ram_rows: int | None = None, disk_rows: int = 0) -> dict[str, int]:
     """Start a parameter server, fill one table of ``row_dtype`` rows with ``rows`` rows,
-    and return its resident memory idle (configured, a few rows stored) and full."""
-    with parameter_server_process(workdir, SLOT, dim, capacity=2 * rows,
-                                  row_dtype=row_dtype) as (address, pid):
+    and return its resident memory idle (configured, a few rows stored) and full. With
+    ``disk_rows``: ``ram_rows`` in RAM (its capacity) and a disk tier of ``disk_rows``,
+    whose files' allocated bytes come back as ``disk_file_bytes``."""
+    with parameter_server_process(workdir, SLOT, dim, capacity=ram_rows or 2 * rows,
+                                  row_dtype=row_dtype,
+                                  disk_tier_rows=disk_rows) as (address, pid):
         client = PSClient(address, CommonConfig())
         try:
             client.wait_ready()
@@ -79,7 +97,8 @@ def fill_server(workdir: Path, *, dim: int, optimizer: str, rows: int,
                 client.lookup([(SLOT, _ids(first, min(first + chunk, rows)))], training=True)
             stored = {t.table: t for t in client.stats().tables}[SLOT]
             return {"idle_rss_bytes": idle, "rss_bytes": resident_bytes(pid),
-                    "rows": int(stored.entries), "table_bytes": int(stored.bytes)}
+                    "rows": int(stored.entries), "table_bytes": int(stored.bytes),
+                    "disk_file_bytes": _tier_file_bytes(pid, workdir / "tier")}
         finally:
             client.close()
 

@@ -48,14 +48,21 @@ def _wait_for_port(lines: queue.Queue[str | None], stderr_path: Path) -> int:
 
 @contextlib.contextmanager
 def parameter_server_process(workdir: Path, slot: str, dim: int, capacity: int,
-                             row_dtype: str = "float32") -> Iterator[tuple[str, int]]:
-    """A parameter server with one slot of ``row_dtype`` rows; yields ``(address, pid)``
-    and stops it on exit."""
+                             row_dtype: str = "float32", disk_tier_rows: int = 0
+                             ) -> Iterator[tuple[str, int]]:
+    """A parameter server with one slot of ``row_dtype`` rows (``disk_tier_rows``: a
+    disk tier of that many rows in ``workdir/tier``); yields ``(address, pid)`` and stops
+    it on exit."""
     embedding_config = workdir / "embedding_config.yml"
     embedding_config.write_text(f"slots_config:\n  {slot}:\n    dim: {dim}\n"
                                 f"    row_dtype: {row_dtype}\n")
     global_config = workdir / "global_config.yml"
-    global_config.write_text(f"embedding_parameter_server_config:\n  capacity: {capacity}\n")
+    text = f"embedding_parameter_server_config:\n  capacity: {capacity}\n"
+    if disk_tier_rows:
+        (workdir / "tier").mkdir(exist_ok=True)
+        text += (f"  disk_tier:\n    path: {workdir / 'tier'}\n"
+                 f"    capacity_rows: {disk_tier_rows}\n")
+    global_config.write_text(text)
     with role_process(workdir, "embedding-parameter-server", [
             "--embedding-config", str(embedding_config),
             "--global-config", str(global_config)]) as started:

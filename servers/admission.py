@@ -22,6 +22,29 @@ _SKETCH_MAX_WIDTH = 1 << 22
 _SKETCH_DECAY_PER_COLUMN = 8
 
 
+_FREQUENCY_COLUMNS = 2
+"""Sketch columns per row of the share for the frequency of ids under a disk tier."""
+_FREQUENCY_MAX_WIDTH = 1 << 40
+"""Not capped as admission's: a 10M-row share needs 2**25 columns for 2 per row."""
+
+
+def sketch_width(share: int, columns_per_row: int = 1, max_width: int = _SKETCH_MAX_WIDTH
+                 ) -> int:
+    """Columns of a :class:`CountMinSketch` for ``share`` rows."""
+    width = 1 << max(share * columns_per_row - 1, 1).bit_length()
+    return min(max(width, _SKETCH_MIN_WIDTH), max_width)
+
+
+def frequency_sketch(share: int) -> CountMinSketch:
+    """The sketch of lookups a shard of ``share`` rows with a disk tier evicts by."""
+    return CountMinSketch(share, _FREQUENCY_COLUMNS, _FREQUENCY_MAX_WIDTH)
+
+
+def frequency_sketch_bytes(share: int) -> int:
+    """Bytes of :func:`frequency_sketch` ``(share)`` (what the planner adds per shard)."""
+    return _SKETCH_DEPTH * sketch_width(share, _FREQUENCY_COLUMNS, _FREQUENCY_MAX_WIDTH)
+
+
 class CountMinSketch:
     """Sightings of ids, ``4 x width`` one-byte counters sized for a shard's share:
     ``width`` the power of two at or above ``columns_per_row x share``, at most
@@ -29,8 +52,7 @@ class CountMinSketch:
 
     def __init__(self, share: int, columns_per_row: int = 1,
                  max_width: int = _SKETCH_MAX_WIDTH) -> None:
-        width = 1 << max(share * columns_per_row - 1, 1).bit_length()
-        width = min(max(width, _SKETCH_MIN_WIDTH), max_width)
+        width = sketch_width(share, columns_per_row, max_width)
         self.counters = np.zeros((_SKETCH_DEPTH, width), dtype=np.uint8)
         # Secret salts: with public ones, ids could be crafted to share counters and
         # reach ``min_occurrences`` sooner (no slowdown: the sketch never probes).

@@ -59,10 +59,12 @@ from __future__ import annotations
 import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
+from persia_py.servers.disk_expiry import DiskStamps
 from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
 from persia_py.servers.tier_index import FREE, CorruptTier, TierIndex
 
-__all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "record_layout"]
+__all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "file_geometry",
+           "record_layout"]
 
 DEFAULT_FREE_FRACTION = 1 / 8
 """Share of the file's slots kept free by default: a write moves at most 7 live rows per
@@ -89,13 +91,28 @@ def record_layout(dim: int, weight_dtype: np.dtype, state_width: int
     return record, block, block // record.itemsize
 
 
+def file_geometry(capacity_rows: int, block_bytes: int, rows_per_block: int,
+                  free_fraction: float) -> tuple[int, int]:
+    """``(segments, blocks per segment)`` of the file of a tier of ``capacity_rows`` (its
+    slots: ``segments x blocks per segment x rows_per_block``; its bytes: ``segments x
+    blocks per segment x block_bytes``, what :mod:`persia_py.servers.sizing` plans)."""
+    slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
+    blocks = -(-slots // rows_per_block)
+    # At least 64 segments where the file has that many blocks: a write never waits on
+    # compacting more than 1/64 of the file; rounding up to whole segments adds under one
+    # block per segment.
+    most = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
+    num_segments = -(-blocks // most)
+    return num_segments, -(-blocks // num_segments)
+
+
 class DiskTier:
     """Spilled rows of one shard; not thread-safe (the shard's lock serializes calls)."""
 
     def __init__(self, directory: str, *, capacity_rows: int, dim: int,
                  weight_dtype: np.dtype, state_width: int, queue_depth: int = 32,
-                 free_fraction: float = DEFAULT_FREE_FRACTION, fingerprint_bits: int = 32
-                 ) -> None:
+                 free_fraction: float = DEFAULT_FREE_FRACTION, fingerprint_bits: int = 32,
+                 stamped: bool = False) -> None:
         if not isinstance(capacity_rows, int) or capacity_rows < 1:
             raise ValueError(f"capacity_rows must be an int >= 1, got {capacity_rows!r}")
         if not 0.0 <= free_fraction <= 0.9:
@@ -107,14 +124,8 @@ class DiskTier:
             dim, self.weight_dtype, state_width)
         self.capacity_rows = capacity_rows
         """Most live rows on disk; beyond it the rows spilled longest ago are deleted."""
-        slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
-        blocks = -(-slots // self.rows_per_block)
-        # At least 64 segments where the file has that many blocks: a write never waits
-        # on compacting more than 1/64 of the file; rounding up to whole segments adds
-        # under one block per segment.
-        most = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
-        self.num_segments = -(-blocks // most)
-        segment_blocks = -(-blocks // self.num_segments)
+        self.num_segments, segment_blocks = file_geometry(
+            capacity_rows, block_bytes, self.rows_per_block, free_fraction)
         self.segment_slots = segment_blocks * self.rows_per_block
         """Records per segment (whole blocks): the unit that compaction frees."""
         num_blocks = self.num_segments * segment_blocks
@@ -130,6 +141,9 @@ class DiskTier:
         self.index = TierIndex(self.num_slots, fingerprint_bits)
         self.slot_fp = self.index.slot_fp
         """Per slot: ``FREE`` or the fingerprint of its row's id (:mod:`tier_index`)."""
+        self.stamps = DiskStamps(self.num_slots) if stamped else None
+        """Last access of each slot's row (``stamped``: the tier has a TTL to keep)."""
+        self._latest_tick = 0
         self.head = 0
         """Next slot to write; the segment it is in is open for writes up to its end."""
         self._head_block = np.zeros(self.rows_per_block, self.record)
@@ -141,12 +155,17 @@ class DiskTier:
         """Rows ever spilled here."""
         self.num_read = 0
         """Rows ever read back (brought back to RAM, or scanned for a checkpoint)."""
+        self.num_read_random = 0
+        """Rows of :attr:`num_read` read by random block reads (not scans): with the
+        blocks read, the read amplification."""
         self.num_evicted = 0
         """Rows deleted because the disk was full (its capacity): the oldest spilled."""
         self.num_relocated = 0
         """Live rows moved up to the head by writes (compaction)."""
         self.num_deleted = 0
         """Rows deleted on request (:meth:`delete`)."""
+        self.num_expired = 0
+        """Rows deleted by a TTL (:meth:`expire`)."""
         self.num_hits = 0
         """Ids asked of :meth:`take` whose row was here (brought back to RAM)."""
         self.num_misses = 0
@@ -160,8 +179,9 @@ class DiskTier:
 
     @property
     def ram_bytes(self) -> int:
-        """RAM this tier holds for its rows: the slot fingerprints and the index."""
-        return self.index.nbytes
+        """RAM this tier holds for its rows: the slot fingerprints, the index and the
+        stamps (a TTL)."""
+        return self.index.nbytes + (0 if self.stamps is None else self.stamps.nbytes)
 
     @property
     def disk_bytes(self) -> int:
@@ -173,7 +193,10 @@ class DiskTier:
         return {"disk_rows": self.num_rows, "disk_capacity_rows": self.capacity_rows,
                 "disk_slots": self.num_slots,
                 "disk_written": self.num_written, "disk_read": self.num_read,
+                "disk_read_random": self.num_read_random,
+                "disk_record_bytes": self.record.itemsize,
                 "disk_evicted": self.num_evicted, "disk_deleted": self.num_deleted,
+                "disk_expired": self.num_expired,
                 "disk_relocated": self.num_relocated, "disk_hits": self.num_hits,
                 "disk_misses": self.num_misses, "disk_block_reads": self.file.num_block_reads,
                 "disk_bytes_read": self.file.num_bytes_read,
@@ -183,13 +206,19 @@ class DiskTier:
 
     # -- writes ------------------------------------------------------------------------
 
-    def write(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> np.ndarray:
+    def write(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
+              ticks: np.ndarray | None = None) -> np.ndarray:
         """Store rows (``ids`` distinct uint64, ``weights`` ``(n, dim)`` as stored, ``state``
-        ``(n, state_width)`` float32); a stored row of the same id is replaced. Returns
-        the ids of the rows the log deleted to make room (counted in ``num_evicted``):
+        ``(n, state_width)`` float32, ``ticks`` their last access, int64 absolute: kept
+        where :attr:`stamps`; None: the latest tick seen); a stored row of the same id is
+        replaced. Returns the ids of the rows the log deleted to make room (counted in ``num_evicted``):
         when more rows come than ``capacity_rows``, the first ones of the batch go too."""
         n = ids.shape[0]
         self._check_rows(ids, weights, state)
+        if self.stamps is not None:  # the rows' last access, for a TTL
+            ticks = (np.full(n, self._latest_tick, np.int64) if ticks is None
+                     else np.asarray(ticks, np.int64))
+            self._latest_tick = max(self._latest_tick, int(ticks.max()) if n else 0)
         self.delete(ids, counted=False)  # a replaced row is not a deletion
         gone: list[np.ndarray] = []
         cap = self.capacity_rows
@@ -197,6 +226,7 @@ class DiskTier:
             gone.append(ids[:n - cap])
             self.num_evicted += n - cap
             ids, weights, state = (a[n - cap:] for a in (ids, weights, state))
+            ticks = None if ticks is None else ticks[n - cap:]
             n = cap
         if n == 0:
             return np.zeros(0, np.uint64)
@@ -212,6 +242,8 @@ class DiskTier:
             k = min(room, n - done)
             self._write_at(self.head, ids[done:done + k], weights[done:done + k],
                            state[done:done + k])
+            if self.stamps is not None and ticks is not None:
+                self.stamps.set(self.head, ticks[done:done + k])
             self.head += k
             done += k
         return np.concatenate(gone) if gone else np.zeros(0, np.uint64)
@@ -231,6 +263,7 @@ class DiskTier:
         self.head = start
         live, rows = self._segment_rows(seg)
         if live.shape[0]:
+            ticks = None if self.stamps is None else self.stamps.get(live)
             self.index.remove(live)
             self.num_rows -= live.shape[0]
             self.num_relocated += live.shape[0]
@@ -238,6 +271,8 @@ class DiskTier:
                      else np.zeros((live.shape[0], 0), np.float32))
             self._write_at(start, np.ascontiguousarray(rows["id"]),
                            np.ascontiguousarray(rows["weights"]), state)
+            if ticks is not None:  # rows keep their stamps
+                self.stamps.set(start, ticks)  # type: ignore[union-attr]
             self.head = start + live.shape[0]
         room = self.segment_slots - live.shape[0]
         assert room > 0, "a segment opened for writes has no free slot"
@@ -313,6 +348,22 @@ class DiskTier:
             self.num_deleted += slots.shape[0]
         return int(slots.shape[0])
 
+    def expire(self, cutoff: int) -> np.ndarray:
+        """Delete the rows last accessed before tick ``cutoff`` (a TTL; none without
+        :attr:`stamps`); returns their ids (read from their records), counted in
+        ``num_expired``."""
+        if self.stamps is None or not self.num_rows:
+            return np.zeros(0, np.uint64)
+        slots = np.flatnonzero(self.stamps.older_than(cutoff) & (self.slot_fp != FREE))
+        if not slots.shape[0]:
+            return np.zeros(0, np.uint64)
+        ids = np.ascontiguousarray(self._records(slots)["id"])
+        self.index.check_slots(slots, ids)
+        self.index.remove(slots)
+        self.num_rows -= slots.shape[0]
+        self.num_expired += slots.shape[0]
+        return ids
+
     # -- reads -------------------------------------------------------------------------
 
     def take(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -328,8 +379,14 @@ class DiskTier:
 
     def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`take` without deleting the rows."""
-        found, _, weights, state = self._read(ids)
-        return found, weights, state
+        return self.peek_stamped(ids)[:3]
+
+    def peek_stamped(self, ids: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """:meth:`peek`, and the found rows' last access (absolute ticks; None where the
+        tier keeps no :attr:`stamps`)."""
+        found, slots, weights, state = self._read(ids)
+        return found, weights, state, None if self.stamps is None else self.stamps.get(slots)
 
     def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(found, slots, rows)``: which ids are stored, and the slots and records of
@@ -339,15 +396,20 @@ class DiskTier:
         slots, exact = slots[found], exact[found]
         if slots.shape[0] == 0:
             return found, slots, np.zeros(0, self.record)
+        rows = self._records(slots)
+        match = self.index.verify(slots, exact, rows["id"], ids[found])
+        found[found] = match
+        return found, slots[match], rows[match]
+
+    def _records(self, slots: np.ndarray) -> np.ndarray:
+        """The records of ``slots``, read from disk: one block per distinct block, in
+        one batch."""
         rpb = self.rows_per_block
         blocks, where = np.unique(slots // rpb, return_inverse=True)
         data = self.file.read_blocks(blocks)
         # (blocks, rpb) records: a view, as long as it stays 2-D.
         records = data[:, :rpb * self.record.itemsize].view(self.record)
-        rows = records[where, slots % rpb]
-        match = self.index.verify(slots, exact, rows["id"], ids[found])
-        found[found] = match
-        return found, slots[match], rows[match]
+        return records[where, slots % rpb]
 
     def _read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         found, slots, rows = self._locate(ids)
@@ -355,6 +417,7 @@ class DiskTier:
             return (found, slots, np.zeros((0, self.dim), self.weight_dtype),
                     np.zeros((0, self.state_width), np.float32))
         self.num_read += slots.shape[0]
+        self.num_read_random += slots.shape[0]
         state = (np.ascontiguousarray(rows["state"]) if self.state_width
                  else np.zeros((slots.shape[0], 0), np.float32))
         return found, slots, np.ascontiguousarray(rows["weights"]), state
@@ -362,7 +425,12 @@ class DiskTier:
     def scan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every stored row, ``(ids, weights, state)``, in log order (for checkpoints);
         sequential reads of the whole log."""
-        parts = []
+        return self.scan_stamped()[:3]
+
+    def scan_stamped(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """:meth:`scan`, and the rows' last access (absolute ticks; None where the tier
+        keeps no :attr:`stamps`)."""
+        parts, slots = [], []
         rpb = self.rows_per_block
         step = max(1, _SCAN_BLOCKS_BYTES // self.file.block_bytes)
         for first in range(0, self.file.num_blocks, step):
@@ -373,14 +441,17 @@ class DiskTier:
             data = self.file.read_range(first, n)
             records = data[:, :rpb * self.record.itemsize].view(self.record)
             rows = records[live.reshape(n, rpb)]
-            self.index.check_slots(np.flatnonzero(live) + first * rpb, rows["id"])
+            slots.append(np.flatnonzero(live) + first * rpb)
+            self.index.check_slots(slots[-1], rows["id"])
             parts.append(rows)
         rows = np.concatenate(parts) if parts else np.zeros(0, self.record)
         self.num_read += rows.shape[0]
         state = (np.ascontiguousarray(rows["state"]) if self.state_width
                  else np.zeros((rows.shape[0], 0), np.float32))
+        stamps = (None if self.stamps is None else
+                  self.stamps.get(np.concatenate(slots) if slots else np.zeros(0, np.int64)))
         return (np.ascontiguousarray(rows["id"]), np.ascontiguousarray(rows["weights"]),
-                state)
+                state, stamps)
 
     def _check_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> None:
         n = ids.shape[0]

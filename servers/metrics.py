@@ -61,7 +61,7 @@ class ParameterServerMetrics:
             families["evicted"].add_metric([table], s["evicted"])
             families["inserted"].add_metric([table], s["inserted"])
         yield from families.values()
-        yield from self._disk_tiers()
+        yield from self._disk_tiers(stats)
         yield GaugeMetricFamily("persia_ps_entries_total", "Rows held, all slots",
                                 value=sum(s["entries"] for s in stats.values()))
         yield GaugeMetricFamily("persia_ps_bytes_total", "Bytes of the row arrays, all slots",
@@ -69,8 +69,9 @@ class ParameterServerMetrics:
         yield CounterMetricFamily("persia_ps_update_requests", "Update requests applied",
                                   value=self._ps.num_updates)
 
-    def _disk_tiers(self) -> Iterator:
-        """The disk tier's rows and counters, per table with a tier (none without)."""
+    def _disk_tiers(self, table_stats: dict[str, dict[str, int]]) -> Iterator:
+        """The disk tier's rows, counters and ratios, per table with a tier (none
+        without). Disk reads per second: ``rate(persia_ps_disk_reads_total[1m])``."""
         label = ["table"]
         families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
             ("disk_rows", GaugeMetricFamily("persia_ps_disk_rows", "Rows on disk, per table",
@@ -93,15 +94,39 @@ class ParameterServerMetrics:
             ("disk_evicted", CounterMetricFamily(
                 "persia_ps_disk_evictions", "Rows deleted from a full disk tier (also in "
                 "persia_ps_evictions), per table", labels=label)),
+            ("disk_expired", CounterMetricFamily(
+                "persia_ps_disk_expirations", "Rows deleted from a disk tier by a TTL (the "
+                "disk's own, or the slot's; also in the Stats RPC's expired), per table",
+                labels=label)),
+            ("disk_read_random", CounterMetricFamily(
+                "persia_ps_disk_rows_read", "Rows read from the disk tier by random reads, "
+                "per table", labels=label)),
             ("spilled", CounterMetricFamily("persia_ps_disk_spilled",
                                             "Rows moved from RAM to disk, per table",
                                             labels=label)),
         ]
+        ratios = {
+            "ram_hit": GaugeMetricFamily(
+                "persia_ps_ram_hit_ratio", "Share of looked-up ids (repeats included) "
+                "answered from RAM, neither from disk nor absent, since start, per table",
+                labels=label),
+            "amplification": GaugeMetricFamily(
+                "persia_ps_disk_read_amplification", "Bytes of the blocks read at random "
+                "per byte of the rows they were read for, since start, per table",
+                labels=label)}
         for table, s in self._ps.disk_stats().items():
             for key, family in families:
                 family.add_metric([table], s[key])
+            t = table_stats[table]
+            asked = t["hits"] + t["misses"]
+            ratios["ram_hit"].add_metric(
+                [table], (t["hits"] - s["disk_answered"]) / asked if asked else 0.0)
+            rows = s["disk_read_random"] * s["disk_record_bytes"]
+            ratios["amplification"].add_metric(
+                [table], s["disk_block_reads"] * s["disk_block_bytes"] / rows if rows else 0.0)
         for _, family in families:
             yield family
+        yield from ratios.values()
         prefetcher = self._ps.prefetcher
         if prefetcher is not None:  # a disk tier: hints of the batches to come
             yield CounterMetricFamily("persia_ps_disk_prefetched", "Rows brought back from "

@@ -6,7 +6,10 @@ the device's 512-byte sector. This module only moves blocks:
 * **Unnamed file.** The file is created with ``O_TMPFILE`` in the configured folder (or
   created and unlinked at once where the file system lacks it): it has no name, so a
   crash leaves nothing behind to clean up, a restart can never read a stale or torn
-  file, and two tables (or two replicas sharing a folder) cannot collide. Its space is
+  file, and two tables (or two replicas sharing a folder) cannot collide. (Without
+  ``O_TMPFILE``, a crash between the create and the unlink could leave a named file: a
+  later tier in the folder deletes those of processes no longer alive; none is ever
+  read.) Its space is
   reserved up front (``posix_fallocate``), so a disk too small fails at start, not in
   the middle of training.
 * **O_DIRECT.** Reads and writes bypass the page cache, so what the tier's reads cost
@@ -21,9 +24,11 @@ the device's 512-byte sector. This module only moves blocks:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -39,6 +44,8 @@ ALIGN = 4096
 """Alignment of every buffer handed to the file (enough for any O_DIRECT device)."""
 _WRITE_CHUNK = 8 << 20
 """Bytes per ``pwrite`` call of a large write."""
+_LEFTOVER = re.compile(r"\.persia-tier-(\d+)-[0-9a-f]{12}")
+"""Name of a tier file created without ``O_TMPFILE`` (unlinked at once, unless a crash)."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _pread = _libc.pread
@@ -69,6 +76,24 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype | type = np.uint8) -> 
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def _remove_leftovers(directory: str) -> None:
+    """Delete the named tier files of dead processes in ``directory`` (a crash between a
+    create and its unlink); their rows are never read (the tier starts empty)."""
+    for name in os.listdir(directory):
+        match = _LEFTOVER.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match[1]), 0)
+            continue  # alive (or another user's): its file is its own
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+
+
 def _open_unnamed(directory: str) -> tuple[int, bool]:
     """A new unnamed read-write file in ``directory`` and whether it is ``O_DIRECT``."""
     if not os.path.isdir(directory):
@@ -84,6 +109,7 @@ def _open_unnamed(directory: str) -> tuple[int, bool]:
                     if exc.errno not in (95, 21, 22):  # EOPNOTSUPP, EISDIR, EINVAL
                         raise
             # No O_TMPFILE here: a named file, unlinked at once.
+            _remove_leftovers(directory)
             path = os.path.join(directory, f".persia-tier-{os.getpid()}-{os.urandom(6).hex()}")
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
             os.unlink(path)

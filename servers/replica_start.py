@@ -47,7 +47,7 @@ def open_update_log(ps: ParameterServer, folder: str | os.PathLike, *, replay: b
             path = fmt.resolve(checkpoint)
             num_rows, _ = load_replica(ps, path)
             log.begin("load", path)
-            what = f"{num_rows} rows from checkpoint {path}, a new update log"
+            what = f"{num_rows} rows from checkpoint {path}, a new update log{_on_disk(ps)}"
     else:
         base = None if plan[0].base is None else complete_checkpoint(plan[0].base)
         num_rows = 0 if base is None else load_replica(ps, base)[0]
@@ -64,9 +64,19 @@ def open_update_log(ps: ParameterServer, folder: str | os.PathLike, *, replay: b
                     num_updates += 1
         log.resume(plan[-1])
         what = (f"{num_rows} rows from " + (f"checkpoint {base}" if base else "no checkpoint")
-                + f" and {num_updates} updates replayed from its update log")
+                + f" and {num_updates} updates replayed from its update log{_on_disk(ps)}")
     ps.update_log = log
     return what
+
+
+def _on_disk(ps: ParameterServer) -> str:
+    """How many of the replica's rows its disk tiers hold ("" without a tier). The tiers
+    start empty whatever a crash left (their files are unnamed): the rows on them now came
+    from the checkpoint and the log just applied."""
+    stats = ps.disk_stats()
+    if not stats:
+        return ""
+    return f" ({sum(s['disk_rows'] for s in stats.values())} rows on its disk tier)"
 
 
 __all__ = ["open_update_log"]

@@ -17,8 +17,9 @@ LRU alone keeps 0.80-0.84 of what a static cache of the most frequent rows would
 under Zipf ids, this 0.9-0.95; docs/benchmarks.md, "Disk tier"), and a lookup or
 update that meets an id absent from RAM asks the tier for it in one batch and brings the
 rows found back into RAM, where they are looked up or updated like any other. A row is in RAM or on
-disk, never both; what leaves the disk (its own capacity) is deleted and counted as
-evicted.
+disk, never both; what leaves the disk is deleted: by its capacity (counted as evicted)
+or by a TTL (counted as expired: :meth:`Shard.expire`, stamps in
+:mod:`persia_py.servers.disk_expiry`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import numpy as np
 from persia_py.ids.dedup import unique_in_order
 from persia_py.servers import kernels, memory, row_types
 from persia_py.servers.access_clock import STAMP_DTYPE, AccessClock
-from persia_py.servers.admission import Admission, CountMinSketch
+from persia_py.servers.admission import Admission, frequency_sketch
+from persia_py.servers.change_log import ChangeLog
 from persia_py.servers.disk_tier import DiskTier
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
@@ -47,9 +49,6 @@ rebuild after an eviction is amortized over many inserts."""
 
 _TOUCHED = 1 << 30
 """Eviction order of the rows a batch touches: above every stamp."""
-_FREQUENCY_COLUMNS = 2
-"""Sketch columns per row of the share for the frequency of ids under a disk tier."""
-
 _DTYPES: dict[str, np.dtype] = {"ids": np.dtype(np.uint64), "weights": np.dtype(np.float32),
                                 "state": np.dtype(np.float32), "last_access": STAMP_DTYPE}
 """Element types of a shard's row arrays (weights: of a float32 table)."""
@@ -112,18 +111,16 @@ class Shard:
         self.admitted = self.rejected = self.expired = 0
         self.spilled = self.restored = 0
         """Rows moved to the disk tier / brought back from it."""
+        self.disk_answered = 0
+        """Looked-up ids (repeats included) answered with rows brought back from disk."""
         self.admission = Admission(share, admit_probability=table.admit_probability,
                                    min_occurrences=table.min_occurrences, seed=table.seed)
         self.frequency = (None if tier is None
-                          else CountMinSketch(share, _FREQUENCY_COLUMNS, max_width=1 << 40))
+                          else frequency_sketch(share))
         """With a disk tier: lookups of every id, in RAM, on disk or new (halved as it
         ages); eviction spills the least frequent rows first, then the least recent."""
-        self.changed: list[np.ndarray] | None = None
-        """Ids inserted or updated since the last ``take_changes`` (None: not tracked)."""
-        self.num_changed = 0
-        self.removed: list[np.ndarray] = []
-        """Ids evicted or expired since the last ``take_changes`` (kept while tracking)."""
-        self.num_removed = 0
+        self.changes = ChangeLog()
+        """Ids changed and removed since the last ``take_changes`` (increments)."""
 
     def nbytes(self) -> int:
         """Bytes of the rows in use (with reserved arrays: ever used), index, sketch and
@@ -156,6 +153,7 @@ class Shard:
                 back &= rows >= 0
                 if back.any():
                     at = np.flatnonzero(back)
+                    self.disk_answered += at.shape[0]
                     kernels.gather_rows_at(kernel_view(self.weights), rows[at],
                                            at if positions is None else positions[at], out,
                                            self.last_access, stamp)
@@ -298,20 +296,33 @@ class Shard:
         from the table: counted as evicted (and logged as removed)."""
         assert self.tier is not None
         victims = np.sort(victims)  # sequential gathers
-        gone = self.tier.write(self.ids[victims], self.weights[victims], self.state[victims])
+        ticks = (None if self.tier.stamps is None
+                 else self.clock.absolute(self.last_access[victims]))
+        gone = self.tier.write(self.ids[victims], self.weights[victims], self.state[victims],
+                               ticks)
         self.spilled += victims.shape[0]
         self.evicted += gone.shape[0]
-        if gone.shape[0] and self.changed is not None:
+        if gone.shape[0]:
             self._log_removed(gone)
 
-    def expire(self, cutoff: int) -> None:
-        """Remove every row last touched before clock value ``cutoff``."""
+    def expire(self, cutoff: int, disk_cutoff: int = 0, *, spill: bool = False) -> None:
+        """Remove every row in RAM last touched before clock value ``cutoff`` (0: none)
+        or, with ``spill``, move them to the disk tier; then remove every row on the
+        tier last touched before ``disk_cutoff`` (0: none)."""
         with self.lock:
-            victims = np.flatnonzero(self.last_access[:self.size]
-                                     < self.clock.cutoff(cutoff))
-            if victims.shape[0]:
+            victims = (np.flatnonzero(self.last_access[:self.size] < self.clock.cutoff(cutoff))
+                       if cutoff > 0 else np.zeros(0, np.int64))
+            if victims.shape[0] and spill and self.tier is not None:
+                self._spill(victims)
+                self._remove(victims, removed=False)
+            elif victims.shape[0]:
                 self.expired += victims.shape[0]
                 self._remove(victims)
+            if disk_cutoff > 0 and self.tier is not None:
+                gone = self.tier.expire(disk_cutoff)
+                self.expired += gone.shape[0]
+                if gone.shape[0]:
+                    self._log_removed(gone)
 
     def _remove(self, victims: np.ndarray, *, removed: bool = True) -> np.ndarray:
         """Delete rows ``victims`` (distinct) from RAM, compacting; returns old -> new row
@@ -319,7 +330,7 @@ class Shard:
         moving to the disk tier."""
         size = self.size
         count = victims.shape[0]
-        gone = self.ids[victims].copy() if self.changed is not None and removed else None
+        gone = self.ids[victims].copy() if self.changes.tracking and removed else None
         keep = np.ones(size, dtype=np.bool_)
         keep[victims] = False
         n_keep = size - count
@@ -357,34 +368,18 @@ class Shard:
 
     def _log_changes(self, ids: np.ndarray) -> None:
         """Remember ``ids`` as changed (ids no longer stored are dropped on export)."""
-        if self.changed is None:
-            return
-        self.changed.append(ids.copy())
-        self.num_changed += ids.shape[0]
-        if self.num_changed > 4 * max(self.size, _INITIAL_ROWS):  # bound the log's memory
-            merged = np.unique(np.concatenate(self.changed))
-            self.changed, self.num_changed = [merged], merged.shape[0]
+        self.changes.log_changed(ids, 4 * max(self.size, _INITIAL_ROWS))
 
     def _log_removed(self, ids: np.ndarray) -> None:
-        self.removed.append(ids.copy())
-        self.num_removed += ids.shape[0]
-        if self.num_removed > 4 * max(self.share // _EVICT_FRACTION, _INITIAL_ROWS):
-            # Bound the log: repeats go, and so do ids stored again since.
-            merged = np.unique(np.concatenate(self.removed))
-            merged = merged[self.index.find(merged) < 0]
-            self.removed, self.num_removed = [merged], merged.shape[0]
+        self.changes.log_removed(ids, 4 * max(self.share // _EVICT_FRACTION, _INITIAL_ROWS),
+                                 lambda merged: self.index.find(merged) >= 0)
 
     def take_changes(self) -> tuple[np.ndarray, ...]:
         """Copies of the rows changed since the last call (ids, weights, state, last
         access) of those still stored, and the ids removed since (evicted or expired) and
         not stored again: disjoint from the rows' ids. The logs start again empty."""
         with self.lock:
-            ids = (np.unique(np.concatenate(self.changed)) if self.changed
-                   else np.zeros(0, np.uint64))
-            removed = (np.unique(np.concatenate(self.removed)) if self.removed
-                       else np.zeros(0, np.uint64))
-            self.changed, self.num_changed = [], 0
-            self.removed, self.num_removed = [], 0
+            ids, removed = self.changes.take()
             rows = self.index.find(ids)
             on_disk = ids[rows < 0]
             rows = rows[rows >= 0]
@@ -394,16 +389,20 @@ class Shard:
             if self.tier is None:
                 return (*parts, removed)
             # A row changed, then spilled, is still exported (read back from disk).
-            found, weights, state = self.tier.peek(on_disk)
+            found, weights, state, stamps = self.tier.peek_stamped(on_disk)
             removed = removed[~self.tier.holds(removed)]
-            return (*self._with_disk_rows(parts, on_disk[found], weights, state), removed)
+            return (*self._with_disk_rows(parts, on_disk[found], weights, state, stamps),
+                    removed)
 
     def _with_disk_rows(self, parts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-                        ids: np.ndarray, weights: np.ndarray, state: np.ndarray
+                        ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
+                        stamps: np.ndarray | None
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``parts`` (ids, weights, state, absolute last access) and rows from the tier
-        after them, stamped the oldest unit (they left RAM as least recently used)."""
-        stamps = self.clock.absolute(np.zeros(ids.shape[0], self.last_access.dtype))
+        after them, stamped with their last access where the tier keeps it (``stamps``: a
+        TTL), else the oldest unit (they left RAM as least recently used)."""
+        if stamps is None:  # no stamps kept: the oldest unit
+            stamps = self.clock.absolute(np.zeros(ids.shape[0], self.last_access.dtype))
         kept_ids, kept_weights, kept_state, kept_stamps = parts
         return (np.concatenate([kept_ids, ids]), np.concatenate([kept_weights, weights]),
                 np.concatenate([kept_state, state]), np.concatenate([kept_stamps, stamps]))
@@ -442,7 +441,7 @@ class Shard:
                      self.clock.absolute(self.last_access[:n]))
             if self.tier is None or not self.tier.num_rows:
                 return parts
-            return self._with_disk_rows(parts, *self.tier.scan())
+            return self._with_disk_rows(parts, *self.tier.scan_stamped())
 
     def check_fits(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """Rows of ``ids`` (-1: absent) and how many are absent; ValueError if storing
@@ -483,7 +482,7 @@ class Shard:
                     order = np.argsort(-stamps[pos[new_at]], kind="stable")
                     to_disk = new_at[order[self.share - self.size:]]
                     self.tier.write(part[to_disk], weights[pos[to_disk]],
-                                    state[pos[to_disk]])
+                                    state[pos[to_disk]], stamps[pos[to_disk]])
                     keep = np.ones(pos.shape[0], np.bool_)
                     keep[to_disk] = False
                     pos, part, rows, new = pos[keep], part[keep], rows[keep], new[keep]

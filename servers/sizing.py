@@ -22,8 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.config.table_policy import MAX_CAPACITY
+from persia_py.servers.admission import frequency_sketch_bytes
+from persia_py.servers.disk_tier import file_geometry, record_layout
 from persia_py.servers.hash_index import index_bytes
 from persia_py.servers.memory import HUGE_PAGE
 from persia_py.servers.optimizers import optimizer_from_dict, state_width
@@ -85,6 +89,37 @@ def table_bytes(rows: int, dim: int, state_width: int, *, num_shards: int = 1,
         ids_and_stamps=rows * (dtypes["ids"].itemsize + dtypes["last_access"].itemsize),
         index=num_shards * index_bytes(per_shard),
     )
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """Bytes of one table's disk tier on one replica: its files, and the RAM it keeps
+    for them (the slot fingerprints, the index of the rows on disk, TTL stamps, the
+    sketch of lookups it evicts by)."""
+
+    disk: int
+    ram: int
+
+
+def tier_bytes(capacity_rows: int, disk_rows: int, dim: int, state_width: int, *,
+               num_shards: int = 1, weight_bytes: int = FLOAT_BYTES,
+               free_fraction: float = 1 / 8, stamped: bool = False,
+               ram_rows: int = 0) -> TierBytes:
+    """Bytes of a table's tier configured with ``capacity_rows`` (split among
+    ``num_shards``, as the table splits it) holding ``disk_rows``: the file geometry of
+    :func:`persia_py.servers.disk_tier.file_geometry` (reserved whole at start) and the
+    arrays the tier allocates (``stamped``: with a TTL, 4 bytes a slot more), with the
+    sketch of lookups its shards of ``ram_rows`` in RAM evict by."""
+    weight = np.dtype({4: np.float32, 2: np.float16}[weight_bytes])
+    _, block, per_block = record_layout(dim, weight, state_width)
+    shard_rows = -(-capacity_rows // num_shards)
+    segments, segment_blocks = file_geometry(shard_rows, block, per_block, free_fraction)
+    slots = segments * segment_blocks * per_block
+    per_slot = 4 + (4 if stamped else 0)  # a fingerprint (tier_index), a stamp (TTL)
+    return TierBytes(disk=num_shards * segments * segment_blocks * block,
+                     ram=num_shards * (slots * per_slot
+                                       + index_bytes(-(-disk_rows // num_shards))
+                                       + frequency_sketch_bytes(-(-ram_rows // num_shards))))
 
 
 def huge_page_slack(num_shards: int) -> int:

@@ -69,8 +69,10 @@ class EmbeddingTable:
     * ``expire_after_steps`` / ``expire_after_seconds``: rows neither looked up nor
       updated during the last that many lookup calls (steps) / seconds are removed; a
       sweep runs at the start of a lookup once 1/16 of the period has passed since the
-      last sweep, so a row may outlive its period by up to 1/16 of it. Rows on a disk
-      tier do not expire (not yet).
+      last sweep, so a row may outlive its period by up to 1/16 of it. With a disk tier
+      the row goes from disk too, unless ``disk_tier.spill_expired`` (then a row
+      expiring in RAM moves to disk); the tier's own ``expire_after_steps`` /
+      ``expire_after_seconds`` delete rows on disk unused that long.
     * ``disk_tier``: rows evicted at capacity spill to a disk tier per internal shard
       (:mod:`persia_py.servers.disk_tier`; ``capacity_rows`` split among the shards) and
       come back into RAM when looked up or updated; :meth:`disk_stats`. Checkpoints
@@ -127,8 +129,12 @@ class EmbeddingTable:
             self._close_tiers()
             raise
         self._shard_key = HashKey.random()
-        self._clock = LookupClock(expire_after_steps=self.expire_after_steps,
-                                  expire_after_seconds=self.expire_after_seconds, now=clock)
+        tier = self.disk_tier
+        self._clock = LookupClock(
+            expire_after_steps=self.expire_after_steps,
+            expire_after_seconds=self.expire_after_seconds, now=clock,
+            disk_expire_after_steps=None if tier is None else tier.expire_after_steps,
+            disk_expire_after_seconds=None if tier is None else tier.expire_after_seconds)
         self._executor: ThreadPoolExecutor | None = None
         if num_shards > 1:
             self._executor = ThreadPoolExecutor(
@@ -142,7 +148,27 @@ class EmbeddingTable:
         return DiskTier(str(config.path),
                         capacity_rows=-(-config.capacity_rows // self.num_shards),
                         dim=self.dim, weight_dtype=row_types.numpy_dtype(self.row_dtype),
-                        state_width=self.state_width, free_fraction=config.free_fraction)
+                        state_width=self.state_width, free_fraction=config.free_fraction,
+                        stamped=self._disk_rows_expire())
+
+    def _disk_rows_expire(self) -> bool:
+        """Whether a TTL deletes rows on disk: the tier's own, or the slot's (unless
+        ``spill_expired``)."""
+        config = self.disk_tier
+        if config is None:
+            return False
+        slot = (self.expire_after_steps is not None or self.expire_after_seconds is not None)
+        return (config.expire_after_steps is not None
+                or config.expire_after_seconds is not None
+                or (slot and not config.spill_expired))
+
+    def _expire(self, cutoff: int, disk_cutoff: int) -> None:
+        """Expiry sweeps due now (:class:`LookupClock`): the slot's TTL over RAM (and the
+        disk, unless ``spill_expired``), the disk's own over the disk."""
+        spill = self.disk_tier is not None and self.disk_tier.spill_expired
+        on_disk = max(disk_cutoff, 0 if spill else cutoff)
+        for shard in self._shards:
+            shard.expire(cutoff, on_disk, spill=spill)
 
     def _close_tiers(self) -> None:
         for shard in self._shards:
@@ -233,10 +259,9 @@ class EmbeddingTable:
         elif (not isinstance(out, np.ndarray) or out.dtype != dtype
               or out.shape != shape or not out.flags.c_contiguous):
             raise ValueError(f"out must be a C-contiguous {dtype} array of shape {shape}")
-        tick, cutoff = self._clock.tick()
-        if cutoff > 0:
-            for shard in self._shards:
-                shard.expire(cutoff)
+        tick, cutoff, disk_cutoff = self._clock.tick()
+        if cutoff > 0 or disk_cutoff > 0:
+            self._expire(cutoff, disk_cutoff)
         insert = bool(insert)
 
         def work(shard: Shard, positions: np.ndarray | None) -> None:
@@ -319,8 +344,7 @@ class EmbeddingTable:
         exports: :meth:`export_changed_rows`)."""
         for shard in self._shards:
             with shard.lock:
-                if shard.changed is None:
-                    shard.changed = []
+                shard.changes.start()
 
     def export_changed_rows(self) -> tuple[dict[str, np.ndarray | int | str], np.ndarray]:
         """Like :meth:`export_rows`, but only the rows inserted or updated since the last
@@ -390,15 +414,19 @@ class EmbeddingTable:
         moved by compaction), ``disk_hits`` / ``disk_misses`` (ids absent from RAM found /
         not found on disk), ``disk_block_reads``, ``disk_bytes_read``, ``disk_block_bytes``
         (of one block), ``disk_slots``, ``disk_bytes`` (files), ``disk_ram_bytes`` (the
-        tiers' index)."""
+        tiers' index and stamps), ``disk_expired`` (rows a TTL deleted from disk: also in
+        ``stats()['expired']``), ``disk_answered`` (looked-up ids, repeats included,
+        answered from disk)."""
         totals: dict[str, int] = {}
         for shard in self._shards:
             if shard.tier is None:
                 continue
             with shard.lock:
-                got = dict(shard.tier.stats(), spilled=shard.spilled, restored=shard.restored)
+                got = dict(shard.tier.stats(), spilled=shard.spilled, restored=shard.restored,
+                           disk_answered=shard.disk_answered)
             for key, value in got.items():
-                totals[key] = value if key == "disk_block_bytes" else totals.get(key, 0) + value
+                totals[key] = (value if key in ("disk_block_bytes", "disk_record_bytes")
+                               else totals.get(key, 0) + value)
         return totals
 
     def stats(self) -> dict[str, int]:

@@ -29,6 +29,7 @@ BENCHMARKS = ROOT / "benchmarks"
 HELPERS = {
     "density_accuracy": "benchmarks.density --parts accuracy (five full training jobs; "
                         "not in the smoke)",
+    "disk_tier_adult": "benchmarks.disk_tier (auc_delta_adult)",
     "ps_process": "the benchmarks that start a parameter server or embedding worker",
     "role_cpu": "train_throughput, compare and scaling (tests/test_compare_benchmark.py "
                 "too)",
@@ -146,8 +147,15 @@ def _check_scaling(result: dict) -> None:
             assert point["network_bytes_per_sample"] is None
 
 
+def _check_disk_tier(result: dict) -> None:
+    # Most of Adult's rows went to disk and back; training matched all-in-RAM.
+    assert result["adult_disk_row_fraction"] > 0.5 and result["adult_rows_restored"] > 0
+    assert abs(result["auc_delta_adult"]) <= 0.001, result
+
+
 CHECKS = {"ps_load": _check_ps_load, "hash_flood": _check_hash_flood,
-          "recovery": _check_recovery, "scaling": _check_scaling}
+          "recovery": _check_recovery, "scaling": _check_scaling,
+          "disk_tier": _check_disk_tier}
 """What a smoke run's figures must show beyond a clean exit, where that is machine-free."""
 
 

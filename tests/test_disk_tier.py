@@ -6,11 +6,12 @@ changes nothing."""
 from __future__ import annotations
 
 import os
+import subprocess
+import urllib.request
 
 import grpc
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from persia_py.config import (
@@ -27,8 +28,10 @@ from persia_py.servers.metrics import ParameterServerMetrics
 from persia_py.servers.optimizers import AdagradConfig, AdamConfig
 from persia_py.servers.page_file import aligned_empty
 from persia_py.servers.parameter_server import ParameterServer
+from persia_py.servers.replica_start import open_update_log
 from persia_py.servers.service import create_ps_server
 from persia_py.servers.storage import EmbeddingTable
+from persia_py.telemetry.monitoring import serve_metrics
 from persia_py.workers.embedding_worker import EmbeddingWorker
 from persia_py.workers.ps_client import PSClient
 from persia_py.workers.slots import SlotIds
@@ -347,17 +350,19 @@ def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
         capacity=256, disk_tier=DiskTierConfig(path=str(tmp_path), capacity_rows=1_000)))
     ps = ParameterServer(config, EmbeddingTablesConfig(slots_config={"user": SlotConfig(dim=4)}))
     ps.configure(optimizer={"type": "sgd", "lr": 1.0})
-    metrics = ParameterServerMetrics(ps)
+    server = serve_metrics(ParameterServerMetrics(ps).registry, 0, "127.0.0.1", "ps")
 
-    def scrape() -> dict[str, float]:
-        text = generate_latest(metrics.registry).decode()
+    def scrape() -> dict[str, float]:  # through the real /metrics endpoint
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=20) as answer:
+            text = answer.read().decode()
         return {s.name: s.value for f in text_string_to_metric_families(text)
                 for s in f.samples if s.name.startswith("persia_ps_disk")}
 
     try:
         empty = scrape()  # the file is reserved; nothing on it yet
         assert empty.pop("persia_ps_disk_bytes") > 0 and set(empty.values()) == {0.0}
-        assert len(empty) == 9
+        assert len(empty) == 12
         (table,) = ps.stats()
         ids = np.arange(1, 1_201, dtype=np.uint64)
         for part in np.split(ids, 6):  # 1,200 rows through 256 in RAM: most spill
@@ -385,6 +390,7 @@ def test_parameter_server_exports_the_tiers_metrics(tmp_path) -> None:
         evicted = {k: v for k, v in ps.stats()[table].items() if k == "evicted"}
         assert evicted["evicted"] == full["persia_ps_disk_evictions_total"]
     finally:
+        server.close()
         ps.close()
 
 
@@ -428,3 +434,53 @@ def test_a_put_batch_has_its_disk_rows_read_back_before_its_lookup(tmp_path) -> 
         client.close()
         server.stop(None)
         ps.close()
+
+
+def test_a_replica_restarted_after_a_crash_rebuilds_its_disk_rows(tmp_path) -> None:
+    """A replica with most rows on disk dies (nothing closed); the one started again from
+    the checkpoint and its update log holds the same rows, bit for bit, RAM and disk
+    alike: its tier starts empty (the dead one's file had no name) and is refilled."""
+    from test_update_log import EMBEDDING as TWO_SLOTS
+    from test_update_log import _checkpoint, _same, _Trainer
+
+    (tmp_path / "tier").mkdir()
+    config = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
+        capacity=512, disk_tier=DiskTierConfig(path=str(tmp_path / "tier"),
+                                               capacity_rows=100_000)))
+    log = tmp_path / "log"
+    live = ParameterServer(config, TWO_SLOTS)
+    restarted = ParameterServer(config, TWO_SLOTS)
+    try:
+        open_update_log(live, log, replay=True, checkpoint=None, root=tmp_path)
+        live.configure(optimizer={"type": "adagrad", "lr": 0.1}, seed=7)
+        trainer = _Trainer()
+        trainer.steps(live, 4)
+        _checkpoint(live, tmp_path / "ckpt", 4)
+        trainer.steps(live, 4)
+        assert min(s["disk_rows"] for s in live.disk_stats().values()) > 700
+        what = open_update_log(restarted, log, replay=True, checkpoint=None, root=tmp_path)
+        on_disk = sum(s["disk_rows"] for s in restarted.disk_stats().values())
+        assert what.endswith(f"and 4 updates replayed from its update log ({on_disk} rows "
+                             f"on its disk tier)") and on_disk > 1_400, what
+        _same(live, restarted)
+    finally:
+        live.close()
+        restarted.close()
+    assert os.listdir(tmp_path / "tier") == []
+
+
+@pytest.mark.processes
+def test_leftover_tier_files_of_dead_processes_are_deleted(tmp_path) -> None:
+    """Where a folder lacks O_TMPFILE, a tier file is created and unlinked at once; a crash
+    in between leaves one: the next tier there deletes it (its process is dead), and
+    leaves the files of live processes and any other file alone."""
+    from persia_py.servers.page_file import _remove_leftovers
+
+    dead = subprocess.Popen(["true"])
+    dead.wait(timeout=30)
+    names = {f".persia-tier-{dead.pid}-{'ab' * 6}": False,
+             f".persia-tier-{os.getpid()}-{'cd' * 6}": True, "notes.txt": True}
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    _remove_leftovers(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, kept in names.items() if kept)

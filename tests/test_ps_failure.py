@@ -1,6 +1,8 @@
 """A parameter server SIGKILLed mid-training is restarted by ``persia-launcher local`` from
 the last checkpoint; the embedding worker waits and retries meanwhile, and every batch the
-data loader sent is trained exactly once."""
+data loader sent is trained exactly once. With a disk tier holding most rows, the same:
+the killed server's tier (an unnamed file) is gone with it, and the restarted one
+rebuilds its RAM and disk rows from the checkpoint and its update log."""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ import logging
 import os
 import re
 import signal
-import textwrap
 import threading
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import yaml
 from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command, processes_with_marker
 
 from persia_py.checkpoint import layout as fmt
@@ -176,16 +178,20 @@ def _ps_pid(marker: str, replica: int) -> int:
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize("disk_tier", [False, True], ids=["ram", "disk-tier"])
 def test_a_killed_parameter_server_is_restarted_and_every_batch_is_trained_once(
-        tmp_path: Path) -> None:
+        tmp_path: Path, disk_tier: bool) -> None:
     ckpt = tmp_path / "ckpt"
     global_config = tmp_path / "global_config.yml"
-    global_config.write_text((EXAMPLE / "global_config.yml").read_text() + textwrap.dedent(f"""
-        checkpoint_config:
-          root: {tmp_path}
-          dir: {ckpt}
-          every_steps: 20
-    """))
+    config = yaml.safe_load((EXAMPLE / "global_config.yml").read_text())
+    config["checkpoint_config"] = {"root": str(tmp_path), "dir": str(ckpt), "every_steps": 20}
+    tier = tmp_path / "tier"
+    if disk_tier:
+        # ~950 distinct ids per slot per server, 128 in RAM: most rows live on disk.
+        tier.mkdir()
+        config["embedding_parameter_server_config"].update(
+            capacity=128, disk_tier={"path": str(tier), "capacity_rows": 100_000})
+    global_config.write_text(yaml.safe_dump(config))
     job = RoleProcess(launcher_command(
         "local", "--nn-worker", str(JOB / "train.py"),
         "--data-loader", str(JOB / "data_loader.py"),
@@ -215,6 +221,12 @@ def test_a_killed_parameter_server_is_restarted_and_every_batch_is_trained_once(
                      r"else from checkpoint \S+ckpt-", out), out[-20000:]
     # Nothing it applied is lost: the updates since its checkpoint are applied again.
     replayed = re.search(r"\[ps-1\] embedding-parameter-server 1: \d+ rows from checkpoint "
-                         r"\S+ckpt-\S+ and (\d+) updates replayed from its update log", out)
+                         r"\S+ckpt-\S+ and (\d+) updates replayed from its update log"
+                         r"(?: \((\d+) rows on its disk tier\))?", out)
     assert replayed and int(replayed[1]) > 0, out[-20000:]
+    if disk_tier:  # the restarted server rebuilt its disk rows; no file of the tier is left
+        assert replayed[2] is not None and int(replayed[2]) > 1_000, out[-20000:]
+        assert os.listdir(tier) == []
+    else:
+        assert replayed[2] is None
     assert re.search(r"parameter server \S+ reachable again", out), out[-20000:]

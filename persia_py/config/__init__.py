@@ -119,12 +119,23 @@ class DiskTierConfig:
     at the default), however full the disk is; lower trades write work for disk space (0: the
     file holds exactly ``capacity_rows``, and a nearly full disk moves many rows per
     spill). In [0, 0.9]."""
+    expire_after_steps: int | None = None
+    """The disk's own TTL: a row on disk unused (no lookup, no update) for the last that
+    many lookup calls on its table is deleted, counted as expired. None: no TTL."""
+    expire_after_seconds: float | None = None
+    """As ``expire_after_steps``, in seconds (None: no TTL)."""
+    spill_expired: bool = False
+    """A slot's own TTL (its ``expire_after_*``), False: removes the row wherever it is,
+    RAM or disk; True: moves a row expiring in RAM to disk, where only the disk's TTL and
+    capacity delete rows."""
 
     def __post_init__(self) -> None:
         if self.path is None:
-            if self.capacity_rows:
-                raise ConfigError("capacity_rows: set, but path is not; set path (a folder on "
-                                  "a local disk) to turn the disk tier on, or drop capacity_rows")
+            for name in ("capacity_rows", "expire_after_steps", "expire_after_seconds",
+                         "spill_expired"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name}: set, but path is not; set path (a folder on a "
+                                      f"local disk) to turn the disk tier on, or drop {name}")
             return
         if not self.path:
             raise ConfigError("path: empty; give a folder on a local disk, or leave path out")
@@ -132,6 +143,11 @@ class DiskTierConfig:
             raise ConfigError("capacity_rows: required (>= 1) when path is set")
         _check_range(self, "capacity_rows", 1, 2**40)
         _check_range(self, "free_fraction", 0.0, 0.9)
+        try:  # the same rules as a slot's TTL
+            TablePolicy(expire_after_steps=self.expire_after_steps,
+                        expire_after_seconds=self.expire_after_seconds)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if not os.path.isdir(self.path):
             raise ConfigError(f"path: {self.path!r} is not an existing folder")
 

@@ -17,7 +17,9 @@ from persia_py.launcher.plan import (
     make_plan,
     tables_from_config,
 )
+from persia_py.launcher.plan_tier import DiskBudget, make_tier_plan
 from persia_py.launcher.role_options import PlanOptions
+from persia_py.servers.disk_tier import DEFAULT_FREE_FRACTION
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
@@ -92,6 +94,17 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness", type=int, default=2, help="embedding_staleness")
     p.add_argument("--update-log-max-bytes", type=parse_bytes, default=8 << 30, metavar="SIZE",
                    help="each parameter server's --update-log-max-bytes (default 8GiB)")
+    tier = p.add_argument_group("a disk tier under every table (docs/sizing.md)")
+    tier.add_argument("--machine-disk", type=parse_bytes, default=None, metavar="SIZE",
+                      help="disk of one parameter server for its tier's files, e.g. 8TB: "
+                           "plan RAM and disk together (rows beyond RAM on disk)")
+    tier.add_argument("--disk-free-fraction", type=float, default=DEFAULT_FREE_FRACTION,
+                      metavar="F", help="disk_tier.free_fraction (default 0.125)")
+    tier.add_argument("--samples-per-second", type=float, default=None, metavar="N",
+                      help="samples/s of one NN worker: plan the disk's random reads/s")
+    tier.add_argument("--ram-hit-rate", type=float, default=None, metavar="H",
+                      help="share of ids asked found in RAM (default: RAM's share of the "
+                           "rows, the floor)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -136,6 +149,12 @@ def run_plan(options: PlanOptions) -> int:
                 global_config.embedding_parameter_server_config.num_hashmap_internal_shards),
             update_log_max_bytes=options.update_log_max_bytes)
         plan = make_plan(tables, machine=machine, workload=workload)
+        if options.machine_disk is not None:
+            plan["disk_tier"] = make_tier_plan(tables, machine=machine, workload=workload,
+                                               budget=DiskBudget(
+                disk_bytes=options.machine_disk, free_fraction=options.disk_free_fraction,
+                samples_per_second=options.samples_per_second,
+                ram_hit_rate=options.ram_hit_rate))
     except ValueError as exc:
         raise SystemExit(f"persia-launcher plan: {exc}") from None
     plan["optimizer"] = options.optimizer
@@ -189,4 +208,28 @@ def format_plan(plan: dict) -> str:
         f"written), update log up to {_size(disk['update_log'])}; per data loader "
         f"{_size(plan['disk_per_data_loader']['handover_log'])}",
     ]
+    if "disk_tier" in plan:
+        lines += _format_tier(plan["disk_tier"])
     return "\n".join(lines)
+
+
+def _format_tier(tier: dict) -> list[str]:
+    memory = tier["memory_per_server"]
+    reads = tier["random_reads_per_s_per_server"]
+    return [
+        "",
+        f"with a disk tier: {tier['parameter_servers']:,} parameter servers (by RAM and "
+        f"disk {tier['servers_by_memory_and_disk']:,}, by CPU {tier['servers_by_cpu']:,}), "
+        f"{tier['ram_row_share']:.1%} of the rows in RAM",
+        f"  {'rows in RAM':<22}{memory['rows']:>16,}",
+        f"  {'rows on disk':<22}{memory['disk_rows']:>16,}",
+        f"  {'RAM total':<22}{_size(memory['total']):>16}   (tier's index "
+        f"{_size(memory['disk_tier_ram'])})",
+        f"  {'disk (tier files)':<22}{_size(memory['disk_bytes']):>16}   of "
+        f"{_size(tier['disk_budget_per_server'])}",
+        f"  config: capacity {tier['config']['capacity']}, disk_tier.capacity_rows "
+        f"{tier['config']['disk_tier']['capacity_rows']:,}",
+        "  random reads per server: " + (
+            f"{reads:,.0f}/s (RAM hit rate {tier['assumed_ram_hit_rate']:.1%}, one block "
+            f"a miss)" if reads is not None else "give --samples-per-second"),
+    ]

@@ -133,6 +133,10 @@ class PlanOptions:
     batch_size: int
     staleness: int
     update_log_max_bytes: int
+    machine_disk: int | None
+    disk_free_fraction: float
+    samples_per_second: float | None
+    ram_hit_rate: float | None
     json: bool
 
 
