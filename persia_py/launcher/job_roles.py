@@ -36,6 +36,9 @@ class Role:
     restart: Callable[[], list[str]] | None = None
     """The command that starts this role again after it died (None: its death ends the job)."""
     num_restarts: int = 0
+    lost: Callable[[], bool] | None = None
+    """Whether the machine it ran on is lost (a Slurm node DOWN): then its end is a death
+    whatever its exit code (``srun`` ends 0 when its node fails); None: never."""
 
     @property
     def started(self) -> subprocess.Popen:
@@ -89,11 +92,21 @@ def job_roles(job: Job, *, run_dir: str, root: str | None, layout: Layout,
             # loaders put the batches it lost there again: workers/data_loader.py).
             again = role_commands.server_role(kind, job, dataclasses.replace(at, replay=True))
             role.restart = _restart(again, root if kind is PARAMETER_SERVER else None,
-                                    functools.partial(layout.launch, kind, i))
+                                    functools.partial(_relaunch, layout, kind, i))
+            if layout.lost is not None:
+                role.lost = functools.partial(layout.lost, kind, i)
             roles.append(role)
     nn = role_commands.nn_worker(job, local_nn_placement(job, layout, metrics=metrics))
     roles.append(Role(NN_WORKER.short, layout.launch(None, 0, nn), kind=NN_WORKER))
     return roles
+
+
+def _relaunch(layout: Layout, kind: RoleKind, index: int, command: list[str]) -> list[str]:
+    """A replica's command started again where ``layout`` places it now: on a spare
+    machine if its own was lost (``Layout.relocate``)."""
+    if layout.relocate is not None:
+        layout.relocate(kind, index)
+    return layout.launch(kind, index, command)
 
 
 def _restart(command: list[str], root: str | None,
