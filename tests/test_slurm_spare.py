@@ -80,5 +80,6 @@ def test_a_parameter_server_whose_node_is_lost_goes_on_on_the_spare(
     # server came back with its update log replayed on its last checkpoint.
     assert re.search(rf"moved to parameter server {batch_host}:{port}", out), out[-20000:]
     assert "its update log applied again" in out, out[-20000:]
+    assert not re.search(r"parameter server (\S+) moved to parameter server \1;", out)
     assert len(re.findall(r"Slurm job \d+ \(restart", out)) == 1, out[-20000:]  # no requeue
     np.testing.assert_array_equal(_trained(tmp_path / "run"), np.arange(total))

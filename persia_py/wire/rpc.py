@@ -361,7 +361,7 @@ class ServiceClient:
         channel; a callable is called as it is (one that looks up this client's methods
         itself, as it runs, follows too)."""
         redial = (None if self._book is None
-                  else functools.partial(self._redial, method, self.address))
+                  else functools.partial(self._redial, method, [self.address]))
         return call(self._method(method), request,
                     timeout=timeout or self.common.rpc_timeout_sec, idempotent=idempotent,
                     what=f"{self.service_name} {self.address}", outages=self._outages,
@@ -371,10 +371,11 @@ class ServiceClient:
         return operator.attrgetter(method)(self) if isinstance(method, str) else method
 
     def _redial(self, method: Callable[..., Any] | str,
-                used: str) -> tuple[Callable[..., Any], str] | None:
-        """After a failed attempt at ``used``: if the book says the service is elsewhere,
-        dial it there (once, whichever thread sees it first); the method there and its
-        name in logs, or None (it has not moved)."""
+                used: list[str]) -> tuple[Callable[..., Any], str] | None:
+        """After a failed attempt at ``used[0]`` (the address the call is at, updated
+        here): if the book says the service is elsewhere, dial it there (once, whichever
+        thread sees it first); the method there and its name in logs, or None (it has
+        not moved since the call went there)."""
         assert self._book is not None
         with self._redial_lock:
             version, address = self._book.current()
@@ -385,8 +386,9 @@ class ServiceClient:
                 # with the client, not now (closing it would fail them at once).
                 self._retired.append(self.channel)
                 self._dial(address)
-            if self.address == used:
+            if self.address == used[0]:
                 return None
+            used[0] = self.address
             return self._method(method), f"{self.service_name} {self.address}"
 
     def close(self) -> None:
