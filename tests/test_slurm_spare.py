@@ -14,6 +14,7 @@ checkpoint client find it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -23,9 +24,36 @@ import pytest
 from conftest import launcher_command
 from test_slurm_job import JOB, KILL_FILES, _stream, _trained
 
+from persia_py.launcher import slurm_run
+from persia_py.launcher.job_model import Job, Script
+from persia_py.launcher.role_kinds import PARAMETER_SERVER
+from persia_py.launcher.slurm import SlurmJob, render_script
+
 pytestmark = pytest.mark.processes
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
+
+
+def test_the_spares_come_first_and_the_script_asks_for_them(monkeypatch) -> None:
+    job = Job(embedding_config="e.yml", global_config=None, nn_worker=Script("t.py"),
+              data_loader=Script("d.py"), num_ps=3)
+    spec = SlurmJob(job=job, job_name="ctr", run_dir="/shared/run", ps_nodes=2, spare_nodes=1)
+    script = render_script(spec)
+    head, workers = script.split("#SBATCH hetjob")
+    assert "#SBATCH --no-kill" in head and "#SBATCH --nodes=3" in head
+    assert "--no-kill" not in workers and "#SBATCH --nodes=1" in workers
+    plain = render_script(dataclasses.replace(spec, spare_nodes=0))
+    assert "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
+    # scontrol expands Slurm's node lists; here the lists are already plain names.
+    monkeypatch.setattr(slurm_run, "hostnames", lambda nodelist: nodelist.split(","))
+    layout = slurm_run.slurm_layout(spec, {"SLURM_JOB_NODELIST_HET_GROUP_0": "big1,big2,big3",
+                                           "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu1"})
+    assert layout.hosts[PARAMETER_SERVER] == ["big2", "big3", "big2"]
+    assert layout.lost is not None and layout.relocate is not None
+    with pytest.raises(SystemExit, match="component 0 has 1 nodes, not more than "
+                                         "--spare-nodes 1"):
+        slurm_run.slurm_layout(spec, {"SLURM_JOB_NODELIST_HET_GROUP_0": "big1",
+                                      "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu1"})
 
 
 def _script(slurm, tmp_path: Path, run: str) -> str:

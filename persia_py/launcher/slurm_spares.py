@@ -30,8 +30,9 @@ from persia_py.wire.address_book import AddressBook
 
 __all__ = ["SpareNodes", "node_lost"]
 
-_LOST_STATES = ("down", "drain", "drng", "fail", "futr", "maint", "unk")
-"""``sinfo %t`` states of a node the job cannot use (a ``*`` suffix: not responding)."""
+_LOST_STATES = ("down", "drain", "drng", "fail", "inval")
+"""``sinfo %t`` states of a node the job cannot use (a ``*`` suffix: not responding).
+Not ``unk``: every node is UNKNOWN for a moment after slurmctld restarts."""
 
 
 def _run(args: list[str]) -> str | None:
