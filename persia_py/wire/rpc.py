@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import threading
 import time
 from collections.abc import Callable
@@ -356,10 +355,10 @@ class ServiceClient:
 
     def _call(self, method: Callable[..., Any] | str, request: Any, *, idempotent: bool,
               timeout: float | None = None) -> Any:
-        """``method``: a callable, or the name of one on this client (``"stub.Stats"``,
-        ``"_lookup"``), which a client that may move (``book``) finds again on its new
-        channel; a callable is called as it is (one that looks up this client's methods
-        itself, as it runs, follows too)."""
+        """``method``: a callable, or the name of one on this client's stub or on itself
+        (``"stub.Stats"``, ``"_lookup"``), which a client that may move (``book``) finds
+        again on its new channel; a callable is called as it is (one that looks up this
+        client's methods itself, as it runs, follows too)."""
         redial = (None if self._book is None
                   else functools.partial(self._redial, method, [self.address]))
         return call(self._method(method), request,
@@ -368,7 +367,11 @@ class ServiceClient:
                     redial=redial)
 
     def _method(self, method: Callable[..., Any] | str) -> Callable[..., Any]:
-        return operator.attrgetter(method)(self) if isinstance(method, str) else method
+        if not isinstance(method, str):
+            return method
+        if method.startswith("stub."):
+            return getattr(self.stub, method[5:])
+        return getattr(self, method)
 
     def _redial(self, method: Callable[..., Any] | str,
                 used: list[str]) -> tuple[Callable[..., Any], str] | None:
