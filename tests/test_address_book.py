@@ -169,3 +169,35 @@ def test_the_checkpoint_client_follows_the_book(tmp_path: Path, servers) -> None
         assert answer.replica_index == 0 and client.addresses == [second.address]
     finally:
         client.close()
+
+
+def test_a_client_waiting_for_its_server_to_start_finds_it_where_the_book_says(
+        tmp_path: Path, servers) -> None:
+    """An embedding worker started again while its server moves waits where the book says,
+    not where the server was."""
+    [gone, port] = free_ports(2, "127.0.0.1")
+    book = AddressBook(str(tmp_path / "addresses.json"))
+    book.publish({"ps": [f"127.0.0.1:{gone}"]})
+    [(address, entry)] = servers_now([f"127.0.0.1:{gone}"], book)
+    client = PSClient(address, GLOBAL.common_config, book=entry)
+    waited: dict = {}
+
+    def wait() -> None:
+        try:
+            client.wait_ready()
+            waited["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            waited["error"] = exc
+
+    thread = threading.Thread(target=wait)
+    try:
+        thread.start()
+        book.publish({"ps": [f"127.0.0.1:{port}"]})
+        servers(port)
+        thread.join(timeout=GLOBAL.common_config.startup_timeout_sec + 10)
+        assert not thread.is_alive() and waited == {"ok": True}, waited
+        assert client.address == f"127.0.0.1:{port}"
+        client.configure(CONFIGURE)
+    finally:
+        thread.join(timeout=30)
+        client.close()

@@ -38,6 +38,8 @@ dying, or restarting) cancels the calls it holds, such as an NN worker's long po
 its next batch; the role is restarted and answers again, so to the caller it is an
 outage like UNAVAILABLE, not a reason to fail."""
 _GONE = frozenset([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+_BOOK_POLL_SEC = 5.0
+"""How often a client that may move and waits for its server to start looks in its book."""
 
 
 class NotFound(LookupError):
@@ -335,7 +337,7 @@ class ServiceClient:
         self._outages = OutageLog()
         self._book = book
         """Where the service's address is kept, when it may move (None: it never does)."""
-        self._redial_lock = threading.Lock()
+        self._redial_lock = threading.RLock()
         self._retired: list[grpc.Channel] = []
         self._dial(address)
 
@@ -350,8 +352,23 @@ class ServiceClient:
                                                     parse_response=parse))
 
     def wait_ready(self) -> None:
-        """Block until the service is reachable (``common_config.startup_timeout_sec``)."""
-        wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
+        """Block until the service is reachable (``common_config.startup_timeout_sec``);
+        a client that may move looks in its book every few seconds meanwhile."""
+        if self._book is None:
+            wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
+            return
+        deadline = time.monotonic() + self.common.startup_timeout_sec
+        while True:
+            try:
+                wait_for_ready(self.channel, self.address,
+                               min(_BOOK_POLL_SEC, max(deadline - time.monotonic(), 0.001)))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"service at {self.address} not reachable within "
+                        f"{self.common.startup_timeout_sec:.0f}s") from None
+                self._follow_book()
 
     def _call(self, method: Callable[..., Any] | str, request: Any, *, idempotent: bool,
               timeout: float | None = None) -> Any:
@@ -379,20 +396,26 @@ class ServiceClient:
         here): if the book says the service is elsewhere, dial it there (once, whichever
         thread sees it first); the method there and its name in logs, or None (it has
         not moved since the call went there)."""
-        assert self._book is not None
         with self._redial_lock:
-            version, address = self._book.current()
-            if address != self.address:
-                logger.warning("%s %s: the address book (version %d) has it at %s; "
-                               "redialling", self.service_name, self.address, version, address)
-                # Calls of other threads may still run on the old channel: it is closed
-                # with the client, not now (closing it would fail them at once).
-                self._retired.append(self.channel)
-                self._dial(address)
+            self._follow_book()
             if self.address == used[0]:
                 return None
             used[0] = self.address
             return self._method(method), f"{self.service_name} {self.address}"
+
+    def _follow_book(self) -> None:
+        """Dial the address the book has now, if it is not this client's."""
+        assert self._book is not None
+        with self._redial_lock:
+            version, address = self._book.current()
+            if address == self.address:
+                return
+            logger.warning("%s %s: the address book (version %d) has it at %s; redialling",
+                           self.service_name, self.address, version, address)
+            # Calls of other threads may still run on the old channel: it is closed with
+            # the client, not now (closing it would fail them at once).
+            self._retired.append(self.channel)
+            self._dial(address)
 
     def close(self) -> None:
         for channel in [*self._retired, self.channel]:
