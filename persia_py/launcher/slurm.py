@@ -11,6 +11,9 @@ alone by the job itself, as under ``local`` (:mod:`persia_py.launcher.slurm_run`
 ``#SBATCH --requeue``: a requeued job runs the script again, which resumes from the newest
 checkpoint. The run folder (``--run-dir``) must be on a file system every node mounts at
 the same path: it holds the job token (mode 0600), the roles' logs and the Slurm output.
+With ``--spare-nodes N`` component 0 has N more nodes and the script asks for
+``--no-kill``: a parameter server whose node is lost moves to a spare
+(:mod:`persia_py.launcher.slurm_spares`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class SlurmJob:
     gpus_per_node: int = 0
     spare_nodes: int = 0
     """Nodes of component 0 that run no role at first: a parameter server whose node is
-    lost is started on one (:mod:`persia_py.launcher.slurm_run`)."""
+    lost is started on one (:mod:`persia_py.launcher.slurm_spares`)."""
     flags: tuple[str, ...] = ()
     """The job's flags, as ``slurm-run`` takes them again inside the allocation."""
 
