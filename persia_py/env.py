@@ -30,11 +30,14 @@ ENV_DATA_LOADER_REPLAY = "PERSIA_DATA_LOADER_REPLAY_HANDOVERS"
 """``1``: the loader was restarted alone; it goes on where its handover log ends."""
 ENV_NN_WORLD_SIZE = "PERSIA_NN_WORKER_WORLD_SIZE"
 ENV_BIND_HOST = "PERSIA_BIND_HOST"
+ENV_ADDRESS_BOOK = "PERSIA_ADDRESS_BOOK"
+"""The job's address book, where a server that moved is found (persia_py/wire/address_book.py)."""
 
 
 def job_env(*, ps_addrs: list[str], embedding_worker_addrs: list[str],
             data_loader_addrs: list[str], nn_world_size: int, bind_host: str,
-            embedding_config: str, global_config: str | None) -> dict[str, str]:
+            embedding_config: str, global_config: str | None,
+            address_book: str | None = None) -> dict[str, str]:
     """The variables every role of a job is started with: where the other roles are, how
     many NN-worker ranks there are, what to bind and where the config files are. The one
     list that ``persia-launcher local`` and the Kubernetes manifests both set."""
@@ -48,6 +51,8 @@ def job_env(*, ps_addrs: list[str], embedding_worker_addrs: list[str],
     }
     if global_config is not None:
         env[ENV_GLOBAL_CONFIG] = global_config
+    if address_book is not None:
+        env[ENV_ADDRESS_BOOK] = address_book
     return env
 
 
@@ -84,6 +89,8 @@ class PersiaEnv:
     data_loader_replay: bool = False
     nn_world_size: int = 1
     bind_host: str = "127.0.0.1"
+    address_book: str | None = None
+    """The job's address book (``$PERSIA_ADDRESS_BOOK``; None: the servers never move)."""
     data_positions: DataPositions = field(default_factory=DataPositions)
     """Each data loader's batches trained before the checkpoint the job resumes from
     (``$PERSIA_DATA_POSITIONS``, set by the launcher); a loader skips exactly those."""
@@ -107,6 +114,7 @@ class PersiaEnv:
             data_loader_replay=env.get(ENV_DATA_LOADER_REPLAY) == "1",
             nn_world_size=_int(env, ENV_NN_WORLD_SIZE, 1),
             bind_host=env.get(ENV_BIND_HOST) or "127.0.0.1",
+            address_book=env.get(ENV_ADDRESS_BOOK) or None,
             data_positions=DataPositions.from_text(env.get(ENV_DATA_POSITIONS),
                                                    f"${ENV_DATA_POSITIONS}"),
         )

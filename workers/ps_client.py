@@ -25,7 +25,9 @@ class UpdateNotApplied(FailedPrecondition):
 
 
 class PSClient(ServiceClient):
-    """Talks to the parameter server at ``address``."""
+    """Talks to the parameter server at ``address``; with ``book`` (its replica's entry in
+    the job's address book), at the address the book gives it once a call finds the
+    server gone (a replica started on a spare node: persia_py/wire/address_book.py)."""
 
     service_name = "parameter server"
     stub_class = parameter_server_pb2_grpc.ParameterServerStub
@@ -40,7 +42,7 @@ class PSClient(ServiceClient):
     _prefetch: Callable[..., pb.PrefetchResponse]
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
-        self._call(self.stub.Configure, request, idempotent=True)
+        self._call("stub.Configure", request, idempotent=True)
 
     def lookup(self, tables: list[tuple[str, np.ndarray]], *, training: bool,
                as_float32: bool = True) -> list[np.ndarray]:
@@ -55,7 +57,7 @@ class PSClient(ServiceClient):
         request = codec.join(pieces)
         # A training lookup may insert rows, but inserting the same ids again is a no-op
         # (initialization is a pure function of the id), so the call is safe to retry.
-        response = self._call(self._lookup, request, idempotent=True)
+        response = self._call("_lookup", request, idempotent=True)
         return [
             codec.decode(t, name="embeddings", ndim=2, as_float32=as_float32, copy=as_float32)
             for t in response.embeddings
@@ -107,7 +109,7 @@ class PSClient(ServiceClient):
         return answer.num_updated
 
     def stats(self) -> pb.StatsResponse:
-        return self._call(self.stub.Stats, pb.StatsRequest(), idempotent=True)
+        return self._call("stub.Stats", pb.StatsRequest(), idempotent=True)
 
 
 def configure_request(

@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,9 +49,21 @@ from persia_py.ids.positions import DataPositions
 from persia_py.ops import safe_files
 from persia_py.proto import checkpoint_pb2 as pb
 from persia_py.proto import checkpoint_pb2_grpc
-from persia_py.wire.rpc import call, create_channel, wait_for_ready
+from persia_py.wire.address_book import AddressBook, servers_now
+from persia_py.wire.rpc import ServiceClient
 
 logger = logging.getLogger(__name__)
+
+
+class _CheckpointReplica(ServiceClient):
+    """The checkpoint service of one parameter-server replica."""
+
+    service_name = "parameter server"
+    stub_class = checkpoint_pb2_grpc.ParameterServerCheckpointStub
+
+    def request(self, method: str, request: Any) -> Any:
+        """``method`` of the service (Dump, Load), retried as every idempotent call."""
+        return self._call(f"stub.{method}", request, idempotent=True)
 
 
 class PSCheckpointClient:
@@ -58,33 +71,33 @@ class PSCheckpointClient:
 
     The servers read and write only inside their checkpoint root (``root``, the same
     folder: ``checkpoint_config.root``, else the current directory); the calls carry the
-    names that lead from it to a checkpoint folder, never a path.
+    names that lead from it to a checkpoint folder, never a path. With ``book`` (the job's
+    address book), a replica that moved (a spare node) is called where the book says
+    (persia_py/wire/address_book.py), from the start and once a call finds it gone.
     """
 
     def __init__(self, addresses: list[str] | tuple[str, ...], common: CommonConfig,
-                 root: str | os.PathLike | None = None) -> None:
+                 root: str | os.PathLike | None = None, *,
+                 book: AddressBook | None = None) -> None:
         if not addresses:
             raise RuntimeError("no parameter-server addresses (PERSIA_PS_ADDRS is empty); "
                                "checkpoints need them")
-        self.addresses = list(addresses)
         self.common = common
         self.root = safe_files.configured_root(root)
-        self._channels = [create_channel(a, common) for a in self.addresses]
-        self._stubs = [checkpoint_pb2_grpc.ParameterServerCheckpointStub(c)
-                       for c in self._channels]
+        self._replicas = [_CheckpointReplica(a, common, book=e)
+                          for a, e in servers_now(addresses, book)]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [r.address for r in self._replicas]
 
     def wait_ready(self) -> None:
-        for channel, address in zip(self._channels, self.addresses):
-            wait_for_ready(channel, address, self.common.startup_timeout_sec)
+        for replica in self._replicas:
+            replica.wait_ready()
 
     def _each(self, method: str, request) -> list:
-        def one(i: int):
-            return call(getattr(self._stubs[i], method), request,
-                        timeout=self.common.rpc_timeout_sec, idempotent=True,
-                        what=f"parameter server {self.addresses[i]}")
-
-        with ThreadPoolExecutor(max_workers=len(self._stubs)) as pool:
-            return list(pool.map(one, range(len(self._stubs))))
+        with ThreadPoolExecutor(max_workers=len(self._replicas)) as pool:
+            return list(pool.map(lambda r: r.request(method, request), self._replicas))
 
     def _names(self, folder: str | Path, what: str) -> dict[str, str]:
         *parent, checkpoint = fmt.names_in_root(self.root, folder, what)
@@ -107,8 +120,8 @@ class PSCheckpointClient:
         return self._each("Load", pb.LoadRequest(**self._names(folder, "load_checkpoint")))
 
     def close(self) -> None:
-        for c in self._channels:
-            c.close()
+        for replica in self._replicas:
+            replica.close()
 
 
 def _write_file(folder: Path, name: str, contents: bytes) -> None:
@@ -187,6 +200,8 @@ class Checkpointer(WorldJoinable):
         flush: waits until the servers have acknowledged every embedding update this
             rank sent (the consistent cut).
         ps_addrs: the parameter-server replicas, in replica order.
+        book: the job's address book, where a replica that moved is found (None: they
+            never move).
         common: deadlines and channel settings.
         config: checkpoint root, periodic folder and interval.
         device: where this rank's collectives run (for the step counts).
@@ -196,7 +211,8 @@ class Checkpointer(WorldJoinable):
 
     def __init__(self, states: Mapping[str, Stateful], *, flush: Callable[[], None],
                  ps_addrs: Sequence[str], common: CommonConfig, config: CheckpointConfig,
-                 device: torch.device, sharded_dense: bool = False) -> None:
+                 device: torch.device, sharded_dense: bool = False,
+                 book: AddressBook | None = None) -> None:
         missing = [k for k in STATE_KEYS if not isinstance(states.get(k), Stateful)]
         if missing:
             raise TypeError(f"states must map {list(STATE_KEYS)} to Stateful objects; "
@@ -212,6 +228,7 @@ class Checkpointer(WorldJoinable):
         self.train_state = train_state
         self._flush = flush
         self._ps_addrs = tuple(ps_addrs)
+        self._book = book
         self._common = common
         self._config = config
         self._device = device
@@ -244,7 +261,8 @@ class Checkpointer(WorldJoinable):
 
     def _ps(self) -> PSCheckpointClient:
         if self._client is None:
-            self._client = PSCheckpointClient(self._ps_addrs, self._common, self._config.root)
+            self._client = PSCheckpointClient(self._ps_addrs, self._common, self._config.root,
+                                              book=self._book)
             self._client.wait_ready()
         return self._client
 

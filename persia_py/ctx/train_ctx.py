@@ -52,6 +52,7 @@ from persia_py.ops.final_errors import (
 from persia_py.ops.start_checks import check_checkpoint_paths
 from persia_py.progressive import ProgressiveValidation
 from persia_py.telemetry.progress import StepReporter
+from persia_py.wire.address_book import book_at
 from persia_py.workers.batches import TrainingBatch
 from persia_py.workers.gradient_sender import GradientSender
 from persia_py.workers.nn_worker import BatchStream, DataLoaderSource
@@ -244,7 +245,7 @@ class TrainCtx(CheckpointedCtx):
         self._checkpointer = checkpointer = Checkpointer(
             self.state_dict(), flush=self.flush, ps_addrs=self.env.ps_addrs, common=self.common,
             config=self.global_config.checkpoint_config, device=self.device,
-            sharded_dense=self.dense.sharded)
+            sharded_dense=self.dense.sharded, book=book_at(self.env.address_book))
         if (resumed := checkpointer.resume_if_asked(back_to)) is not None:
             self._resumed(resumed)
         self.dense_exporter = dense_exporter_for(self.global_config.checkpoint_config,

@@ -131,5 +131,5 @@ def slurm_from_flags(args: argparse.Namespace) -> tuple[SlurmJob, LocalOptions]:
                     ps_partition=args.ps_partition, ps_nodes=args.ps_nodes,
                     worker_partition=args.worker_partition, time_limit=args.time_limit,
                     port_base=args.port_base, gpus_per_node=args.gpus_per_node,
-                    flags=tuple(flags))
+                    spare_nodes=args.spare_nodes, flags=tuple(flags))
     return spec, LocalOptions(run_dir=args.run_dir, metrics=not args.no_metrics)

@@ -216,6 +216,17 @@ class Layout:
     stop_signal: int = signal.SIGTERM
     """What the supervisor sends a started command to stop its role: SIGTERM, or
     SIGUSR2 to ``srun``, which passes it on (persia_py/launcher/stop_signals.py)."""
+    lost: Callable[[RoleKind, int], bool] | None = None
+    """Whether the machine of a replica is lost (its step ended, whatever its code, is a
+    death); None: machines are never lost (``local``)."""
+    relocate: Callable[[RoleKind, int], None] | None = None
+    """Called before a replica that died is started again: moves it to a spare machine
+    (``hosts`` changes) when its own is lost (None: it restarts where it was)."""
 
     def addresses(self, kind: RoleKind) -> list[str]:
         return [f"{h}:{p}" for h, p in zip(self.hosts[kind], self.ports[kind])]
+
+    def book(self) -> dict[str, list[str]]:
+        """Every replica's address by kind, as the job's address book lists them
+        (persia_py/wire/address_book.py)."""
+        return {kind.short: self.addresses(kind) for kind in self.hosts}

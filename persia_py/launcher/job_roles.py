@@ -36,6 +36,9 @@ class Role:
     restart: Callable[[], list[str]] | None = None
     """The command that starts this role again after it died (None: its death ends the job)."""
     num_restarts: int = 0
+    lost: Callable[[], bool] | None = None
+    """Whether the machine it ran on is lost (a Slurm node DOWN): then its end is a death
+    whatever its exit code (``srun`` ends 0 when its node fails); None: never."""
 
     @property
     def started(self) -> subprocess.Popen:
@@ -79,9 +82,8 @@ def job_roles(job: Job, *, run_dir: str, root: str | None, layout: Layout,
         for i, port in enumerate(layout.ports[kind]):
             at = local_placement(kind, i, port, bind=layout.bind, run_dir=run_dir,
                                  metrics=metrics)
-            role = Role(f"{kind.short}-{i}",
-                        layout.launch(kind, i, role_commands.server_role(kind, job, at)),
-                        kind=kind)
+            first = role_commands.server_role(kind, job, at)
+            role = Role(f"{kind.short}-{i}", layout.launch(kind, i, first), kind=kind)
             # Restarted alone, replaying its own log: a parameter server's update log
             # brings back what it applied since the checkpoint it starts from (the newest
             # serves when the log is empty); a data loader's handover log says where it
@@ -89,11 +91,25 @@ def job_roles(job: Job, *, run_dir: str, root: str | None, layout: Layout,
             # loaders put the batches it lost there again: workers/data_loader.py).
             again = role_commands.server_role(kind, job, dataclasses.replace(at, replay=True))
             role.restart = _restart(again, root if kind is PARAMETER_SERVER else None,
-                                    functools.partial(layout.launch, kind, i))
+                                    functools.partial(_relaunch, layout, role, i, first))
+            if layout.lost is not None:
+                role.lost = functools.partial(layout.lost, kind, i)
             roles.append(role)
     nn = role_commands.nn_worker(job, local_nn_placement(job, layout, metrics=metrics))
     roles.append(Role(NN_WORKER.short, layout.launch(None, 0, nn), kind=NN_WORKER))
     return roles
+
+
+def _relaunch(layout: Layout, role: Role, index: int, first: list[str],
+              command: list[str]) -> list[str]:
+    """Replica ``index`` of ``role``'s kind started again with ``command`` where
+    ``layout`` places it now: on a spare machine if its own was lost
+    (``Layout.relocate``); ``role.command`` (``first``, its command from scratch, for a
+    training restarted from the start) goes there too."""
+    if layout.relocate is not None:
+        layout.relocate(role.kind, index)
+        role.command = layout.launch(role.kind, index, first)
+    return layout.launch(role.kind, index, command)
 
 
 def _restart(command: list[str], root: str | None,

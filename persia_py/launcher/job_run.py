@@ -37,7 +37,11 @@ from persia_py.launcher.role_kinds import (
     PARAMETER_SERVER,
 )
 from persia_py.launcher.roles import validate_configs
-from persia_py.launcher.run_folder import make_run_folder, remove_update_logs
+from persia_py.launcher.run_folder import (
+    address_book_file,
+    make_run_folder,
+    remove_update_logs,
+)
 from persia_py.ops.start_checks import (
     check_checkpoint_paths,
     check_writable,
@@ -46,6 +50,7 @@ from persia_py.ops.start_checks import (
 )
 from persia_py.telemetry.events import ENV_TRAIN_LOG
 from persia_py.telemetry.monitoring import LauncherMetrics, serve_metrics
+from persia_py.wire.address_book import AddressBook
 from persia_py.wire.security import ENV_AUTH_TOKEN
 
 __all__ = ["Layout", "LocalOptions", "local_layout", "run_job", "run_local"]
@@ -107,6 +112,9 @@ def run_job(job: Job, options: LocalOptions, layout: Layout) -> int:
     check_checkpoint_paths(checkpoints)
     check_writable([*written_by_servers(checkpoints), *written_by_training(checkpoints)])
     run_dir, train_log = make_run_folder(options.run_dir)
+    # Where each server replica is now: the layout's, until one moves (a spare node).
+    book = AddressBook(address_book_file(run_dir))
+    book.publish(layout.book())
     env = dict(os.environ)
     env.update(job_env(
         ps_addrs=layout.addresses(PARAMETER_SERVER),
@@ -114,7 +122,8 @@ def run_job(job: Job, options: LocalOptions, layout: Layout) -> int:
         data_loader_addrs=layout.addresses(DATA_LOADER),
         nn_world_size=job.world_size, bind_host=layout.bind,
         embedding_config=os.path.abspath(job.embedding_config),
-        global_config=os.path.abspath(job.global_config) if job.global_config else None))
+        global_config=os.path.abspath(job.global_config) if job.global_config else None,
+        address_book=book.path))
     env.update({"PYTHONUNBUFFERED": "1", ENV_TRAIN_LOG: train_log})
     root = checkpoint_root(env, options.resume)
     if options.resume:

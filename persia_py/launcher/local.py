@@ -232,6 +232,8 @@ class LocalCluster:
                     self.log(f"{role.name} exited with code {code}; stopping the job")
                     return code
                 if role.kind in (PARAMETER_SERVER, EMBEDDING_WORKER):
+                    if role.lost is not None and role.lost() and self._try_restart(role, code):
+                        continue  # its node was lost: its step's clean end is a death
                     self.log(f"{role.name} exited before training ended; stopping the job")
                     return 1
             if all(r.started.poll() == 0 for r in nn):

@@ -253,15 +253,20 @@ def run_parameter_server(options: ParameterServerOptions) -> int:
 
 
 def run_embedding_worker(options: EmbeddingWorkerOptions) -> int:
+    from persia_py.wire.address_book import book_at, servers_now
     from persia_py.workers.embedding_worker import EmbeddingWorker
     from persia_py.workers.embedding_worker_service import create_embedding_worker_server
     from persia_py.workers.ps_client import PSClient
 
     global_config, embedding_config = _server_configs(options)
-    ps_addrs = options.ps_addrs.split(",") if options.ps_addrs else PersiaEnv.from_environ().ps_addrs
+    env = PersiaEnv.from_environ()
+    ps_addrs = options.ps_addrs.split(",") if options.ps_addrs else env.ps_addrs
     if not ps_addrs:
         raise ConfigError(f"--ps-addrs (or {ENV_PS_ADDRS}) is required")
-    clients = [PSClient(a, global_config.common_config) for a in ps_addrs]
+    # With the job's address book, each replica where the book has it now (a restart after
+    # one moved) and again wherever it moves (persia_py/wire/address_book.py).
+    clients = [PSClient(a, global_config.common_config, book=e)
+               for a, e in servers_now(ps_addrs, book_at(env.address_book))]
     for c in clients:
         c.wait_ready()
     from persia_py.workers.metrics import EmbeddingWorkerMetrics

@@ -15,6 +15,7 @@ from datetime import datetime
 
 from persia_py.ops.private_files import UnsafeFolderError, private_folder
 from persia_py.ops.start_checks import Written, check_writable
+from persia_py.wire.address_book import ADDRESS_BOOK_FILE
 
 
 def make_run_folder(given: str | None) -> tuple[str, str]:
@@ -38,6 +39,11 @@ def make_run_folder(given: str | None) -> tuple[str, str]:
 def update_log_folder(run_dir: str, index: int) -> str:
     """Where parameter server ``index`` keeps its update log."""
     return os.path.join(run_dir, f"ps-{index}-updates")
+
+
+def address_book_file(run_dir: str) -> str:
+    """Where the job's address book is (persia_py/wire/address_book.py)."""
+    return os.path.join(run_dir, ADDRESS_BOOK_FILE)
 
 
 def handover_log_file(run_dir: str, index: int) -> str:

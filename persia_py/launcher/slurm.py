@@ -11,6 +11,9 @@ alone by the job itself, as under ``local`` (:mod:`persia_py.launcher.slurm_run`
 ``#SBATCH --requeue``: a requeued job runs the script again, which resumes from the newest
 checkpoint. The run folder (``--run-dir``) must be on a file system every node mounts at
 the same path: it holds the job token (mode 0600), the roles' logs and the Slurm output.
+With ``--spare-nodes N`` component 0 has N more nodes and the script asks for
+``--no-kill``: a parameter server whose node is lost moves to a spare
+(:mod:`persia_py.launcher.slurm_spares`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class SlurmJob:
     time_limit: str | None = None
     port_base: int = 23000
     gpus_per_node: int = 0
+    spare_nodes: int = 0
+    """Nodes of component 0 that run no role at first: a parameter server whose node is
+    lost is started on one (:mod:`persia_py.launcher.slurm_spares`)."""
     flags: tuple[str, ...] = ()
     """The job's flags, as ``slurm-run`` takes them again inside the allocation."""
 
@@ -54,6 +60,8 @@ class SlurmJob:
                              "every node mounts at the same path")
         if self.ps_nodes < 1:
             raise SystemExit(f"--ps-nodes must be >= 1; got {self.ps_nodes}")
+        if self.spare_nodes < 0:
+            raise SystemExit(f"--spare-nodes must be >= 0; got {self.spare_nodes}")
         if not 1024 <= self.port_base <= 65535 - 400:
             raise SystemExit(f"--port-base {self.port_base}: between 1024 and {65535 - 400}")
 
@@ -81,7 +89,11 @@ def render_script(spec: SlurmJob) -> str:
              "#SBATCH --open-mode=append", "#SBATCH --requeue"]
     if spec.time_limit:
         lines.append(f"#SBATCH --time={spec.time_limit}")
-    lines += _component(spec.ps_partition, spec.ps_nodes)
+    if spec.spare_nodes:
+        # A lost node leaves the allocation, not the job: its parameter servers move to
+        # a spare (without spares Slurm ends the job and requeues it).
+        lines.append("#SBATCH --no-kill")
+    lines += _component(spec.ps_partition, spec.ps_nodes + spec.spare_nodes)
     lines.append("#SBATCH hetjob")
     lines += _component(spec.worker_partition, spec.job.nn_nodes, spec.gpus_per_node)
     run = [*LAUNCHER, "slurm-run", *spec.flags]
@@ -123,6 +135,12 @@ def add_slurm_flags(p: argparse.ArgumentParser, *, render: bool) -> None:
                         "path: job token (mode 0600), roles' logs, Slurm's output")
     p.add_argument("--ps-nodes", type=int, default=1,
                    help="nodes of the parameter servers (component 0), round robin")
+    p.add_argument("--spare-nodes", type=int, default=0,
+                   help="more nodes of the parameter servers' component, idle at first "
+                        "(the job's supervisor runs on the first): a parameter server whose "
+                        "node is lost starts on one, from its checkpoint and update log, and "
+                        "the other roles find it there (default: 0; a lost node ends the "
+                        "job, which Slurm requeues)")
     p.add_argument("--ps-partition", default=None,
                    help="partition of the parameter servers (default: Slurm's default)")
     p.add_argument("--worker-partition", default=None,

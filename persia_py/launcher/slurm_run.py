@@ -25,6 +25,7 @@ SIGTERM of its own into SIGKILL, but passes SIGUSR2 on). All within Slurm's ``Ki
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -39,8 +40,11 @@ from persia_py.launcher.role_kinds import (
     PARAMETER_SERVER,
     RoleKind,
 )
+from persia_py.launcher.run_folder import address_book_file
 from persia_py.launcher.slurm import PORT_OFFSETS, SlurmJob
+from persia_py.launcher.slurm_spares import SpareNodes
 from persia_py.launcher.stop_signals import ENV_STOP_SIGNALS
+from persia_py.wire.address_book import AddressBook
 
 __all__ = ["run_in_allocation", "slurm_layout"]
 
@@ -75,10 +79,16 @@ def slurm_layout(spec: SlurmJob, environ: Mapping[str, str] = os.environ) -> Lay
     if len(groups[1]) != spec.job.nn_nodes:
         raise SystemExit(f"slurm-run: component 1 has {len(groups[1])} nodes, the job "
                          f"{spec.job.nn_nodes} NN-worker nodes")
+    if len(groups[0]) <= spec.spare_nodes:
+        raise SystemExit(f"slurm-run: component 0 has {len(groups[0])} nodes, not more than "
+                         f"--spare-nodes {spec.spare_nodes}")
+    # The spares first: the supervisor (this node) runs on the first of them, and a
+    # parameter server's lost node never takes it along (persia_py/launcher/slurm_spares.py).
+    placed = [groups[0][spec.spare_nodes:], groups[1]]
     hosts: dict[RoleKind, list[str]] = {}
     ports: dict[RoleKind, list[int]] = {}
     for kind, group in _GROUP.items():
-        nodes = groups[group]
+        nodes = placed[group]
         hosts[kind] = [nodes[i % len(nodes)] for i in range(spec.job.replicas(kind))]
         ports[kind] = [spec.port_base + PORT_OFFSETS[kind.short] + i
                        for i in range(spec.job.replicas(kind))]
@@ -100,9 +110,19 @@ def slurm_layout(spec: SlurmJob, environ: Mapping[str, str] = os.environ) -> Lay
 
     rendezvous = (f"{groups[1][0]}:{spec.port_base + PORT_OFFSETS['rendezvous']}"
                   if len(groups[1]) > 1 else None)
-    return Layout(hosts=hosts, ports=ports, bind="0.0.0.0", launch=launch,
-                  rendezvous=rendezvous, rendezvous_id=spec.job_name,
-                  stop_signal=signal.SIGUSR2)
+    layout = Layout(hosts=hosts, ports=ports, bind="0.0.0.0", launch=launch,
+                    rendezvous=rendezvous, rendezvous_id=spec.job_name,
+                    stop_signal=signal.SIGUSR2)
+    if not spec.spare_nodes:
+        return layout
+    spares = SpareNodes(layout, groups[0][:spec.spare_nodes],
+                        AddressBook(address_book_file(spec.run_dir)),
+                        environ.get("SLURM_JOB_ID"), _log)
+    return dataclasses.replace(layout, lost=spares.lost, relocate=spares.relocate)
+
+
+def _log(message: str) -> None:
+    print(f"[launcher] {message}", flush=True)
 
 
 def run_in_allocation(spec: SlurmJob, options: LocalOptions) -> int:

@@ -23,6 +23,7 @@ from google.protobuf import descriptor_pool
 from persia_py.config import CommonConfig
 from persia_py.wire import codec
 from persia_py.wire import raw_methods as wire_rpc
+from persia_py.wire.address_book import BookEntry
 from persia_py.wire.security import TransportSecurity
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ dying, or restarting) cancels the calls it holds, such as an NN worker's long po
 its next batch; the role is restarted and answers again, so to the caller it is an
 outage like UNAVAILABLE, not a reason to fail."""
 _GONE = frozenset([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+_BOOK_POLL_SEC = 5.0
+"""How often a client that may move and waits for its server to start looks in its book."""
 
 
 class NotFound(LookupError):
@@ -218,6 +221,14 @@ class OutageLog:
         logger.warning("%s unavailable (%s); waiting and retrying until the call's deadline "
                        "(%.0f s, common_config.rpc_timeout_sec)", what, details, timeout)
 
+    def moved(self, what: str, to: str) -> None:
+        """The service is reached at another address now (``to``): its outage under the
+        old name ends there."""
+        with self._lock:
+            since = self._down_since.pop(what, None)
+        logger.warning("%s moved to %s%s; calls go on there", what, to,
+                       "" if since is None else f" after {time.monotonic() - since:.1f} s")
+
     def recovered(self, what: str) -> None:
         if what not in self._down_since:  # the common case, without the lock
             return
@@ -248,6 +259,7 @@ def call(
     idempotent: bool,
     what: str,
     outages: OutageLog | None = None,
+    redial: Callable[[], tuple[Callable[..., Any], str] | None] | None = None,
 ) -> Any:
     """Call ``method`` with a deadline; retry idempotent calls on :data:`RETRYABLE` codes.
 
@@ -258,6 +270,12 @@ def call(
     Attempts fail fast while the server is unreachable (no ``wait_for_ready``: clients
     wait for their servers once, at start-up), so an outage is logged (``outages``, once
     per outage of the service) and the call keeps retrying until the server is back.
+
+    ``redial`` (idempotent calls): asked, each time an attempt finds the server gone
+    (UNAVAILABLE, CANCELLED, no answer by the deadline), whether the server moved
+    (:mod:`persia_py.wire.address_book`); it answers None, or the method at the new
+    address and its new ``what``: the call goes on there, with a whole ``timeout`` again.
+    Calls that never fail never ask.
     """
     outages = outages if outages is not None else OutageLog()
     deadline = time.monotonic() + timeout
@@ -273,6 +291,13 @@ def call(
             retryable = code in RETRYABLE if idempotent else code == grpc.StatusCode.RESOURCE_EXHAUSTED
             if code == grpc.StatusCode.CANCELLED and _closed_here(exc):
                 raise  # this client closed its channel: nobody is left to wait
+            moved = (redial() if redial is not None and idempotent
+                     and code in (*_GONE, grpc.StatusCode.DEADLINE_EXCEEDED) else None)
+            if moved is not None:
+                outages.moved(what, moved[1])
+                method, what = moved
+                deadline, delay = time.monotonic() + timeout, 0.01
+                continue
             if _over_size_limit(exc):  # the same message would be refused again
                 logger.error("%s: %s; raise common_config.max_message_bytes on both sides "
                              "or send smaller batches", what, exc.details())
@@ -306,11 +331,20 @@ class ServiceClient:
     """Attribute -> ``(service descriptor, method, response class, parse the response)``:
     methods whose big messages skip protobuf's copies (:func:`persia_py.wire.raw_methods.unary`)."""
 
-    def __init__(self, address: str, common: CommonConfig) -> None:
-        self.address = address
+    def __init__(self, address: str, common: CommonConfig, *,
+                 book: BookEntry | None = None) -> None:
         self.common = common
-        self.channel = create_channel(address, common)
         self._outages = OutageLog()
+        self._book = book
+        """Where the service's address is kept, when it may move (None: it never does)."""
+        self._redial_lock = threading.RLock()
+        self._retired: list[grpc.Channel] = []
+        self._dial(address)
+
+    def _dial(self, address: str) -> None:
+        """A channel to ``address``, with the stub and wire methods on it."""
+        self.address = address
+        self.channel = create_channel(address, self.common)
         self.stub = self.stub_class(self.channel)
         for attribute, (service, method, response, parse) in self.wire_methods.items():
             setattr(self, attribute, wire_rpc.unary(self.channel, service, method,
@@ -318,17 +352,74 @@ class ServiceClient:
                                                     parse_response=parse))
 
     def wait_ready(self) -> None:
-        """Block until the service is reachable (``common_config.startup_timeout_sec``)."""
-        wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
+        """Block until the service is reachable (``common_config.startup_timeout_sec``);
+        a client that may move looks in its book every few seconds meanwhile."""
+        if self._book is None:
+            wait_for_ready(self.channel, self.address, self.common.startup_timeout_sec)
+            return
+        deadline = time.monotonic() + self.common.startup_timeout_sec
+        while True:
+            try:
+                wait_for_ready(self.channel, self.address,
+                               min(_BOOK_POLL_SEC, max(deadline - time.monotonic(), 0.001)))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"service at {self.address} not reachable within "
+                        f"{self.common.startup_timeout_sec:.0f}s") from None
+                self._follow_book()
 
-    def _call(self, method: Callable[..., Any], request: Any, *, idempotent: bool,
+    def _call(self, method: Callable[..., Any] | str, request: Any, *, idempotent: bool,
               timeout: float | None = None) -> Any:
-        return call(method, request, timeout=timeout or self.common.rpc_timeout_sec,
-                    idempotent=idempotent, what=f"{self.service_name} {self.address}",
-                    outages=self._outages)
+        """``method``: a callable, or the name of one on this client's stub or on itself
+        (``"stub.Stats"``, ``"_lookup"``), which a client that may move (``book``) finds
+        again on its new channel; a callable is called as it is (one that looks up this
+        client's methods itself, as it runs, follows too)."""
+        redial = (None if self._book is None
+                  else functools.partial(self._redial, method, [self.address]))
+        return call(self._method(method), request,
+                    timeout=timeout or self.common.rpc_timeout_sec, idempotent=idempotent,
+                    what=f"{self.service_name} {self.address}", outages=self._outages,
+                    redial=redial)
+
+    def _method(self, method: Callable[..., Any] | str) -> Callable[..., Any]:
+        if not isinstance(method, str):
+            return method
+        if method.startswith("stub."):
+            return getattr(self.stub, method[5:])
+        return getattr(self, method)
+
+    def _redial(self, method: Callable[..., Any] | str,
+                used: list[str]) -> tuple[Callable[..., Any], str] | None:
+        """After a failed attempt at ``used[0]`` (the address the call is at, updated
+        here): if the book says the service is elsewhere, dial it there (once, whichever
+        thread sees it first); the method there and its name in logs, or None (it has
+        not moved since the call went there)."""
+        with self._redial_lock:
+            self._follow_book()
+            if self.address == used[0]:
+                return None
+            used[0] = self.address
+            return self._method(method), f"{self.service_name} {self.address}"
+
+    def _follow_book(self) -> None:
+        """Dial the address the book has now, if it is not this client's."""
+        assert self._book is not None
+        with self._redial_lock:
+            version, address = self._book.current()
+            if address == self.address:
+                return
+            logger.warning("%s %s: the address book (version %d) has it at %s; redialling",
+                           self.service_name, self.address, version, address)
+            # Calls of other threads may still run on the old channel: it is closed with
+            # the client, not now (closing it would fail them at once).
+            self._retired.append(self.channel)
+            self._dial(address)
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in [*self._retired, self.channel]:
+            channel.close()
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
