@@ -53,6 +53,8 @@ checks that the record holds the id the index pointed to (:class:`CorruptTier`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
@@ -367,9 +369,17 @@ class DiskTier:
         return found, slots, np.ascontiguousarray(rows["weights"]), state
 
     def scan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every stored row, ``(ids, weights, state)``, in log order (for checkpoints);
-        sequential reads of the whole log."""
-        parts = []
+        """Every stored row, ``(ids, weights, state)``, in log order; sequential reads of
+        the whole log (:meth:`scan_chunks`, concatenated)."""
+        parts = list(self.scan_chunks())
+        if not parts:
+            return (np.zeros(0, np.uint64), np.zeros((0, self.dim), self.weight_dtype),
+                    np.zeros((0, self.state_width), np.float32))
+        return tuple(np.concatenate(p) for p in zip(*parts))  # type: ignore[return-value]
+
+    def scan_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Every stored row as ``(ids, weights, state)`` chunks in log order, one per
+        sequential read of up to 16 MiB (checkpoints stream them to their files)."""
         rpb = self.rows_per_block
         step = max(1, _SCAN_BLOCKS_BYTES // self.file.block_bytes)
         for first in range(0, self.file.num_blocks, step):
@@ -383,13 +393,11 @@ class DiskTier:
             if not np.array_equal(rows["id"], self.slot_ids[first * rpb:(first + n) * rpb][live]):
                 raise CorruptTier("disk tier: a scanned record does not hold the id its "
                                   "slot should; the tier file is corrupt")
-            parts.append(rows)
-        rows = np.concatenate(parts) if parts else np.zeros(0, self.record)
-        self.num_read += rows.shape[0]
-        state = (np.ascontiguousarray(rows["state"]) if self.state_width
-                 else np.zeros((rows.shape[0], 0), np.float32))
-        return (np.ascontiguousarray(rows["id"]), np.ascontiguousarray(rows["weights"]),
-                state)
+            self.num_read += rows.shape[0]
+            state = (np.ascontiguousarray(rows["state"]) if self.state_width
+                     else np.zeros((rows.shape[0], 0), np.float32))
+            yield (np.ascontiguousarray(rows["id"]), np.ascontiguousarray(rows["weights"]),
+                   state)
 
     def _check_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> None:
         n = ids.shape[0]
