@@ -32,14 +32,19 @@ Adagrad accumulator) through this tier's page file, LMDB (``lmdb``: ``putmulti``
 those two only if installed. Bytes read from the device per row come from
 ``/proc/self/io``.
 
+4. **Checkpoint.** The tier's table (after its steps) dumped as a checkpoint writes it
+   and loaded into a fresh table with a tier (:func:`checkpoint_speed`):
+   ``checkpoint_dump_gb_per_s``, ``checkpoint_load_gb_per_s`` and
+   ``checkpoint_gb_per_s`` (the slower) in GB/s of the rows' checkpoint bytes.
+
 Keys not measured yet (issue 42 asks for them; the JSON has them as null):
-``disk_utilization`` (the embedding-heavy workload), ``auc_delta_adult``,
-``checkpoint_gb_per_s``.
+``disk_utilization`` (the embedding-heavy workload), ``auc_delta_adult``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -51,10 +56,12 @@ from pathlib import Path
 import numpy as np
 
 from persia_py.config import DiskTierConfig
+from persia_py.ops import safe_files
 from persia_py.servers.disk_tier import DEFAULT_FREE_FRACTION, DiskTier
 from persia_py.servers.optimizers import AdagradConfig
 from persia_py.servers.page_file import PageFile, aligned_empty
 from persia_py.servers.storage import EmbeddingTable
+from persia_py.servers.table_files import TableFiles, row_chunks, write_table
 
 DIM = 64
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # rank -> id: odd multiplier, a bijection mod 2**64
@@ -313,6 +320,41 @@ def _steps(table: EmbeddingTable, sampler: ZipfIds, batches: int, batch: int,
             "distinct_ids_per_batch": distinct / batches, "delta": delta, "after": after}
 
 
+def checkpoint_speed(table: EmbeddingTable, directory: str, ram_rows: int, rows: int,
+                     free_fraction: float) -> dict:
+    """Dump ``table`` (most of its rows on disk) as a checkpoint does (its four files, rows
+    streamed from RAM and from the tier's sequential reads, O_DIRECT, fsync'd), then load
+    them into a fresh table with a tier (RAM's share in RAM, the rest written to its
+    tier); GB/s of the rows' checkpoint bytes each way (``checkpoint_gb_per_s``: the
+    slower)."""
+    work = tempfile.mkdtemp(prefix="persia-tier-ckpt-", dir=directory)
+    fresh = _table(ram_rows, directory, rows)
+    try:
+        with safe_files.opened_dir(None, work) as fd:
+            t0 = time.perf_counter()
+            description, num_bytes = write_table(fd, "t0", table)
+            dump = time.perf_counter() - t0
+            with contextlib.ExitStack() as stack:
+                t0 = time.perf_counter()
+                files = TableFiles(fd, description, "t0", None, stack)
+                loaded = fresh.load_chunks(row_chunks([files]))
+                load = time.perf_counter() - t0
+        on_disk = fresh.disk_stats()["disk_rows"]
+    finally:
+        fresh.close()
+        shutil.rmtree(work, ignore_errors=True)
+    if loaded != description["num_rows"]:
+        raise RuntimeError(f"loaded {loaded} rows of {description['num_rows']}")
+    print(f"checkpoint of {loaded:,} rows ({on_disk:,} to disk on load), {num_bytes / 1e9:.2f} "
+          f"GB: dump {dump:.2f}s ({num_bytes / dump / 1e9:.2f} GB/s), load {load:.2f}s "
+          f"({num_bytes / load / 1e9:.2f} GB/s)")
+    return {"checkpoint_rows": loaded, "checkpoint_bytes": num_bytes,
+            "checkpoint_rows_on_disk": on_disk,
+            "checkpoint_dump_gb_per_s": num_bytes / dump / 1e9,
+            "checkpoint_load_gb_per_s": num_bytes / load / 1e9,
+            "checkpoint_gb_per_s": num_bytes / max(dump, load) / 1e9}
+
+
 def run_tier(args: argparse.Namespace) -> dict:
     rows = args.rows or (50_000 if args.smoke else 5_000_000)
     batches, batch = (20, 2_000) if args.smoke else (100, 20_000)
@@ -337,6 +379,9 @@ def run_tier(args: argparse.Namespace) -> dict:
             results[name] = _steps(table, ZipfIds(rows, 1.05, seed=2), batches, batch,
                                    ram_rows)
             results[name]["fill_seconds"] = fill
+            if tier_dir is not None:
+                figures.update(checkpoint_speed(table, args.dir, ram_rows, rows,
+                                                args.free_fraction))
         finally:
             table.close()
         print(f"{name}: filled {rows:,} rows in {fill:.1f}s; "
@@ -364,7 +409,7 @@ def run_tier(args: argparse.Namespace) -> dict:
         "disk_evicted": after["disk_evicted"],
         "relocated_per_spilled": delta["disk_relocated"] / max(delta["spilled"], 1),
         # Not measured yet (issue 42): the embedding-heavy workload, UCI Adult, checkpoints.
-        "disk_utilization": None, "auc_delta_adult": None, "checkpoint_gb_per_s": None,
+        "disk_utilization": None, "auc_delta_adult": None,
     })
     for key, value in figures.items():
         print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")

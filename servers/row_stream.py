@@ -122,6 +122,11 @@ def _plan_shard(shard: Shard, ids: np.ndarray, stamps: np.ndarray, clock: int
         rows = np.full(n, -1, np.int64)
         rows[ram] = np.arange(ram.shape[0], dtype=np.int64)
         ram_ids, ram_stamps = ids[ram], stamps[ram]
+        # The tier's index sized for its rows at once: grown step by step (as spills
+        # grow it) it would be rehashed some 50 times on the way to millions of rows.
+        assert shard.tier is not None
+        empty = np.zeros(0, np.uint64)
+        shard.tier.index.rebuild(empty, np.zeros(0, np.int64), room=n - ram.shape[0])
     n_ram = ram_ids.shape[0]
     shard._reserve(n_ram)
     shard.last_access[:n_ram] = shard.clock.relative(ram_stamps, clock, shard.last_access[:0])
