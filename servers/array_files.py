@@ -127,7 +127,7 @@ class NpyWriter:
         self.fd = os.open(name, _FLAGS_WRITE, 0o640, dir_fd=dir_fd)
         try:
             self.direct = _set_direct(self.fd)
-            size = max(rows_per_chunk * self.row_bytes, ALIGN)
+            size = max(rows_per_chunk, 1) * max(self.row_bytes, 1)  # whole rows
             self._buffers = [aligned_empty((size,)), aligned_empty((size,))]
         except BaseException:
             os.close(self.fd)
@@ -142,18 +142,25 @@ class NpyWriter:
         """The write of the other buffer, in flight (returns its chunk's lanes64)."""
 
     def append(self, rows: np.ndarray) -> None:
-        """Append ``rows`` (``(k, *row_shape)`` of the file's dtype)."""
+        """Append ``rows`` (``(k, *row_shape)`` of the file's dtype; any strides: they are
+        copied once, into the chunk buffer)."""
         if rows.dtype != self.dtype or rows.shape[1:] != self.row_shape:
             raise ValueError(f"{self.name}: rows must be {self.dtype} (k, *{self.row_shape}),"
                              f" got {rows.dtype} {rows.shape}")
-        raw = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
-        done, size = 0, self.buffer.shape[0]
-        while done < raw.shape[0]:
-            take = min(size - self.fill, raw.shape[0] - done)
-            self.buffer[self.fill:self.fill + take] = raw[done:done + take]
-            self.fill += take
+        if self.row_bytes == 0:
+            self.num_rows += rows.shape[0]
+            return
+        per_chunk = self.buffer.shape[0] // self.row_bytes
+        done = 0
+        while done < rows.shape[0]:
+            at = self.fill // self.row_bytes
+            take = min(per_chunk - at, rows.shape[0] - done)
+            end = self.fill + take * self.row_bytes
+            self.buffer[self.fill:end].view(self.dtype).reshape(take, *self.row_shape)[:] = (
+                rows[done:done + take])
+            self.fill = end
             done += take
-            if self.fill == size:
+            if at + take == per_chunk:
                 self._flush()
         self.num_rows += rows.shape[0]
 

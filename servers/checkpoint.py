@@ -1,15 +1,17 @@
 """Dump and load the tables of one parameter-server replica (see ``persia_py.checkpoint.layout``).
 
 A replica writes ``ps-<r>.json`` (its index, the replica count, the optimizer settings,
-each table's dim, state width, row storage type, row count and files, the exactly-once
-window) and four ``.npy`` files per table; weights are written as stored (float16 rows:
-half the bytes; bfloat16 rows as their uint16 bits), and a table loads into whatever
-storage type its slot has now, converted once. Loading reads every replica's files of a checkpoint and keeps
-the rows whose ``replica_of(id, M)`` is this replica's index, so a checkpoint taken with
-N replicas loads into M: re-sharding needs nothing more. Rows keep their optimizer state
-and LRU clock, so training continues as if never stopped; the exactly-once window of
-``(worker id, sequence)`` is saved and restored with them. Only the replica's state
-interface is used (``ParameterServer.state_dict`` / ``load_state_dict``).
+each table's dim, state width, row storage type, row count, files and their checksums,
+the exactly-once window) and four ``.npy`` files per table, streamed from the live table
+and read back chunk by chunk (:mod:`persia_py.servers.table_files`); weights are written
+as stored (float16 rows: half the bytes; bfloat16 rows as their uint16 bits), and a
+table loads into whatever storage type its slot has now, converted once. Loading reads
+every replica's files of a checkpoint and keeps the rows whose ``replica_of(id, M)`` is
+this replica's index, so a checkpoint taken with N replicas loads into M: re-sharding
+needs nothing more. Rows keep their optimizer state and LRU clock, so training continues
+as if never stopped; the exactly-once window of ``(worker id, sequence)`` is saved and
+restored with them. Only the replica's state interface is used
+(``ParameterServer.state_dict`` / ``load_state_dict``).
 
 **Trust.** Over gRPC a server reads and writes only inside its checkpoint root
 (:class:`CheckpointRoot`: ``--checkpoint-root``, else ``checkpoint_config.root``, else its
@@ -27,7 +29,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -88,12 +90,15 @@ def _folder(directory: int | str | os.PathLike) -> Iterator[int]:
 
 
 def write_replica(dir_fd: int, state: ReplicaState, replica_index: int,
-                  replica_size: int) -> tuple[list[str], int, int]:
+                  replica_size: int, window: Callable[[], dict[str, np.ndarray]] | None = None
+                  ) -> tuple[list[str], int, int]:
     """Write ``state`` as replica ``replica_index``'s files into folder ``dir_fd`` (new
     files only; a table's rows a dict of arrays, or the live table, streamed:
     :func:`persia_py.servers.table_files.write_table`); returns (the file names,
     ``ps-<r>.json`` last; rows; bytes). The one writer of checkpoints and incremental
-    exports."""
+    exports. ``window``: the exactly-once window to write, taken once the rows are
+    written (live tables are streamed: as a copy, the window comes after the rows);
+    None: ``state.seen``."""
     r = replica_index
     names: list[str] = []
     tables, num_rows, num_bytes = {}, 0, 0
@@ -108,7 +113,8 @@ def write_replica(dir_fd: int, state: ReplicaState, replica_index: int,
     # The exactly-once window, least recently updating worker first. File names are
     # numbered: a worker id is a value in the JSON, never part of a name.
     seen = []
-    for k, (worker_id, sequences) in enumerate(state.seen.items()):
+    for k, (worker_id, sequences) in enumerate((state.seen if window is None
+                                                else window()).items()):
         file = f"ps-{r}-seen{k}.npy"
         num_bytes += safe_files.save_array_at(dir_fd, file, sequences)
         names.append(file)
@@ -148,7 +154,7 @@ def dump_replica(ps: ParameterServer, directory: int | str | os.PathLike, *,
         state = ps.state_dict(stream=True)
         with safe_files.private_dir(fd) as private:
             names, num_rows, num_bytes = write_replica(private, state, ps.replica_index,
-                                                       ps.replica_size)
+                                                       ps.replica_size, ps.export_seen)
             safe_files.move_into(private, fd, names)
     logger.info("replica %d dumped %d rows (%.1f MB) in %.2fs", ps.replica_index, num_rows,
                 num_bytes / 1e6, time.perf_counter() - started)

@@ -217,6 +217,28 @@ class DiskTier:
         self._maybe_rebuild()
         return np.concatenate(gone) if gone else np.zeros(0, np.uint64)
 
+    def append(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> None:
+        """Store rows (distinct, none stored here) at the head of a tier only ever appended
+        to since it was made: a checkpoint's load into a fresh table. One sequential write
+        of whole blocks, no segment compacted, no row replaced (:meth:`write` would look
+        for the emptiest segment, an O(slots) count, at every segment boundary)."""
+        n = ids.shape[0]
+        self._check_rows(ids, weights, state)
+        if self.num_rows != self.head or self.head + n > min(self.num_slots,
+                                                              self.capacity_rows):
+            raise ValueError(f"append: {n} rows do not follow the {self.num_rows} of a tier "
+                             f"only appended to, within its {self.capacity_rows} rows")
+        if n == 0:
+            return
+        first, last = self.head // self.segment_slots, (self.head + n - 1) // self.segment_slots
+        for seg in range(first, last + 1):  # opened in order, as write() opens empty ones
+            if seg > first or self.head % self.segment_slots == 0:
+                self._num_opened += 1
+                self.segment_epoch[seg] = self._num_opened
+        self._write_at(self.head, ids, weights, state)
+        self.head += n
+        self.num_written += n
+
     def _live_per_segment(self) -> np.ndarray:
         return np.count_nonzero(
             self.slot_ids.reshape(self.num_segments, self.segment_slots) != EMPTY, axis=1)
@@ -379,7 +401,8 @@ class DiskTier:
 
     def scan_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Every stored row as ``(ids, weights, state)`` chunks in log order, one per
-        sequential read of up to 16 MiB (checkpoints stream them to their files)."""
+        sequential read of up to 16 MiB (checkpoints stream them to their files); views
+        of one array of records, valid until the next chunk is asked for."""
         rpb = self.rows_per_block
         step = max(1, _SCAN_BLOCKS_BYTES // self.file.block_bytes)
         for first in range(0, self.file.num_blocks, step):
@@ -394,10 +417,9 @@ class DiskTier:
                 raise CorruptTier("disk tier: a scanned record does not hold the id its "
                                   "slot should; the tier file is corrupt")
             self.num_read += rows.shape[0]
-            state = (np.ascontiguousarray(rows["state"]) if self.state_width
+            state = (rows["state"] if self.state_width
                      else np.zeros((rows.shape[0], 0), np.float32))
-            yield (np.ascontiguousarray(rows["id"]), np.ascontiguousarray(rows["weights"]),
-                   state)
+            yield rows["id"], rows["weights"], state  # strided views of the records
 
     def _check_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> None:
         n = ids.shape[0]

@@ -231,7 +231,7 @@ def _store_part(shard: Shard, ids: np.ndarray, pos: np.ndarray, rows: np.ndarray
         if not everything:
             disk = at[~ram]
             assert shard.tier is not None
-            shard.tier.write(ids[pos[~ram]], weights[disk], state[disk])
+            shard.tier.append(ids[pos[~ram]], weights[disk], state[disk])
 
 
 def _check_chunk(table: EmbeddingTable, weights: np.ndarray, state: np.ndarray,

@@ -110,3 +110,44 @@ def test_a_damaged_file_is_refused_by_name_and_changes_nothing(tmp_path, damage)
     got = _rows(target)
     for key in kept:
         assert np.array_equal(kept[key], got[key]), key
+
+
+def test_rows_on_disk_stream_out_and_back_into_a_tiered_server(tmp_path) -> None:
+    """A server with most rows on its disk tier dumps them (read sequentially from the
+    tier) and loads into a fresh tiered server: RAM's share in RAM, the rest appended to
+    its tier; every row bit-identical, and training goes on (spills after the load)."""
+    from persia_py.config import DiskTierConfig
+
+    rows, ram = 40_000, 4_000
+    (tmp_path / "tier").mkdir()
+
+    def server() -> ParameterServer:
+        cfg = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
+            num_hashmap_internal_shards=2, capacity=ram,
+            disk_tier=DiskTierConfig(path=str(tmp_path / "tier"), capacity_rows=rows)))
+        embedding = EmbeddingTablesConfig(slots_config={"item": SlotConfig(dim=DIM)},
+                                          row_dtype="float16")
+        ps = ParameterServer(cfg, embedding)
+        ps.configure(optimizer={"type": "adagrad", "lr": 0.1}, seed=7)
+        return ps
+
+    before = server()
+    rng = np.random.default_rng(3)
+    ids = rng.choice(2**62, size=rows, replace=False).astype(np.uint64)
+    for part in np.array_split(ids, 40):
+        before.lookup([("item", part)], training=True)
+        before.update([("item", part, rng.normal(size=(part.size, DIM)).astype(np.float32))])
+    assert before.disk_stats()["item"]["disk_rows"] > rows // 2
+    want = _rows([before])
+    _dump([before], tmp_path / "ckpt")
+    after = server()
+    load_replica(after, tmp_path / "ckpt")
+    assert after.disk_stats()["item"]["disk_rows"] == rows - after.stats()["item"]["entries"]
+    got = _rows([after])
+    for key in ("ids", "weights", "state"):
+        assert np.array_equal(want[key], got[key]), key
+    new = rng.choice(2**62, size=3 * ram, replace=False).astype(np.uint64) | np.uint64(1)
+    for part in np.array_split(new, 12):  # spills past the appended rows
+        after.lookup([("item", part)], training=True)
+    back = after.lookup([("item", ids[:500])], training=False)[0]
+    assert np.array_equal(back, before.lookup([("item", ids[:500])], training=False)[0])
