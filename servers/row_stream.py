@@ -30,7 +30,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -40,8 +40,10 @@ from persia_py.servers.row_transfer import check_stamps
 from persia_py.servers.row_types import kernel_view
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
+    from persia_py.servers.lookup_clock import LookupClock
     from persia_py.servers.shard import Shard
-    from persia_py.servers.storage import EmbeddingTable
 
 __all__ = ["RowChunks", "RowSink", "load_table", "stream_table"]
 
@@ -51,6 +53,33 @@ RowSink = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 """Takes ``(ids, weights, state, last_access)`` of some rows (views valid for the call):
 uint64 ``[k]``, ``[k, dim]`` as stored, float32 ``[k, state width]``, int64 absolute
 clock values ``[k]``."""
+
+class EmbeddingTable(Protocol):
+    """What this module reads of :class:`persia_py.servers.storage.EmbeddingTable` (which
+    imports it)."""
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def state_width(self) -> int: ...
+
+    @property
+    def row_dtype(self) -> str: ...
+
+    @property
+    def _shards(self) -> list[Shard]: ...
+
+    @property
+    def _clock(self) -> LookupClock: ...
+
+    @property
+    def _executor(self) -> Executor | None: ...
+
+    def _check_ids(self, ids: np.ndarray) -> np.ndarray: ...
+
+    def _split_by_shard(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
 
 _SLICE_ROWS = 1 << 16
 """Rows per slice of a shard's RAM rows handed to a sink."""

@@ -124,7 +124,7 @@ def test_rows_on_disk_stream_out_and_back_into_a_tiered_server(tmp_path) -> None
     def server() -> ParameterServer:
         cfg = GlobalConfig(embedding_parameter_server_config=ParameterServerConfig(
             num_hashmap_internal_shards=2, capacity=ram,
-            disk_tier=DiskTierConfig(path=str(tmp_path / "tier"), capacity_rows=rows)))
+            disk_tier=DiskTierConfig(path=str(tmp_path / "tier"), capacity_rows=2 * rows)))
         embedding = EmbeddingTablesConfig(slots_config={"item": SlotConfig(dim=DIM)},
                                           row_dtype="float16")
         ps = ParameterServer(cfg, embedding)
@@ -149,5 +149,6 @@ def test_rows_on_disk_stream_out_and_back_into_a_tiered_server(tmp_path) -> None
     new = rng.choice(2**62, size=3 * ram, replace=False).astype(np.uint64) | np.uint64(1)
     for part in np.array_split(new, 12):  # spills past the appended rows
         after.lookup([("item", part)], training=True)
+    assert after.disk_stats()["item"]["disk_evicted"] == 0  # the disk kept every row
     back = after.lookup([("item", ids[:500])], training=False)[0]
     assert np.array_equal(back, before.lookup([("item", ids[:500])], training=False)[0])
