@@ -132,8 +132,15 @@ def _check_recovery(result: dict) -> None:
         assert result[key] is not None and result[key] >= 0, (key, result)
 
 
+def _check_disk_tier(result: dict) -> None:
+    # Every row (most on disk) went through the checkpoint files and back.
+    assert result["checkpoint_rows"] == result["rows"]
+    assert result["checkpoint_rows_on_disk"] > result["rows"] // 2
+    assert result["checkpoint_gb_per_s"] > 0
+
+
 CHECKS = {"ps_load": _check_ps_load, "hash_flood": _check_hash_flood,
-          "recovery": _check_recovery}
+          "recovery": _check_recovery, "disk_tier": _check_disk_tier}
 """What a smoke run's figures must show beyond a clean exit, where that is machine-free."""
 
 
