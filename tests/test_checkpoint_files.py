@@ -152,3 +152,25 @@ def test_rows_on_disk_stream_out_and_back_into_a_tiered_server(tmp_path) -> None
     assert after.disk_stats()["item"]["disk_evicted"] == 0  # the disk kept every row
     back = after.lookup([("item", ids[:500])], training=False)[0]
     assert np.array_equal(back, before.lookup([("item", ids[:500])], training=False)[0])
+
+
+def test_checkpoints_written_before_sums_still_load(tmp_path) -> None:
+    """Files as ``numpy.save`` wrote them (a 64- or 128-byte header: read through the page
+    cache) and a description without ``sums`` / ``chunk_rows`` load as they always did."""
+    before = _replicas(1, shards=2)
+    _fill(before, np.random.default_rng(4))
+    folder = _dump(before, tmp_path)
+    entry = json.loads((folder / "ps-0.json").read_text())
+    table = entry["tables"]["item"]
+    for name in table["files"].values():
+        array = np.load(folder / name)
+        (folder / name).unlink()
+        np.save(folder / name, array)
+        assert (folder / name).read_bytes()[8:10] != (HEADER_BYTES - 10).to_bytes(2, "little")
+    del table["sums"], table["chunk_rows"]
+    (folder / "ps-0.json").write_text(json.dumps(entry))
+    after = _replicas(1, shards=3)
+    load_replica(after[0], tmp_path)
+    want, got = _rows(before), _rows(after)
+    for key in want:
+        assert np.array_equal(want[key], got[key]), key
