@@ -9,7 +9,7 @@ choices that let them move at the device's rate rather than the page cache's:
   multiple of 4096 rows: a multiple of 4096 bytes whatever the row's size) starts at one.
 * **O_DIRECT, whole chunks.** :class:`NpyWriter` gathers appended rows in one aligned
   buffer of a chunk and writes it with one ``pwrite`` when full (the last one padded to
-  the sector, then the file cut to its length); :class:`NpyReader` reads chunk by chunk
+  4096 bytes, then the file cut to its length); :class:`NpyReader` reads chunk by chunk
   into its own aligned buffers, the next chunk in a thread while the caller works on
   this one (the thread also hashes it and, for float32 files, checks that every value
   is finite). Measured on this VM: buffered writes and ``fsync`` of 512 MB took 0.4-6.9 s,
@@ -39,7 +39,7 @@ from numba import njit
 
 from persia_py.ids.hashing import mix64_one
 from persia_py.ops import safe_files
-from persia_py.servers.page_file import ALIGN, SECTOR, aligned_empty
+from persia_py.servers.page_file import ALIGN, aligned_empty
 from persia_py.servers.record_sum import lanes64
 
 __all__ = ["HEADER_BYTES", "NpyReader", "NpyWriter", "all_finite32", "chunk_rows",
@@ -166,7 +166,7 @@ class NpyWriter:
 
     def _flush(self) -> None:
         """Hand the buffer's ``fill`` bytes to the writer thread (which hashes them and
-        writes them at ``offset``, padded to the sector with O_DIRECT: only the last chunk
+        writes them at ``offset``, padded to 4096 bytes with O_DIRECT: only the last chunk
         can be short, and :meth:`close` cuts the file); fill the other buffer meanwhile."""
         self._wait()
         self._pending = self._pool.submit(self._write_chunk, self.buffer, self.fill,
@@ -177,7 +177,7 @@ class NpyWriter:
 
     def _write_chunk(self, buffer: np.ndarray, fill: int, offset: int) -> int:
         chunk_sum = lanes64(buffer[:fill])
-        length = -(-fill // SECTOR) * SECTOR if self.direct else fill
+        length = -(-fill // ALIGN) * ALIGN if self.direct else fill
         buffer[fill:length] = 0
         _write_all(self.fd, buffer[:length], offset, self.name)
         return chunk_sum
@@ -313,7 +313,7 @@ class NpyReader:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npy-read")
         chunk_bytes = rows_per_chunk * self.row_bytes
-        size = -(-chunk_bytes // SECTOR) * SECTOR
+        size = -(-chunk_bytes // ALIGN) * ALIGN
         buffers = [aligned_empty((size,)), aligned_empty((size,))]
         pending: Future | None = self._pool.submit(self._read, 0, min(rows_per_chunk, n),
                                                    buffers[0])
@@ -335,7 +335,7 @@ class NpyReader:
         ``lanes64`` and (float32 files) whether every value is finite."""
         offset = self.data_offset + first * self.row_bytes
         nbytes = count * self.row_bytes
-        length = -(-nbytes // SECTOR) * SECTOR if self.direct else nbytes
+        length = -(-nbytes // ALIGN) * ALIGN if self.direct else nbytes
         view = buffer[:length].data
         done = 0
         while done < nbytes:
