@@ -42,14 +42,19 @@ those two only if installed. Bytes read from the device per row come from
 4. **UCI Adult** (:mod:`benchmarks.disk_tier_adult`): trained with most rows on the tier
    and with all in RAM, the same seeds: ``auc_delta_adult`` (tier minus RAM test AUC),
    ``auc_adult_ram``, ``auc_adult_tier``, ``adult_disk_row_fraction``.
+5. **Checkpoint.** The tier's table (after its steps) dumped as a checkpoint writes it
+   and loaded into a fresh table with a tier (:func:`checkpoint_speed`):
+   ``checkpoint_dump_gb_per_s``, ``checkpoint_load_gb_per_s`` and
+   ``checkpoint_gb_per_s`` (the slower) in GB/s of the rows' checkpoint bytes.
 
 Keys not measured yet (issue 42 asks for them; the JSON has them as null):
-``disk_utilization`` (the embedding-heavy workload), ``checkpoint_gb_per_s``.
+``disk_utilization`` (the embedding-heavy workload).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -62,11 +67,13 @@ import numpy as np
 
 from benchmarks.disk_tier_adult import adult_figures
 from persia_py.config import DiskTierConfig
+from persia_py.ops import safe_files
 from persia_py.servers.disk_tier import DEFAULT_FREE_FRACTION, DiskTier
 from persia_py.servers.optimizers import AdagradConfig
 from persia_py.servers.page_file import PageFile, aligned_empty
 from persia_py.servers.prefetch import Prefetcher
 from persia_py.servers.storage import EmbeddingTable
+from persia_py.servers.table_files import TableFiles, row_chunks, write_table
 
 DIM = 64
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # rank -> id: odd multiplier, a bijection mod 2**64
@@ -350,7 +357,7 @@ def _steps(table: EmbeddingTable, sampler: ZipfIds, batches: int, batch: int,
 
 def _run_table(tier_dir: str | None, rows: int, ram_rows: int, free_fraction: float,
                warmup: int, batches: int, batch: int, device: float, step_s: float | None,
-               prefetch: bool) -> dict:
+               prefetch: bool, checkpoint: bool = False) -> dict:
     """Fill a table (every row exists: most go to disk), run ``warmup`` steps at full
     speed, then ``batches`` measured ones. ``step_s`` None: the fitting workload's, set
     from the warm-up so that its misses per second are half the device's rate."""
@@ -369,12 +376,50 @@ def _run_table(tier_dir: str | None, rows: int, ram_rows: int, free_fraction: fl
             misses = (1 - warm["hit_rate"]) * warm["distinct_ids_per_batch"] if warm else 0.0
             step_s = 2 * misses / device
         result = _steps(table, sampler, batches, batch, ram_rows, step_s, prefetcher)
+        if checkpoint:  # the tier's table after its steps, most rows on disk
+            result["checkpoint"] = checkpoint_speed(table, tier_dir, ram_rows, rows,
+                                                    free_fraction)
     finally:
         if prefetcher is not None:
             prefetcher.close()
         table.close()
     return dict(result, warmup_hit_rate=warm["hit_rate"] if warm else None,
                 fill_seconds=fill, step_s=step_s)
+
+
+def checkpoint_speed(table: EmbeddingTable, directory: str, ram_rows: int, rows: int,
+                     free_fraction: float) -> dict:
+    """Dump ``table`` (most of its rows on disk) as a checkpoint does (its four files, rows
+    streamed from RAM and from the tier's sequential reads, O_DIRECT, fsync'd), then load
+    them into a fresh table with a tier (RAM's share in RAM, the rest written to its
+    tier); GB/s of the rows' checkpoint bytes each way (``checkpoint_gb_per_s``: the
+    slower)."""
+    work = tempfile.mkdtemp(prefix="persia-tier-ckpt-", dir=directory)
+    fresh = _table(ram_rows, directory, rows)
+    try:
+        with safe_files.opened_dir(None, work) as fd:
+            t0 = time.perf_counter()
+            description, num_bytes = write_table(fd, "t0", table)
+            dump = time.perf_counter() - t0
+            with contextlib.ExitStack() as stack:
+                t0 = time.perf_counter()
+                files = TableFiles(fd, description, "t0", None, stack)
+                loaded = fresh.load_chunks(row_chunks([files]))
+                load = time.perf_counter() - t0
+        on_disk = fresh.disk_stats()["disk_rows"]
+    finally:
+        fresh.close()
+        shutil.rmtree(work, ignore_errors=True)
+    if loaded != description["num_rows"]:
+        raise RuntimeError(f"loaded {loaded} rows of {description['num_rows']}")
+    print(f"checkpoint of {loaded:,} rows ({on_disk:,} to disk on load), {num_bytes / 1e9:.2f} "
+          f"GB: dump {dump:.2f}s ({num_bytes / dump / 1e9:.2f} GB/s), load {load:.2f}s "
+          f"({num_bytes / load / 1e9:.2f} GB/s)")
+    return {"checkpoint_rows": loaded, "checkpoint_bytes": num_bytes,
+            "checkpoint_rows_on_disk": on_disk,
+            "checkpoint_dump_gb_per_s": num_bytes / dump / 1e9,
+            "checkpoint_load_gb_per_s": num_bytes / load / 1e9,
+            "checkpoint_gb_per_s": num_bytes / max(dump, load) / 1e9}
 
 
 def run_tier(args: argparse.Namespace) -> dict:
@@ -395,11 +440,13 @@ def run_tier(args: argparse.Namespace) -> dict:
     runs = (("tier", args.dir, False), ("prefetch", args.dir, True), ("ram", None, False))
     for name, tier_dir, prefetch in runs[:1] if args.tier_only else runs:
         results[name] = got = _run_table(tier_dir, rows, ram_rows, args.free_fraction, warmup,
-                                         batches, batch, device, step_s, prefetch)
+                                         batches, batch, device, step_s, prefetch,
+                                         checkpoint=name == "tier")
         step_s = got["step_s"]
         print(f"{name}: filled {rows:,} rows in {got['fill_seconds']:.1f}s; "
               f"{got['steps_per_s']:.2f} steps/s ({got['step_s'] * 1000:.0f} ms per step "
               f"for the NN worker)", flush=True)
+    figures.update(results["tier"]["checkpoint"])
     figures.update(_tier_figures(results["tier"], device))
     figures.update(_speed_figures(results, device))
     figures.update(adult_figures(args.dir, args.smoke))
@@ -433,8 +480,8 @@ def _tier_figures(tier: dict, device: float) -> dict:
         "fill_seconds_tier": tier["fill_seconds"],
         "disk_evicted": after["disk_evicted"],
         "relocated_per_spilled": delta["disk_relocated"] / max(delta["spilled"], 1),
-        # Not measured yet (issue 42): the embedding-heavy workload, checkpoints.
-        "disk_utilization": None, "checkpoint_gb_per_s": None,
+        # Not measured yet (issue 42): the embedding-heavy workload.
+        "disk_utilization": None,
     }
 
 

@@ -1,15 +1,17 @@
 """Dump and load the tables of one parameter-server replica (see ``persia_py.checkpoint.layout``).
 
 A replica writes ``ps-<r>.json`` (its index, the replica count, the optimizer settings,
-each table's dim, state width, row storage type, row count and files, the exactly-once
-window) and four ``.npy`` files per table; weights are written as stored (float16 rows:
-half the bytes; bfloat16 rows as their uint16 bits), and a table loads into whatever
-storage type its slot has now, converted once. Loading reads every replica's files of a checkpoint and keeps
-the rows whose ``replica_of(id, M)`` is this replica's index, so a checkpoint taken with
-N replicas loads into M: re-sharding needs nothing more. Rows keep their optimizer state
-and LRU clock, so training continues as if never stopped; the exactly-once window of
-``(worker id, sequence)`` is saved and restored with them. Only the replica's state
-interface is used (``ParameterServer.state_dict`` / ``load_state_dict``).
+each table's dim, state width, row storage type, row count, files and their checksums,
+the exactly-once window) and four ``.npy`` files per table, streamed from the live table
+and read back chunk by chunk (:mod:`persia_py.servers.table_files`); weights are written
+as stored (float16 rows: half the bytes; bfloat16 rows as their uint16 bits), and a
+table loads into whatever storage type its slot has now, converted once. Loading reads
+every replica's files of a checkpoint and keeps the rows whose ``replica_of(id, M)`` is
+this replica's index, so a checkpoint taken with N replicas loads into M: re-sharding
+needs nothing more. Rows keep their optimizer state and LRU clock, so training continues
+as if never stopped; the exactly-once window of ``(worker id, sequence)`` is saved and
+restored with them. Only the replica's state interface is used
+(``ParameterServer.state_dict`` / ``load_state_dict``).
 
 **Trust.** Over gRPC a server reads and writes only inside its checkpoint root
 (:class:`CheckpointRoot`: ``--checkpoint-root``, else ``checkpoint_config.root``, else its
@@ -27,7 +29,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,20 +37,18 @@ import grpc
 import numpy as np
 
 from persia_py.checkpoint import layout as fmt
-from persia_py.ids.routing import replica_of
 from persia_py.ops import safe_files
 from persia_py.proto import checkpoint_pb2 as pb
 from persia_py.proto import checkpoint_pb2_grpc
 from persia_py.servers import row_types
 from persia_py.servers.parameter_server import ParameterServer, ReplicaState, Rows
+from persia_py.servers.row_stream import RowChunks
+from persia_py.servers.table_files import ARRAYS, TableFiles, check_sums, row_chunks, write_table
 from persia_py.wire.rpc import FailedPrecondition, grpc_method
 
 logger = logging.getLogger(__name__)
 
-_ARRAYS = {"ids": np.uint64, "weights": np.float32, "state": np.float32,
-           "last_access": np.int64}
-"""The files of one table and their element types (weights: float32 rows'; the
-description's ``row_dtype`` says otherwise)."""
+_ARRAYS = ARRAYS  # the planner's name for them (persia_py.launcher.plan)
 MAX_REPLICAS = 4096
 """Most parameter-server replicas a checkpoint may say it was taken with."""
 
@@ -90,28 +90,31 @@ def _folder(directory: int | str | os.PathLike) -> Iterator[int]:
 
 
 def write_replica(dir_fd: int, state: ReplicaState, replica_index: int,
-                  replica_size: int) -> tuple[list[str], int, int]:
+                  replica_size: int, window: Callable[[], dict[str, np.ndarray]] | None = None
+                  ) -> tuple[list[str], int, int]:
     """Write ``state`` as replica ``replica_index``'s files into folder ``dir_fd`` (new
-    files only); returns (the file names, ``ps-<r>.json`` last; rows; bytes). The one
-    writer of checkpoints and incremental exports."""
+    files only; a table's rows a dict of arrays, or the live table, streamed:
+    :func:`persia_py.servers.table_files.write_table`); returns (the file names,
+    ``ps-<r>.json`` last; rows; bytes). The one writer of checkpoints and incremental
+    exports. ``window``: the exactly-once window to write, taken once the rows are
+    written (live tables are streamed: as a copy, the window comes after the rows);
+    None: ``state.seen``."""
     r = replica_index
-    names, tables, num_rows, num_bytes = [], {}, 0, 0
+    names: list[str] = []
+    tables, num_rows, num_bytes = {}, 0, 0
     for t, (name, rows) in enumerate(sorted(state.tables.items())):
-        files = {}
-        for key in _ARRAYS:
-            files[key] = f"ps-{r}-t{t}-{key}.npy"
-            num_bytes += safe_files.save_array_at(dir_fd, files[key], rows[key])
-            names.append(files[key])
-        n = int(rows["ids"].shape[0])
-        num_rows += n
-        tables[name] = {"dim": int(rows["weights"].shape[1]),
-                        "state_width": int(rows["state"].shape[1]), "num_rows": n,
-                        "clock": int(rows["clock"]), "files": files,
-                        "row_dtype": rows.get("row_dtype", "float32")}
+        if isinstance(rows, RowChunks):
+            raise TypeError(f"table {name!r}: rows being loaded cannot be written")
+        description, size = write_table(dir_fd, f"ps-{r}-t{t}", rows)
+        names.extend(description["files"][key] for key in ARRAYS)
+        num_rows += description["num_rows"]
+        num_bytes += size
+        tables[name] = description
     # The exactly-once window, least recently updating worker first. File names are
     # numbered: a worker id is a value in the JSON, never part of a name.
     seen = []
-    for k, (worker_id, sequences) in enumerate(state.seen.items()):
+    for k, (worker_id, sequences) in enumerate((state.seen if window is None
+                                                else window()).items()):
         file = f"ps-{r}-seen{k}.npy"
         num_bytes += safe_files.save_array_at(dir_fd, file, sequences)
         names.append(file)
@@ -130,9 +133,10 @@ def dump_replica(ps: ParameterServer, directory: int | str | os.PathLike, *,
     bytes). The files are written into a private folder inside it, then renamed into
     it, ``ps-<r>.json`` last.
 
-    Each internal shard is copied under its lock; the caller makes the cut consistent
-    across tables and replicas by dumping only when no update is in flight
-    (``TrainCtx.dump_checkpoint`` flushes and barriers first).
+    Each internal shard's rows are streamed to the files under its lock (no copy: its
+    lookups wait meanwhile); the caller makes the cut consistent across tables and
+    replicas by dumping only when no update is in flight (``TrainCtx.dump_checkpoint``
+    flushes and barriers first).
     """
     started = time.perf_counter()
     if not isinstance(directory, int):
@@ -147,10 +151,10 @@ def dump_replica(ps: ParameterServer, directory: int | str | os.PathLike, *,
             # Cut the log before copying: an update caught in both is in the copied
             # exactly-once window too, so a replay from this checkpoint skips it.
             ps.update_log.begin("cut", Path(path).absolute())
-        state = ps.state_dict()
+        state = ps.state_dict(stream=True)
         with safe_files.private_dir(fd) as private:
             names, num_rows, num_bytes = write_replica(private, state, ps.replica_index,
-                                                       ps.replica_size)
+                                                       ps.replica_size, ps.export_seen)
             safe_files.move_into(private, fd, names)
     logger.info("replica %d dumped %d rows (%.1f MB) in %.2fs", ps.replica_index, num_rows,
                 num_bytes / 1e6, time.perf_counter() - started)
@@ -202,10 +206,11 @@ def read_replica(dir_fd: int, index: int, replica_size: int | None = None) -> di
     for name, table in _value(entry, "tables", dict, where).items():
         at = f"{where}: table {name!r}"
         files = _value(table, "files", dict, at)
-        if set(files) != set(_ARRAYS):
-            raise safe_files.CheckpointError(f"{at}: files must be exactly {sorted(_ARRAYS)}")
+        if set(files) != set(ARRAYS):
+            raise safe_files.CheckpointError(f"{at}: files must be exactly {sorted(ARRAYS)}")
         for key, file in files.items():
             safe_files.check_name(file, f"{at}: files.{key}")
+        check_sums(table, at)
         _int(table, "dim", at, 1, 2**20)
         _int(table, "state_width", at, 0, 2**21)
         _int(table, "num_rows", at, 0, 2**62)
@@ -229,24 +234,19 @@ def read_replica(dir_fd: int, index: int, replica_size: int | None = None) -> di
 
 def read_rows(dir_fd: int, table: dict, where: str, keep: tuple[int, int] | None) -> Rows:
     """One table's rows from its files (``table`` as :func:`read_replica` checked it):
-    dtypes and shapes must match the description. ``keep`` = (replica index, replica
-    count): only the rows that route to that replica."""
-    n, dim, width = table["num_rows"], table["dim"], table["state_width"]
-    shapes = {"ids": (n,), "weights": (n, dim), "state": (n, width), "last_access": (n,)}
-    dtypes: dict[str, np.dtype] = {key: np.dtype(d) for key, d in _ARRAYS.items()}
-    dtypes["weights"] = row_types.numpy_dtype(table["row_dtype"])
-    arrays = {}
-    for key, dtype in dtypes.items():
-        array = safe_files.load_array_at(dir_fd, table["files"][key], mmap=True)
-        if array.dtype != dtype or array.shape != shapes[key]:
-            raise safe_files.CheckpointError(
-                f"{where}: {table['files'][key]} holds {array.dtype} {array.shape}, the "
-                f"description says {np.dtype(dtype).name} {shapes[key]}")
-        arrays[key] = array
-    if keep is not None and keep[1] > 1:
-        mine = np.flatnonzero(replica_of(np.asarray(arrays["ids"]), keep[1]) == keep[0])
-        arrays = {k: a[mine] for k, a in arrays.items()}
-    rows: Rows = {k: np.ascontiguousarray(a) for k, a in arrays.items()}
+    dtypes, shapes and checksums must match the description. ``keep`` = (replica index,
+    replica count): only the rows that route to that replica."""
+    with contextlib.ExitStack() as stack:
+        files = TableFiles(dir_fd, table, where, keep, stack)
+        parts = [(w.copy(), s.copy()) for w, s, _ in files.chunks()]
+    width = table["state_width"]
+    weights = row_types.numpy_dtype(table["row_dtype"])
+    rows: Rows = {
+        "ids": files.ids, "last_access": files.last_access,
+        "weights": (np.concatenate([w for w, _ in parts]) if parts
+                    else np.zeros((0, table["dim"]), weights)),
+        "state": (np.concatenate([s for _, s in parts]) if parts
+                  else np.zeros((0, width), np.float32))}
     rows["clock"] = table["clock"]
     rows["row_dtype"] = table["row_dtype"]
     return rows
@@ -262,43 +262,40 @@ def one_row_dtype(parts: list[Rows]) -> tuple[list[Rows], str]:
                  row_dtype="float32") for p in parts], "float32"
 
 
-def _concat(parts: list[Rows]) -> Rows:
-    parts, row_dtype = one_row_dtype(parts)
-    rows: Rows = {k: np.concatenate([p[k] for p in parts]) for k in _ARRAYS}
-    rows["clock"] = max(p["clock"] for p in parts)
-    rows["row_dtype"] = row_dtype
-    return rows
-
-
-def read_state(dir_fd: int, replica_index: int, replica_size: int) -> tuple[ReplicaState, int]:
+def read_state(dir_fd: int, replica_index: int, replica_size: int,
+               stack: contextlib.ExitStack) -> tuple[ReplicaState, int]:
     """The state of replica ``replica_index`` of ``replica_size`` in the complete checkpoint
-    folder ``dir_fd`` (rows of every replica that route to it), and the bytes read."""
+    folder ``dir_fd`` (rows of every replica that route to it), and the bytes it holds:
+    each table's ids and stamps read, its weights and state to be read chunk by chunk as
+    the table loads them (:class:`persia_py.servers.row_stream.RowChunks`; the files stay
+    open until ``stack`` closes)."""
     manifest = fmt.check_manifest(safe_files.load_json_at(dir_fd, fmt.MANIFEST), fmt.MANIFEST)
     num_replicas = _int(manifest, "num_ps_replicas", fmt.MANIFEST, 1, MAX_REPLICAS)
     entries = [read_replica(dir_fd, i, num_replicas) for i in range(num_replicas)]
     settings = entries[0].get("settings")
     if any(e.get("settings") != settings for e in entries):
         raise safe_files.CheckpointError("the replicas' optimizer settings differ")
-    parts: dict[str, list[Rows]] = {}
+    parts: dict[str, list[TableFiles]] = {}
     windows: dict[str, list[np.ndarray]] = {}
+    num_bytes = 0
     for i, entry in enumerate(entries):
         for name, table in entry["tables"].items():
-            parts.setdefault(name, []).append(read_rows(
-                dir_fd, table, f"{replica_file(i)}: table {name!r}",
-                keep=(replica_index, replica_size)))
+            files = TableFiles(dir_fd, table, f"{replica_file(i)}: table {name!r}",
+                               (replica_index, replica_size), stack)
+            row_bytes = sum(r.row_bytes for r in files.readers.values())
+            num_bytes += files.ids.shape[0] * row_bytes
+            parts.setdefault(name, []).append(files)
         # Sequence numbers are unique per worker across replicas: the union is safe after
         # re-sharding too.
         for worker_id, file in entry["seen"]:
             windows.setdefault(worker_id, []).append(safe_files.load_array_at(dir_fd, file))
-    tables = {name: _concat(p) for name, p in parts.items()}
+    tables = {name: row_chunks(p) for name, p in parts.items()}
     seen = {}
     for worker_id, arrays in windows.items():
         if any(a.ndim != 1 or a.dtype not in (np.uint64, np.int64) for a in arrays):
             raise safe_files.CheckpointError(f"the window of worker {worker_id[:128]!r} is not a 1-D "
                                       "integer array")
         seen[worker_id] = np.unique(np.concatenate([a.astype(np.uint64) for a in arrays]))
-    num_bytes = sum(a.nbytes for rows in tables.values() for k, a in rows.items()
-                    if isinstance(a, np.ndarray))
     return ReplicaState(settings=settings, tables=tables, seen=seen), num_bytes
 
 
@@ -312,12 +309,15 @@ def load_replica(ps: ParameterServer, checkpoint: int | str | os.PathLike, *,
     started = time.perf_counter()
     if not isinstance(checkpoint, int):
         checkpoint = path = fmt.resolve(checkpoint)
-    with _folder(checkpoint) as fd:
-        state, num_bytes = read_state(fd, ps.replica_index, ps.replica_size)
-    try:
-        num_rows = ps.load_state_dict(state)
-    except ValueError as exc:
-        raise safe_files.CheckpointError(f"checkpoint does not fit: {exc}") from None
+    with contextlib.ExitStack() as stack:
+        with _folder(checkpoint) as fd:
+            state, num_bytes = read_state(fd, ps.replica_index, ps.replica_size, stack)
+        try:
+            num_rows = ps.load_state_dict(state)
+        except safe_files.CheckpointError:
+            raise
+        except ValueError as exc:
+            raise safe_files.CheckpointError(f"checkpoint does not fit: {exc}") from None
     if ps.update_log is not None and path is not None:
         # What the log held before is another timeline now.
         ps.update_log.begin("load", Path(path).absolute())

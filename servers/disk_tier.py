@@ -56,6 +56,8 @@ records of the ids whose fingerprint they find, for the same reason.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
@@ -248,6 +250,35 @@ class DiskTier:
             done += k
         return np.concatenate(gone) if gone else np.zeros(0, np.uint64)
 
+    def append(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
+               ticks: np.ndarray | None = None) -> None:
+        """Store rows (distinct, none stored here; ``ticks`` their last access, as for
+        :meth:`write`) at the head of a tier only ever appended to since it was made: a
+        checkpoint's load into a fresh table. One sequential write of whole blocks, no
+        segment compacted, no row replaced (:meth:`write` would look for the emptiest
+        segment, an O(slots) count, at every segment boundary)."""
+        n = ids.shape[0]
+        self._check_rows(ids, weights, state)
+        if self.num_rows != self.head or self.head + n > min(self.num_slots,
+                                                              self.capacity_rows):
+            raise ValueError(f"append: {n} rows do not follow the {self.num_rows} of a tier "
+                             f"only appended to, within its {self.capacity_rows} rows")
+        if n == 0:
+            return
+        first, last = self.head // self.segment_slots, (self.head + n - 1) // self.segment_slots
+        for seg in range(first, last + 1):  # opened in order, as write() opens empty ones
+            if seg > first or self.head % self.segment_slots == 0:
+                self._num_opened += 1
+                self.segment_epoch[seg] = self._num_opened
+        self._write_at(self.head, ids, weights, state)
+        if self.stamps is not None:  # the rows' last access, for a TTL
+            ticks = (np.full(n, self._latest_tick, np.int64) if ticks is None
+                     else np.asarray(ticks, np.int64))
+            self._latest_tick = max(self._latest_tick, int(ticks.max()))
+            self.stamps.set(self.head, ticks)
+        self.head += n
+        self.num_written += n
+
     def _live_per_segment(self) -> np.ndarray:
         return np.count_nonzero(
             self.slot_fp.reshape(self.num_segments, self.segment_slots) != FREE, axis=1)
@@ -423,14 +454,28 @@ class DiskTier:
         return found, slots, np.ascontiguousarray(rows["weights"]), state
 
     def scan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every stored row, ``(ids, weights, state)``, in log order (for checkpoints);
-        sequential reads of the whole log."""
+        """Every stored row, ``(ids, weights, state)``, in log order; sequential reads of
+        the whole log (:meth:`scan_chunks`, concatenated)."""
         return self.scan_stamped()[:3]
 
     def scan_stamped(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """:meth:`scan`, and the rows' last access (absolute ticks; None where the tier
         keeps no :attr:`stamps`)."""
-        parts, slots = [], []
+        parts = list(self.scan_chunks())  # each chunk's own arrays: kept, then joined
+        if not parts:
+            return (np.zeros(0, np.uint64), np.zeros((0, self.dim), self.weight_dtype),
+                    np.zeros((0, self.state_width), np.float32),
+                    None if self.stamps is None else np.zeros(0, np.int64))
+        ids, weights, state = (np.concatenate([p[k] for p in parts]) for k in range(3))
+        stamps = None if self.stamps is None else np.concatenate([p[3] for p in parts])
+        return ids, weights, state, stamps
+
+    def scan_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray,
+                                            np.ndarray | None]]:
+        """Every stored row as ``(ids, weights, state, last access)`` chunks in log order,
+        one per sequential read of up to 16 MiB (checkpoints stream them to their files);
+        the first three views of one array of records, valid until the next chunk is
+        asked for; the last access in absolute ticks (None: no :attr:`stamps`)."""
         rpb = self.rows_per_block
         step = max(1, _SCAN_BLOCKS_BYTES // self.file.block_bytes)
         for first in range(0, self.file.num_blocks, step):
@@ -441,17 +486,13 @@ class DiskTier:
             data = self.file.read_range(first, n)
             records = data[:, :rpb * self.record.itemsize].view(self.record)
             rows = records[live.reshape(n, rpb)]
-            slots.append(np.flatnonzero(live) + first * rpb)
-            self.index.check_slots(slots[-1], rows["id"])
-            parts.append(rows)
-        rows = np.concatenate(parts) if parts else np.zeros(0, self.record)
-        self.num_read += rows.shape[0]
-        state = (np.ascontiguousarray(rows["state"]) if self.state_width
-                 else np.zeros((rows.shape[0], 0), np.float32))
-        stamps = (None if self.stamps is None else
-                  self.stamps.get(np.concatenate(slots) if slots else np.zeros(0, np.int64)))
-        return (np.ascontiguousarray(rows["id"]), np.ascontiguousarray(rows["weights"]),
-                state, stamps)
+            slots = np.flatnonzero(live) + first * rpb
+            self.index.check_slots(slots, rows["id"])
+            self.num_read += rows.shape[0]
+            state = (rows["state"] if self.state_width
+                     else np.zeros((rows.shape[0], 0), np.float32))
+            stamps = None if self.stamps is None else self.stamps.get(slots)
+            yield rows["id"], rows["weights"], state, stamps  # strided views of the records
 
     def _check_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> None:
         n = ids.shape[0]

@@ -32,9 +32,9 @@ import dataclasses
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,7 @@ from persia_py.servers import call_memory
 from persia_py.servers.call_memory import LookupAnswer
 from persia_py.servers.optimizers import optimizer_from_dict
 from persia_py.servers.prefetch import Prefetcher, serve_hint
+from persia_py.servers.row_stream import RowChunks
 from persia_py.servers.sizing import (
     capacity_warning,
     derived_capacity_note,
@@ -75,8 +76,10 @@ class ReplicaState:
 
     settings: dict | None
     """The ``configure`` arguments (None: not configured yet)."""
-    tables: dict[str, Rows]
-    """Every table's rows, by table name."""
+    tables: Mapping[str, Rows | EmbeddingTable | RowChunks]
+    """Every table's rows, by table name: a dict of arrays (``export_rows``); the live
+    table (``state_dict(stream=True)``, for a writer to stream); rows to load chunk by
+    chunk (:class:`persia_py.servers.row_stream.RowChunks`, a checkpoint's files)."""
     seen: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     """The exactly-once window: worker id -> its remembered sequence numbers (uint64),
     least recently updating worker first."""
@@ -360,17 +363,20 @@ class ParameterServer:
 
     # -- state: checkpoints and incremental exports ---------------------------------
 
-    def state_dict(self) -> ReplicaState:
+    def state_dict(self, *, stream: bool = False) -> ReplicaState:
         """A copy of everything this replica holds (each internal shard copied under its
-        lock). The caller makes the cut consistent across tables and replicas by taking
-        it only when no update is in flight (``TrainCtx.dump_checkpoint`` flushes first)."""
+        lock); with ``stream``, the tables themselves instead of their rows' copies, for
+        a writer to stream (:meth:`EmbeddingTable.stream_rows`). The caller makes the cut
+        consistent across tables and replicas by taking it only when no update is in
+        flight (``TrainCtx.dump_checkpoint`` flushes first)."""
         # Read before any row is copied: increments after this one hold rows at least as new.
         increment_seq = self.increment_seq
         with self._lock:
             settings, tables = self._settings, dict(self._tables)
         return ReplicaState(
             settings=None if settings is None else dataclasses.asdict(settings),
-            tables={name: table.export_rows() for name, table in sorted(tables.items())},
+            tables={name: table if stream else table.export_rows()
+                    for name, table in sorted(tables.items())},
             seen=self.export_seen(), increment_seq=increment_seq)
 
     def load_state_dict(self, state: ReplicaState) -> int:
@@ -460,9 +466,15 @@ class ParameterServer:
         return tables
 
     @staticmethod
-    def _import(tables: dict[str, EmbeddingTable], rows: dict[str, Rows]) -> int:
+    def _import(tables: dict[str, EmbeddingTable], rows: Mapping[str, Any]) -> int:
         num_rows = 0
         for name, table_rows in rows.items():
+            if isinstance(table_rows, RowChunks):
+                try:
+                    num_rows += tables[name].load_chunks(table_rows, name=name)
+                except ValueError as exc:  # a CheckpointError (damaged file) stays one
+                    raise type(exc)(f"table {name!r}: {exc}") from None
+                continue
             if not isinstance(table_rows, dict) or set(table_rows) - {"row_dtype"} != set(
                     _ROW_KEYS):
                 raise ValueError(f"table {name!r}: rows need exactly the keys {list(_ROW_KEYS)} "

@@ -45,16 +45,7 @@ def check_import(ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
     row_dtype = row_types.check_row_dtype(row_dtype)
     _check_array("weights", weights, row_types.numpy_dtype(row_dtype), (n, dim))
     _check_array("state", state, np.dtype(np.float32), (n, state_width))
-    clock = check_int("clock", clock, 0)
-    if clock > MAX_CLOCK:
-        raise ValueError(f"clock must be <= {MAX_CLOCK}, got {clock}")
-    if last_access is None:
-        stamps = np.zeros(n, np.int64)
-    else:
-        stamps = _check_array("last_access", last_access, np.dtype(np.int64), (n,))
-        if n and not (int(stamps.min()) >= 0 and int(stamps.max()) <= clock):
-            raise ValueError(f"last_access must lie in [0, clock={clock}], got "
-                             f"[{int(stamps.min())}, {int(stamps.max())}]")
+    stamps, clock = check_stamps(last_access, clock, n)
     if not row_types.all_finite(weights, row_dtype):
         raise ValueError("weights contain NaN or infinite values")
     if not bool(np.isfinite(state).all()):
@@ -65,6 +56,21 @@ def check_import(ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
     if repeats:
         raise ValueError(f"ids are not distinct ({repeats} repeats)")
     return weights, stamps, clock
+
+
+def check_stamps(last_access: np.ndarray | None, clock: int, n: int) -> tuple[np.ndarray, int]:
+    """``(last_access, clock)`` of ``n`` imported rows, checked: ``clock`` an int in ``[0,
+    MAX_CLOCK]``, ``last_access`` int64 ``(n,)`` in ``[0, clock]`` (None: zeros)."""
+    clock = check_int("clock", clock, 0)
+    if clock > MAX_CLOCK:
+        raise ValueError(f"clock must be <= {MAX_CLOCK}, got {clock}")
+    if last_access is None:
+        return np.zeros(n, np.int64), clock
+    stamps = _check_array("last_access", last_access, np.dtype(np.int64), (n,))
+    if n and not (int(stamps.min()) >= 0 and int(stamps.max()) <= clock):
+        raise ValueError(f"last_access must lie in [0, clock={clock}], got "
+                         f"[{int(stamps.min())}, {int(stamps.max())}]")
+    return stamps, clock
 
 
 def _check_array(name: str, value: object, dtype: np.dtype, shape: tuple[int, ...]

@@ -34,6 +34,7 @@ from persia_py.servers.disk_tier import DiskTier
 from persia_py.servers.lookup_clock import LookupClock
 from persia_py.servers.optimizers import OptimizerConfig, state_width
 from persia_py.servers.row_step import RowStep
+from persia_py.servers.row_stream import RowChunks, RowSink, load_table, stream_table
 from persia_py.servers.row_transfer import check_import, check_int, exported_rows
 from persia_py.servers.shard import Shard, row_dtypes
 from persia_py.wire.finite import all_finite
@@ -398,6 +399,20 @@ class EmbeddingTable:
         for shard, pos in parts:
             shard.store_rows(ids, pos, weights, state, stamps, clock)
         self._clock.advance_to(clock)
+
+    def stream_rows(self, sink: RowSink) -> tuple[int, int]:
+        """Hand every stored row (RAM and disk) to ``sink`` in slices, as
+        :meth:`export_rows` would copy them, without copying: each shard under its lock
+        (:func:`persia_py.servers.row_stream.stream_table`); returns (how many, the
+        table's clock after)."""
+        return stream_table(self, sink), self._clock.current()
+
+    def load_chunks(self, rows: RowChunks, name: str = "") -> int:
+        """Store ``rows`` (ids and stamps whole, weights and state chunk by chunk) into this
+        table, which must hold none yet; returns how many. Checks as :meth:`import_rows`,
+        but not all or nothing: after a ValueError drop the table
+        (:func:`persia_py.servers.row_stream.load_table`)."""
+        return load_table(self, rows, name)
 
     @property
     def num_entries(self) -> int:

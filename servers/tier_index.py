@@ -147,6 +147,11 @@ class TierIndex:
         if len(self.index) - num_main > max(num_main, 4096):
             self._rebuild(num_main)  # dead entries outnumber live ones
 
+    def reserve(self, k: int) -> None:
+        """Size the index for ``k`` more rows at once (a checkpoint's load: grown step by
+        step, it would be rehashed some 50 times on the way to millions of rows)."""
+        self._rebuild(self.num_live - self.side_ids.shape[0] + k)
+
     def _room(self, k: int) -> None:
         """Rebuild from the live slots where ``k`` inserts would make the index grow while
         it holds dead entries: a growth rehashes an entry by the fingerprint its slot

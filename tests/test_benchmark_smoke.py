@@ -151,6 +151,10 @@ def _check_disk_tier(result: dict) -> None:
     # Most of Adult's rows went to disk and back; training matched all-in-RAM.
     assert result["adult_disk_row_fraction"] > 0.5 and result["adult_rows_restored"] > 0
     assert abs(result["auc_delta_adult"]) <= 0.001, result
+    # Every row (most on disk) went through the checkpoint files and back.
+    assert result["checkpoint_rows"] == result["rows"]
+    assert result["checkpoint_rows_on_disk"] > result["rows"] // 2
+    assert result["checkpoint_gb_per_s"] > 0
 
 
 CHECKS = {"ps_load": _check_ps_load, "hash_flood": _check_hash_flood,

@@ -19,7 +19,10 @@ pointer to the newest one::
         dense-optimizer-0.npy ...
 
 Every array is a ``.npy`` file (numpy's documented format, read and written with
-``allow_pickle=False``); every description is JSON. Nothing is pickled.
+``allow_pickle=False``); every description is JSON. Nothing is pickled. A parameter
+server's table files over one chunk have their header padded to 4096 bytes (written and
+read in aligned chunks past the page cache), and ``ps-<r>.json`` holds a checksum of each
+(``persia_py.servers.array_files``, ``persia_py.servers.table_files``).
 
 **Crash safety.** A checkpoint is written into ``ROOT/tmp-<uuid>``; every file is
 fsync'd, the manifest is written last, then the folder is renamed to its final name and
