@@ -42,7 +42,7 @@ import stat
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -239,6 +239,7 @@ class SegmentPool:
         self._free: list[Segment] = []
         self._lent: set[Segment] = set()
         self._forget: list[Descriptor] = []
+        self._returned: deque[tuple[Segment, bool]] = deque()
         self._wanted = _MIN_SEGMENT_BYTES
         self._lock = threading.Lock()
         self.enabled = True
@@ -252,6 +253,7 @@ class SegmentPool:
         """A segment of at least ``num_bytes`` (or of the size answers needed so far),
         or None (arrays then travel in the message)."""
         with self._lock:
+            self._take_returned()
             if not self.enabled:
                 return None
             wanted = max(num_bytes, self._wanted)
@@ -281,6 +283,23 @@ class SegmentPool:
         with self._lock:
             self._lent.discard(segment)
             self._free.append(segment)
+
+    def give_back_later(self, segment: Segment, lend_again: bool) -> None:
+        """:meth:`give_back` (or, not ``lend_again``, :meth:`discard`) at the next
+        :meth:`acquire`; takes no lock, so a finalizer may call it from any thread at any
+        point (the garbage collector's included). A segment discarded meanwhile stays so."""
+        self._returned.append((segment, lend_again))
+
+    def _take_returned(self) -> None:
+        """Under the lock: the segments given back later."""
+        while self._returned:
+            segment, lend_again = self._returned.popleft()
+            if segment in self._lent:
+                self._lent.discard(segment)
+                if lend_again:
+                    self._free.append(segment)
+                else:
+                    self._retire(segment)
 
     def discard(self, segment: Segment) -> None:
         """Never lend ``segment`` again (its call failed, or it is too small)."""
@@ -322,7 +341,7 @@ class SegmentPool:
             return
         with self._lock:
             stale = [s for s in self._free if s.used]
-            self._free = [s for s in self._free if not s.used]
+            self._free[:] = [s for s in self._free if not s.used]  # the finalizer's list
             for s in stale:
                 self._retire(s)
 
