@@ -102,12 +102,7 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             for i, t in enumerate(request.tables)
         ]
         self.segments.forget(request.forget_segments)
-        segment, refused = None, ""
-        if request.answer_segment.name:  # a RawMessage: an absent one has an empty name
-            try:
-                segment = self.segments.segment(request.answer_segment)
-            except shm.ShmUnavailable as exc:
-                refused = str(exc)
+        segment, refused = self.segments.offered(request.answer_segment)
         # Arrays in shared memory are never compressed.
         wire = LookupAnswer(fp16=request.fp16, lz4=request.lz4 and segment is None)
         answer: list[codec.TensorFields] = []
@@ -153,12 +148,9 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
             [(codec.claimed_elements(t.ids), codec.claimed_elements(t.grads), t.grads.dtype)
              for t in request.tables], self.ps.global_config.common_config.max_message_bytes)
         self.segments.forget(request.forget_segments)
-        segment = None
-        if request.grads_segment.name:
-            try:
-                segment = self.segments.segment(request.grads_segment)
-            except shm.ShmUnavailable as exc:  # nothing applied: the caller sends them again
-                return pb.UpdateResponse(shm=common_pb2.ShmUse(refused=str(exc)))
+        segment, refused = self.segments.offered(request.grads_segment)
+        if refused:  # nothing applied: the caller sends them again
+            return pb.UpdateResponse(shm=common_pb2.ShmUse(refused=refused))
         tables = [
             (
                 t.table,

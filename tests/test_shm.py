@@ -118,6 +118,23 @@ def test_a_pool_turns_itself_off_when_the_peer_is_elsewhere() -> None:
     assert a.name_gone() and b.name_gone()
 
 
+def test_a_segment_given_back_later_is_lent_again_unless_discarded_meanwhile() -> None:
+    """What a finalizer returns (no lock taken) comes back at the next acquire; a
+    segment whose call failed in between stays retired."""
+    pool = shm.SegmentPool(1 << 20, max_segments=3)
+    a, b, c = pool.acquire(), pool.acquire(), pool.acquire()
+    assert a is not None and b is not None and c is not None
+    pool.give_back_later(a, lend_again=True)
+    pool.give_back_later(b, lend_again=False)  # an attempt given up may write into it
+    pool.discard(c)
+    pool.give_back_later(c, lend_again=True)  # too late: discarded
+    assert pool.acquire() is a
+    assert b.name_gone() and c.name_gone()
+    fresh = pool.acquire()
+    assert fresh is not None and fresh not in (b, c)
+    pool.close()
+
+
 @pytest.mark.processes
 def test_segments_of_makers_that_ended_are_removed_once_old() -> None:
     """A maker killed between making a segment and its peer mapping it leaves the name

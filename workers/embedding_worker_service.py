@@ -154,12 +154,7 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
     @grpc_method
     def Lookup(self, request: pb.LookupBatchRequest, context: grpc.ServicerContext) -> bytes:
         self.segments.forget(request.forget_segments)
-        segment, refused = None, ""
-        if request.HasField("answer_segment"):
-            try:
-                segment = self.segments.segment(request.answer_segment)
-            except shm.ShmUnavailable as exc:
-                refused = str(exc)
+        segment, refused = self.segments.offered(request.answer_segment)
         rows = self.worker.lookup(request.ref)
         if segment is not None:
             answer = _encode_rows_in(rows, request.wire, segment)
@@ -170,8 +165,8 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
                                 "(an NN worker on this host)")
                 return answer
             needed = shm.layout(_answer_specs(rows, request.wire))[1]
-            use = common_pb2.ShmUse(refused=f"the answer needs {needed} bytes of segment, it has "
-                            f"{segment.size}", needed_bytes=needed)
+            use = common_pb2.ShmUse(refused=f"the answer needs {needed} bytes of segment, it "
+                                    f"has {segment.size}", needed_bytes=needed)
         elif refused:
             use = common_pb2.ShmUse(refused=refused)
         else:
@@ -190,12 +185,9 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
                         ) -> pb.UpdateGradientsResponse:
         # request: a parsed pb.UpdateGradientsRequest (create_embedding_worker_server)
         self.segments.forget(request.forget_segments)
-        segment = None
-        if request.grads_segment.name:  # a RawMessage: an absent one has an empty name
-            try:
-                segment = self.segments.segment(request.grads_segment)
-            except shm.ShmUnavailable as exc:  # nothing applied: the caller sends them again
-                return pb.UpdateGradientsResponse(shm=common_pb2.ShmUse(refused=str(exc)))
+        segment, refused = self.segments.offered(request.grads_segment)
+        if refused:  # nothing applied: the caller sends them again
+            return pb.UpdateGradientsResponse(shm=common_pb2.ShmUse(refused=refused))
         grads = {}
         for i, s in enumerate(request.slots):
             if s.slot in grads:

@@ -60,6 +60,16 @@ class MappedSegments:
                                      "(common_config.shared_memory)")
         return self.cache.get(descriptor(message))
 
+    def offered(self, message: Any) -> tuple[shm.Segment | None, str]:
+        """The segment a request offers, mapped (None if it offers none, an absent
+        sub-message having an empty name, or if it is not here), and why not."""
+        if not message.name:
+            return None, ""
+        try:
+            return self.segment(message), ""
+        except shm.ShmUnavailable as exc:
+            return None, str(exc)
+
     def forget(self, messages: Sequence[Any]) -> None:
         if self.cache is not None and messages:
             self.cache.forget([descriptor(m) for m in messages])
