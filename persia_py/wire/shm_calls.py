@@ -133,7 +133,6 @@ class SegmentLender:
         segment = pool.acquire() if pool is not None else None
         if pool is None or segment is None:
             return decode(call(method, build(None, [])), None)
-        request = build(segment.descriptor, pool.take_forget())
         attempts = 0
 
         def attempt(*args: Any, **kwargs: Any) -> Any:
@@ -142,21 +141,22 @@ class SegmentLender:
             return method(*args, **kwargs)
 
         try:
-            answer = call(attempt, request)
-            if answer.shm.used:
-                segment.used = True
-                self.num_answers += 1
-                # An attempt given up may still be writing into it: not lent again.
-                if hold:
-                    return decode(answer, _held(segment, lambda: pool.give_back_later(
-                        segment, lend_again=attempts == 1)))
-                try:
-                    return decode(answer, segment.tensor_data)
-                finally:
-                    (pool.give_back if attempts == 1 else pool.discard)(segment)
+            answer = call(attempt, build(segment.descriptor, pool.take_forget()))
         except BaseException:
             pool.discard(segment)  # the call may still be writing into it
             raise
+        if answer.shm.used:
+            segment.used = True
+            self.num_answers += 1
+            # An attempt given up may still be writing into it: not lent again.
+            lend_again = attempts == 1
+            if hold:
+                return decode(answer, _held(segment, lambda: pool.give_back_later(
+                    segment, lend_again)))
+            try:
+                return decode(answer, segment.tensor_data)
+            finally:
+                (pool.give_back if lend_again else pool.discard)(segment)
         if answer.shm.needed_bytes:  # mapped, too small: a bigger one next time
             segment.used = True
             pool.need(answer.shm.needed_bytes)
