@@ -41,7 +41,8 @@ from persia_py.ops import safe_files
 from persia_py.proto import checkpoint_pb2 as pb
 from persia_py.proto import checkpoint_pb2_grpc
 from persia_py.servers import row_types
-from persia_py.servers.parameter_server import ParameterServer, ReplicaState, Rows
+from persia_py.servers.parameter_server import ParameterServer
+from persia_py.servers.replica_state import ReplicaState, Rows
 from persia_py.servers.row_stream import RowChunks
 from persia_py.servers.table_files import ARRAYS, TableFiles, check_sums, row_chunks, write_table
 from persia_py.wire.rpc import FailedPrecondition, grpc_method

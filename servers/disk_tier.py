@@ -1,9 +1,8 @@
 """``DiskTier``: rows of one internal shard that left RAM, in a log of fixed-size records.
 
-When a shard with a tier is full, its least recently used rows are *spilled* here
-(weights as stored, optimizer state) instead of being deleted, and a lookup or update
-of a spilled id brings its row back into RAM (:class:`persia_py.servers.shard.Shard`).
-A row is in RAM or on disk, never both: bringing it back deletes it here.
+When a shard with a tier is full, the rows it evicts are *spilled* here (weights as
+stored, optimizer state) instead of being deleted, and a lookup or update of a spilled
+id brings its row back into RAM (:class:`persia_py.servers.shard.Shard`), deleting it here.
 
 Layout (measured against LMDB and RocksDB first: docs/benchmarks.md, "Disk tier").
 
@@ -35,19 +34,15 @@ Layout (measured against LMDB and RocksDB first: docs/benchmarks.md, "Disk tier"
   the segments opened longest ago first, counted (:attr:`DiskTier.num_evicted`; the
   shard also logs their ids as removed for incremental exports).
 * **RAM index.** :class:`persia_py.servers.tier_index.TierIndex`: a 32-bit fingerprint
-  of the id per slot (the id itself is in the record, and every read checks it) and a
-  hash index from fingerprint to slot: 4 bytes per slot plus 6.7-8.3 bytes of index per
-  entry, 12-14 B per disk row (the 8-byte id per slot it replaced: 19.4 B). Entries of
-  rows gone back to RAM stay in the index (a probe checks the slot's fingerprint, so
-  they never answer) until they outnumber the live ones, or until the index would have
-  to grow, then it is rebuilt from the live slots.
+  of the id per slot (the id is in the record, and every read checks it) and a hash
+  index from fingerprint to slot, 12-14 B per disk row (its module says how).
 
 Crash safety: the tier is a cache of rows not in RAM, in an unnamed file
 (:mod:`persia_py.servers.page_file`): after a crash or a restart it starts empty, by
 construction (there is no file to reopen, so no stale or torn one). What survives a
 crash is what the checkpoint and the update log hold. Checkpoints hold every row, RAM
-and disk: :meth:`DiskTier.scan` reads the disk rows for ``EmbeddingTable.export_rows``,
-and an import spills what does not fit in RAM here. Rows are not checksummed: each read
+and disk (:meth:`DiskTier.scan_chunks`; a load appends what does not fit in RAM here:
+:meth:`DiskTier.append`). Rows are not checksummed: each read
 checks that the record holds the id asked for, or another id of the slot's fingerprint
 (a false positive of the fingerprint: the id is absent), else raises
 :class:`CorruptTier`. :meth:`DiskTier.holds` and :meth:`DiskTier.delete` read the
@@ -75,10 +70,8 @@ disk takes 1.48x its rows' bytes at dim 64 float16 row-wise Adagrad (issue 42: <
 
 EMPTY = np.uint64(RESERVED_ID)
 """Id of a record that holds no row (the reserved id is never stored)."""
-_SCAN_BLOCKS_BYTES = 16 << 20
-"""Bytes per sequential read of a scan."""
-_SEGMENT_BYTES = 8 << 20
-"""Bytes of a segment (fewer where the file would have under 64 of them)."""
+_SCAN_BLOCKS_BYTES = 16 << 20  # bytes per sequential read of a scan
+_SEGMENT_BYTES = 8 << 20  # of a segment (fewer where the file would have under 64)
 
 
 def record_layout(dim: int, weight_dtype: np.dtype, state_width: int

@@ -52,7 +52,8 @@ from persia_py.ids.routing import RESERVED_ID, replica_of
 from persia_py.ops import safe_files
 from persia_py.ops.background import BackgroundWorker, Follower, LagWarning, Outage
 from persia_py.servers.checkpoint import one_row_dtype, read_replica, read_rows, write_replica
-from persia_py.servers.parameter_server import ParameterServer, ReplicaState, Rows
+from persia_py.servers.parameter_server import ParameterServer
+from persia_py.servers.replica_state import ReplicaState, Rows
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,6 +43,7 @@ from persia_py.servers import call_memory
 from persia_py.servers.call_memory import LookupAnswer
 from persia_py.servers.optimizers import optimizer_from_dict
 from persia_py.servers.prefetch import Prefetcher, serve_hint
+from persia_py.servers.replica_state import ReplicaState, Rows
 from persia_py.servers.row_stream import RowChunks
 from persia_py.servers.sizing import (
     capacity_warning,
@@ -63,30 +63,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ROW_KEYS = ("ids", "weights", "state", "last_access", "clock")
-Rows = dict
-"""One table's rows as plain arrays: ``ids`` (uint64 [n]), ``weights`` ([n, dim], as
-stored), ``state`` (float32 [n, state width]), ``last_access`` (int64 [n]), ``clock``
-(int) and ``row_dtype`` (how ``weights`` are stored; float32 when absent), as
-:meth:`EmbeddingTable.export_rows` gives them."""
-
-
-@dataclass(kw_only=True)
-class ReplicaState:
-    """What one replica holds, as plain values (see ``ParameterServer.state_dict``)."""
-
-    settings: dict | None
-    """The ``configure`` arguments (None: not configured yet)."""
-    tables: Mapping[str, Rows | EmbeddingTable | RowChunks]
-    """Every table's rows, by table name: a dict of arrays (``export_rows``); the live
-    table (``state_dict(stream=True)``, for a writer to stream); rows to load chunk by
-    chunk (:class:`persia_py.servers.row_stream.RowChunks`, a checkpoint's files)."""
-    seen: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    """The exactly-once window: worker id -> its remembered sequence numbers (uint64),
-    least recently updating worker first."""
-    increment_seq: int = 0
-    """Sequence number of the last incremental export taken before these rows."""
-
-
 class ParameterServer:
     """Replica ``replica_index`` of ``replica_size``: lookups and updates of its ids."""
 

@@ -243,9 +243,11 @@ def launcher_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "persia_py.launcher.cli", *args]
 
 
-def start_server(role: str, *args: str, env: dict[str, str] | None = None) -> tuple[RoleProcess, int]:
-    """Start a server role on a free port (port 0); returns (process, port)."""
-    proc = RoleProcess(launcher_command(role, "--port", "0", *args), env=env)
+def start_server(role: str, *args: str, env: dict[str, str] | None = None,
+                 port: int | str = 0) -> tuple[RoleProcess, int]:
+    """Start a server role on a free port (port 0), or on ``port`` (a restart on the
+    port it had); returns (process, port)."""
+    proc = RoleProcess(launcher_command(role, "--port", str(port), *args), env=env)
     try:
         match = proc.wait_for_line(r"on port (\d+) ready", timeout=120)
     except BaseException:

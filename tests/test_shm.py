@@ -118,6 +118,23 @@ def test_a_pool_turns_itself_off_when_the_peer_is_elsewhere() -> None:
     assert a.name_gone() and b.name_gone()
 
 
+def test_a_segment_given_back_later_is_lent_again_unless_discarded_meanwhile() -> None:
+    """What a finalizer returns (no lock taken) comes back at the next acquire; a
+    segment whose call failed in between stays retired."""
+    pool = shm.SegmentPool(1 << 20, max_segments=3)
+    a, b, c = pool.acquire(), pool.acquire(), pool.acquire()
+    assert a is not None and b is not None and c is not None
+    pool.give_back_later(a, lend_again=True)
+    pool.give_back_later(b, lend_again=False)  # an attempt given up may write into it
+    pool.discard(c)
+    pool.give_back_later(c, lend_again=True)  # too late: discarded
+    assert pool.acquire() is a
+    assert b.name_gone() and c.name_gone()
+    fresh = pool.acquire()
+    assert fresh is not None and fresh not in (b, c)
+    pool.close()
+
+
 @pytest.mark.processes
 def test_segments_of_makers_that_ended_are_removed_once_old() -> None:
     """A maker killed between making a segment and its peer mapping it leaves the name
@@ -268,7 +285,7 @@ def test_answers_and_gradients_go_through_shared_memory_with_the_same_values(clu
 
 
 def _free(client: EmbeddingWorkerClient) -> list[shm.Segment]:
-    return [*client._answer_segments._free, *client._grad_segments._free]
+    return [*client.segments.answers._free, *client.segments.sends._free]
 
 
 @pytest_processes
@@ -291,7 +308,7 @@ def test_bad_descriptors_are_refused_with_a_clear_error_and_the_server_keeps_ser
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
         assert needle in info.value.details(), info.value.details()
 
-    seg = embedding_worker_pb2.ShmSegment
+    seg = common_pb2.ShmSegment
     refused("answer_segment", seg(name="/etc/passwd", nonce="0" * 32, size=4096),
             "is not persia-shm-")
     refused("answer_segment", seg(name="persia-shm-1-" + "0" * 32, nonce="0" * 32,
@@ -355,8 +372,8 @@ def test_an_embedding_worker_that_cannot_map_gets_the_arrays_in_messages(cluster
             np.testing.assert_allclose(b.rows, a.rows - 0.5 * _grads(a.rows), rtol=1e-6)
         assert client.num_shm_lookups == client.num_shm_updates == 0
         # The first lookup's refusal turned both directions off: no gradients were offered.
-        assert not client._answer_segments.enabled and not client._grad_segments.enabled
-        assert client._grad_segments.num_made == 0
+        assert not client.segments.answers.enabled and not client.segments.sends.enabled
+        assert client.segments.sends.num_made == 0
         assert _our_segments() == before  # the maker unlinked what was never mapped
     finally:
         client.close()
@@ -400,24 +417,14 @@ def test_killed_nn_worker_and_restarted_embedding_worker_work_again(cluster, tmp
     port = shared.address.rsplit(":", 1)[1]
     os.kill(ew.process.pid, signal.SIGKILL)
     ew.process.wait(timeout=60)
-    procs[1] = _restart(ew_args, port)
+    procs[1] = start_server("embedding-worker", *ew_args, port=port)[0]
     shared.configure(configure_request({"type": "sgd", "lr": 0.5}, init_lower=-0.1,
                                        init_upper=0.1, weight_bound=None, seed=7))
     lookups = shared.num_shm_lookups
     for _ in range(2):  # the first finds its segments gone, the second uses new ones
         _train_step(shared, features, batch)
-    assert shared._answer_segments.enabled and shared._grad_segments.enabled
+    assert shared.segments.answers.enabled and shared.segments.sends.enabled
     assert shared.num_shm_lookups > lookups
-
-
-def _restart(ew_args: list[str], port: str) -> RoleProcess:
-    proc = RoleProcess(launcher_command("embedding-worker", "--port", port, *ew_args))
-    try:
-        proc.wait_for_line(r"on port (\d+) ready", timeout=120)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
 
 
 @pytest_processes

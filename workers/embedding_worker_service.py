@@ -16,17 +16,13 @@ from persia_py.proto import embedding_worker_pb2 as pb
 from persia_py.wire import codec, shm
 from persia_py.wire import raw_methods as wire_rpc
 from persia_py.wire.rpc import ServiceClient, create_server, grpc_method
+from persia_py.wire.shm_calls import MappedSegments, SegmentLender, TensorData, segment_message
 from persia_py.workers.slots import SlotIds, SlotRows
 
 if TYPE_CHECKING:  # the servicer's; a client does not import the worker
     from persia_py.workers.embedding_worker import EmbeddingWorker
 
 logger = logging.getLogger(__name__)
-
-_MAX_SEGMENTS = 16
-"""Shared-memory segments an NN worker makes per embedding worker and direction: more than
-the calls it has in flight at once (lookup threads; gradient sends, 8)."""
-
 
 def _features(request_features, worker: EmbeddingWorker) -> list[SlotIds]:
     """Decode a batch's ID features; refuse one whose lookup answer could not be sent.
@@ -100,28 +96,22 @@ def _encode_rows_in(rows: list[SlotRows], wire: pb.WireOptions,
             sample_fixed_size=r.sample_fixed_size, hash_stack_rounds=r.hash_stack_rounds,
             rows=tensors[0], index=tensors[1], lengths=tensors[2],
             shm_offsets=offsets[3 * i:3 * i + 3]))
-    return pb.LookupBatchResponse(slots=slots, shm=pb.ShmUse(used=True)).SerializeToString()
-
-
-def _descriptor(message) -> shm.Descriptor:
-    return shm.Descriptor(name=message.name, nonce=message.nonce, size=message.size)
-
-
-def _segment_message(descriptor: shm.Descriptor) -> pb.ShmSegment:
-    return pb.ShmSegment(name=descriptor.name, nonce=descriptor.nonce, size=descriptor.size)
+    return pb.LookupBatchResponse(slots=slots,
+                                  shm=common_pb2.ShmUse(used=True)).SerializeToString()
 
 
 def _decode_rows(response: pb.LookupBatchResponse,
-                 segment: shm.Segment | None = None) -> list[SlotRows]:
-    """The answer's slots; with ``segment``, their arrays are read (copied) from it."""
+                 in_segment: TensorData | None = None) -> list[SlotRows]:
+    """The answer's slots; with ``in_segment``, their arrays are read (copied) from the
+    shared-memory segment it reads."""
     out = []
     for i, s in enumerate(response.slots):
         data: list = [None, None, None]
-        if segment is not None:
+        if in_segment is not None:
             if len(s.shm_offsets) != 3:
                 raise codec.CodecError(f"slots[{i}]: {len(s.shm_offsets)} shared-memory "
                                        "offsets, expected 3 (rows, index, lengths)")
-            data = [segment.tensor_data(t, o)
+            data = [in_segment(t, o)
                     for t, o in zip((s.rows, s.index, s.lengths), s.shm_offsets)]
         out.append(SlotRows(
             slot=s.slot,
@@ -140,26 +130,12 @@ def _decode_rows(response: pb.LookupBatchResponse,
 class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer):
     def __init__(self, worker: EmbeddingWorker) -> None:
         self.worker = worker
-        common = worker.global_config.common_config
-        self.segments = (shm.SegmentCache(common.max_message_bytes) if common.shared_memory
-                         else None)
-        """NN workers' shared-memory segments mapped here (None: shared memory off)."""
+        self.segments = MappedSegments(worker.global_config.common_config)
+        """NN workers' shared-memory segments mapped here."""
         self.num_shm_answers = 0
         """Lookup answers written into shared memory (for metrics and tests)."""
         self.num_shm_updates = 0
         """Gradient updates read from shared memory."""
-
-    def _segment(self, message) -> shm.Segment:
-        """The segment ``message`` describes, mapped; ShmUnavailable if it is not here
-        (the caller then uses messages), ShmError if the descriptor is malformed."""
-        if self.segments is None:
-            raise shm.ShmUnavailable("shared memory is off on this embedding worker "
-                                     "(common_config.shared_memory)")
-        return self.segments.get(_descriptor(message))
-
-    def _forget(self, messages) -> None:
-        if self.segments is not None and messages:
-            self.segments.forget([_descriptor(m) for m in messages])
 
     @grpc_method
     def Configure(self, request: common_pb2.ConfigureRequest, context: grpc.ServicerContext
@@ -177,13 +153,8 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
 
     @grpc_method
     def Lookup(self, request: pb.LookupBatchRequest, context: grpc.ServicerContext) -> bytes:
-        self._forget(request.forget_segments)
-        segment, refused = None, ""
-        if request.HasField("answer_segment"):
-            try:
-                segment = self._segment(request.answer_segment)
-            except shm.ShmUnavailable as exc:
-                refused = str(exc)
+        self.segments.forget(request.forget_segments)
+        segment, refused = self.segments.offered(request.answer_segment)
         rows = self.worker.lookup(request.ref)
         if segment is not None:
             answer = _encode_rows_in(rows, request.wire, segment)
@@ -194,10 +165,10 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
                                 "(an NN worker on this host)")
                 return answer
             needed = shm.layout(_answer_specs(rows, request.wire))[1]
-            use = pb.ShmUse(refused=f"the answer needs {needed} bytes of segment, it has "
-                            f"{segment.size}", needed_bytes=needed)
+            use = common_pb2.ShmUse(refused=f"the answer needs {needed} bytes of segment, it "
+                                    f"has {segment.size}", needed_bytes=needed)
         elif refused:
-            use = pb.ShmUse(refused=refused)
+            use = common_pb2.ShmUse(refused=refused)
         else:
             return _encode_rows(rows, request.wire)
         return codec.join([_encode_rows(rows, request.wire),
@@ -213,13 +184,10 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
     def UpdateGradients(self, request: codec.RawMessage, context: grpc.ServicerContext
                         ) -> pb.UpdateGradientsResponse:
         # request: a parsed pb.UpdateGradientsRequest (create_embedding_worker_server)
-        self._forget(request.forget_segments)
-        segment = None
-        if request.grads_segment.name:  # a RawMessage: an absent one has an empty name
-            try:
-                segment = self._segment(request.grads_segment)
-            except shm.ShmUnavailable as exc:  # nothing applied: the caller sends them again
-                return pb.UpdateGradientsResponse(shm=pb.ShmUse(refused=str(exc)))
+        self.segments.forget(request.forget_segments)
+        segment, refused = self.segments.offered(request.grads_segment)
+        if refused:  # nothing applied: the caller sends them again
+            return pb.UpdateGradientsResponse(shm=common_pb2.ShmUse(refused=refused))
         grads = {}
         for i, s in enumerate(request.slots):
             if s.slot in grads:
@@ -291,21 +259,22 @@ class EmbeddingWorkerClient(ServiceClient):
 
     def __init__(self, address: str, common: CommonConfig) -> None:
         super().__init__(address, common)
-        # Lent one call at a time (persia_py/wire/shm.py): lookups in flight and gradient
-        # sends in flight bound how many exist.
-        self._answer_segments = (shm.SegmentPool(common.max_message_bytes, _MAX_SEGMENTS)
-                                 if common.shared_memory else None)
-        self._grad_segments = (shm.SegmentPool(common.max_message_bytes, _MAX_SEGMENTS)
-                               if common.shared_memory else None)
-        self.num_shm_lookups = 0
+        # Lent one call at a time: lookups in flight and gradient sends in flight bound
+        # how many exist.
+        self.segments = SegmentLender(common, f"embedding worker {address}")
+
+    @property
+    def num_shm_lookups(self) -> int:
         """Lookup answers read from shared memory (for metrics and tests)."""
-        self.num_shm_updates = 0
+        return self.segments.num_answers
+
+    @property
+    def num_shm_updates(self) -> int:
         """Gradient updates sent through shared memory."""
+        return self.segments.num_sends
 
     def close(self) -> None:
-        for pool in (self._answer_segments, self._grad_segments):
-            if pool is not None:
-                pool.close()
+        self.segments.close()
         super().close()
 
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
@@ -329,51 +298,16 @@ class EmbeddingWorkerClient(ServiceClient):
 
     def lookup(self, ref: int) -> list[SlotRows]:
         # Safe to retry: a lookup that failed leaves the batch unclaimed.
-        request = pb.LookupBatchRequest(ref=ref, wire=self._wire())
-        pool = self._answer_segments
-        segment = pool.acquire() if pool is not None else None
-        if pool is None or segment is None:
-            return _decode_rows(self._call(self._lookup, request, idempotent=True))
-        request.answer_segment.CopyFrom(_segment_message(segment.descriptor))
-        request.forget_segments.extend(_segment_message(d) for d in pool.take_forget())
-        attempts = 0
+        def request(segment: shm.Descriptor | None,
+                    forget: list[shm.Descriptor]) -> pb.LookupBatchRequest:
+            return pb.LookupBatchRequest(
+                ref=ref, wire=self._wire(),
+                answer_segment=None if segment is None else segment_message(segment),
+                forget_segments=[segment_message(d) for d in forget])
 
-        def attempt(*args, **kwargs):
-            nonlocal attempts
-            attempts += 1
-            return self._lookup(*args, **kwargs)
-
-        try:
-            answer = self._call(attempt, request, idempotent=True)
-            if answer.shm.used:
-                segment.used = True
-                rows = _decode_rows(answer, segment)  # copies the arrays out
-                self.num_shm_lookups += 1
-                if attempts == 1:
-                    pool.give_back(segment)
-                else:  # an attempt given up may still be writing into it
-                    pool.discard(segment)
-                return rows
-        except BaseException:
-            pool.discard(segment)  # the call may still be writing into it
-            raise
-        if answer.shm.needed_bytes:  # mapped, too small: a bigger one next time
-            segment.used = True
-            pool.need(answer.shm.needed_bytes)
-            pool.discard(segment)
-        else:
-            self._refused(pool, segment, answer.shm.refused)
-        return _decode_rows(answer)
-
-    def _refused(self, pool: shm.SegmentPool, segment: shm.Segment, reason: str) -> None:
-        """The embedding worker could not use ``segment``; when that shows it elsewhere
-        (or too old to know segments: it answers without saying why), both directions
-        go back to messages."""
-        pool.refused(segment, f"embedding worker {self.address}: {reason or 'no reason given'}")
-        if not pool.enabled:
-            for other in (self._answer_segments, self._grad_segments):
-                if other is not None:
-                    other.disable(f"embedding worker {self.address}: {reason}")
+        return self.segments.call_for_answer(  # decoding copies the arrays out
+            request, lambda method, r: self._call(method, r, idempotent=True), self._lookup,
+            _decode_rows)
 
     def lookup_direct(self, features: list[tuple[str, np.ndarray, np.ndarray]],
                       batch_size: int) -> list[SlotRows]:
@@ -388,10 +322,23 @@ class EmbeddingWorkerClient(ServiceClient):
         # Safe to retry: the embedding worker keeps the batch and its update's sequence
         # numbers until every parameter server acknowledged, and answers a repeat of a
         # finished ref without applying it again.
-        if self._grad_segments is not None:
-            num_updated = self._update_gradients_in_segment(ref, grads, rerouted)
-            if num_updated is not None:
-                return num_updated
+        arrays = [np.asarray(g) for _, g in grads]
+        dtypes = [self._wire_dtype(g) for g in arrays]
+
+        def in_segment(segment: shm.Descriptor, forget: list[shm.Descriptor],
+                       offsets: list[int]) -> pb.UpdateGradientsRequest:
+            return pb.UpdateGradientsRequest(
+                ref=ref, rerouted=rerouted, grads_segment=segment_message(segment),
+                forget_segments=[segment_message(d) for d in forget],
+                slots=[pb.SlotRowGradients(slot=slot, shm_offset=offset,
+                                           grads=common_pb2.Tensor(dtype=d, shape=g.shape))
+                       for (slot, _), g, d, offset in zip(grads, arrays, dtypes, offsets)])
+
+        answer = self.segments.call_with_arrays(
+            arrays, dtypes, in_segment, lambda method, r: self._call(method, r, idempotent=True),
+            self._update_gradients)
+        if answer is not None:
+            return answer.num_updated
         pieces = [pb.UpdateGradientsRequest(ref=ref, rerouted=rerouted).SerializeToString()]
         for s, g in grads:
             pieces += codec.message_field(2, [  # UpdateGradientsRequest.slots
@@ -402,40 +349,6 @@ class EmbeddingWorkerClient(ServiceClient):
         return self._call(self._update_gradients, codec.join(pieces),
                           idempotent=True).num_updated
 
-    def _update_gradients_in_segment(self, ref: int, grads: list[tuple[str, np.ndarray]],
-                                     rerouted: bool) -> int | None:
-        """:meth:`update_gradients` with the gradients in a shared-memory segment; None if
-        none is available or the embedding worker cannot map it (nothing was applied)."""
-        pool = self._grad_segments
-        assert pool is not None
-        arrays = [np.asarray(g) for _, g in grads]
-        specs = [("float16" if self.common.embedding_fp16 and g.dtype.kind == "f"
-                  else g.dtype.name, g.shape) for g in arrays]
-        offsets, size = shm.layout(specs)
-        segment = pool.acquire(size)
-        if segment is None:
-            return None
-        request = pb.UpdateGradientsRequest(
-            ref=ref, rerouted=rerouted, grads_segment=_segment_message(segment.descriptor),
-            forget_segments=[_segment_message(d) for d in pool.take_forget()])
-        try:
-            for (slot, _), g, (dtype_name, shape), offset in zip(grads, arrays, specs, offsets):
-                out = segment.array(offset, dtype_name, shape)
-                if g.dtype.name != dtype_name:
-                    codec.cast_float(g, dtype_name, out=out)
-                else:
-                    np.copyto(out, g)
-                request.slots.add(slot=slot, grads=common_pb2.Tensor(dtype=dtype_name,
-                                                                      shape=shape),
-                                  shm_offset=offset)
-            answer = self._call(self._update_gradients, request, idempotent=True)
-        except BaseException:
-            pool.discard(segment)  # the call may still be reading it
-            raise
-        if not answer.shm.used:
-            self._refused(pool, segment, answer.shm.refused)
-            return None
-        segment.used = True
-        pool.give_back(segment)
-        self.num_shm_updates += 1
-        return answer.num_updated
+    def _wire_dtype(self, g: np.ndarray) -> str:
+        """The dtype name ``g`` travels as (float16 with ``embedding_fp16``)."""
+        return "float16" if self.common.embedding_fp16 and g.dtype.kind == "f" else g.dtype.name

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, parameter_server_pb2_grpc
 from persia_py.proto import parameter_server_pb2 as pb
-from persia_py.wire import codec
+from persia_py.wire import codec, shm
+from persia_py.wire.address_book import BookEntry
 from persia_py.wire.rpc import FailedPrecondition, ServiceClient
+from persia_py.wire.shm_calls import SegmentLender, TensorData, segment_message
 
 
 class UpdateNotApplied(FailedPrecondition):
@@ -41,27 +45,58 @@ class PSClient(ServiceClient):
     _update: Callable[..., pb.UpdateResponse]
     _prefetch: Callable[..., pb.PrefetchResponse]
 
+    def __init__(self, address: str, common: CommonConfig, *,
+                 book: BookEntry | None = None) -> None:
+        super().__init__(address, common, book=book)
+        # Lent one call at a time: the calls in flight to this replica bound how many exist.
+        self.segments = SegmentLender(common, f"parameter server {address}")
+
+    def close(self) -> None:
+        self.segments.close()
+        super().close()
+
     def configure(self, request: common_pb2.ConfigureRequest) -> None:
         self._call("stub.Configure", request, idempotent=True)
+
+    def _retried(self, method: Callable[..., Any], request: Any) -> Any:
+        return self._call(method, request, idempotent=True)
 
     def lookup(self, tables: list[tuple[str, np.ndarray]], *, training: bool,
                as_float32: bool = True) -> list[np.ndarray]:
         """Embeddings ``[n, dim]`` for each ``(table, ids)``: float32, or with
         ``as_float32=False`` read-only arrays as they travelled (float16 with
-        ``embedding_fp16``), for a caller that only sends them on."""
-        pieces = [pb.LookupRequest(training=training, fp16=self.common.embedding_fp16,
-                                   lz4=self.common.lz4_compression).SerializeToString()]
-        for table, ids in tables:
-            pieces += codec.message_field(1, [  # LookupRequest.tables
-                pb.TableIds(table=table).SerializeToString(), *codec.tensor_field(2, ids)])
-        request = codec.join(pieces)
+        ``embedding_fp16``), for a caller that only sends them on.
+
+        With a parameter server on this host the answer lies in a shared-memory segment
+        (:mod:`persia_py.wire.shm_calls`); read-only arrays are then views of it, and it
+        is lent again once they are gone."""
+        ids = [piece for table, ids in tables for piece in codec.message_field(1, [
+            pb.TableIds(table=table).SerializeToString(), *codec.tensor_field(2, ids)])]
+
+        def request(segment: shm.Descriptor | None, forget: list[shm.Descriptor]) -> bytes:
+            return codec.join([pb.LookupRequest(  # LookupRequest.tables follow
+                training=training, fp16=self.common.embedding_fp16,
+                lz4=self.common.lz4_compression,
+                answer_segment=None if segment is None else segment_message(segment),
+                forget_segments=[segment_message(d) for d in forget]).SerializeToString(), *ids])
+
+        def decode(response: codec.RawMessage, in_segment: TensorData | None) -> list[np.ndarray]:
+            if in_segment is not None and len(response.shm_offsets) != len(response.embeddings):
+                raise codec.CodecError(f"{len(response.shm_offsets)} shared-memory offsets for "
+                                       f"{len(response.embeddings)} embeddings")
+            return [codec.decode(t, name=f"embeddings[{i}]", ndim=2, as_float32=as_float32,
+                                 copy=as_float32,
+                                 data=None if in_segment is None
+                                 else in_segment(t, response.shm_offsets[i]))
+                    for i, t in enumerate(response.embeddings)]
+
         # A training lookup may insert rows, but inserting the same ids again is a no-op
         # (initialization is a pure function of the id), so the call is safe to retry.
-        response = self._call("_lookup", request, idempotent=True)
-        return [
-            codec.decode(t, name="embeddings", ndim=2, as_float32=as_float32, copy=as_float32)
-            for t in response.embeddings
-        ]
+        # The method looked up as each attempt runs: after a redial (the address book) it
+        # is the new channel's.
+        return self.segments.call_for_answer(
+            request, self._retried, lambda *args, **kwargs: self._lookup(*args, **kwargs),
+            decode, hold=not as_float32)
 
     def prefetch(self, tables: list[tuple[str, np.ndarray]]) -> bool:
         """Hint that these ids will be looked up soon (a server with a disk tier brings
@@ -85,14 +120,32 @@ class PSClient(ServiceClient):
         ``resend``: the caller sent this pair before. Unless it did, or this call itself
         retried, an answer ``duplicate`` raises :class:`UpdateNotApplied`.
         """
-        pieces = [pb.UpdateRequest(worker_id=worker_id, sequence=sequence).SerializeToString()]
-        for table, ids, g in tables:
-            pieces += codec.message_field(1, [  # UpdateRequest.tables
-                pb.TableGradients(table=table).SerializeToString(),
-                *codec.tensor_field(2, ids),
-                *codec.tensor_field(3, g, fp16=self.common.embedding_fp16,
-                                    compress=self.common.lz4_compression),
-            ])
+        def in_segment(segment: shm.Descriptor, forget: list[shm.Descriptor],
+                       offsets: list[int]) -> bytes:
+            pieces = [pb.UpdateRequest(worker_id=worker_id, sequence=sequence,
+                                       grads_segment=segment_message(segment),
+                                       forget_segments=[segment_message(d) for d in forget]
+                                       ).SerializeToString()]
+            for (table, ids, g), offset, d in zip(tables, offsets, dtypes):
+                pieces += codec.message_field(1, [  # UpdateRequest.tables
+                    pb.TableGradients(table=table, grads_offset=offset, grads=common_pb2.Tensor(
+                        dtype=d, shape=g.shape)).SerializeToString(),
+                    *codec.tensor_field(2, ids)])
+            return codec.join(pieces)
+
+        def in_message() -> bytes:
+            pieces = [pb.UpdateRequest(worker_id=worker_id, sequence=sequence).SerializeToString()]
+            for table, ids, g in tables:
+                pieces += codec.message_field(1, [  # UpdateRequest.tables
+                    pb.TableGradients(table=table).SerializeToString(),
+                    *codec.tensor_field(2, ids),
+                    *codec.tensor_field(3, g, fp16=self.common.embedding_fp16,
+                                        compress=self.common.lz4_compression),
+                ])
+            return codec.join(pieces)
+
+        dtypes = ["float16" if self.common.embedding_fp16 and g.dtype.kind == "f"
+                  else g.dtype.name for _, _, g in tables]
         num_attempts = 0
 
         def attempt(request: bytes, **kwargs: object) -> pb.UpdateResponse:
@@ -100,7 +153,13 @@ class PSClient(ServiceClient):
             num_attempts += 1
             return self._update(request, **kwargs)
 
-        answer = self._call(attempt, codec.join(pieces), idempotent=True)
+        # Gradients through shared memory where the replica is on this host: a refusal
+        # applied nothing, and they go in the message instead.
+        answer = self.segments.call_with_arrays([g for _, _, g in tables], dtypes, in_segment,
+                                                self._retried, attempt)
+        if answer is None:
+            num_attempts = 0  # the first sending that can have been applied
+            answer = self._call(attempt, in_message(), idempotent=True)
         if answer.duplicate and not resend and num_attempts == 1:
             raise UpdateNotApplied(
                 f"parameter server {self.address} answered the first sending of update "

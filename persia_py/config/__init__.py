@@ -61,10 +61,11 @@ class CommonConfig:
     lz4_compression: bool = False
     """Embedding and gradient payloads travel lz4-compressed."""
     shared_memory: bool = True
-    """An NN worker and an embedding worker on the same host pass lookup answers and
-    gradients through shared memory (``/dev/shm``) instead of inside the messages; the
-    calls stay gRPC calls. Where the two are not on one host (or ``/dev/shm`` fails) the
-    arrays travel in the messages, as with ``false``."""
+    """An NN worker and an embedding worker on the same host, and an embedding worker and
+    a parameter server on the same host, pass lookup answers and gradients through shared
+    memory (``/dev/shm``) instead of inside the messages; the calls stay gRPC calls.
+    Where the two are not on one host (or ``/dev/shm`` fails) the arrays travel in the
+    messages, as with ``false``."""
     tls_cert_file: str | None = None
     """PEM certificate this role presents, as a server and as a client (mutual TLS). With
     ``tls_key_file`` and ``tls_ca_file`` set, every server refuses plaintext connections

@@ -81,3 +81,23 @@ class RestartResponse(_message.Message):
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     instance: str
     def __init__(self, instance: _Optional[str] = ...) -> None: ...
+
+class ShmSegment(_message.Message):
+    __slots__ = ("name", "nonce", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    nonce: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ShmUse(_message.Message):
+    __slots__ = ("used", "refused", "needed_bytes")
+    USED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    used: bool
+    refused: str
+    needed_bytes: int
+    def __init__(self, used: _Optional[bool] = ..., refused: _Optional[str] = ..., needed_bytes: _Optional[int] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from persia_py.proto import common_pb2 as persia__py_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&persia_py/proto/embedding_worker.proto\x12\tpersia_py\x1a\x1cpersia_py/proto/common.proto\"\x86\x01\n\x0fPutBatchRequest\x12&\n\x08\x66\x65\x61tures\x18\x01 \x03(\x0b\x32\x14.persia_py.IdFeature\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x15\n\rrequires_grad\x18\x03 \x01(\x08\x12\x0e\n\x06stream\x18\x04 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x05 \x01(\x04\"\x1f\n\x10PutBatchResponse\x12\x0b\n\x03ref\x18\x01 \x01(\x04\"(\n\x0bWireOptions\x12\x0c\n\x04\x66p16\x18\x01 \x01(\x08\x12\x0b\n\x03lz4\x18\x02 \x01(\x08\"7\n\nShmSegment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\"=\n\x06ShmUse\x12\x0c\n\x04used\x18\x01 \x01(\x08\x12\x0f\n\x07refused\x18\x02 \x01(\t\x12\x14\n\x0cneeded_bytes\x18\x03 \x01(\x04\"\xa6\x01\n\x12LookupBatchRequest\x12\x0b\n\x03ref\x18\x01 \x01(\x04\x12$\n\x04wire\x18\x02 \x01(\x0b\x32\x16.persia_py.WireOptions\x12-\n\x0e\x61nswer_segment\x18\x03 \x01(\x0b\x32\x15.persia_py.ShmSegment\x12.\n\x0f\x66orget_segments\x18\x04 \x03(\x0b\x32\x15.persia_py.ShmSegment\"w\n\x13LookupDirectRequest\x12&\n\x08\x66\x65\x61tures\x18\x01 \x03(\x0b\x32\x14.persia_py.IdFeature\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12$\n\x04wire\x18\x03 \x01(\x0b\x32\x16.persia_py.WireOptions\"\xf6\x01\n\rSlotEmbedding\x12\x0c\n\x04slot\x18\x01 \x01(\t\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\x12 \n\x05index\x18\x03 \x01(\x0b\x32\x11.persia_py.Tensor\x12\"\n\x07lengths\x18\x04 \x01(\x0b\x32\x11.persia_py.Tensor\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x14\n\x0csqrt_scaling\x18\x06 \x01(\x08\x12\x19\n\x11sample_fixed_size\x18\x07 \x01(\x05\x12\x19\n\x11hash_stack_rounds\x18\x08 \x01(\x05\x12\x13\n\x0bshm_offsets\x18\t \x03(\x04\"^\n\x13LookupBatchResponse\x12\'\n\x05slots\x18\x01 \x03(\x0b\x32\x18.persia_py.SlotEmbedding\x12\x1e\n\x03shm\x18\x02 \x01(\x0b\x32\x11.persia_py.ShmUse\"V\n\x10SlotRowGradients\x12\x0c\n\x04slot\x18\x01 \x01(\t\x12 \n\x05grads\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\x12\x12\n\nshm_offset\x18\x03 \x01(\x04\"\xc1\x01\n\x16UpdateGradientsRequest\x12\x0b\n\x03ref\x18\x01 \x01(\x04\x12*\n\x05slots\x18\x02 \x03(\x0b\x32\x1b.persia_py.SlotRowGradients\x12\x10\n\x08rerouted\x18\x03 \x01(\x08\x12,\n\rgrads_segment\x18\x04 \x01(\x0b\x32\x15.persia_py.ShmSegment\x12.\n\x0f\x66orget_segments\x18\x05 \x03(\x0b\x32\x15.persia_py.ShmSegment\"N\n\x17UpdateGradientsResponse\x12\x13\n\x0bnum_updated\x18\x01 \x01(\x03\x12\x1e\n\x03shm\x18\x02 \x01(\x0b\x32\x11.persia_py.ShmUse2\x92\x04\n\x0f\x45mbeddingWorker\x12\x46\n\tConfigure\x12\x1b.persia_py.ConfigureRequest\x1a\x1c.persia_py.ConfigureResponse\x12\x43\n\x08PutBatch\x12\x1a.persia_py.PutBatchRequest\x1a\x1b.persia_py.PutBatchResponse\x12G\n\x06Lookup\x12\x1d.persia_py.LookupBatchRequest\x1a\x1e.persia_py.LookupBatchResponse\x12N\n\x0cLookupDirect\x12\x1e.persia_py.LookupDirectRequest\x1a\x1e.persia_py.LookupBatchResponse\x12X\n\x0fUpdateGradients\x12!.persia_py.UpdateGradientsRequest\x1a\".persia_py.UpdateGradientsResponse\x12=\n\x06Health\x12\x18.persia_py.HealthRequest\x1a\x19.persia_py.HealthResponse\x12@\n\x07Restart\x12\x19.persia_py.RestartRequest\x1a\x1a.persia_py.RestartResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&persia_py/proto/embedding_worker.proto\x12\tpersia_py\x1a\x1cpersia_py/proto/common.proto\"\x86\x01\n\x0fPutBatchRequest\x12&\n\x08\x66\x65\x61tures\x18\x01 \x03(\x0b\x32\x14.persia_py.IdFeature\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x15\n\rrequires_grad\x18\x03 \x01(\x08\x12\x0e\n\x06stream\x18\x04 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x05 \x01(\x04\"\x1f\n\x10PutBatchResponse\x12\x0b\n\x03ref\x18\x01 \x01(\x04\"(\n\x0bWireOptions\x12\x0c\n\x04\x66p16\x18\x01 \x01(\x08\x12\x0b\n\x03lz4\x18\x02 \x01(\x08\"\xa6\x01\n\x12LookupBatchRequest\x12\x0b\n\x03ref\x18\x01 \x01(\x04\x12$\n\x04wire\x18\x02 \x01(\x0b\x32\x16.persia_py.WireOptions\x12-\n\x0e\x61nswer_segment\x18\x03 \x01(\x0b\x32\x15.persia_py.ShmSegment\x12.\n\x0f\x66orget_segments\x18\x04 \x03(\x0b\x32\x15.persia_py.ShmSegment\"w\n\x13LookupDirectRequest\x12&\n\x08\x66\x65\x61tures\x18\x01 \x03(\x0b\x32\x14.persia_py.IdFeature\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12$\n\x04wire\x18\x03 \x01(\x0b\x32\x16.persia_py.WireOptions\"\xf6\x01\n\rSlotEmbedding\x12\x0c\n\x04slot\x18\x01 \x01(\t\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\x12 \n\x05index\x18\x03 \x01(\x0b\x32\x11.persia_py.Tensor\x12\"\n\x07lengths\x18\x04 \x01(\x0b\x32\x11.persia_py.Tensor\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x14\n\x0csqrt_scaling\x18\x06 \x01(\x08\x12\x19\n\x11sample_fixed_size\x18\x07 \x01(\x05\x12\x19\n\x11hash_stack_rounds\x18\x08 \x01(\x05\x12\x13\n\x0bshm_offsets\x18\t \x03(\x04\"^\n\x13LookupBatchResponse\x12\'\n\x05slots\x18\x01 \x03(\x0b\x32\x18.persia_py.SlotEmbedding\x12\x1e\n\x03shm\x18\x02 \x01(\x0b\x32\x11.persia_py.ShmUse\"V\n\x10SlotRowGradients\x12\x0c\n\x04slot\x18\x01 \x01(\t\x12 \n\x05grads\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\x12\x12\n\nshm_offset\x18\x03 \x01(\x04\"\xc1\x01\n\x16UpdateGradientsRequest\x12\x0b\n\x03ref\x18\x01 \x01(\x04\x12*\n\x05slots\x18\x02 \x03(\x0b\x32\x1b.persia_py.SlotRowGradients\x12\x10\n\x08rerouted\x18\x03 \x01(\x08\x12,\n\rgrads_segment\x18\x04 \x01(\x0b\x32\x15.persia_py.ShmSegment\x12.\n\x0f\x66orget_segments\x18\x05 \x03(\x0b\x32\x15.persia_py.ShmSegment\"N\n\x17UpdateGradientsResponse\x12\x13\n\x0bnum_updated\x18\x01 \x01(\x03\x12\x1e\n\x03shm\x18\x02 \x01(\x0b\x32\x11.persia_py.ShmUse2\x92\x04\n\x0f\x45mbeddingWorker\x12\x46\n\tConfigure\x12\x1b.persia_py.ConfigureRequest\x1a\x1c.persia_py.ConfigureResponse\x12\x43\n\x08PutBatch\x12\x1a.persia_py.PutBatchRequest\x1a\x1b.persia_py.PutBatchResponse\x12G\n\x06Lookup\x12\x1d.persia_py.LookupBatchRequest\x1a\x1e.persia_py.LookupBatchResponse\x12N\n\x0cLookupDirect\x12\x1e.persia_py.LookupDirectRequest\x1a\x1e.persia_py.LookupBatchResponse\x12X\n\x0fUpdateGradients\x12!.persia_py.UpdateGradientsRequest\x1a\".persia_py.UpdateGradientsResponse\x12=\n\x06Health\x12\x18.persia_py.HealthRequest\x1a\x19.persia_py.HealthResponse\x12@\n\x07Restart\x12\x19.persia_py.RestartRequest\x1a\x1a.persia_py.RestartResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,24 +38,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTBATCHRESPONSE']._serialized_end=251
   _globals['_WIREOPTIONS']._serialized_start=253
   _globals['_WIREOPTIONS']._serialized_end=293
-  _globals['_SHMSEGMENT']._serialized_start=295
-  _globals['_SHMSEGMENT']._serialized_end=350
-  _globals['_SHMUSE']._serialized_start=352
-  _globals['_SHMUSE']._serialized_end=413
-  _globals['_LOOKUPBATCHREQUEST']._serialized_start=416
-  _globals['_LOOKUPBATCHREQUEST']._serialized_end=582
-  _globals['_LOOKUPDIRECTREQUEST']._serialized_start=584
-  _globals['_LOOKUPDIRECTREQUEST']._serialized_end=703
-  _globals['_SLOTEMBEDDING']._serialized_start=706
-  _globals['_SLOTEMBEDDING']._serialized_end=952
-  _globals['_LOOKUPBATCHRESPONSE']._serialized_start=954
-  _globals['_LOOKUPBATCHRESPONSE']._serialized_end=1048
-  _globals['_SLOTROWGRADIENTS']._serialized_start=1050
-  _globals['_SLOTROWGRADIENTS']._serialized_end=1136
-  _globals['_UPDATEGRADIENTSREQUEST']._serialized_start=1139
-  _globals['_UPDATEGRADIENTSREQUEST']._serialized_end=1332
-  _globals['_UPDATEGRADIENTSRESPONSE']._serialized_start=1334
-  _globals['_UPDATEGRADIENTSRESPONSE']._serialized_end=1412
-  _globals['_EMBEDDINGWORKER']._serialized_start=1415
-  _globals['_EMBEDDINGWORKER']._serialized_end=1945
+  _globals['_LOOKUPBATCHREQUEST']._serialized_start=296
+  _globals['_LOOKUPBATCHREQUEST']._serialized_end=462
+  _globals['_LOOKUPDIRECTREQUEST']._serialized_start=464
+  _globals['_LOOKUPDIRECTREQUEST']._serialized_end=583
+  _globals['_SLOTEMBEDDING']._serialized_start=586
+  _globals['_SLOTEMBEDDING']._serialized_end=832
+  _globals['_LOOKUPBATCHRESPONSE']._serialized_start=834
+  _globals['_LOOKUPBATCHRESPONSE']._serialized_end=928
+  _globals['_SLOTROWGRADIENTS']._serialized_start=930
+  _globals['_SLOTROWGRADIENTS']._serialized_end=1016
+  _globals['_UPDATEGRADIENTSREQUEST']._serialized_start=1019
+  _globals['_UPDATEGRADIENTSREQUEST']._serialized_end=1212
+  _globals['_UPDATEGRADIENTSRESPONSE']._serialized_start=1214
+  _globals['_UPDATEGRADIENTSRESPONSE']._serialized_end=1292
+  _globals['_EMBEDDINGWORKER']._serialized_start=1295
+  _globals['_EMBEDDINGWORKER']._serialized_end=1825
 # @@protoc_insertion_point(module_scope)

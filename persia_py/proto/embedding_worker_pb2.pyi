@@ -35,26 +35,6 @@ class WireOptions(_message.Message):
     lz4: bool
     def __init__(self, fp16: _Optional[bool] = ..., lz4: _Optional[bool] = ...) -> None: ...
 
-class ShmSegment(_message.Message):
-    __slots__ = ("name", "nonce", "size")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    NONCE_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    nonce: str
-    size: int
-    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
-
-class ShmUse(_message.Message):
-    __slots__ = ("used", "refused", "needed_bytes")
-    USED_FIELD_NUMBER: _ClassVar[int]
-    REFUSED_FIELD_NUMBER: _ClassVar[int]
-    NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    used: bool
-    refused: str
-    needed_bytes: int
-    def __init__(self, used: _Optional[bool] = ..., refused: _Optional[str] = ..., needed_bytes: _Optional[int] = ...) -> None: ...
-
 class LookupBatchRequest(_message.Message):
     __slots__ = ("ref", "wire", "answer_segment", "forget_segments")
     REF_FIELD_NUMBER: _ClassVar[int]
@@ -63,9 +43,9 @@ class LookupBatchRequest(_message.Message):
     FORGET_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     ref: int
     wire: WireOptions
-    answer_segment: ShmSegment
-    forget_segments: _containers.RepeatedCompositeFieldContainer[ShmSegment]
-    def __init__(self, ref: _Optional[int] = ..., wire: _Optional[_Union[WireOptions, _Mapping]] = ..., answer_segment: _Optional[_Union[ShmSegment, _Mapping]] = ..., forget_segments: _Optional[_Iterable[_Union[ShmSegment, _Mapping]]] = ...) -> None: ...
+    answer_segment: _common_pb2.ShmSegment
+    forget_segments: _containers.RepeatedCompositeFieldContainer[_common_pb2.ShmSegment]
+    def __init__(self, ref: _Optional[int] = ..., wire: _Optional[_Union[WireOptions, _Mapping]] = ..., answer_segment: _Optional[_Union[_common_pb2.ShmSegment, _Mapping]] = ..., forget_segments: _Optional[_Iterable[_Union[_common_pb2.ShmSegment, _Mapping]]] = ...) -> None: ...
 
 class LookupDirectRequest(_message.Message):
     __slots__ = ("features", "batch_size", "wire")
@@ -104,8 +84,8 @@ class LookupBatchResponse(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[SlotEmbedding]
-    shm: ShmUse
-    def __init__(self, slots: _Optional[_Iterable[_Union[SlotEmbedding, _Mapping]]] = ..., shm: _Optional[_Union[ShmUse, _Mapping]] = ...) -> None: ...
+    shm: _common_pb2.ShmUse
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotEmbedding, _Mapping]]] = ..., shm: _Optional[_Union[_common_pb2.ShmUse, _Mapping]] = ...) -> None: ...
 
 class SlotRowGradients(_message.Message):
     __slots__ = ("slot", "grads", "shm_offset")
@@ -127,14 +107,14 @@ class UpdateGradientsRequest(_message.Message):
     ref: int
     slots: _containers.RepeatedCompositeFieldContainer[SlotRowGradients]
     rerouted: bool
-    grads_segment: ShmSegment
-    forget_segments: _containers.RepeatedCompositeFieldContainer[ShmSegment]
-    def __init__(self, ref: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRowGradients, _Mapping]]] = ..., rerouted: _Optional[bool] = ..., grads_segment: _Optional[_Union[ShmSegment, _Mapping]] = ..., forget_segments: _Optional[_Iterable[_Union[ShmSegment, _Mapping]]] = ...) -> None: ...
+    grads_segment: _common_pb2.ShmSegment
+    forget_segments: _containers.RepeatedCompositeFieldContainer[_common_pb2.ShmSegment]
+    def __init__(self, ref: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRowGradients, _Mapping]]] = ..., rerouted: _Optional[bool] = ..., grads_segment: _Optional[_Union[_common_pb2.ShmSegment, _Mapping]] = ..., forget_segments: _Optional[_Iterable[_Union[_common_pb2.ShmSegment, _Mapping]]] = ...) -> None: ...
 
 class UpdateGradientsResponse(_message.Message):
     __slots__ = ("num_updated", "shm")
     NUM_UPDATED_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     num_updated: int
-    shm: ShmUse
-    def __init__(self, num_updated: _Optional[int] = ..., shm: _Optional[_Union[ShmUse, _Mapping]] = ...) -> None: ...
+    shm: _common_pb2.ShmUse
+    def __init__(self, num_updated: _Optional[int] = ..., shm: _Optional[_Union[_common_pb2.ShmUse, _Mapping]] = ...) -> None: ...

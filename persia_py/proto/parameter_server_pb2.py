@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from persia_py.proto import common_pb2 as persia__py_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&persia_py/proto/parameter_server.proto\x12\tpersia_py\x1a\x1cpersia_py/proto/common.proto\"9\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\"a\n\rLookupRequest\x12#\n\x06tables\x18\x01 \x03(\x0b\x32\x13.persia_py.TableIds\x12\x10\n\x08training\x18\x02 \x01(\x08\x12\x0c\n\x04\x66p16\x18\x03 \x01(\x08\x12\x0b\n\x03lz4\x18\x04 \x01(\x08\"7\n\x0eLookupResponse\x12%\n\nembeddings\x18\x01 \x03(\x0b\x32\x11.persia_py.Tensor\"6\n\x0fPrefetchRequest\x12#\n\x06tables\x18\x01 \x03(\x0b\x32\x13.persia_py.TableIds\"\"\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\x08\"a\n\x0eTableGradients\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\x12 \n\x05grads\x18\x03 \x01(\x0b\x32\x11.persia_py.Tensor\"_\n\rUpdateRequest\x12)\n\x06tables\x18\x01 \x03(\x0b\x32\x19.persia_py.TableGradients\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\"8\n\x0eUpdateResponse\x12\x13\n\x0bnum_updated\x18\x01 \x01(\x03\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb1\x01\n\nTableStats\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\x12\x10\n\x08inserted\x18\x06 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x07 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x08 \x01(\x03\x12\x10\n\x08rejected\x18\t \x01(\x03\x12\x0f\n\x07\x65xpired\x18\n \x01(\x03\"K\n\rStatsResponse\x12%\n\x06tables\x18\x01 \x03(\x0b\x32\x15.persia_py.TableStats\x12\x13\n\x0bnum_updates\x18\x02 \x01(\x03\x32\x97\x03\n\x0fParameterServer\x12\x46\n\tConfigure\x12\x1b.persia_py.ConfigureRequest\x1a\x1c.persia_py.ConfigureResponse\x12=\n\x06Lookup\x12\x18.persia_py.LookupRequest\x1a\x19.persia_py.LookupResponse\x12=\n\x06Update\x12\x18.persia_py.UpdateRequest\x1a\x19.persia_py.UpdateResponse\x12\x43\n\x08Prefetch\x12\x1a.persia_py.PrefetchRequest\x1a\x1b.persia_py.PrefetchResponse\x12:\n\x05Stats\x12\x17.persia_py.StatsRequest\x1a\x18.persia_py.StatsResponse\x12=\n\x06Health\x12\x18.persia_py.HealthRequest\x1a\x19.persia_py.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&persia_py/proto/parameter_server.proto\x12\tpersia_py\x1a\x1cpersia_py/proto/common.proto\"9\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\"\xc0\x01\n\rLookupRequest\x12#\n\x06tables\x18\x01 \x03(\x0b\x32\x13.persia_py.TableIds\x12\x10\n\x08training\x18\x02 \x01(\x08\x12\x0c\n\x04\x66p16\x18\x03 \x01(\x08\x12\x0b\n\x03lz4\x18\x04 \x01(\x08\x12-\n\x0e\x61nswer_segment\x18\x05 \x01(\x0b\x32\x15.persia_py.ShmSegment\x12.\n\x0f\x66orget_segments\x18\x06 \x03(\x0b\x32\x15.persia_py.ShmSegment\"l\n\x0eLookupResponse\x12%\n\nembeddings\x18\x01 \x03(\x0b\x32\x11.persia_py.Tensor\x12\x1e\n\x03shm\x18\x02 \x01(\x0b\x32\x11.persia_py.ShmUse\x12\x13\n\x0bshm_offsets\x18\x03 \x03(\x04\"6\n\x0fPrefetchRequest\x12#\n\x06tables\x18\x01 \x03(\x0b\x32\x13.persia_py.TableIds\"\"\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\x08\"w\n\x0eTableGradients\x12\r\n\x05table\x18\x01 \x01(\t\x12\x1e\n\x03ids\x18\x02 \x01(\x0b\x32\x11.persia_py.Tensor\x12 \n\x05grads\x18\x03 \x01(\x0b\x32\x11.persia_py.Tensor\x12\x14\n\x0cgrads_offset\x18\x04 \x01(\x04\"\xbd\x01\n\rUpdateRequest\x12)\n\x06tables\x18\x01 \x03(\x0b\x32\x19.persia_py.TableGradients\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12,\n\rgrads_segment\x18\x04 \x01(\x0b\x32\x15.persia_py.ShmSegment\x12.\n\x0f\x66orget_segments\x18\x05 \x03(\x0b\x32\x15.persia_py.ShmSegment\"X\n\x0eUpdateResponse\x12\x13\n\x0bnum_updated\x18\x01 \x01(\x03\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x1e\n\x03shm\x18\x03 \x01(\x0b\x32\x11.persia_py.ShmUse\"\x0e\n\x0cStatsRequest\"\xb1\x01\n\nTableStats\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\x12\x10\n\x08inserted\x18\x06 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x07 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x08 \x01(\x03\x12\x10\n\x08rejected\x18\t \x01(\x03\x12\x0f\n\x07\x65xpired\x18\n \x01(\x03\"K\n\rStatsResponse\x12%\n\x06tables\x18\x01 \x03(\x0b\x32\x15.persia_py.TableStats\x12\x13\n\x0bnum_updates\x18\x02 \x01(\x03\x32\x97\x03\n\x0fParameterServer\x12\x46\n\tConfigure\x12\x1b.persia_py.ConfigureRequest\x1a\x1c.persia_py.ConfigureResponse\x12=\n\x06Lookup\x12\x18.persia_py.LookupRequest\x1a\x19.persia_py.LookupResponse\x12=\n\x06Update\x12\x18.persia_py.UpdateRequest\x1a\x19.persia_py.UpdateResponse\x12\x43\n\x08Prefetch\x12\x1a.persia_py.PrefetchRequest\x1a\x1b.persia_py.PrefetchResponse\x12:\n\x05Stats\x12\x17.persia_py.StatsRequest\x1a\x18.persia_py.StatsResponse\x12=\n\x06Health\x12\x18.persia_py.HealthRequest\x1a\x19.persia_py.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TABLEIDS']._serialized_start=83
   _globals['_TABLEIDS']._serialized_end=140
-  _globals['_LOOKUPREQUEST']._serialized_start=142
-  _globals['_LOOKUPREQUEST']._serialized_end=239
-  _globals['_LOOKUPRESPONSE']._serialized_start=241
-  _globals['_LOOKUPRESPONSE']._serialized_end=296
-  _globals['_PREFETCHREQUEST']._serialized_start=298
-  _globals['_PREFETCHREQUEST']._serialized_end=352
-  _globals['_PREFETCHRESPONSE']._serialized_start=354
-  _globals['_PREFETCHRESPONSE']._serialized_end=388
-  _globals['_TABLEGRADIENTS']._serialized_start=390
-  _globals['_TABLEGRADIENTS']._serialized_end=487
-  _globals['_UPDATEREQUEST']._serialized_start=489
-  _globals['_UPDATEREQUEST']._serialized_end=584
-  _globals['_UPDATERESPONSE']._serialized_start=586
-  _globals['_UPDATERESPONSE']._serialized_end=642
-  _globals['_STATSREQUEST']._serialized_start=644
-  _globals['_STATSREQUEST']._serialized_end=658
-  _globals['_TABLESTATS']._serialized_start=661
-  _globals['_TABLESTATS']._serialized_end=838
-  _globals['_STATSRESPONSE']._serialized_start=840
-  _globals['_STATSRESPONSE']._serialized_end=915
-  _globals['_PARAMETERSERVER']._serialized_start=918
-  _globals['_PARAMETERSERVER']._serialized_end=1325
+  _globals['_LOOKUPREQUEST']._serialized_start=143
+  _globals['_LOOKUPREQUEST']._serialized_end=335
+  _globals['_LOOKUPRESPONSE']._serialized_start=337
+  _globals['_LOOKUPRESPONSE']._serialized_end=445
+  _globals['_PREFETCHREQUEST']._serialized_start=447
+  _globals['_PREFETCHREQUEST']._serialized_end=501
+  _globals['_PREFETCHRESPONSE']._serialized_start=503
+  _globals['_PREFETCHRESPONSE']._serialized_end=537
+  _globals['_TABLEGRADIENTS']._serialized_start=539
+  _globals['_TABLEGRADIENTS']._serialized_end=658
+  _globals['_UPDATEREQUEST']._serialized_start=661
+  _globals['_UPDATEREQUEST']._serialized_end=850
+  _globals['_UPDATERESPONSE']._serialized_start=852
+  _globals['_UPDATERESPONSE']._serialized_end=940
+  _globals['_STATSREQUEST']._serialized_start=942
+  _globals['_STATSREQUEST']._serialized_end=956
+  _globals['_TABLESTATS']._serialized_start=959
+  _globals['_TABLESTATS']._serialized_end=1136
+  _globals['_STATSRESPONSE']._serialized_start=1138
+  _globals['_STATSRESPONSE']._serialized_end=1213
+  _globals['_PARAMETERSERVER']._serialized_start=1216
+  _globals['_PARAMETERSERVER']._serialized_end=1623
 # @@protoc_insertion_point(module_scope)

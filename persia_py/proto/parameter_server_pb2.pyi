@@ -16,22 +16,30 @@ class TableIds(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("tables", "training", "fp16", "lz4")
+    __slots__ = ("tables", "training", "fp16", "lz4", "answer_segment", "forget_segments")
     TABLES_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     FP16_FIELD_NUMBER: _ClassVar[int]
     LZ4_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    FORGET_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableIds]
     training: bool
     fp16: bool
     lz4: bool
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., training: _Optional[bool] = ..., fp16: _Optional[bool] = ..., lz4: _Optional[bool] = ...) -> None: ...
+    answer_segment: _common_pb2.ShmSegment
+    forget_segments: _containers.RepeatedCompositeFieldContainer[_common_pb2.ShmSegment]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., training: _Optional[bool] = ..., fp16: _Optional[bool] = ..., lz4: _Optional[bool] = ..., answer_segment: _Optional[_Union[_common_pb2.ShmSegment, _Mapping]] = ..., forget_segments: _Optional[_Iterable[_Union[_common_pb2.ShmSegment, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("embeddings",)
+    __slots__ = ("embeddings", "shm", "shm_offsets")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     embeddings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
-    def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+    shm: _common_pb2.ShmUse
+    shm_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ..., shm: _Optional[_Union[_common_pb2.ShmUse, _Mapping]] = ..., shm_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("tables",)
@@ -46,32 +54,40 @@ class PrefetchResponse(_message.Message):
     def __init__(self, queued: _Optional[bool] = ...) -> None: ...
 
 class TableGradients(_message.Message):
-    __slots__ = ("table", "ids", "grads")
+    __slots__ = ("table", "ids", "grads", "grads_offset")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_OFFSET_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: _common_pb2.Tensor
     grads: _common_pb2.Tensor
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    grads_offset: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., grads_offset: _Optional[int] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("tables", "worker_id", "sequence")
+    __slots__ = ("tables", "worker_id", "sequence", "grads_segment", "forget_segments")
     TABLES_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    GRADS_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    FORGET_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableGradients]
     worker_id: str
     sequence: int
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableGradients, _Mapping]]] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+    grads_segment: _common_pb2.ShmSegment
+    forget_segments: _containers.RepeatedCompositeFieldContainer[_common_pb2.ShmSegment]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableGradients, _Mapping]]] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., grads_segment: _Optional[_Union[_common_pb2.ShmSegment, _Mapping]] = ..., forget_segments: _Optional[_Iterable[_Union[_common_pb2.ShmSegment, _Mapping]]] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
-    __slots__ = ("num_updated", "duplicate")
+    __slots__ = ("num_updated", "duplicate", "shm")
     NUM_UPDATED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     num_updated: int
     duplicate: bool
-    def __init__(self, num_updated: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    shm: _common_pb2.ShmUse
+    def __init__(self, num_updated: _Optional[int] = ..., duplicate: _Optional[bool] = ..., shm: _Optional[_Union[_common_pb2.ShmUse, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -1,32 +1,37 @@
 """Arrays between two processes of one host through shared memory instead of messages.
 
-An NN worker and its embedding worker on the same machine move tens of MB per batch (the
-lookup answer one way, the gradients back); as gRPC messages those bytes are copied into
-the message, by gRPC, through the socket and joined again on the other side. Here the
-call itself stays a gRPC call (the token interceptor, deadlines, retries, status codes),
-but its arrays lie in a segment both processes map, and the message carries only where.
+An NN worker and its embedding worker, or an embedding worker and a parameter server, on
+the same machine move tens of MB per batch (the lookup answer one way, the gradients
+back); as gRPC messages those bytes are copied into the message, by gRPC, through the
+socket and joined again on the other side. Here the call itself stays a gRPC call (the
+token interceptor, deadlines, retries, status codes), but its arrays lie in a segment
+both processes map, and the message carries only where (the calls:
+:mod:`persia_py.wire.shm_calls`).
 
-Trust model. Segments are made only by the NN worker's side (:class:`SegmentPool`): a
-name ``persia-shm-<maker's PID>-<32 random hex>`` in ``/dev/shm``, created exclusively, mode 0600, its
-pages reserved at once (``posix_fallocate``: a full ``/dev/shm`` fails here, not as a
-SIGBUS on a later write), and a random nonce in its header. The embedding worker
-(:class:`SegmentCache`) opens nothing else: a name that is not of that form, a file that
-is not a regular file of this user with no access for others, a size other than the one
-described or above ``common_config.max_message_bytes``, or a header without the nonce the
-caller sent (which proves that the caller made the segment, on this host) is refused
-before or right after mapping. Once mapped and checked it unlinks the name, so nothing is
-left in ``/dev/shm`` by either side dying later; the maker unlinks what was never mapped,
-and a maker killed before its peer mapped one leaves a name that the next pool on the host
-removes (:func:`remove_orphans`).
+Trust model. Segments are made only by the caller's side (:class:`SegmentPool`: the NN
+worker, the embedding worker): a name ``persia-shm-<maker's PID>-<32 random hex>`` in
+``/dev/shm``, created exclusively, mode 0600, its pages reserved at once
+(``posix_fallocate``: a full ``/dev/shm`` fails here, not as a SIGBUS on a later write),
+and a random nonce in its header. The server (:class:`SegmentCache`: the embedding
+worker, the parameter server) opens nothing else: a name that is not of that form, a
+file that is not a regular file of this user with no access for others, a size other
+than the one described or above ``common_config.max_message_bytes``, or a header without
+the nonce the caller sent (which proves that the caller made the segment, on this host)
+is refused before or right after mapping. Once mapped and checked it unlinks the name, so
+nothing is left in ``/dev/shm`` by either side dying later; the maker unlinks what was
+never mapped, and a maker killed before its peer mapped one leaves a name that the next
+pool on the host removes (:func:`remove_orphans`).
 Every offset a peer names is checked against the mapping (:meth:`Segment.at`), and a
 mapping is never unmapped by hand: dropping it drops a reference, and it is unmapped
 when the last array viewing it is gone, so a wrong or stale descriptor is an error,
 never a crash or a read of other memory.
 
-A segment is lent for one call: the NN worker names a free one in a request and takes it
-back when the answer is decoded (the lookup's arrays are copied out by decoding, as they
-are from a message) or when the update is acknowledged. A call that failed may still be
-running on the other side, so its segment is never lent again (:meth:`SegmentPool.discard`).
+A segment is lent for one call: the caller names a free one in a request and takes it
+back when the answer is decoded (the arrays copied out by decoding, as they are from a
+message; or, for a caller that only sends them on, once no view of them is left:
+:meth:`SegmentPool.give_back_later`) or when the update is acknowledged. A call that
+failed may still be running on the other side, so its segment is never lent again
+(:meth:`SegmentPool.discard`).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import stat
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -227,7 +232,7 @@ _MIN_SEGMENT_BYTES = 1 << 20
 
 
 class SegmentPool:
-    """An NN worker's segments for one peer and one direction, lent one call at a time.
+    """A caller's segments for one peer and one direction, lent one call at a time.
 
     Sizes follow what the calls needed (the largest seen, plus a quarter); at most
     ``max_segments`` exist (beyond, a call sends its arrays in the message).
@@ -239,6 +244,7 @@ class SegmentPool:
         self._free: list[Segment] = []
         self._lent: set[Segment] = set()
         self._forget: list[Descriptor] = []
+        self._returned: deque[tuple[Segment, bool]] = deque()
         self._wanted = _MIN_SEGMENT_BYTES
         self._lock = threading.Lock()
         self.enabled = True
@@ -252,6 +258,7 @@ class SegmentPool:
         """A segment of at least ``num_bytes`` (or of the size answers needed so far),
         or None (arrays then travel in the message)."""
         with self._lock:
+            self._take_returned()
             if not self.enabled:
                 return None
             wanted = max(num_bytes, self._wanted)
@@ -281,6 +288,23 @@ class SegmentPool:
         with self._lock:
             self._lent.discard(segment)
             self._free.append(segment)
+
+    def give_back_later(self, segment: Segment, lend_again: bool) -> None:
+        """:meth:`give_back` (or, not ``lend_again``, :meth:`discard`) at the next
+        :meth:`acquire`; takes no lock, so a finalizer may call it from any thread at any
+        point (the garbage collector's included). A segment discarded meanwhile stays so."""
+        self._returned.append((segment, lend_again))
+
+    def _take_returned(self) -> None:
+        """Under the lock: the segments given back later."""
+        while self._returned:
+            segment, lend_again = self._returned.popleft()
+            if segment in self._lent:
+                self._lent.discard(segment)
+                if lend_again:
+                    self._free.append(segment)
+                else:
+                    self._retire(segment)
 
     def discard(self, segment: Segment) -> None:
         """Never lend ``segment`` again (its call failed, or it is too small)."""
@@ -322,7 +346,7 @@ class SegmentPool:
             return
         with self._lock:
             stale = [s for s in self._free if s.used]
-            self._free = [s for s in self._free if not s.used]
+            self._free[:] = [s for s in self._free if not s.used]  # the finalizer's list
             for s in stale:
                 self._retire(s)
 
@@ -376,8 +400,8 @@ def _unlink_all(free: list[Segment], lent: set[Segment]) -> None:
 
 
 class SegmentCache:
-    """An embedding worker's mappings of its NN workers' segments, by name, the least
-    recently used dropped beyond ``max_segments`` or ``max_total_bytes``."""
+    """A server's mappings of its callers' segments, by name, the least recently used
+    dropped beyond ``max_segments`` or ``max_total_bytes``."""
 
     def __init__(self, max_bytes: int, *, max_segments: int = 256,
                  max_total_bytes: int | None = None, max_idle_sec: float = 600.0,
