@@ -43,7 +43,7 @@ those two only if installed. Bytes read from the device per row come from
    and with all in RAM, the same seeds: ``auc_delta_adult`` (tier minus RAM test AUC),
    ``auc_adult_ram``, ``auc_adult_tier``, ``adult_disk_row_fraction``.
 5. **Checkpoint.** The tier's table (after its steps) dumped as a checkpoint writes it
-   and loaded into a fresh table with a tier (:func:`checkpoint_speed`):
+   and loaded into a fresh table with a tier (:mod:`benchmarks.disk_tier_checkpoint`):
    ``checkpoint_dump_gb_per_s``, ``checkpoint_load_gb_per_s`` and
    ``checkpoint_gb_per_s`` (the slower) in GB/s of the rows' checkpoint bytes.
 
@@ -54,7 +54,6 @@ Keys not measured yet (issue 42 asks for them; the JSON has them as null):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -66,14 +65,13 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.disk_tier_adult import adult_figures
+from benchmarks.disk_tier_checkpoint import checkpoint_speed
 from persia_py.config import DiskTierConfig
-from persia_py.ops import safe_files
 from persia_py.servers.disk_tier import DEFAULT_FREE_FRACTION, DiskTier
 from persia_py.servers.optimizers import AdagradConfig
 from persia_py.servers.page_file import PageFile, aligned_empty
 from persia_py.servers.prefetch import Prefetcher
 from persia_py.servers.storage import EmbeddingTable
-from persia_py.servers.table_files import TableFiles, row_chunks, write_table
 
 DIM = 64
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # rank -> id: odd multiplier, a bijection mod 2**64
@@ -377,49 +375,14 @@ def _run_table(tier_dir: str | None, rows: int, ram_rows: int, free_fraction: fl
             step_s = 2 * misses / device
         result = _steps(table, sampler, batches, batch, ram_rows, step_s, prefetcher)
         if checkpoint:  # the tier's table after its steps, most rows on disk
-            result["checkpoint"] = checkpoint_speed(table, tier_dir, ram_rows, rows,
-                                                    free_fraction)
+            result["checkpoint"] = checkpoint_speed(table, tier_dir,
+                                                    _table(ram_rows, tier_dir, rows))
     finally:
         if prefetcher is not None:
             prefetcher.close()
         table.close()
     return dict(result, warmup_hit_rate=warm["hit_rate"] if warm else None,
                 fill_seconds=fill, step_s=step_s)
-
-
-def checkpoint_speed(table: EmbeddingTable, directory: str, ram_rows: int, rows: int,
-                     free_fraction: float) -> dict:
-    """Dump ``table`` (most of its rows on disk) as a checkpoint does (its four files, rows
-    streamed from RAM and from the tier's sequential reads, O_DIRECT, fsync'd), then load
-    them into a fresh table with a tier (RAM's share in RAM, the rest written to its
-    tier); GB/s of the rows' checkpoint bytes each way (``checkpoint_gb_per_s``: the
-    slower)."""
-    work = tempfile.mkdtemp(prefix="persia-tier-ckpt-", dir=directory)
-    fresh = _table(ram_rows, directory, rows)
-    try:
-        with safe_files.opened_dir(None, work) as fd:
-            t0 = time.perf_counter()
-            description, num_bytes = write_table(fd, "t0", table)
-            dump = time.perf_counter() - t0
-            with contextlib.ExitStack() as stack:
-                t0 = time.perf_counter()
-                files = TableFiles(fd, description, "t0", None, stack)
-                loaded = fresh.load_chunks(row_chunks([files]))
-                load = time.perf_counter() - t0
-        on_disk = fresh.disk_stats()["disk_rows"]
-    finally:
-        fresh.close()
-        shutil.rmtree(work, ignore_errors=True)
-    if loaded != description["num_rows"]:
-        raise RuntimeError(f"loaded {loaded} rows of {description['num_rows']}")
-    print(f"checkpoint of {loaded:,} rows ({on_disk:,} to disk on load), {num_bytes / 1e9:.2f} "
-          f"GB: dump {dump:.2f}s ({num_bytes / dump / 1e9:.2f} GB/s), load {load:.2f}s "
-          f"({num_bytes / load / 1e9:.2f} GB/s)")
-    return {"checkpoint_rows": loaded, "checkpoint_bytes": num_bytes,
-            "checkpoint_rows_on_disk": on_disk,
-            "checkpoint_dump_gb_per_s": num_bytes / dump / 1e9,
-            "checkpoint_load_gb_per_s": num_bytes / load / 1e9,
-            "checkpoint_gb_per_s": num_bytes / max(dump, load) / 1e9}
 
 
 def run_tier(args: argparse.Namespace) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -237,6 +238,18 @@ def refused(call: Callable, request, code: grpc.StatusCode = grpc.StatusCode.INV
         call(request, timeout=30)
     assert info.value.code() == code, info.value.details()
     return info.value.details()
+
+
+class LogWaiter(logging.Handler):
+    """Sets ``event`` when a record matching ``pattern`` is logged."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__(logging.INFO)
+        self.pattern, self.event = re.compile(pattern), threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.pattern.search(record.getMessage()):
+            self.event.set()
 
 
 def launcher_command(*args: str) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import LogWaiter
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.coordinator import PSCheckpointClient
@@ -67,18 +68,6 @@ class _Server:
         self.ps.close()
 
 
-class _Waiter(logging.Handler):
-    """Sets ``event`` when a record matching ``pattern`` is logged."""
-
-    def __init__(self, pattern: str) -> None:
-        super().__init__(logging.INFO)
-        self.pattern, self.event = re.compile(pattern), threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.pattern.search(record.getMessage()):
-            self.event.set()
-
-
 def _train_one(worker: EmbeddingWorker, ids: list[int]) -> int:
     ref = worker.put_batch([SlotIds("user", np.array(ids, dtype=np.uint64),
                                     np.ones(len(ids), dtype=np.int32))], len(ids), True)
@@ -115,7 +104,7 @@ def test_a_client_redials_where_the_book_says_once_its_server_is_gone(
         assert _train_one(worker, [1, 2]) == 2
         book.publish({"ps": [first.address]})
         first.stop()
-        waiter = _Waiter(r"parameter server \S+ unavailable")
+        waiter = LogWaiter(r"parameter server \S+ unavailable")
         logging.getLogger("persia_py.wire.rpc").addHandler(waiter)
         result: dict = {}
 

@@ -30,6 +30,7 @@ HELPERS = {
     "density_accuracy": "benchmarks.density --parts accuracy (five full training jobs; "
                         "not in the smoke)",
     "disk_tier_adult": "benchmarks.disk_tier (auc_delta_adult)",
+    "disk_tier_checkpoint": "benchmarks.disk_tier (checkpoint_gb_per_s)",
     "ps_process": "the benchmarks that start a parameter server or embedding worker",
     "role_cpu": "train_throughput, compare and scaling (tests/test_compare_benchmark.py "
                 "too)",

@@ -17,7 +17,14 @@ import grpc
 import numpy as np
 import pytest
 import yaml
-from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command, processes_with_marker
+from conftest import (
+    EXAMPLE,
+    ROOT,
+    LogWaiter,
+    RoleProcess,
+    launcher_command,
+    processes_with_marker,
+)
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, SlotConfig
@@ -99,18 +106,6 @@ def test_a_retried_gradient_update_is_applied_once(worker_and_ps) -> None:
     np.testing.assert_allclose(rows, want)  # one SGD step of lr 1 with gradient 1
 
 
-class _Waiter(logging.Handler):
-    """Sets ``event`` when a record matching ``pattern`` is logged."""
-
-    def __init__(self, pattern: str) -> None:
-        super().__init__(logging.INFO)
-        self.pattern, self.event = re.compile(pattern), threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.pattern.search(record.getMessage()):
-            self.event.set()
-
-
 def test_lookups_wait_for_a_parameter_server_restarted_empty_and_configure_it(
         worker_and_ps, caplog) -> None:
     worker, state = worker_and_ps
@@ -118,7 +113,7 @@ def test_lookups_wait_for_a_parameter_server_restarted_empty_and_configure_it(
     worker.update_gradients(ref, {"user": grads})
     state["server"].stop(grace=None).wait(10)
     state["ps"].close()
-    waiter = _Waiter(r"parameter server \S+ unavailable")
+    waiter = LogWaiter(r"parameter server \S+ unavailable")
     logging.getLogger("persia_py.wire.rpc").addHandler(waiter)
     result: dict = {}
 

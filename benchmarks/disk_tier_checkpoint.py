@@ -1,0 +1,46 @@
+"""The checkpoint half of ``python -m benchmarks.disk_tier``: a table with most rows on
+its disk tier dumped as a checkpoint writes it, and loaded into a fresh tiered table."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import time
+
+from persia_py.ops import safe_files
+from persia_py.servers.storage import EmbeddingTable
+from persia_py.servers.table_files import TableFiles, row_chunks, write_table
+
+
+def checkpoint_speed(table: EmbeddingTable, directory: str, fresh: EmbeddingTable) -> dict:
+    """Dump ``table`` (most of its rows on disk) as a checkpoint does (its four files, rows
+    streamed from RAM and from the tier's sequential reads, O_DIRECT, fsync'd), then load
+    them into ``fresh`` (an empty tiered table, closed here: RAM's share in RAM, the rest to its
+    tier); GB/s of the rows' checkpoint bytes each way (``checkpoint_gb_per_s``: the
+    slower)."""
+    work = tempfile.mkdtemp(prefix="persia-tier-ckpt-", dir=directory)
+    try:
+        with safe_files.opened_dir(None, work) as fd:
+            t0 = time.perf_counter()
+            description, num_bytes = write_table(fd, "t0", table)
+            dump = time.perf_counter() - t0
+            with contextlib.ExitStack() as stack:
+                t0 = time.perf_counter()
+                files = TableFiles(fd, description, "t0", None, stack)
+                loaded = fresh.load_chunks(row_chunks([files]))
+                load = time.perf_counter() - t0
+        on_disk = fresh.disk_stats()["disk_rows"]
+    finally:
+        fresh.close()
+        shutil.rmtree(work, ignore_errors=True)
+    if loaded != description["num_rows"]:
+        raise RuntimeError(f"loaded {loaded} rows of {description['num_rows']}")
+    print(f"checkpoint of {loaded:,} rows ({on_disk:,} to disk on load), {num_bytes / 1e9:.2f} "
+          f"GB: dump {dump:.2f}s ({num_bytes / dump / 1e9:.2f} GB/s), load {load:.2f}s "
+          f"({num_bytes / load / 1e9:.2f} GB/s)")
+    return {"checkpoint_rows": loaded, "checkpoint_bytes": num_bytes,
+            "checkpoint_rows_on_disk": on_disk,
+            "checkpoint_dump_gb_per_s": num_bytes / dump / 1e9,
+            "checkpoint_load_gb_per_s": num_bytes / load / 1e9,
+            "checkpoint_gb_per_s": num_bytes / max(dump, load) / 1e9}
