@@ -13,8 +13,8 @@ as address space at once, so rows never move to grow.
 With a disk tier (:mod:`persia_py.servers.disk_tier`, opt-in), eviction spills the rows
 (weights and optimizer state) to it instead of deleting them, the least frequently looked
 up first (a count-min sketch of every id's lookups, RAM, disk or new, halved as it ages:
-LRU alone keeps 0.80-0.84 of what a static cache of the most frequent rows would hit
-under Zipf ids, this 0.9-0.95; docs/benchmarks.md, "Disk tier"), and a lookup or
+under skewed ids recency alone keeps far less in RAM than a cache of the most frequent
+rows would; docs/benchmarks.md, "Disk tier"), and a lookup or
 update that meets an id absent from RAM asks the tier for it in one batch and brings the
 rows found back into RAM, where they are looked up or updated like any other. A row is in RAM or on
 disk, never both; what leaves the disk is deleted: by its capacity (counted as evicted)

@@ -20,7 +20,6 @@ fingerprint (or not to its side entry) is corruption (:class:`CorruptTier`).
 RAM per disk row: 4 B per slot (``1 / (1 - free_fraction)`` slots per live row at a
 full disk) plus 6.7-8.3 B of hash index per entry, plus entries of rows gone back to
 RAM until they outnumber the live ones (then the index is rebuilt from the live slots).
-The 8-byte id per slot it replaces cost 19.4 B per disk row at 1M rows.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ __all__ = ["DiskBudget", "make_tier_plan", "tier_server"]
 TIER_PROCESS_BYTES = 48 << 20
 """Resident memory a disk tier adds to a parameter server besides its arrays: the
 kernels of frequency eviction and fingerprints (loaded at the first spill) and its I/O
-threads. Measured by tests/test_plan_tier.py's server: 378 MB resident against 311 MB
-planned without it (2026-12-06)."""
+threads; tests/test_plan_tier.py holds a real server to the plan with it
+(docs/benchmarks.md#disk-tier)."""
 _STEPS = 48
 """Bisection steps over the RAM share (2**-48: exact to the row at any scale here)."""
 
