@@ -22,7 +22,7 @@ from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, 
 from persia_py.proto import common_pb2, parameter_server_pb2, parameter_server_pb2_grpc
 from persia_py.wire import shm
 from persia_py.workers.embedding_worker import EmbeddingWorker, SlotIds
-from persia_py.workers.ps_client import PSClient, configure_request
+from persia_py.workers.ps_client import PSClient, UpdateNotApplied, configure_request
 
 EMBEDDING_CONFIG = """
 slots_config:
@@ -200,6 +200,56 @@ def test_a_parameter_server_that_cannot_map_gets_the_arrays_in_messages(ps, tmp_
         assert not _segments_of(os.getpid())  # the maker unlinked what was never mapped
     finally:
         client.close()
+        elsewhere.stop()
+
+
+class _AnswerLost(grpc.RpcError):
+    """What a client sees when its server dies after applying a call, before answering."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "Stream removed (Socket closed)"
+
+
+@pytest_processes
+def test_an_update_applied_before_its_server_moved_where_segments_are_refused_counts_once(
+        ps, tmp_path) -> None:
+    """The Slurm spare-node move: an update through shared memory is applied, its server
+    dies before answering, and the call goes on at the replacement on another host, which
+    replayed that update from its log and cannot map the segment. The message it then
+    gets is answered ``duplicate``: a retry of an applied update, not a forged one."""
+    _, port, args = ps
+    global_config = tmp_path / "global_config.yml"
+    global_config.write_text("common_config:\n  shared_memory: false\n")
+    elsewhere, other_port = start_server("embedding-parameter-server", *args,
+                                         "--global-config", str(global_config))
+    client, replacement = _client(port), _client(other_port)
+    try:
+        replacement.configure(CONFIGURE)
+        tables = _tables(5)
+        first = client.lookup(tables, training=True)
+        assert replacement.lookup(tables, training=True)[0].shape == first[0].shape
+        updates = [(t, ids, _grads(r)) for (t, ids), r in zip(tables, first)]
+        replacement.update(updates, worker_id="w-moved", sequence=1)  # its replayed log
+        real, calls = client._update, []
+
+        def moving(request, **kwargs):
+            calls.append(request)
+            if len(calls) == 1:
+                real(request, **kwargs)  # applied through the segment; the answer is lost
+                raise _AnswerLost()
+            return replacement._update(request, **kwargs)
+
+        client._update = moving
+        assert client.update(updates, worker_id="w-moved", sequence=1) == 0
+        assert len(calls) == 3  # the segment, refused there, then the message
+        with pytest.raises(UpdateNotApplied, match="first sending"):  # a pair never sent
+            client.update(updates, worker_id="w-moved", sequence=1)
+    finally:
+        client.close()
+        replacement.close()
         elsewhere.stop()
 
 

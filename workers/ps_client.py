@@ -157,10 +157,14 @@ class PSClient(ServiceClient):
         # applied nothing, and they go in the message instead.
         answer = self.segments.call_with_arrays([g for _, _, g in tables], dtypes, in_segment,
                                                 self._retried, attempt)
+        # A refused segment applied nothing, but an attempt before the refusal that got no
+        # answer may have been applied (the server then died, and its replacement, on
+        # another host, replayed it from its update log and cannot map the segment).
+        sent_before = num_attempts > 1
         if answer is None:
-            num_attempts = 0  # the first sending that can have been applied
+            num_attempts = 0
             answer = self._call(attempt, in_message(), idempotent=True)
-        if answer.duplicate and not resend and num_attempts == 1:
+        if answer.duplicate and not resend and not sent_before and num_attempts == 1:
             raise UpdateNotApplied(
                 f"parameter server {self.address} answered the first sending of update "
                 f"(worker {worker_id!r}, sequence {sequence}) as a duplicate and did not apply "

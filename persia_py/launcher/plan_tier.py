@@ -35,7 +35,7 @@ from persia_py.servers.disk_tier import DEFAULT_FREE_FRACTION
 
 __all__ = ["DiskBudget", "make_tier_plan", "tier_server"]
 
-TIER_PROCESS_BYTES = 48 << 20
+TIER_PROCESS_BYTES = 32 << 20
 """Resident memory a disk tier adds to a parameter server besides its arrays: the
 kernels of frequency eviction and fingerprints (loaded at the first spill) and its I/O
 threads; tests/test_plan_tier.py holds a real server to the plan with it
