@@ -90,8 +90,9 @@ MIN_WARMUP, MAX_WARMUP = 3, 20
 SMOKE_STEPS, SMOKE_WARMUP = 3, 1
 MAX_MESSAGE_BYTES = 1 << 30
 """``common_config.max_message_bytes`` of every job: an embedding worker refuses a batch
-whose lookup answer could pass it (every id distinct, float32), and the default 512 MiB
-refuses batch 8,192 at 520 ids per sample (580 MB)."""
+whose lookup answer (its distinct rows, an index per id) would pass it, and the default
+512 MiB refuses batch 8,192 at 520 ids per sample from a wide id range, where nearly every
+id is distinct (580 MB)."""
 
 
 def grid(base: Point, factors: dict[str, list[int]]) -> list[tuple[str, Point]]:

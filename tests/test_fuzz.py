@@ -282,8 +282,8 @@ def test_refusals_say_what_was_wrong(fuzz_cluster) -> None:
             batch_size=1, requires_grad=True).SerializeToString(), invalid, "is reserved"),
         (c["ew"].address, "/persia_py.EmbeddingWorker/LookupDirect", ew_pb.LookupDirectRequest(
             features=[codec.encode_id_feature(s, np.arange(1, 300_001, dtype=np.uint64),
-                                              np.array([300_000], np.int32)) for s in DIMS],
-            batch_size=1).SerializeToString(), invalid, "over max_message_bytes"),
+                                              np.ones(300_000, np.int32)) for s in DIMS],
+            batch_size=300_000).SerializeToString(), invalid, "over max_message_bytes"),
     ]
     entries = _checksum(c["ps"])[0]
     for address, method, message, code, needle in cases:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from persia_py.config import ConfigError, GlobalConfig, embedding_config_from_dict
+from persia_py.config import CommonConfig, ConfigError, GlobalConfig, embedding_config_from_dict
 from persia_py.ids.routing import hash_stack
 from persia_py.proto import embedding_worker_pb2
 from persia_py.servers.parameter_server import ParameterServer
@@ -281,3 +281,27 @@ def test_capacity_of_a_group_must_agree() -> None:
             "slots_config": {"a": {"dim": 4, "capacity": 10}, "b": {"dim": 4}},
             "feature_groups": {"g": ["a", "b"]},
         })
+
+
+def test_a_lookup_answer_is_sized_by_its_distinct_rows_and_refused_whole() -> None:
+    """A batch of many repeated ids fits a message its ids would not, counted as distinct
+    rows; one whose distinct rows do not fit is refused before anything is kept."""
+    limit, batch, per_sample = 4 << 20, 8192, 32
+    emb = embedding_config_from_dict({"slots_config": {"user": {"dim": 64}}})
+    config = GlobalConfig(common_config=CommonConfig(max_message_bytes=limit))
+    ps = ParameterServer(config, emb, replica_index=0, replica_size=1)
+    worker = EmbeddingWorker(config, emb, [_DirectClient(ps)])
+    worker.configure(configure_request({"type": "sgd", "lr": LR}, init_lower=-0.1,
+                                       init_upper=0.1, weight_bound=None, seed=3))
+    lengths = np.full(batch, per_sample, np.int32)
+    repeated = np.arange(batch * per_sample, dtype=np.uint64) % 100 + 1
+    assert repeated.size * (4 * 64 + 8) > limit  # every id a row of its own would not fit
+    (rows,) = worker.lookup(worker.put_batch([_feature("user", repeated, lengths)], batch, True))
+    assert rows.rows.shape == (100, 64) and rows.index.size == repeated.size
+    distinct = np.arange(1, batch * per_sample + 1, dtype=np.uint64) + 1000
+    for attempt in (lambda f: worker.put_batch(f, batch, True),
+                    lambda f: worker.lookup_direct(f, batch)):
+        with pytest.raises(ValueError, match=r"lookup answer would take \d+ bytes, over "
+                                             rf"max_message_bytes {limit}"):
+            attempt([_feature("user", distinct, lengths)])
+    assert worker.num_pending == 1 and _entries([ps], "user") == 100

@@ -15,10 +15,9 @@ routed there again is applied once by every replica (``rerouted``: replicas that
 it before acknowledge it only). Refs start at a random offset per process, so a ref
 handed out by a worker that died is unknown to its successor, never another batch's.
 
-Validation rewrites a slot's ids into the ids its table stores: a hash-stacked slot's raw
-id becomes ``hash_stack_rounds`` bucket ids (summed back into one vector on the NN
-worker), then the feature group's prefix replaces the top bits. The slots of a feature
-group share one table: their ids are fetched once and their gradients summed per id.
+Validation (:mod:`persia_py.workers.feature_checks`) rewrites a slot's ids into the ids
+its table stores. The slots of a feature group share one table: their ids are fetched
+once and their gradients summed per id.
 """
 
 from __future__ import annotations
@@ -40,11 +39,11 @@ import numpy as np
 
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.ids.dedup import unique_in_order
-from persia_py.ids.routing import RESERVED_ID, hash_stack
 from persia_py.proto import common_pb2
 from persia_py.wire.finite import all_finite
 from persia_py.wire.rpc import NotFound, Overloaded
 from persia_py.workers.budget import ByteBudget
+from persia_py.workers.feature_checks import check_answer_size, prefixed, validate_features
 from persia_py.workers.ps_client import PSClient, UpdateNotApplied
 from persia_py.workers.routing_plan import RoutingPlan
 from persia_py.workers.slots import SlotIds, SlotRows
@@ -176,53 +175,10 @@ class EmbeddingWorker:
 
     def validate_features(self, features: list[SlotIds], batch_size: int) -> list[SlotIds]:
         """Check a batch's ID features against the config; apply hash stacking and prefix."""
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be > 0, got {batch_size}")
-        seen = set()
-        checked = []
-        for f in features:
-            slot = self.embedding_config.slot(f.slot)
-            if f.slot in seen:
-                raise ValueError(f"slot {f.slot!r} appears twice in the batch")
-            seen.add(f.slot)
-            if f.ids.dtype != np.uint64 or f.ids.ndim != 1:
-                raise ValueError(f"slot {f.slot!r}: ids must be 1-D uint64, got {f.ids.dtype}")
-            if f.lengths.ndim != 1 or f.lengths.shape[0] != batch_size:
-                raise ValueError(
-                    f"slot {f.slot!r}: lengths has shape {f.lengths.shape}, batch_size is "
-                    f"{batch_size}"
-                )
-            if (f.lengths < 0).any() or int(f.lengths.sum()) != f.ids.size:
-                raise ValueError(
-                    f"slot {f.slot!r}: lengths (sum {int(f.lengths.sum())}) do not add up to "
-                    f"the {f.ids.size} ids"
-                )
-            if slot.pooling_mode == "raw" and f.lengths.size and f.lengths.max() > slot.sample_fixed_size:
-                raise ValueError(
-                    f"slot {f.slot!r}: a sample has {int(f.lengths.max())} ids, more than "
-                    f"sample_fixed_size {slot.sample_fixed_size} (ids are never dropped)"
-                )
-            ids = f.ids
-            stack = slot.hash_stack_config
-            if stack.hash_stack_rounds:
-                ids = hash_stack(ids, stack.hash_stack_rounds, stack.embedding_size)
-            ids = self._prefixed(f.slot, ids)
-            if (ids == RESERVED_ID).any():
-                raise ValueError(f"slot {f.slot!r}: id {int(RESERVED_ID)} is reserved")
-            checked.append(SlotIds(f.slot, ids, f.lengths))
-        missing = set(self.embedding_config.slots_config) - seen
-        if missing:
-            raise ValueError(f"batch lacks slots {sorted(missing)} of the embedding config")
-        return checked
+        return validate_features(self.embedding_config, features, batch_size)
 
     def _prefixed(self, slot: str, ids: np.ndarray) -> np.ndarray:
-        bits = self.embedding_config.feature_index_prefix_bit
-        if not bits:
-            return ids
-        shift = np.uint64(64 - bits)
-        mask = np.uint64((1 << (64 - bits)) - 1)
-        prefix = np.uint64(self.embedding_config.slot_prefix(slot)) << shift
-        return (ids & mask) | prefix
+        return prefixed(self.embedding_config, slot, ids)
 
     # -- forward buffer --------------------------------------------------------------
 
@@ -340,7 +296,11 @@ class EmbeddingWorker:
 
     def _plan(self, slots: list[_DedupedSlot]) -> RoutingPlan:
         """Where a batch's ids go; the slots of a feature group share one table, so their
-        ids are fetched once."""
+        ids are fetched once. Refuses a batch whose answer could not be sent."""
+        common = self.global_config.common_config
+        check_answer_size(self.embedding_config, [
+            (s.slot, s.unique.size, s.inverse.size, s.lengths.size) for s in slots],
+            row_bytes=2 if common.embedding_fp16 else 4, limit=common.max_message_bytes)
         return RoutingPlan.of_slots({s.slot: s.unique for s in slots},
                                     self.embedding_config.table_of, len(self.ps_clients))
 

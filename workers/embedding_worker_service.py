@@ -24,25 +24,10 @@ if TYPE_CHECKING:  # the servicer's; a client does not import the worker
 
 logger = logging.getLogger(__name__)
 
-def _features(request_features, worker: EmbeddingWorker) -> list[SlotIds]:
-    """Decode a batch's ID features; refuse one whose lookup answer could not be sent.
-
-    The bound assumes every id distinct: rows ``dim`` floats plus an int64 index per id,
-    times the hash-stacking rounds.
-    """
-    features = [
-        SlotIds(*codec.decode_id_feature(f, f"features[{i}]"))
-        for i, f in enumerate(request_features)
-    ]
-    slots = worker.embedding_config.slots_config
-    answer_bytes = sum(f.ids.size * slots[f.slot].hash_stack_config.rounds
-                       * (4 * slots[f.slot].dim + 8) + 4 * f.lengths.size
-                       for f in features if f.slot in slots)
-    limit = worker.global_config.common_config.max_message_bytes
-    if answer_bytes > limit:
-        raise ValueError(f"the batch's lookup answer could reach {answer_bytes} bytes, over "
-                         f"max_message_bytes {limit}; send smaller batches")
-    return features
+def _features(request_features) -> list[SlotIds]:
+    """A batch's ID features, decoded (the worker checks them, and its answer's size)."""
+    return [SlotIds(*codec.decode_id_feature(f, f"features[{i}]"))
+            for i, f in enumerate(request_features)]
 
 
 def _encode_rows(rows: list[SlotRows], wire: pb.WireOptions) -> bytes:
@@ -147,7 +132,7 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
     def PutBatch(self, request: codec.RawMessage, context: grpc.ServicerContext) -> pb.PutBatchResponse:
         # request: a parsed pb.PutBatchRequest (create_embedding_worker_server)
         identity = (request.stream, request.batch_id) if request.stream else None
-        ref = self.worker.put_batch(_features(request.features, self.worker), request.batch_size,
+        ref = self.worker.put_batch(_features(request.features), request.batch_size,
                                     request.requires_grad, identity=identity)
         return pb.PutBatchResponse(ref=ref)
 
@@ -177,7 +162,7 @@ class EmbeddingWorkerServicer(embedding_worker_pb2_grpc.EmbeddingWorkerServicer)
     @grpc_method
     def LookupDirect(self, request: codec.RawMessage, context: grpc.ServicerContext) -> bytes:
         # request: a parsed pb.LookupDirectRequest (create_embedding_worker_server)
-        return _encode_rows(self.worker.lookup_direct(_features(request.features, self.worker),
+        return _encode_rows(self.worker.lookup_direct(_features(request.features),
                                                       request.batch_size), request.wire)
 
     @grpc_method
