@@ -57,8 +57,9 @@ import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers.disk_expiry import DiskStamps
-from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
+from persia_py.servers.page_file import SECTOR, PageFile
 from persia_py.servers.tier_index import FREE, CorruptTier, TierIndex
+from persia_py.servers.tier_records import BlockStager, byte_columns, pack_blocks
 
 __all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "file_geometry",
            "record_layout"]
@@ -141,9 +142,10 @@ class DiskTier:
         self._latest_tick = 0
         self.head = 0
         """Next slot to write; the segment it is in is open for writes up to its end."""
-        self._head_block = np.zeros(self.rows_per_block, self.record)
-        """Records of the block the head is in, as last written (rewritten whole when the
-        head's next write fills it on)."""
+        self._head_block = np.zeros(block_bytes, np.uint8)
+        """The block the head is in, as last written (rewritten whole when the head's next
+        write fills it on)."""
+        self._stager = BlockStager(block_bytes)
         self.num_rows = 0
         """Rows on disk now."""
         self.num_written = 0
@@ -229,14 +231,15 @@ class DiskTier:
         if over > 0:  # the disk is full: the rows spilled longest ago leave
             gone.append(self._drop_oldest(over))
         self.num_written += n
+        columns = byte_columns(ids, weights, state)
         done = 0
         while done < n:
             room = -self.head % self.segment_slots if self.head else 0
             if room == 0:  # the open segment is full (or none is open yet)
                 room = self._open_segment()
             k = min(room, n - done)
-            self._write_at(self.head, ids[done:done + k], weights[done:done + k],
-                           state[done:done + k])
+            self._write_at(self.head, ids[done:done + k],
+                           tuple(c[done:done + k] for c in columns))
             if self.stamps is not None and ticks is not None:
                 self.stamps.set(self.head, ticks[done:done + k])
             self.head += k
@@ -263,7 +266,7 @@ class DiskTier:
             if seg > first or self.head % self.segment_slots == 0:
                 self._num_opened += 1
                 self.segment_epoch[seg] = self._num_opened
-        self._write_at(self.head, ids, weights, state)
+        self._write_at(self.head, ids, byte_columns(ids, weights, state))
         if self.stamps is not None:  # the rows' last access, for a TTL
             ticks = (np.full(n, self._latest_tick, np.int64) if ticks is None
                      else np.asarray(ticks, np.int64))
@@ -291,10 +294,7 @@ class DiskTier:
             self.index.remove(live)
             self.num_rows -= live.shape[0]
             self.num_relocated += live.shape[0]
-            state = (np.ascontiguousarray(rows["state"]) if self.state_width
-                     else np.zeros((live.shape[0], 0), np.float32))
-            self._write_at(start, np.ascontiguousarray(rows["id"]),
-                           np.ascontiguousarray(rows["weights"]), state)
+            self._write_at(start, np.ascontiguousarray(rows["id"]), byte_columns(rows))
             if ticks is not None:  # rows keep their stamps
                 self.stamps.set(start, ticks)  # type: ignore[union-attr]
             self.head = start + live.shape[0]
@@ -315,29 +315,26 @@ class DiskTier:
         self.index.check_slots(live, rows["id"])
         return live, rows
 
-    def _write_at(self, start: int, ids: np.ndarray, weights: np.ndarray,
-                  state: np.ndarray) -> None:
-        """Write rows at free slots ``start .. start + k - 1`` (no wrap). A block the head
-        is inside is written again whole, its earlier records from :attr:`_head_block`
-        (no read)."""
+    def _write_at(self, start: int, ids: np.ndarray, columns: tuple[np.ndarray, ...]) -> None:
+        """Write rows ``ids`` (their records' bytes: :func:`tier_records.byte_columns`) at
+        free slots ``start .. start + k - 1`` (no wrap), packed straight into the staging
+        blocks, up to 8 MiB a ``pwrite``. A block the head is inside is written again
+        whole, its earlier records from :attr:`_head_block` (no read)."""
         k = ids.shape[0]
         rpb = self.rows_per_block
-        first = start - start % rpb
-        blocks = -(-(start + k - first) // rpb)
         assert not self.slot_fp[start:start + k].any(), "a write over live rows"
-        records = np.zeros(blocks * rpb, self.record)
-        records["id"] = EMPTY
-        records[:start - first] = self._head_block[:start - first]
-        records["id"][start - first:start - first + k] = ids
-        records["weights"][start - first:start - first + k] = weights
-        if self.state_width:
-            records["state"][start - first:start - first + k] = state
-        buf = aligned_empty((blocks, self.file.block_bytes))
-        used = rpb * self.record.itemsize
-        buf[:, :used] = records.view(np.uint8).reshape(blocks, used)
-        buf[:, used:] = 0
-        self.file.write_blocks(first // rpb, buf)
-        self._head_block = records[-rpb:].copy()
+        per_write = max(1, _SEGMENT_BYTES // self.file.block_bytes) * rpb
+        done = 0
+        while done < k:
+            at = start + done
+            skip = at % rpb
+            take = min(k - done, per_write - skip)
+            blocks = self._stager.blocks(-(-(skip + take) // rpb))
+            pack_blocks(blocks, self._head_block, skip,
+                        tuple(c[done:done + take] for c in columns), rpb)
+            self.file.write_blocks(at // rpb, blocks)
+            self._head_block = blocks[-1].copy()
+            done += take
         self.index.add(ids, np.arange(start, start + k, dtype=np.int64))
         self.num_rows += k
 
