@@ -57,9 +57,16 @@ import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers.disk_expiry import DiskStamps
-from persia_py.servers.page_file import SECTOR, PageFile
+from persia_py.servers.page_file import PageFile
 from persia_py.servers.tier_index import FREE, CorruptTier, TierIndex
-from persia_py.servers.tier_records import BlockStager, byte_columns, pack_blocks
+from persia_py.servers.tier_records import (
+    SEGMENT_BYTES,
+    BlockStager,
+    byte_columns,
+    file_geometry,
+    pack_blocks,
+    record_layout,
+)
 
 __all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "file_geometry",
            "record_layout"]
@@ -72,34 +79,6 @@ disk takes 1.48x its rows' bytes at dim 64 float16 row-wise Adagrad (issue 42: <
 EMPTY = np.uint64(RESERVED_ID)
 """Id of a record that holds no row (the reserved id is never stored)."""
 _SCAN_BLOCKS_BYTES = 16 << 20  # bytes per sequential read of a scan
-_SEGMENT_BYTES = 8 << 20  # of a segment (fewer where the file would have under 64)
-
-
-def record_layout(dim: int, weight_dtype: np.dtype, state_width: int
-                  ) -> tuple[np.dtype, int, int]:
-    """``(record dtype, block bytes, records per block)`` of rows of this shape."""
-    weight_dtype = np.dtype(weight_dtype)
-    fields: list[tuple] = [("id", np.uint64), ("weights", weight_dtype, (dim,))]
-    if state_width:
-        fields.append(("state", np.float32, (state_width,)))
-    record = np.dtype(fields)  # packed: no padding between fields
-    block = -(-record.itemsize // SECTOR) * SECTOR
-    return record, block, block // record.itemsize
-
-
-def file_geometry(capacity_rows: int, block_bytes: int, rows_per_block: int,
-                  free_fraction: float) -> tuple[int, int]:
-    """``(segments, blocks per segment)`` of the file of a tier of ``capacity_rows`` (its
-    slots: ``segments x blocks per segment x rows_per_block``; its bytes: ``segments x
-    blocks per segment x block_bytes``, what :mod:`persia_py.servers.sizing` plans)."""
-    slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
-    blocks = -(-slots // rows_per_block)
-    # At least 64 segments where the file has that many blocks: a write never waits on
-    # compacting more than 1/64 of the file; rounding up to whole segments adds under one
-    # block per segment.
-    most = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
-    num_segments = -(-blocks // most)
-    return num_segments, -(-blocks // num_segments)
 
 
 class DiskTier:
@@ -171,6 +150,10 @@ class DiskTier:
     def close(self) -> None:
         """Close the file; its disk space is freed (it has no name). Rows on it are gone."""
         self.file.close()
+
+    def flush(self) -> None:
+        """Wait for the write :meth:`append` left in flight; raises its error."""
+        self.file.flush()
 
     # -- sizes -------------------------------------------------------------------------
 
@@ -252,7 +235,9 @@ class DiskTier:
         :meth:`write`) at the head of a tier only ever appended to since it was made: a
         checkpoint's load into a fresh table. One sequential write of whole blocks, no
         segment compacted, no row replaced (:meth:`write` would look for the emptiest
-        segment, an O(slots) count, at every segment boundary)."""
+        segment, an O(slots) count, at every segment boundary). The write's last 8 MiB
+        may still be in flight on return (the caller packs its next rows meanwhile): any
+        other call waits for it; :meth:`flush` raises its error."""
         n = ids.shape[0]
         self._check_rows(ids, weights, state)
         if self.num_rows != self.head or self.head + n > min(self.num_slots,
@@ -266,7 +251,7 @@ class DiskTier:
             if seg > first or self.head % self.segment_slots == 0:
                 self._num_opened += 1
                 self.segment_epoch[seg] = self._num_opened
-        self._write_at(self.head, ids, byte_columns(ids, weights, state))
+        self._write_at(self.head, ids, byte_columns(ids, weights, state), background=True)
         if self.stamps is not None:  # the rows' last access, for a TTL
             ticks = (np.full(n, self._latest_tick, np.int64) if ticks is None
                      else np.asarray(ticks, np.int64))
@@ -315,15 +300,17 @@ class DiskTier:
         self.index.check_slots(live, rows["id"])
         return live, rows
 
-    def _write_at(self, start: int, ids: np.ndarray, columns: tuple[np.ndarray, ...]) -> None:
+    def _write_at(self, start: int, ids: np.ndarray, columns: tuple[np.ndarray, ...],
+                  background: bool = False) -> None:
         """Write rows ``ids`` (their records' bytes: :func:`tier_records.byte_columns`) at
         free slots ``start .. start + k - 1`` (no wrap), packed straight into the staging
-        blocks, up to 8 MiB a ``pwrite``. A block the head is inside is written again
-        whole, its earlier records from :attr:`_head_block` (no read)."""
+        blocks, up to 8 MiB a ``pwrite`` (``background``: the last one still in flight on
+        return). A block the head is inside is written again whole, its earlier records
+        from :attr:`_head_block` (no read)."""
         k = ids.shape[0]
         rpb = self.rows_per_block
         assert not self.slot_fp[start:start + k].any(), "a write over live rows"
-        per_write = max(1, _SEGMENT_BYTES // self.file.block_bytes) * rpb
+        per_write = max(1, SEGMENT_BYTES // self.file.block_bytes) * rpb
         done = 0
         while done < k:
             at = start + done
@@ -332,7 +319,7 @@ class DiskTier:
             blocks = self._stager.blocks(-(-(skip + take) // rpb))
             pack_blocks(blocks, self._head_block, skip,
                         tuple(c[done:done + take] for c in columns), rpb)
-            self.file.write_blocks(at // rpb, blocks)
+            self.file.write_blocks(at // rpb, blocks, wait=not background)
             self._head_block = blocks[-1].copy()
             done += take
         self.index.add(ids, np.arange(start, start + k, dtype=np.int64))

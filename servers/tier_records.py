@@ -8,7 +8,8 @@ with no row holds the id ``EMPTY`` and zeros. Built with numpy, a write took fou
 over every row (a structured array filled field by field, its bytes copied into the
 aligned buffer, the tail of each block zeroed) and a fresh buffer per write, which this VM
 faults in at a few hundred MB/s (docs/benchmarks.md, "Disk tier"). Here each byte is
-written once, into a staging buffer the tier keeps (:class:`BlockStager`).
+written once, into a staging buffer the tier keeps (:class:`BlockStager`), and a
+checkpoint's load packs its next rows while the last ones are written.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import numpy as np
 from numba import njit
 
 from persia_py.ids.routing import RESERVED_ID
-from persia_py.servers.page_file import aligned_empty
+from persia_py.servers.page_file import SECTOR, aligned_empty
 
-__all__ = ["BlockStager", "byte_columns", "pack_blocks"]
+__all__ = ["SEGMENT_BYTES", "BlockStager", "byte_columns", "file_geometry", "pack_blocks",
+           "record_layout"]
 
+SEGMENT_BYTES = 8 << 20
+"""Bytes of a segment of a tier's file (fewer where the file would have under 64), and
+the most bytes of one write."""
 _EMPTY_BYTES = np.array([RESERVED_ID], np.uint64).view(np.uint8)
 """The id of a record that holds no row, as its 8 bytes."""
 
@@ -97,17 +102,48 @@ def pack_blocks(out: np.ndarray, head: np.ndarray, skip: int, columns: tuple[np.
                  rows_per_block)
 
 
+def record_layout(dim: int, weight_dtype: np.dtype, state_width: int
+                  ) -> tuple[np.dtype, int, int]:
+    """``(record dtype, block bytes, records per block)`` of rows of this shape."""
+    weight_dtype = np.dtype(weight_dtype)
+    fields: list[tuple] = [("id", np.uint64), ("weights", weight_dtype, (dim,))]
+    if state_width:
+        fields.append(("state", np.float32, (state_width,)))
+    record = np.dtype(fields)  # packed: no padding between fields
+    block = -(-record.itemsize // SECTOR) * SECTOR
+    return record, block, block // record.itemsize
+
+
+def file_geometry(capacity_rows: int, block_bytes: int, rows_per_block: int,
+                  free_fraction: float) -> tuple[int, int]:
+    """``(segments, blocks per segment)`` of the file of a tier of ``capacity_rows`` (its
+    slots: ``segments x blocks per segment x rows_per_block``; its bytes: ``segments x
+    blocks per segment x block_bytes``, what :mod:`persia_py.servers.sizing` plans)."""
+    slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
+    blocks = -(-slots // rows_per_block)
+    # At least 64 segments where the file has that many blocks: a write never waits on
+    # compacting more than 1/64 of the file; rounding up to whole segments adds under one
+    # block per segment.
+    most = max(1, min(SEGMENT_BYTES // block_bytes, blocks // 64))
+    num_segments = -(-blocks // most)
+    return num_segments, -(-blocks // num_segments)
+
+
 class BlockStager:
-    """An aligned staging buffer of whole blocks, kept and reused: each write would
-    otherwise fault in fresh memory."""
+    """Two aligned staging buffers of whole blocks, kept and reused (each write would
+    otherwise fault in fresh memory), handed out in turn: the one a write in the
+    background still reads is never the one filled next, as long as a write waits for
+    the one before it (:meth:`persia_py.servers.page_file.PageFile.write_blocks`)."""
 
     def __init__(self, block_bytes: int) -> None:
         self.block_bytes = block_bytes
-        self._buffer = aligned_empty((0, block_bytes))
+        self._buffers = [aligned_empty((0, block_bytes)), aligned_empty((0, block_bytes))]
+        self._turn = 0
 
     def blocks(self, n: int) -> np.ndarray:
-        """The first ``n`` blocks of the buffer (grown to them if needed; contents
-        undefined), valid until the next call."""
-        if self._buffer.shape[0] < n:
-            self._buffer = aligned_empty((n, self.block_bytes))
-        return self._buffer[:n]
+        """The first ``n`` blocks of the next buffer (grown to them if needed; contents
+        undefined)."""
+        self._turn ^= 1
+        if self._buffers[self._turn].shape[0] < n:
+            self._buffers[self._turn] = aligned_empty((n, self.block_bytes))
+        return self._buffers[self._turn][:n]
