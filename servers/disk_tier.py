@@ -57,13 +57,14 @@ import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers.disk_expiry import DiskStamps
-from persia_py.servers.page_file import PageFile
+from persia_py.servers.page_file import PageFile, aligned_empty
 from persia_py.servers.tier_index import FREE, CorruptTier, TierIndex
 from persia_py.servers.tier_records import (
     SEGMENT_BYTES,
     BlockStager,
     byte_columns,
     file_geometry,
+    gather_live,
     pack_blocks,
     record_layout,
 )
@@ -438,7 +439,8 @@ class DiskTier:
     def scan_stamped(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """:meth:`scan`, and the rows' last access (absolute ticks; None where the tier
         keeps no :attr:`stamps`)."""
-        parts = list(self.scan_chunks())  # each chunk's own arrays: kept, then joined
+        parts = [tuple(None if a is None else a.copy() for a in chunk)  # buffers reused
+                 for chunk in self.scan_chunks()]
         if not parts:
             return (np.zeros(0, np.uint64), np.zeros((0, self.dim), self.weight_dtype),
                     np.zeros((0, self.state_width), np.float32),
@@ -451,25 +453,32 @@ class DiskTier:
                                             np.ndarray | None]]:
         """Every stored row as ``(ids, weights, state, last access)`` chunks in log order,
         one per sequential read of up to 16 MiB (checkpoints stream them to their files);
-        the first three views of one array of records, valid until the next chunk is
-        asked for; the last access in absolute ticks (None: no :attr:`stamps`)."""
-        rpb = self.rows_per_block
+        the first three views of one array of records, reused: valid until the next
+        chunk is asked for; the last access in absolute ticks (None: no :attr:`stamps`)."""
+        rpb, nb = self.rows_per_block, self.file.num_blocks
         step = max(1, _SCAN_BLOCKS_BYTES // self.file.block_bytes)
-        for first in range(0, self.file.num_blocks, step):
-            n = min(step, self.file.num_blocks - first)
-            live = self.slot_fp[first * rpb:(first + n) * rpb] != FREE
-            if not live.any():
-                continue
-            data = self.file.read_range(first, n)
-            records = data[:, :rpb * self.record.itemsize].view(self.record)
-            rows = records[live.reshape(n, rpb)]
-            slots = np.flatnonzero(live) + first * rpb
-            self.index.check_slots(slots, rows["id"])
-            self.num_read += rows.shape[0]
-            state = (rows["state"] if self.state_width
-                     else np.zeros((rows.shape[0], 0), np.float32))
-            stamps = None if self.stamps is None else self.stamps.get(slots)
-            yield rows["id"], rows["weights"], state, stamps  # strided views of the records
+        ranges = [(f, min(step, nb - f)) for f in range(0, nb, step)
+                  if self.slot_fp[f * rpb:(f + step) * rpb].any()]
+        if not ranges:
+            return
+        # Reused buffers (fresh memory is faulted in slower than the disk reads it), and
+        # the next range read in a thread while this one is gathered and written out.
+        buffers = [aligned_empty((ranges[0][1], self.file.block_bytes)) for _ in range(2)]
+        rows, slots = np.empty(step * rpb, self.record), np.empty(step * rpb, np.int64)
+        ahead = self.file.read_range_ahead(*ranges[0], buffers[0][:ranges[0][1]])
+        for i, (first, n) in enumerate(ranges):
+            data = ahead.result()
+            if i + 1 < len(ranges):
+                ahead = self.file.read_range_ahead(*ranges[i + 1],
+                                                   buffers[(i + 1) % 2][:ranges[i + 1][1]])
+            live, where = gather_live(data, self.slot_fp[first * rpb:(first + n) * rpb],
+                                      first * rpb, rpb, rows, slots)
+            self.index.check_slots(where, live["id"])
+            self.num_read += live.shape[0]
+            state = (live["state"] if self.state_width
+                     else np.zeros((live.shape[0], 0), np.float32))
+            stamps = None if self.stamps is None else self.stamps.get(where)
+            yield live["id"], live["weights"], state, stamps  # strided views of the records
 
     def _check_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> None:
         n = ids.shape[0]

@@ -251,10 +251,26 @@ class PageFile:
             done += written - written % SECTOR if self.direct else written
         self.num_block_writes += n
 
-    def read_range(self, first_block: int, n: int) -> np.ndarray:
-        """Blocks ``first_block .. first_block + n - 1``, read sequentially (scans)."""
+    def read_range(self, first_block: int, n: int, out: np.ndarray | None = None
+                   ) -> np.ndarray:
+        """Blocks ``first_block .. first_block + n - 1``, read sequentially (scans), into
+        ``out`` (aligned ``uint8`` ``(n, block_bytes)``, reused by the caller) or a new
+        array."""
         self._check_open()
-        out = aligned_empty((n, self.block_bytes))
+        return self._read_range(first_block, n, out)
+
+    def read_range_ahead(self, first_block: int, n: int, out: np.ndarray
+                         ) -> Future[np.ndarray]:
+        """:meth:`read_range` into ``out`` in a thread, while the caller works on the
+        last range; the caller waits for it (``result()``) before its next call here."""
+        return self._check_open().submit(self._read_range, first_block, n, out)
+
+    def _read_range(self, first_block: int, n: int, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            out = aligned_empty((n, self.block_bytes))
+        elif (out.shape != (n, self.block_bytes) or out.dtype != np.uint8
+              or out.ctypes.data % ALIGN or not out.flags.c_contiguous):
+            raise ValueError(f"out must be aligned uint8 of shape ({n}, {self.block_bytes})")
         flat = out.reshape(-1)
         offset = first_block * self.block_bytes
         done = 0

@@ -20,8 +20,8 @@ from numba import njit
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers.page_file import SECTOR, aligned_empty
 
-__all__ = ["SEGMENT_BYTES", "BlockStager", "byte_columns", "file_geometry", "pack_blocks",
-           "record_layout"]
+__all__ = ["SEGMENT_BYTES", "BlockStager", "byte_columns", "file_geometry", "gather_live",
+           "pack_blocks", "record_layout"]
 
 SEGMENT_BYTES = 8 << 20
 """Bytes of a segment of a tier's file (fewer where the file would have under 64), and
@@ -65,6 +65,41 @@ def _pack_kernel(out: np.ndarray, block_bytes: int, head: np.ndarray, skip: int,
                     out[at + np.uint64(x)] = zero
         for x in range(rpb * record, block_bytes):
             out[base + np.uint64(x)] = zero
+
+
+@njit(cache=True, nogil=True)
+def _gather_kernel(data: np.ndarray, block_bytes: int, rpb: int, record: int,
+                   slot_fp: np.ndarray, first_slot: int, out: np.ndarray,
+                   slots: np.ndarray) -> int:
+    k = 0
+    for blk in range(data.shape[0] // block_bytes):
+        for j in range(rpb):
+            s = blk * rpb + j
+            if slot_fp[s] == 0:  # FREE
+                continue
+            src = np.uint64(blk * block_bytes + j * record)
+            dst = np.uint64(k * record)
+            for x in range(record):
+                out[dst + np.uint64(x)] = data[src + np.uint64(x)]
+            slots[k] = first_slot + s
+            k += 1
+    return k
+
+
+def gather_live(data: np.ndarray, slot_fp: np.ndarray, first_slot: int, rows_per_block: int,
+                rows: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The records of the live slots (``slot_fp`` not ``FREE``) of blocks ``data`` (``uint8``
+    ``(n, block bytes)``, whose first slot is ``first_slot``; ``slot_fp`` their slots'),
+    copied in slot order to the start of ``rows`` (a record array of at least
+    ``n x rows_per_block``), their slots to ``slots``: returns views of both, ``k`` long."""
+    n, block_bytes = data.shape
+    if slot_fp.shape[0] != n * rows_per_block or rows.shape[0] < slot_fp.shape[0] or (
+            slots.shape[0] < slot_fp.shape[0]):
+        raise ValueError(f"{n} blocks of {rows_per_block} slots: slot_fp, rows and slots "
+                         f"must hold {n * rows_per_block}")
+    k = _gather_kernel(data.reshape(-1), block_bytes, rows_per_block, rows.dtype.itemsize,
+                       slot_fp, first_slot, rows.view(np.uint8), slots)
+    return rows[:k], slots[:k]
 
 
 def byte_columns(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
