@@ -188,11 +188,13 @@ class DiskTier:
     # -- writes ------------------------------------------------------------------------
 
     def write(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
-              ticks: np.ndarray | None = None) -> np.ndarray:
+              ticks: np.ndarray | None = None, *, fresh: bool = False) -> np.ndarray:
         """Store rows (``ids`` distinct uint64, ``weights`` ``(n, dim)`` as stored, ``state``
         ``(n, state_width)`` float32, ``ticks`` their last access, int64 absolute: kept
         where :attr:`stamps`; None: the latest tick seen); a stored row of the same id is
-        replaced. Returns the ids of the rows the log deleted to make room (counted in ``num_evicted``):
+        replaced (``fresh``: none is stored, the caller knows, as a shard's spill does: a
+        row is in RAM or here, never both; no look-up, which may read false positives'
+        blocks). Returns the ids of the rows the log deleted to make room (counted in ``num_evicted``):
         when more rows come than ``capacity_rows``, the first ones of the batch go too."""
         n = ids.shape[0]
         self._check_rows(ids, weights, state)
@@ -200,7 +202,8 @@ class DiskTier:
             ticks = (np.full(n, self._latest_tick, np.int64) if ticks is None
                      else np.asarray(ticks, np.int64))
             self._latest_tick = max(self._latest_tick, int(ticks.max()) if n else 0)
-        self.delete(ids, counted=False)  # a replaced row is not a deletion
+        if not fresh:
+            self.delete(ids, counted=False)  # a replaced row is not a deletion
         gone: list[np.ndarray] = []
         cap = self.capacity_rows
         if n > cap:  # cannot all fit: the first ones leave at once
