@@ -466,7 +466,8 @@ class DiskTier:
             return
         # Reused buffers (fresh memory is faulted in slower than the disk reads it), and
         # the next range read in a thread while this one is gathered and written out.
-        buffers = [aligned_empty((ranges[0][1], self.file.block_bytes)) for _ in range(2)]
+        most = max(n for _, n in ranges)
+        buffers = [aligned_empty((most, self.file.block_bytes)) for _ in range(2)]
         rows, slots = np.empty(step * rpb, self.record), np.empty(step * rpb, np.int64)
         ahead = self.file.read_range_ahead(*ranges[0], buffers[0][:ranges[0][1]])
         for i, (first, n) in enumerate(ranges):
