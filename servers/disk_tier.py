@@ -57,8 +57,17 @@ import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers.disk_expiry import DiskStamps
-from persia_py.servers.page_file import SECTOR, PageFile, aligned_empty
+from persia_py.servers.page_file import PageFile, aligned_empty
 from persia_py.servers.tier_index import FREE, CorruptTier, TierIndex
+from persia_py.servers.tier_records import (
+    SEGMENT_BYTES,
+    BlockStager,
+    byte_columns,
+    file_geometry,
+    gather_live,
+    pack_blocks,
+    record_layout,
+)
 
 __all__ = ["DEFAULT_FREE_FRACTION", "EMPTY", "CorruptTier", "DiskTier", "file_geometry",
            "record_layout"]
@@ -71,34 +80,6 @@ disk takes 1.48x its rows' bytes at dim 64 float16 row-wise Adagrad (issue 42: <
 EMPTY = np.uint64(RESERVED_ID)
 """Id of a record that holds no row (the reserved id is never stored)."""
 _SCAN_BLOCKS_BYTES = 16 << 20  # bytes per sequential read of a scan
-_SEGMENT_BYTES = 8 << 20  # of a segment (fewer where the file would have under 64)
-
-
-def record_layout(dim: int, weight_dtype: np.dtype, state_width: int
-                  ) -> tuple[np.dtype, int, int]:
-    """``(record dtype, block bytes, records per block)`` of rows of this shape."""
-    weight_dtype = np.dtype(weight_dtype)
-    fields: list[tuple] = [("id", np.uint64), ("weights", weight_dtype, (dim,))]
-    if state_width:
-        fields.append(("state", np.float32, (state_width,)))
-    record = np.dtype(fields)  # packed: no padding between fields
-    block = -(-record.itemsize // SECTOR) * SECTOR
-    return record, block, block // record.itemsize
-
-
-def file_geometry(capacity_rows: int, block_bytes: int, rows_per_block: int,
-                  free_fraction: float) -> tuple[int, int]:
-    """``(segments, blocks per segment)`` of the file of a tier of ``capacity_rows`` (its
-    slots: ``segments x blocks per segment x rows_per_block``; its bytes: ``segments x
-    blocks per segment x block_bytes``, what :mod:`persia_py.servers.sizing` plans)."""
-    slots = int(np.ceil(capacity_rows / (1.0 - free_fraction)))
-    blocks = -(-slots // rows_per_block)
-    # At least 64 segments where the file has that many blocks: a write never waits on
-    # compacting more than 1/64 of the file; rounding up to whole segments adds under one
-    # block per segment.
-    most = max(1, min(_SEGMENT_BYTES // block_bytes, blocks // 64))
-    num_segments = -(-blocks // most)
-    return num_segments, -(-blocks // num_segments)
 
 
 class DiskTier:
@@ -141,9 +122,10 @@ class DiskTier:
         self._latest_tick = 0
         self.head = 0
         """Next slot to write; the segment it is in is open for writes up to its end."""
-        self._head_block = np.zeros(self.rows_per_block, self.record)
-        """Records of the block the head is in, as last written (rewritten whole when the
-        head's next write fills it on)."""
+        self._head_block = np.zeros(block_bytes, np.uint8)
+        """The block the head is in, as last written (rewritten whole when the head's next
+        write fills it on)."""
+        self._stager = BlockStager(block_bytes)
         self.num_rows = 0
         """Rows on disk now."""
         self.num_written = 0
@@ -169,6 +151,10 @@ class DiskTier:
     def close(self) -> None:
         """Close the file; its disk space is freed (it has no name). Rows on it are gone."""
         self.file.close()
+
+    def flush(self) -> None:
+        """Wait for the write :meth:`append` left in flight; raises its error."""
+        self.file.flush()
 
     # -- sizes -------------------------------------------------------------------------
 
@@ -202,11 +188,13 @@ class DiskTier:
     # -- writes ------------------------------------------------------------------------
 
     def write(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
-              ticks: np.ndarray | None = None) -> np.ndarray:
+              ticks: np.ndarray | None = None, *, fresh: bool = False) -> np.ndarray:
         """Store rows (``ids`` distinct uint64, ``weights`` ``(n, dim)`` as stored, ``state``
         ``(n, state_width)`` float32, ``ticks`` their last access, int64 absolute: kept
         where :attr:`stamps`; None: the latest tick seen); a stored row of the same id is
-        replaced. Returns the ids of the rows the log deleted to make room (counted in ``num_evicted``):
+        replaced (``fresh``: none is stored, the caller knows, as a shard's spill does: a
+        row is in RAM or here, never both; no look-up, which may read false positives'
+        blocks). Returns the ids of the rows the log deleted to make room (counted in ``num_evicted``):
         when more rows come than ``capacity_rows``, the first ones of the batch go too."""
         n = ids.shape[0]
         self._check_rows(ids, weights, state)
@@ -214,7 +202,8 @@ class DiskTier:
             ticks = (np.full(n, self._latest_tick, np.int64) if ticks is None
                      else np.asarray(ticks, np.int64))
             self._latest_tick = max(self._latest_tick, int(ticks.max()) if n else 0)
-        self.delete(ids, counted=False)  # a replaced row is not a deletion
+        if not fresh:
+            self.delete(ids, counted=False)  # a replaced row is not a deletion
         gone: list[np.ndarray] = []
         cap = self.capacity_rows
         if n > cap:  # cannot all fit: the first ones leave at once
@@ -229,14 +218,15 @@ class DiskTier:
         if over > 0:  # the disk is full: the rows spilled longest ago leave
             gone.append(self._drop_oldest(over))
         self.num_written += n
+        columns = byte_columns(ids, weights, state)
         done = 0
         while done < n:
             room = -self.head % self.segment_slots if self.head else 0
             if room == 0:  # the open segment is full (or none is open yet)
                 room = self._open_segment()
             k = min(room, n - done)
-            self._write_at(self.head, ids[done:done + k], weights[done:done + k],
-                           state[done:done + k])
+            self._write_at(self.head, ids[done:done + k],
+                           tuple(c[done:done + k] for c in columns))
             if self.stamps is not None and ticks is not None:
                 self.stamps.set(self.head, ticks[done:done + k])
             self.head += k
@@ -249,7 +239,9 @@ class DiskTier:
         :meth:`write`) at the head of a tier only ever appended to since it was made: a
         checkpoint's load into a fresh table. One sequential write of whole blocks, no
         segment compacted, no row replaced (:meth:`write` would look for the emptiest
-        segment, an O(slots) count, at every segment boundary)."""
+        segment, an O(slots) count, at every segment boundary). The write's last 8 MiB
+        may still be in flight on return (the caller packs its next rows meanwhile): any
+        other call waits for it; :meth:`flush` raises its error."""
         n = ids.shape[0]
         self._check_rows(ids, weights, state)
         if self.num_rows != self.head or self.head + n > min(self.num_slots,
@@ -263,7 +255,7 @@ class DiskTier:
             if seg > first or self.head % self.segment_slots == 0:
                 self._num_opened += 1
                 self.segment_epoch[seg] = self._num_opened
-        self._write_at(self.head, ids, weights, state)
+        self._write_at(self.head, ids, byte_columns(ids, weights, state), background=True)
         if self.stamps is not None:  # the rows' last access, for a TTL
             ticks = (np.full(n, self._latest_tick, np.int64) if ticks is None
                      else np.asarray(ticks, np.int64))
@@ -291,10 +283,7 @@ class DiskTier:
             self.index.remove(live)
             self.num_rows -= live.shape[0]
             self.num_relocated += live.shape[0]
-            state = (np.ascontiguousarray(rows["state"]) if self.state_width
-                     else np.zeros((live.shape[0], 0), np.float32))
-            self._write_at(start, np.ascontiguousarray(rows["id"]),
-                           np.ascontiguousarray(rows["weights"]), state)
+            self._write_at(start, np.ascontiguousarray(rows["id"]), byte_columns(rows))
             if ticks is not None:  # rows keep their stamps
                 self.stamps.set(start, ticks)  # type: ignore[union-attr]
             self.head = start + live.shape[0]
@@ -315,29 +304,28 @@ class DiskTier:
         self.index.check_slots(live, rows["id"])
         return live, rows
 
-    def _write_at(self, start: int, ids: np.ndarray, weights: np.ndarray,
-                  state: np.ndarray) -> None:
-        """Write rows at free slots ``start .. start + k - 1`` (no wrap). A block the head
-        is inside is written again whole, its earlier records from :attr:`_head_block`
-        (no read)."""
+    def _write_at(self, start: int, ids: np.ndarray, columns: tuple[np.ndarray, ...],
+                  background: bool = False) -> None:
+        """Write rows ``ids`` (their records' bytes: :func:`tier_records.byte_columns`) at
+        free slots ``start .. start + k - 1`` (no wrap), packed straight into the staging
+        blocks, up to 8 MiB a ``pwrite`` (``background``: the last one still in flight on
+        return). A block the head is inside is written again whole, its earlier records
+        from :attr:`_head_block` (no read)."""
         k = ids.shape[0]
         rpb = self.rows_per_block
-        first = start - start % rpb
-        blocks = -(-(start + k - first) // rpb)
         assert not self.slot_fp[start:start + k].any(), "a write over live rows"
-        records = np.zeros(blocks * rpb, self.record)
-        records["id"] = EMPTY
-        records[:start - first] = self._head_block[:start - first]
-        records["id"][start - first:start - first + k] = ids
-        records["weights"][start - first:start - first + k] = weights
-        if self.state_width:
-            records["state"][start - first:start - first + k] = state
-        buf = aligned_empty((blocks, self.file.block_bytes))
-        used = rpb * self.record.itemsize
-        buf[:, :used] = records.view(np.uint8).reshape(blocks, used)
-        buf[:, used:] = 0
-        self.file.write_blocks(first // rpb, buf)
-        self._head_block = records[-rpb:].copy()
+        per_write = max(1, SEGMENT_BYTES // self.file.block_bytes) * rpb
+        done = 0
+        while done < k:
+            at = start + done
+            skip = at % rpb
+            take = min(k - done, per_write - skip)
+            blocks = self._stager.blocks(-(-(skip + take) // rpb))
+            pack_blocks(blocks, self._head_block, skip,
+                        tuple(c[done:done + take] for c in columns), rpb)
+            self.file.write_blocks(at // rpb, blocks, wait=not background)
+            self._head_block = blocks[-1].copy()
+            done += take
         self.index.add(ids, np.arange(start, start + k, dtype=np.int64))
         self.num_rows += k
 
@@ -454,7 +442,8 @@ class DiskTier:
     def scan_stamped(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """:meth:`scan`, and the rows' last access (absolute ticks; None where the tier
         keeps no :attr:`stamps`)."""
-        parts = list(self.scan_chunks())  # each chunk's own arrays: kept, then joined
+        parts = [tuple(None if a is None else a.copy() for a in chunk)  # buffers reused
+                 for chunk in self.scan_chunks()]
         if not parts:
             return (np.zeros(0, np.uint64), np.zeros((0, self.dim), self.weight_dtype),
                     np.zeros((0, self.state_width), np.float32),
@@ -467,25 +456,33 @@ class DiskTier:
                                             np.ndarray | None]]:
         """Every stored row as ``(ids, weights, state, last access)`` chunks in log order,
         one per sequential read of up to 16 MiB (checkpoints stream them to their files);
-        the first three views of one array of records, valid until the next chunk is
-        asked for; the last access in absolute ticks (None: no :attr:`stamps`)."""
-        rpb = self.rows_per_block
+        the first three views of one array of records, reused: valid until the next
+        chunk is asked for; the last access in absolute ticks (None: no :attr:`stamps`)."""
+        rpb, nb = self.rows_per_block, self.file.num_blocks
         step = max(1, _SCAN_BLOCKS_BYTES // self.file.block_bytes)
-        for first in range(0, self.file.num_blocks, step):
-            n = min(step, self.file.num_blocks - first)
-            live = self.slot_fp[first * rpb:(first + n) * rpb] != FREE
-            if not live.any():
-                continue
-            data = self.file.read_range(first, n)
-            records = data[:, :rpb * self.record.itemsize].view(self.record)
-            rows = records[live.reshape(n, rpb)]
-            slots = np.flatnonzero(live) + first * rpb
-            self.index.check_slots(slots, rows["id"])
-            self.num_read += rows.shape[0]
-            state = (rows["state"] if self.state_width
-                     else np.zeros((rows.shape[0], 0), np.float32))
-            stamps = None if self.stamps is None else self.stamps.get(slots)
-            yield rows["id"], rows["weights"], state, stamps  # strided views of the records
+        ranges = [(f, min(step, nb - f)) for f in range(0, nb, step)
+                  if self.slot_fp[f * rpb:(f + step) * rpb].any()]
+        if not ranges:
+            return
+        # Reused buffers (fresh memory is faulted in slower than the disk reads it), and
+        # the next range read in a thread while this one is gathered and written out.
+        most = max(n for _, n in ranges)
+        buffers = [aligned_empty((most, self.file.block_bytes)) for _ in range(2)]
+        rows, slots = np.empty(step * rpb, self.record), np.empty(step * rpb, np.int64)
+        ahead = self.file.read_range_ahead(*ranges[0], buffers[0][:ranges[0][1]])
+        for i, (first, n) in enumerate(ranges):
+            data = ahead.result()
+            if i + 1 < len(ranges):
+                ahead = self.file.read_range_ahead(*ranges[i + 1],
+                                                   buffers[(i + 1) % 2][:ranges[i + 1][1]])
+            live, where = gather_live(data, self.slot_fp[first * rpb:(first + n) * rpb],
+                                      first * rpb, rpb, rows, slots)
+            self.index.check_slots(where, live["id"])
+            self.num_read += live.shape[0]
+            state = (live["state"] if self.state_width
+                     else np.zeros((live.shape[0], 0), np.float32))
+            stamps = None if self.stamps is None else self.stamps.get(where)
+            yield live["id"], live["weights"], state, stamps  # strided views of the records
 
     def _check_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> None:
         n = ids.shape[0]

@@ -29,7 +29,7 @@ import ctypes
 import logging
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 from numba import njit
@@ -158,6 +158,9 @@ class PageFile:
         self.num_block_reads = 0
         """Blocks read by :meth:`read_blocks` (random reads)."""
         self.num_block_writes = 0
+        self._pending: Future | None = None
+        """The write in flight (``write_blocks(..., wait=False)``): every other call
+        waits for it first, so the file reads as if it had been written at once."""
         self.num_bytes_read = 0
         """Bytes read, random reads and scans."""
 
@@ -167,15 +170,24 @@ class PageFile:
         return self.block_bytes * self.num_blocks
 
     def close(self) -> None:
-        """Join the reader threads and close the file (its space is freed: it has no name)."""
+        """Join the threads and close the file (its space is freed: it has no name; a
+        write still in flight is waited for, its failure moot: the rows go with the file)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+            self._pending = None
             os.close(self.fd)
+
+    def flush(self) -> None:
+        """Wait for the write in flight, if any; raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _check_open(self) -> ThreadPoolExecutor:
         if self._pool is None:
             raise ValueError("the page file is closed")
+        self.flush()
         return self._pool
 
     def read_blocks(self, blocks: np.ndarray) -> np.ndarray:
@@ -205,10 +217,13 @@ class PageFile:
                               f"{self.block_bytes} bytes)")
         return out
 
-    def write_blocks(self, first_block: int, data: np.ndarray) -> None:
+    def write_blocks(self, first_block: int, data: np.ndarray, *, wait: bool = True) -> None:
         """Write ``data`` (aligned ``uint8`` ``(n, block_bytes)``, C-contiguous) to blocks
-        ``first_block .. first_block + n - 1``."""
-        self._check_open()
+        ``first_block .. first_block + n - 1``. ``wait`` False: in a thread, while the
+        caller goes on (a checkpoint's load packs the next chunk meanwhile); ``data`` must
+        stay untouched until the next call to this file, which waits for it
+        (:meth:`flush`)."""
+        pool = self._check_open()
         n = data.shape[0]
         if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != self.block_bytes:
             raise ValueError(f"data must be uint8 of shape (n, {self.block_bytes})")
@@ -217,6 +232,13 @@ class PageFile:
                              f"file's {self.num_blocks}")
         if data.ctypes.data % ALIGN or not data.flags.c_contiguous:
             raise ValueError("data must be C-contiguous and ALIGN-aligned (aligned_empty)")
+        if wait:
+            self._write(first_block, data)
+        else:
+            self._pending = pool.submit(self._write, first_block, data)
+
+    def _write(self, first_block: int, data: np.ndarray) -> None:
+        n = data.shape[0]
         flat = data.reshape(-1).data  # a memoryview of the array's bytes
         offset = first_block * self.block_bytes
         done = 0
@@ -229,10 +251,26 @@ class PageFile:
             done += written - written % SECTOR if self.direct else written
         self.num_block_writes += n
 
-    def read_range(self, first_block: int, n: int) -> np.ndarray:
-        """Blocks ``first_block .. first_block + n - 1``, read sequentially (scans)."""
+    def read_range(self, first_block: int, n: int, out: np.ndarray | None = None
+                   ) -> np.ndarray:
+        """Blocks ``first_block .. first_block + n - 1``, read sequentially (scans), into
+        ``out`` (aligned ``uint8`` ``(n, block_bytes)``, reused by the caller) or a new
+        array."""
         self._check_open()
-        out = aligned_empty((n, self.block_bytes))
+        return self._read_range(first_block, n, out)
+
+    def read_range_ahead(self, first_block: int, n: int, out: np.ndarray
+                         ) -> Future[np.ndarray]:
+        """:meth:`read_range` into ``out`` in a thread, while the caller works on the
+        last range; the caller waits for it (``result()``) before its next call here."""
+        return self._check_open().submit(self._read_range, first_block, n, out)
+
+    def _read_range(self, first_block: int, n: int, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            out = aligned_empty((n, self.block_bytes))
+        elif (out.shape != (n, self.block_bytes) or out.dtype != np.uint8
+              or out.ctypes.data % ALIGN or not out.flags.c_contiguous):
+            raise ValueError(f"out must be aligned uint8 of shape ({n}, {self.block_bytes})")
         flat = out.reshape(-1)
         offset = first_block * self.block_bytes
         done = 0

@@ -245,6 +245,9 @@ def _store_chunks(table: EmbeddingTable, ids: np.ndarray, stamps: np.ndarray,
             for future in futures:
                 future.result()
         done = first + k
+    for shard in table._shards:  # the tiers' last appends are on disk (or raise here)
+        if shard.tier is not None:
+            shard.tier.flush()
     return done
 
 

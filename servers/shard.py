@@ -210,7 +210,7 @@ class Shard:
                                     else np.concatenate([hit_rows, protect]))
                 rows[~missing] = remap[hit_rows]
         except BaseException:
-            tier.write(back_ids, weights, state)  # refused before anything moved: put back
+            tier.write(back_ids, weights, state, fresh=True)  # refused before anything moved
             raise
         self._reserve(self.size + n_back)
         start, end = self.size, self.size + n_back
@@ -299,7 +299,7 @@ class Shard:
         ticks = (None if self.tier.stamps is None
                  else self.clock.absolute(self.last_access[victims]))
         gone = self.tier.write(self.ids[victims], self.weights[victims], self.state[victims],
-                               ticks)
+                               ticks, fresh=True)  # a row is in RAM or on disk, never both
         self.spilled += victims.shape[0]
         self.evicted += gone.shape[0]
         if gone.shape[0]:
