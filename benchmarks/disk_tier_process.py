@@ -67,6 +67,8 @@ SLOT = "tier"
 OPTIMIZER = OPTIMIZERS["rowwise-adagrad"]
 FILL_CHUNK = 1 << 20
 """Rows per slice handed to the checkpoint's writers."""
+WARMUP_PART = 500
+"""Warm-up steps per reported hit rate."""
 ROW_BYTES = DIM * 2 + 4
 """A row's weights (float16) and row-wise Adagrad state."""
 
@@ -216,9 +218,14 @@ def run(args: argparse.Namespace) -> dict:
 def _measure(client: PSClient, args: argparse.Namespace, ram_rows: int, device: float) -> dict:
     sampler = ZipfIds(args.rows, 1.05, seed=2)
     sequence = itertools.count(1)
-    warm = stream(client, sampler, args.warmup, args.draws, ram_rows, sequence)
-    print(f"warm-up: {args.warmup} steps, {warm['steps_per_s']:.2f} steps/s, hit rate "
-          f"{warm['hit_rate']:.3f} of {warm['hit_rate_ceiling']:.3f}", flush=True)
+    warm = []  # the warm-up in parts, to show the hit rate converging
+    for first in range(0, args.warmup, WARMUP_PART):
+        part = stream(client, sampler, min(WARMUP_PART, args.warmup - first), args.draws,
+                      ram_rows, sequence)
+        warm.append(part["hit_rate"])
+        last = min(first + WARMUP_PART, args.warmup)
+        print(f"warm-up steps {first}-{last}: {part['steps_per_s']:.2f} steps/s, hit rate "
+              f"{part['hit_rate']:.3f} of {part['hit_rate_ceiling']:.3f}", flush=True)
     slot = stream(client, sampler, args.batches, args.draws, ram_rows, sequence)
     after, delta = slot["after"], slot["delta"]
     print(f"one slot: {slot['steps_per_s']:.2f} steps/s, hit rate {slot['hit_rate']:.3f} "
@@ -238,7 +245,7 @@ def _measure(client: PSClient, args: argparse.Namespace, ram_rows: int, device: 
     return {
         "hit_rate": slot["hit_rate"], "hit_rate_ceiling": slot["hit_rate_ceiling"],
         "hit_rate_vs_ceiling": slot["hit_rate"] / max(slot["hit_rate_ceiling"], 1e-9),
-        "hit_rate_warmup": warm["hit_rate"],
+        "hit_rate_warmup_parts": warm, "warmup_part_batches": WARMUP_PART,
         "distinct_ids_per_batch": slot["distinct_ids_per_batch"],
         "steps_per_s": slot["steps_per_s"], "warmup_batches": args.warmup,
         "batches": args.batches,
