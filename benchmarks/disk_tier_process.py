@@ -1,8 +1,11 @@
 """The disk tier in a real parameter-server process (issue 42), filled from a checkpoint.
 
     python -m benchmarks.disk_tier_process [--smoke] [--rows 100000000] [--ram-fraction 0.1]
-        [--warmup 300] [--batches 100] [--heavy-warmup 2] [--heavy-batches 10]
-        [--dir DIR] [--json PATH]
+        [--draws 20000] [--warmup 6000] [--batches 300] [--heavy-warmup 2]
+        [--heavy-batches 8] [--shards 4] [--dir DIR] [--json PATH]
+
+(The defaults are the run in docs/benchmarks.md, "Disk tier": about 25 minutes and 35 GB
+of disk on a loaded 2-core VM, 13 of the minutes the warm-up.)
 
 :mod:`benchmarks.disk_tier` drives an ``EmbeddingTable`` in its own process; this one
 measures the same figures on a parameter server started as ``persia-launcher`` starts one
@@ -20,17 +23,22 @@ client (``PSClient``, gRPC), reading the tier's counters from the server's Stats
    RAM's share and a disk tier of ``rows`` loads it through its Load RPC (its most
    recently used rows in RAM, the rest appended to the tier). ``fill_rows_per_s``:
    rows over write + load; the checkpoint is deleted once loaded.
-3. **One slot's stream.** ``--warmup`` unmeasured then ``--batches`` measured steps of
-   20,000 Zipf(1.05) draws, deduplicated as a server sees them: a training lookup and
-   an update each. ``hit_rate``: the share of the looked-up rows answered from RAM (the
+3. **One slot's stream.** ``--warmup`` unmeasured steps (their hit rate per 500:
+   ``hit_rate_warmup_parts``, RAM starting from a random tenth) then ``--batches``
+   measured ones, of ``--draws`` Zipf(1.05) ids deduplicated as a server sees them: a
+   training lookup and an update each. ``hit_rate``: the share of the looked-up rows answered from RAM (the
    server's ``hits - disk_answered`` over ``hits + misses``); ``hit_rate_ceiling``: a
    static cache of RAM's size holding the most frequent rows, on the same ids (exact);
    RAM per disk row (the tier's index, from Stats), disk space and read amplification.
 4. **The embedding-heavy workload.** Batches of the embedding-heavy job's ids
    (:mod:`benchmarks.throughput.workloads`: 1,024 samples x 26 slots x 20 ids = 532,480
    draws, here from the same Zipf(1.05) over all rows, one table), back to back with no
-   NN time: more misses than the device can serve. ``disk_utilization``: the tier's
-   random reads per second over ``device_read_iops``.
+   NN time: more misses than the device can serve; first without, then with the next
+   batch's ids hinted after each lookup (``Prefetch``, as an embedding worker sends a
+   batch's when it is put). ``disk_utilization``: the tier's random reads per second
+   with hints over ``device_read_iops`` (``disk_utilization_no_prefetch``: without;
+   ``disk_utilization_vs_device_before_heavy``: over the device measured again just
+   before these batches, the disk being shared).
 """
 
 from __future__ import annotations
@@ -283,13 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=100_000_000)
     parser.add_argument("--ram-fraction", type=float, default=0.1)
     parser.add_argument("--draws", type=int, default=20_000, help="ids drawn per step")
-    parser.add_argument("--warmup", type=int, default=300)
-    parser.add_argument("--batches", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=6000)
+    parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--heavy-draws", type=int, default=HEAVY_DRAWS)
     parser.add_argument("--heavy-warmup", type=int, default=2)
-    parser.add_argument("--heavy-batches", type=int, default=10)
-    parser.add_argument("--shards", type=int, default=1,
-                        help="the server's num_hashmap_internal_shards (default 1)")
+    parser.add_argument("--heavy-batches", type=int, default=8)
+    parser.add_argument("--shards", type=int, default=4,
+                        help="the server's num_hashmap_internal_shards (default 4)")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     args = parse_args_with_smoke(parser, argv, rows=50_000, draws=2_000, warmup=50,
                                  batches=20, heavy_draws=6_000, heavy_batches=5)
