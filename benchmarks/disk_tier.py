@@ -46,9 +46,13 @@ those two only if installed. Bytes read from the device per row come from
    and loaded into a fresh table with a tier (:mod:`benchmarks.disk_tier_checkpoint`):
    ``checkpoint_dump_gb_per_s``, ``checkpoint_load_gb_per_s`` and
    ``checkpoint_gb_per_s`` (the slower) in GB/s of the rows' checkpoint bytes.
+6. **The embedding-heavy workload**, on the tier's table after its steps: ``--heavy-batches``
+   batches of the embedding-heavy job's ids (:data:`HEAVY_DRAWS`, at most
+   RAM's rows), back to back: ``disk_utilization``, the tier's random reads per
+   second over ``device_read_iops``.
 
-Keys not measured yet (issue 42 asks for them; the JSON has them as null):
-``disk_utilization`` (the embedding-heavy workload).
+The same figures on a real parameter-server process, filled from a checkpoint (the issue's
+100M rows): :mod:`benchmarks.disk_tier_process`.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ import numpy as np
 
 from benchmarks.disk_tier_adult import adult_figures
 from benchmarks.disk_tier_checkpoint import checkpoint_speed
+from benchmarks.throughput.workloads import NUM_SLOTS, WORKLOADS
 from persia_py.config import DiskTierConfig
 from persia_py.servers.disk_tier import DEFAULT_FREE_FRACTION, DiskTier
 from persia_py.servers.optimizers import AdagradConfig
@@ -74,6 +79,9 @@ from persia_py.servers.prefetch import Prefetcher
 from persia_py.servers.storage import EmbeddingTable
 
 DIM = 64
+_HEAVY = WORKLOADS["embedding_heavy"]
+HEAVY_DRAWS = _HEAVY.batch_size * NUM_SLOTS * _HEAVY.ids_per_slot
+"""Ids of one embedding-heavy batch, before deduplication (532,480)."""
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # rank -> id: odd multiplier, a bijection mod 2**64
 
 
@@ -275,6 +283,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the NN worker's time per batch, between lookup and update "
                              "(default: the fitting workload's, whose misses per second are "
                              "half the device's random reads; 0: none)")
+    parser.add_argument("--heavy-batches", type=int, default=None,
+                        help="embedding-heavy batches measured after the tier's steps "
+                             "(default 10; --smoke 3)")
     parser.add_argument("--tier-only", action="store_true",
                         help="only the tier's run (hit rate, sizes): no prefetch, no all-in-RAM "
                              "baseline (which needs every row's RAM)")
@@ -355,7 +366,7 @@ def _steps(table: EmbeddingTable, sampler: ZipfIds, batches: int, batch: int,
 
 def _run_table(tier_dir: str | None, rows: int, ram_rows: int, free_fraction: float,
                warmup: int, batches: int, batch: int, device: float, step_s: float | None,
-               prefetch: bool, checkpoint: bool = False) -> dict:
+               prefetch: bool, checkpoint: bool = False, heavy_batches: int = 0) -> dict:
     """Fill a table (every row exists: most go to disk), run ``warmup`` steps at full
     speed, then ``batches`` measured ones. ``step_s`` None: the fitting workload's, set
     from the warm-up so that its misses per second are half the device's rate."""
@@ -374,6 +385,10 @@ def _run_table(tier_dir: str | None, rows: int, ram_rows: int, free_fraction: fl
             misses = (1 - warm["hit_rate"]) * warm["distinct_ids_per_batch"] if warm else 0.0
             step_s = 2 * misses / device
         result = _steps(table, sampler, batches, batch, ram_rows, step_s, prefetcher)
+        if heavy_batches:  # more misses than the device serves: its reads/s are the bound
+            _steps(table, sampler, 1, min(HEAVY_DRAWS, ram_rows), ram_rows)
+            result["heavy"] = _steps(table, sampler, heavy_batches,
+                                     min(HEAVY_DRAWS, ram_rows), ram_rows)
         if checkpoint:  # the tier's table after its steps, most rows on disk
             result["checkpoint"] = checkpoint_speed(table, tier_dir,
                                                     _table(ram_rows, tier_dir, rows))
@@ -389,6 +404,8 @@ def run_tier(args: argparse.Namespace) -> dict:
     rows = args.rows or (50_000 if args.smoke else 5_000_000)
     batches, batch = (20, 2_000) if args.smoke else (100, 20_000)
     batches = args.batches or batches
+    heavy_batches = args.heavy_batches if args.heavy_batches is not None else (
+        3 if args.smoke else 10)
     warmup = args.warmup if args.warmup is not None else (100 if args.smoke else 200)
     ram_rows = max(1, int(rows * args.ram_fraction))
     device = device_read_iops(args.dir, 16 if args.smoke else 1024,
@@ -404,7 +421,8 @@ def run_tier(args: argparse.Namespace) -> dict:
     for name, tier_dir, prefetch in runs[:1] if args.tier_only else runs:
         results[name] = got = _run_table(tier_dir, rows, ram_rows, args.free_fraction, warmup,
                                          batches, batch, device, step_s, prefetch,
-                                         checkpoint=name == "tier")
+                                         checkpoint=name == "tier",
+                                         heavy_batches=heavy_batches if name == "tier" else 0)
         step_s = got["step_s"]
         print(f"{name}: filled {rows:,} rows in {got['fill_seconds']:.1f}s; "
               f"{got['steps_per_s']:.2f} steps/s ({got['step_s'] * 1000:.0f} ms per step "
@@ -443,9 +461,19 @@ def _tier_figures(tier: dict, device: float) -> dict:
         "fill_seconds_tier": tier["fill_seconds"],
         "disk_evicted": after["disk_evicted"],
         "relocated_per_spilled": delta["disk_relocated"] / max(delta["spilled"], 1),
-        # Not measured yet (issue 42): the embedding-heavy workload.
-        "disk_utilization": None,
+        **_heavy_figures(tier.get("heavy"), device),
     }
+
+
+def _heavy_figures(heavy: dict | None, device: float) -> dict:
+    """The embedding-heavy batches' reads per second against the device's."""
+    if heavy is None:
+        return {"disk_utilization": None}
+    reads_per_s = heavy["delta"]["disk_block_reads"] / heavy["seconds"]
+    return {"disk_utilization": reads_per_s / device, "heavy_disk_reads_per_s": reads_per_s,
+            "heavy_steps_per_s": heavy["steps_per_s"],
+            "heavy_distinct_ids_per_batch": heavy["distinct_ids_per_batch"],
+            "heavy_hit_rate": heavy["hit_rate"]}
 
 
 def _speed_figures(results: dict[str, dict], device: float) -> dict:

@@ -48,16 +48,19 @@ def _wait_for_port(lines: queue.Queue[str | None], stderr_path: Path) -> int:
 
 @contextlib.contextmanager
 def parameter_server_process(workdir: Path, slot: str, dim: int, capacity: int,
-                             row_dtype: str = "float32", disk_tier_rows: int = 0
+                             row_dtype: str = "float32", disk_tier_rows: int = 0,
+                             args: tuple[str, ...] = (), internal_shards: int = 1
                              ) -> Iterator[tuple[str, int]]:
     """A parameter server with one slot of ``row_dtype`` rows (``disk_tier_rows``: a
-    disk tier of that many rows in ``workdir/tier``); yields ``(address, pid)`` and stops
-    it on exit."""
+    disk tier of that many rows in ``workdir/tier``; ``internal_shards``: its
+    ``num_hashmap_internal_shards``), given ``args`` beside its configs; yields
+    ``(address, pid)`` and stops it on exit."""
     embedding_config = workdir / "embedding_config.yml"
     embedding_config.write_text(f"slots_config:\n  {slot}:\n    dim: {dim}\n"
                                 f"    row_dtype: {row_dtype}\n")
     global_config = workdir / "global_config.yml"
-    text = f"embedding_parameter_server_config:\n  capacity: {capacity}\n"
+    text = (f"embedding_parameter_server_config:\n  capacity: {capacity}\n"
+            f"  num_hashmap_internal_shards: {internal_shards}\n")
     if disk_tier_rows:
         (workdir / "tier").mkdir(exist_ok=True)
         text += (f"  disk_tier:\n    path: {workdir / 'tier'}\n"
@@ -65,7 +68,7 @@ def parameter_server_process(workdir: Path, slot: str, dim: int, capacity: int,
     global_config.write_text(text)
     with role_process(workdir, "embedding-parameter-server", [
             "--embedding-config", str(embedding_config),
-            "--global-config", str(global_config)]) as started:
+            "--global-config", str(global_config), *args]) as started:
         yield started
 
 

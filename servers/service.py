@@ -44,6 +44,16 @@ def configure_args(request: common_pb2.ConfigureRequest) -> dict:
     )
 
 
+_DISK_FIELDS = frozenset(pb.DiskTierStats.DESCRIPTOR.fields_by_name)
+
+
+def _disk_stats(stats: dict[str, int] | None) -> pb.DiskTierStats | None:
+    """A table's disk-tier counters as the Stats RPC carries them (None: no tier)."""
+    if stats is None:
+        return None
+    return pb.DiskTierStats(**{k: v for k, v in stats.items() if k in _DISK_FIELDS})
+
+
 def _answer(embeddings: list[np.ndarray], answer: list[codec.TensorFields],
             wire: LookupAnswer) -> bytes:
     """The serialized LookupResponse of ``embeddings``: the rows are in ``answer``'s
@@ -190,7 +200,9 @@ class ParameterServerServicer(parameter_server_pb2_grpc.ParameterServerServicer)
 
     @grpc_method
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
-        tables = [pb.TableStats(table=name, **stats) for name, stats in self.ps.stats().items()]
+        disk = self.ps.disk_stats()
+        tables = [pb.TableStats(table=name, disk=_disk_stats(disk.get(name)), **stats)
+                  for name, stats in self.ps.stats().items()]
         return pb.StatsResponse(tables=tables, num_updates=self.ps.num_updates)
 
     @grpc_method

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 
@@ -21,10 +22,9 @@ from persia_py.ids.routing import replica_of
 from persia_py.ops import safe_files
 from persia_py.servers import row_types
 from persia_py.servers.array_files import NpyReader, NpyWriter, chunk_rows
-from persia_py.servers.row_stream import RowChunks
-from persia_py.servers.storage import EmbeddingTable
+from persia_py.servers.row_stream import RowChunks, RowSink
 
-__all__ = ["ARRAYS", "TableFiles", "check_sums", "row_chunks", "write_table"]
+__all__ = ["ARRAYS", "RowSource", "TableFiles", "check_sums", "row_chunks", "write_table"]
 
 ARRAYS = {"ids": np.uint64, "weights": np.float32, "state": np.float32,
           "last_access": np.int64}
@@ -34,9 +34,23 @@ _SUM = re.compile(r"[0-9a-f]{16}")
 _MAX_CHUNK_ROWS = 1 << 30
 
 
-def write_table(dir_fd: int, prefix: str, rows: dict | EmbeddingTable) -> tuple[dict, int]:
+class RowSource(Protocol):
+    """Rows handed to a sink slice by slice: a live ``EmbeddingTable``
+    (:meth:`~persia_py.servers.storage.EmbeddingTable.stream_rows`), or rows made
+    elsewhere (``benchmarks.disk_tier_process`` writes a 100M-row checkpoint so)."""
+
+    dim: int
+    state_width: int
+    row_dtype: str
+
+    def stream_rows(self, sink: RowSink) -> tuple[int, int]:
+        """Every row to ``sink``; returns (how many, the clock after)."""
+        ...
+
+
+def write_table(dir_fd: int, prefix: str, rows: dict | RowSource) -> tuple[dict, int]:
     """Write the files ``<prefix>-<key>.npy`` of one table's ``rows`` (an export's dict
-    of arrays, or a live table, streamed: :meth:`EmbeddingTable.stream_rows`) into
+    of arrays, or a live table or other source, streamed: :class:`RowSource`) into
     ``dir_fd``, each fsync'd; returns (its description, bytes written)."""
     if isinstance(rows, dict):
         dim, width = int(rows["weights"].shape[1]), int(rows["state"].shape[1])

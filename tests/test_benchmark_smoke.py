@@ -156,11 +156,22 @@ def _check_disk_tier(result: dict) -> None:
     assert result["checkpoint_rows"] == result["rows"]
     assert result["checkpoint_rows_on_disk"] > result["rows"] // 2
     assert result["checkpoint_gb_per_s"] > 0
+    assert result["disk_utilization"] > 0  # the embedding-heavy batches read from disk
+
+
+def _check_disk_tier_process(result: dict) -> None:
+    # The server loaded every row of the checkpoint, most onto its tier, and its Stats
+    # RPC carried the tier's counters back.
+    assert result["ram_rows"] + result["disk_rows"] == result["rows"]
+    assert result["disk_rows"] > result["rows"] // 2 and result["fill_rows_per_s"] > 0
+    assert 0 < result["hit_rate"] <= 1 and 0 < result["hit_rate_ceiling"] <= 1
+    assert result["ram_bytes_per_disk_row"] > 0 and result["read_amplification"] >= 1
+    assert result["disk_utilization"] > 0 and result["disk_utilization_no_prefetch"] > 0
 
 
 CHECKS = {"ps_load": _check_ps_load, "hash_flood": _check_hash_flood,
           "recovery": _check_recovery, "scaling": _check_scaling,
-          "disk_tier": _check_disk_tier}
+          "disk_tier": _check_disk_tier, "disk_tier_process": _check_disk_tier_process}
 """What a smoke run's figures must show beyond a clean exit, where that is machine-free."""
 
 

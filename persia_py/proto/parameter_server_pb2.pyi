@@ -94,7 +94,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("table", "entries", "bytes", "hits", "misses", "inserted", "evicted", "admitted", "rejected", "expired")
+    __slots__ = ("table", "entries", "bytes", "hits", "misses", "inserted", "evicted", "admitted", "rejected", "expired", "disk")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class TableStats(_message.Message):
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     table: str
     entries: int
     bytes: int
@@ -115,7 +116,56 @@ class TableStats(_message.Message):
     admitted: int
     rejected: int
     expired: int
-    def __init__(self, table: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., inserted: _Optional[int] = ..., evicted: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
+    disk: DiskTierStats
+    def __init__(self, table: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., inserted: _Optional[int] = ..., evicted: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., expired: _Optional[int] = ..., disk: _Optional[_Union[DiskTierStats, _Mapping]] = ...) -> None: ...
+
+class DiskTierStats(_message.Message):
+    __slots__ = ("disk_rows", "disk_capacity_rows", "disk_slots", "disk_bytes", "disk_ram_bytes", "disk_record_bytes", "disk_block_bytes", "disk_block_reads", "disk_bytes_read", "disk_read", "disk_read_random", "disk_written", "disk_hits", "disk_misses", "disk_evicted", "disk_deleted", "disk_expired", "disk_relocated", "disk_fingerprint_clashes", "disk_answered", "spilled", "restored")
+    DISK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CAPACITY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCK_READS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_RANDOM_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DISK_HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    DISK_DELETED_FIELD_NUMBER: _ClassVar[int]
+    DISK_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    DISK_RELOCATED_FIELD_NUMBER: _ClassVar[int]
+    DISK_FINGERPRINT_CLASHES_FIELD_NUMBER: _ClassVar[int]
+    DISK_ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    disk_rows: int
+    disk_capacity_rows: int
+    disk_slots: int
+    disk_bytes: int
+    disk_ram_bytes: int
+    disk_record_bytes: int
+    disk_block_bytes: int
+    disk_block_reads: int
+    disk_bytes_read: int
+    disk_read: int
+    disk_read_random: int
+    disk_written: int
+    disk_hits: int
+    disk_misses: int
+    disk_evicted: int
+    disk_deleted: int
+    disk_expired: int
+    disk_relocated: int
+    disk_fingerprint_clashes: int
+    disk_answered: int
+    spilled: int
+    restored: int
+    def __init__(self, disk_rows: _Optional[int] = ..., disk_capacity_rows: _Optional[int] = ..., disk_slots: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_ram_bytes: _Optional[int] = ..., disk_record_bytes: _Optional[int] = ..., disk_block_bytes: _Optional[int] = ..., disk_block_reads: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., disk_read: _Optional[int] = ..., disk_read_random: _Optional[int] = ..., disk_written: _Optional[int] = ..., disk_hits: _Optional[int] = ..., disk_misses: _Optional[int] = ..., disk_evicted: _Optional[int] = ..., disk_deleted: _Optional[int] = ..., disk_expired: _Optional[int] = ..., disk_relocated: _Optional[int] = ..., disk_fingerprint_clashes: _Optional[int] = ..., disk_answered: _Optional[int] = ..., spilled: _Optional[int] = ..., restored: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tables", "num_updates")
