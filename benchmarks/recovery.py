@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", default=None,
                         help="run the jobs in this (new) folder and keep it (default: a "
                              "temporary folder, removed)")
-    args = parse_args_with_smoke(parser, argv, train_samples=24_000, every_steps=5,
+    # The smoke's checkpoint period: its first checkpoint (the NN rank's kill waits for
+    # one) comes after ~20 steps, and the ~75 steps the restarted training trains pay for
+    # 3 more, not 15 (each ~1 s on a loaded machine).
+    args = parse_args_with_smoke(parser, argv, train_samples=24_000, every_steps=20,
                                  replicas=1, test_samples=500)
     if args.replicas < 1:
         parser.error(f"--replicas must be >= 1, got {args.replicas}")

@@ -1,8 +1,13 @@
 """A parameter server SIGKILLed mid-training is restarted by ``persia-launcher local`` from
 the last checkpoint; the embedding worker waits and retries meanwhile, and every batch the
-data loader sent is trained exactly once. With a disk tier holding most rows, the same:
+data loader sent is trained exactly once. The job here has a disk tier holding most rows:
 the killed server's tier (an unnamed file) is gone with it, and the restarted one
-rebuilds its RAM and disk rows from the checkpoint and its update log."""
+rebuilds its RAM and disk rows from the checkpoint and its update log. (The same kill
+without a disk tier is tests/test_chaos.py's: its random job kills a server and trains
+every batch once, its reproducible job has one replay its update log and end
+bit-identical; tests/test_online_failures.py kills an online job's server and trains
+every sample once; the outage's waiting and its end are checked in this module's
+``test_lookups_wait_...``.)"""
 
 from __future__ import annotations
 
@@ -173,19 +178,17 @@ def _ps_pid(marker: str, replica: int) -> int:
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("disk_tier", [False, True], ids=["ram", "disk-tier"])
-def test_a_killed_parameter_server_is_restarted_and_every_batch_is_trained_once(
-        tmp_path: Path, disk_tier: bool) -> None:
+def test_a_killed_parameter_server_with_a_disk_tier_is_restarted_and_every_batch_is_trained_once(
+        tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     global_config = tmp_path / "global_config.yml"
     config = yaml.safe_load((EXAMPLE / "global_config.yml").read_text())
     config["checkpoint_config"] = {"root": str(tmp_path), "dir": str(ckpt), "every_steps": 20}
     tier = tmp_path / "tier"
-    if disk_tier:
-        # ~950 distinct ids per slot per server, 128 in RAM: most rows live on disk.
-        tier.mkdir()
-        config["embedding_parameter_server_config"].update(
-            capacity=128, disk_tier={"path": str(tier), "capacity_rows": 100_000})
+    # ~950 distinct ids per slot per server, 128 in RAM: most rows live on disk.
+    tier.mkdir()
+    config["embedding_parameter_server_config"].update(
+        capacity=128, disk_tier={"path": str(tier), "capacity_rows": 100_000})
     global_config.write_text(yaml.safe_dump(config))
     job = RoleProcess(launcher_command(
         "local", "--nn-worker", str(JOB / "train.py"),
@@ -219,9 +222,7 @@ def test_a_killed_parameter_server_is_restarted_and_every_batch_is_trained_once(
                          r"\S+ckpt-\S+ and (\d+) updates replayed from its update log"
                          r"(?: \((\d+) rows on its disk tier\))?", out)
     assert replayed and int(replayed[1]) > 0, out[-20000:]
-    if disk_tier:  # the restarted server rebuilt its disk rows; no file of the tier is left
-        assert replayed[2] is not None and int(replayed[2]) > 1_000, out[-20000:]
-        assert os.listdir(tier) == []
-    else:
-        assert replayed[2] is None
+    # The restarted server rebuilt its disk rows; no file of the tier is left.
+    assert replayed[2] is not None and int(replayed[2]) > 1_000, out[-20000:]
+    assert os.listdir(tier) == []
     assert re.search(r"parameter server \S+ reachable again", out), out[-20000:]
