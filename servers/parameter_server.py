@@ -9,7 +9,8 @@ acknowledged without being applied again, so a retried update is applied once. A
 that carries no ids is refused (it would mark a pair as applied and nothing else). The
 window is bounded per worker id and never forgets a live one for a new one
 (``servers/update_window.py``; embedding workers take a random id per process start, so a
-restarted one never reuses a window).
+restarted one never reuses a window). A lookup or an update over many tables runs one
+kernel call across the tables it can (:mod:`.request_tables`), not one per table.
 
 A call's memory is bounded before anything is allocated for it (:mod:`.call_memory`): its
 arrays plus what serving it takes within 1.5 x ``max_message_bytes``, its answer within
