@@ -370,6 +370,14 @@ class HashIndex:
         not known for; O(slots) to compute, for tests and diagnostics."""
         return _longest_run(self._slots) + 1
 
+    def probe_args(self) -> tuple[np.ndarray, np.ndarray, np.uint64, np.ndarray, np.uint64,
+                                  int]:
+        """What ``_homes_and_tags`` and ``_find_kernel`` take of this index, for kernels
+        that probe many indexes in one call (:mod:`persia_py.servers.request_kernels`):
+        slots, row_ids, row mask, key words, tag mask, row bits."""
+        return (self._slots, self.row_ids, self._row_mask, self._key.words, self._tag_mask,
+                self._row_bits)
+
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Row of each id (int64), -1 where the id is absent; duplicates are fine."""
         return self.find_gather(ids, _NO_WEIGHTS, _NO_WEIGHTS, _NO_STAMPS, 0)

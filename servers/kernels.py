@@ -219,8 +219,9 @@ def sgd_step(weights: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamps: n
     return count
 
 
-ADAGRAD, ADAM = 1, 2
-"""Values of :func:`adaptive_step`'s ``kind``."""
+SGD, ADAGRAD, ADAM = 0, 1, 2
+"""Values of :func:`adaptive_step`'s ``kind`` (SGD: :func:`sgd_step`'s, for callers that
+pick the kernel by kind)."""
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -52,6 +52,34 @@ stamps, tick, ids, sr_key, stochastic)`` steps ``weights[rows]`` (as
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelStep:
+    """The :data:`StepKernel` of a built-in optimizer: :func:`kernels.sgd_step` (``kind``
+    ``kernels.SGD``) or :func:`kernels.adaptive_step` with these hyper-parameters, in the
+    kernels' types. Its fields are what a step over many tables in one kernel call takes
+    per table (:mod:`persia_py.servers.request_tables`)."""
+
+    kind: int
+    lr: np.float32
+    weight_decay: np.float32
+    bound: np.float32
+    eps: np.float32 = np.float32(0.0)
+    momentum: np.float32 = np.float32(0.0)
+    beta1: float = 0.0
+    beta2: float = 0.0
+
+    def __call__(self, weights: np.ndarray, state: np.ndarray, rows: np.ndarray,
+                 grads: np.ndarray, stamps: np.ndarray, tick: int, ids: np.ndarray,
+                 sr_key: np.uint64, stochastic: bool) -> int:
+        if self.kind == kernels.SGD:
+            return kernels.sgd_step(weights, rows, grads, stamps, tick, ids, sr_key,
+                                    stochastic, self.lr, self.weight_decay, self.bound)
+        return kernels.adaptive_step(self.kind, weights, state, rows, grads, stamps, tick,
+                                     ids, sr_key, stochastic, self.lr, self.weight_decay,
+                                     self.bound, self.eps, self.momentum, self.beta1,
+                                     self.beta2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerRule:
     """How the parameter servers apply one optimizer. Each callable takes the optimizer's
     config (an instance of ``schema``) first."""
@@ -135,15 +163,9 @@ def _sgd(cfg: SGDConfig, w: np.ndarray, state: np.ndarray,
     return w - np.float32(cfg.lr) * g, state.copy()
 
 
-def _sgd_kernel(cfg: SGDConfig, bound: np.float32) -> StepKernel:
-    lr, weight_decay = np.float32(cfg.lr), np.float32(cfg.weight_decay)
-
-    def step(weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray,
-             stamps: np.ndarray, tick: int, ids: np.ndarray, sr_key: np.uint64,
-             stochastic: bool) -> int:
-        return kernels.sgd_step(weights, rows, grads, stamps, tick, ids, sr_key, stochastic,
-                                lr, weight_decay, bound)
-    return step
+def _sgd_kernel(cfg: SGDConfig, bound: np.float32) -> KernelStep:
+    return KernelStep(kind=kernels.SGD, lr=np.float32(cfg.lr),
+                      weight_decay=np.float32(cfg.weight_decay), bound=bound)
 
 
 register_optimizer("sgd", OptimizerRule(
@@ -154,17 +176,12 @@ register_optimizer("sgd", OptimizerRule(
 # -- Adagrad and Adam: one kernel, kernels.adaptive_step -------------------------------------
 
 
-def _adaptive_kernel(kind: int, cfg: OptimizerConfig, bound: np.float32, *params: Any
-                     ) -> StepKernel:
-    """:func:`kernels.adaptive_step` of ``kind`` with ``params`` (those after the bound)."""
-    lr, weight_decay = np.float32(cfg.lr), np.float32(cfg.weight_decay)
-
-    def step(weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray,
-             stamps: np.ndarray, tick: int, ids: np.ndarray, sr_key: np.uint64,
-             stochastic: bool) -> int:
-        return kernels.adaptive_step(kind, weights, state, rows, grads, stamps, tick, ids,
-                                     sr_key, stochastic, lr, weight_decay, bound, *params)
-    return step
+def _adaptive_kernel(kind: int, cfg: OptimizerConfig, bound: np.float32, eps: np.float32,
+                     momentum: np.float32, beta1: float, beta2: float) -> KernelStep:
+    """:func:`kernels.adaptive_step` of ``kind`` with these hyper-parameters."""
+    return KernelStep(kind=kind, lr=np.float32(cfg.lr),
+                      weight_decay=np.float32(cfg.weight_decay), bound=bound, eps=eps,
+                      momentum=momentum, beta1=beta1, beta2=beta2)
 
 
 def _adagrad(cfg: AdagradConfig, w: np.ndarray, acc: np.ndarray,

@@ -9,7 +9,8 @@ acknowledged without being applied again, so a retried update is applied once. A
 that carries no ids is refused (it would mark a pair as applied and nothing else). The
 window is bounded per worker id and never forgets a live one for a new one
 (``servers/update_window.py``; embedding workers take a random id per process start, so a
-restarted one never reuses a window).
+restarted one never reuses a window). A lookup or an update over many tables runs one
+kernel call across the tables it can (:mod:`.request_tables`), not one per table.
 
 A call's memory is bounded before anything is allocated for it (:mod:`.call_memory`): its
 arrays plus what serving it takes within 1.5 x ``max_message_bytes``, its answer within
@@ -44,6 +45,7 @@ from persia_py.servers.call_memory import LookupAnswer
 from persia_py.servers.optimizers import optimizer_from_dict
 from persia_py.servers.prefetch import Prefetcher, serve_hint
 from persia_py.servers.replica_state import ReplicaState, Rows
+from persia_py.servers.request_tables import lookup_tables, update_tables
 from persia_py.servers.row_stream import RowChunks
 from persia_py.servers.sizing import (
     capacity_warning,
@@ -261,9 +263,8 @@ class ParameterServer:
         as_gathered = not wire.lz4 and all(d.name == wire.dtype for d in dtypes)
         outs = (out(shapes, [d.name for d in dtypes]) if out is not None and as_gathered
                 else [None] * len(shapes))
-        with self._increments.shared():
-            answers = [t.lookup(ids, insert=training, out=o, dtype=d)
-                       for t, (_, ids), o, d in zip(tables, requests, outs, dtypes)]
+        with self._increments.shared():  # one kernel call for the tables it can serve
+            answers = lookup_tables(tables, [ids for _, ids in requests], training, outs, dtypes)
         if training and self.update_log is not None:  # the rows it inserted, for a restart
             self.update_log.lookup(requests)
         return answers
@@ -317,8 +318,7 @@ class ParameterServer:
         if worker_id and self._window.seen_before(worker_id, sequence, replayed=replayed):
             return 0, True
         try:
-            num_updated = sum(table.apply_update(ids, grads)
-                              for (ids, grads), table in zip(checked, tables))
+            num_updated = update_tables(tables, checked)  # one kernel call where it can
         except BaseException:
             if worker_id:  # not applied: a retry must not be taken for a duplicate
                 self._window.forget(worker_id, sequence)

@@ -135,40 +135,42 @@ class Shard:
 
     def lookup(self, ids: np.ndarray, insert: bool, tick: int, out: np.ndarray,
                positions: np.ndarray | None) -> None:
-        """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``): their
-        bits when ``out`` has the weights' type, else converted
-        (:func:`row_types.as_answered`), in the pass that probes the index."""
-        weights = kernel_view(self.weights)
+        """Write the rows of ``ids`` to ``out`` (at ``positions``, or ``0..n-1``): their bits when
+        ``out`` has the weights' type, else converted (:func:`row_types.as_answered`), as it probes."""
         out = kernel_view(out)
         with self.lock:
             stamp = self.clock.stamp(tick, self.last_access[:self.size])
-            rows = self.index.find_gather(ids, weights, out, self.last_access, stamp,
-                                          positions)
-            num_missing = int(np.count_nonzero(rows < 0))
-            if self.frequency is not None:
-                self.frequency.seen_enough(ids, 0)
-            if num_missing and self.tier is not None and self.tier.num_rows:
-                back = rows < 0
-                rows = self._bring_back(ids, rows, stamp)
-                back &= rows >= 0
-                if back.any():
-                    at = np.flatnonzero(back)
-                    self.disk_answered += at.shape[0]
-                    kernels.gather_rows_at(kernel_view(self.weights), rows[at],
-                                           at if positions is None else positions[at], out,
-                                           self.last_access, stamp)
-                    num_missing = int(np.count_nonzero(rows < 0))
-            self.hits += ids.shape[0] - num_missing
-            self.misses += num_missing
-            if num_missing and insert:
-                # Rows found are copied already (an eviction below never takes them:
-                # they carry this tick); copy the new ones.
-                new = np.flatnonzero(rows < 0)
-                rows = self._insert_missing(ids, rows, tick, stamp)
-                at = new if positions is None else positions[new]
-                # The weights again: arrays that could not be reserved grow by moving.
-                kernels.gather_rows_at(kernel_view(self.weights), rows[new], at, out,
+            rows = self.index.find_gather(ids, kernel_view(self.weights), out, self.last_access,
+                                          stamp, positions)
+            self.found(ids, rows, insert, tick, stamp, out, positions)
+
+    def found(self, ids: np.ndarray, rows: np.ndarray, insert: bool, tick: int, stamp: int,
+              out: np.ndarray, positions: np.ndarray | None) -> None:
+        """:meth:`lookup` once the index gave the ``rows`` of ``ids`` (found ones copied to
+        ``out``, a kernel view, and stamped ``stamp``); the caller holds ``lock``."""
+        num_missing = int(np.count_nonzero(rows < 0))
+        if self.frequency is not None:
+            self.frequency.seen_enough(ids, 0)
+        if num_missing and self.tier is not None and self.tier.num_rows:
+            back = rows < 0
+            rows = self._bring_back(ids, rows, stamp)
+            at = np.flatnonzero(back & (rows >= 0))
+            if at.shape[0]:
+                self.disk_answered += at.shape[0]
+                kernels.gather_rows_at(kernel_view(self.weights), rows[at],
+                                       at if positions is None else positions[at], out,
                                        self.last_access, stamp)
+                num_missing = int(np.count_nonzero(rows < 0))
+        self.hits += ids.shape[0] - num_missing
+        self.misses += num_missing
+        if num_missing and insert:
+            # Found rows are copied (this tick's stamp keeps them from eviction); the new ones:
+            new = np.flatnonzero(rows < 0)
+            rows = self._insert_missing(ids, rows, tick, stamp)
+            at = new if positions is None else positions[new]
+            # The weights again: arrays that could not be reserved grow by moving.
+            kernels.gather_rows_at(kernel_view(self.weights), rows[new], at, out,
+                                   self.last_access, stamp)
 
     def prefetch(self, ids: np.ndarray, tick: int) -> int:
         """Bring the rows of ``ids`` absent from RAM that the tier holds back into RAM,
@@ -228,8 +230,7 @@ class Shard:
 
     def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, tick: int, stamp: int
                         ) -> np.ndarray:
-        missing = rows < 0
-        found = ~missing
+        found, missing = rows >= 0, rows < 0
         hit_rows = rows[found]
         self.last_access[hit_rows] = stamp
         new_ids, inverse = unique_in_order(ids[missing])
@@ -249,9 +250,8 @@ class Shard:
         new_rows, is_new = self.index.find_or_insert(admitted, start)
         assert bool(is_new.all()), "an id missing a moment ago was found on insert"
         table = self.table
-        initial = initial_rows(admitted, table.dim, table.init_lower, table.init_upper,
-                               table.seed, out=(self.weights[start:end]
-                                                if table.row_dtype == "float32" else None))
+        initial = initial_rows(admitted, table.dim, table.init_lower, table.init_upper, table.seed,
+                               out=self.weights[start:end] if table.row_dtype == "float32" else None)
         if table.row_dtype != "float32":
             row_types.to_stored(initial, table.row_dtype, out=self.weights[start:end])
         self.state[start:end] = initial_state(table.optimizer, 1, table.dim)
@@ -418,20 +418,27 @@ class Shard:
             return int(rows.shape[0]) + on_disk
 
     def update(self, ids: np.ndarray, grads: np.ndarray, tick: int) -> int:
-        """One optimizer step on the stored rows of ``ids`` (repeats summed first) at
-        lookup ``tick``; returns how many distinct rows were stepped."""
+        """One optimizer step on the stored rows of ``ids`` (repeats summed first) at lookup
+        ``tick``; returns how many distinct rows were stepped."""
         with self.lock:
-            self._log_changes(ids)
-            stamp = self.clock.stamp(tick, self.last_access[:self.size])
+            stamp = self.start_update(ids, tick)
             rows = self.index.find(ids)
             if self.tier is not None and self.tier.num_rows and bool((rows < 0).any()):
                 rows = self._bring_back(ids, rows, stamp)
-            rows, grads, merged = kernels.sum_duplicate_rows(rows, kernel_view(grads),
-                                                             self.size)
-            if merged and self.table.row_dtype != "float32":
-                ids = self.ids[rows]  # the ids of the distinct rows, which key rounding
-            return self.table.row_step(self.weights, self.state, rows, grads,
-                                       self.last_access, stamp, ids)
+            return self.step_rows(ids, rows, grads, stamp)
+
+    def start_update(self, ids: np.ndarray, tick: int) -> int:
+        """Log ``ids`` as changed; ``tick`` as a stamp. The caller holds ``lock``."""
+        self._log_changes(ids)
+        return self.clock.stamp(tick, self.last_access[:self.size])
+
+    def step_rows(self, ids: np.ndarray, rows: np.ndarray, grads: np.ndarray, stamp: int) -> int:
+        """:meth:`update`'s step on ``rows`` (of ``ids``; -1: skipped). Holding ``lock``."""
+        rows, grads, merged = kernels.sum_duplicate_rows(rows, kernel_view(grads), self.size)
+        if merged and self.table.row_dtype != "float32":
+            ids = self.ids[rows]  # the ids of the distinct rows, which key rounding
+        return self.table.row_step(self.weights, self.state, rows, grads, self.last_access,
+                                   stamp, ids)
 
     def copy_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Copies of every stored row: ids, weights, state and last access (absolute)."""
@@ -450,28 +457,24 @@ class Shard:
         n_new = int(np.count_nonzero(rows < 0))
         if self.tier is None:
             if self.size + n_new > self.share:
-                raise ValueError(f"{self.size + n_new} rows do not fit one internal shard's "
-                                 f"share of {self.share} (capacity {self.table.capacity}); "
-                                 f"raise capacity")
+                raise ValueError(f"{self.size + n_new} rows do not fit one internal shard's share of "
+                                 f"{self.share} (capacity {self.table.capacity}); raise capacity")
             return rows, n_new
-        tier = self.tier
-        disk_free = tier.capacity_rows - tier.num_rows + int(tier.holds(ids[rows < 0]).sum())
+        disk_free = (self.tier.capacity_rows - self.tier.num_rows
+                     + int(self.tier.holds(ids[rows < 0]).sum()))
         if self.size + n_new > self.share + disk_free:
-            raise ValueError(f"{self.size + n_new} rows do not fit one internal shard's share "
-                             f"of {self.share} (capacity {self.table.capacity}) and the "
-                             f"{disk_free} rows free in its disk tier; raise capacity or the "
-                             f"disk tier's capacity_rows")
+            raise ValueError(f"{self.size + n_new} rows do not fit one internal shard's share of "
+                             f"{self.share} (capacity {self.table.capacity}) and the {disk_free} "
+                             f"rows free in its disk tier; raise capacity or the disk tier's capacity_rows")
         return rows, n_new
 
     def store_rows(self, ids: np.ndarray, pos: np.ndarray, weights: np.ndarray,
                    state: np.ndarray, stamps: np.ndarray, clock: int) -> None:
-        """Store rows ``pos`` of an import (checked: distinct ids of this shard, weights
-        of the table's type), overwriting stored rows of the same ids; ``stamps`` are
-        absolute clock values, at most ``clock``."""
+        """Store rows ``pos`` of an import (checked: distinct ids of this shard, weights of the table's
+        type), overwriting stored rows of the same ids; ``stamps``: absolute, at most ``clock``."""
         part = ids[pos]
         with self.lock:
-            # Checked again under the lock that the store holds: a concurrent insert
-            # (training lookups of a live table) may have taken room meanwhile.
+            # Checked again under the lock: concurrent training lookups may have taken room meanwhile.
             rows, n_new = self.check_fits(part)
             new = rows < 0
             if self.tier is not None:
@@ -481,17 +484,15 @@ class Shard:
                     new_at = np.flatnonzero(new)
                     order = np.argsort(-stamps[pos[new_at]], kind="stable")
                     to_disk = new_at[order[self.share - self.size:]]
-                    self.tier.write(part[to_disk], weights[pos[to_disk]],
-                                    state[pos[to_disk]], stamps[pos[to_disk]])
-                    keep = np.ones(pos.shape[0], np.bool_)
-                    keep[to_disk] = False
+                    self.tier.write(part[to_disk], weights[pos[to_disk]], state[pos[to_disk]],
+                                    stamps[pos[to_disk]])
+                    keep = np.isin(np.arange(pos.shape[0]), to_disk, invert=True)
                     pos, part, rows, new = pos[keep], part[keep], rows[keep], new[keep]
                     n_new -= to_disk.shape[0]
             # The rows stored so far: a rebase for the import re-stamps them.
             units = self.clock.relative(stamps[pos], clock, self.last_access[:self.size])
             self._reserve(self.size + n_new)
-            new_rows, _ = self.index.find_or_insert(part[new], self.size)
-            rows[new] = new_rows
+            rows[new] = self.index.find_or_insert(part[new], self.size)[0]
             self.size += n_new
             self.ids[rows] = part
             kernels.scatter_rows(kernel_view(self.weights), rows, kernel_view(weights), pos)

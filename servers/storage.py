@@ -248,6 +248,15 @@ class EmbeddingTable:
         (rounded to nearest as they are copied, as numpy's cast does). ``out``: a
         C-contiguous array of that shape and dtype to write the rows to (returned).
         """
+        ids, out, tick = self.start_lookup(ids, out, dtype)
+        self.lookup_started(ids, bool(insert), tick, out)
+        return out
+
+    def start_lookup(self, ids: np.ndarray, out: np.ndarray | None, dtype: npt.DTypeLike
+                     ) -> tuple[np.ndarray, np.ndarray, int]:
+        """:meth:`lookup`'s checks, its ``out`` and its tick (after the expiry sweeps due):
+        what :meth:`lookup_started`, or a call over many tables
+        (:mod:`persia_py.servers.request_tables`), goes on with."""
         ids = self._check_ids(ids)
         shape = (ids.shape[0], self.dim)
         dtype = np.dtype(dtype)
@@ -263,14 +272,27 @@ class EmbeddingTable:
         tick, cutoff, disk_cutoff = self._clock.tick()
         if cutoff > 0 or disk_cutoff > 0:
             self._expire(cutoff, disk_cutoff)
-        insert = bool(insert)
+        return ids, out, tick
+
+    def lookup_started(self, ids: np.ndarray, insert: bool, tick: int, out: np.ndarray) -> None:
+        """The rest of :meth:`lookup`, shard by shard, after :meth:`start_lookup`."""
 
         def work(shard: Shard, positions: np.ndarray | None) -> None:
             part = ids if positions is None else ids[positions]
             shard.lookup(part, insert, tick, out, positions)
 
         self._per_shard(ids, work)
-        return out
+
+    def single_shard(self) -> Shard | None:
+        """The table's only internal shard, when a call over many tables may serve it in
+        one kernel call with the others (:mod:`persia_py.servers.request_tables`): one
+        internal shard and no disk tier (else None)."""
+        return self._shards[0] if self.num_shards == 1 and self.disk_tier is None else None
+
+    @property
+    def clock_now(self) -> int:
+        """The table's clock now (the tick of an update)."""
+        return self._clock.current()
 
     def prefetch(self, ids: np.ndarray) -> int:
         """Bring the rows of ``ids`` that are on the disk tier back into RAM, as a lookup
@@ -320,7 +342,7 @@ class EmbeddingTable:
         """:meth:`update` of input :meth:`check_update` returned (not checked again)."""
         if ids.shape[0] == 0:
             return 0
-        tick = self._clock.current()
+        tick = self.clock_now
         counts: list[int] = []
 
         def work(shard: Shard, positions: np.ndarray | None) -> None:

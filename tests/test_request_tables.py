@@ -1,0 +1,107 @@
+"""A request over many tables in one kernel call (servers/request_tables.py) changes and
+answers exactly what the same request served table by table does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from persia_py.config.optimizer import AdagradConfig, AdamConfig, SGDConfig
+from persia_py.servers import request_tables
+from persia_py.servers.request_kernels import TABLES_PER_CALL
+from persia_py.servers.storage import EmbeddingTable
+
+# Every kind of table: row types, optimizers, admission, capacity (eviction), expiry;
+# the last two are served table by table (several internal shards; named twice below).
+TABLES: list[dict[str, Any]] = [
+    dict(optimizer=AdagradConfig(lr=0.1)),
+    dict(optimizer=SGDConfig(lr=0.5, weight_decay=0.01), row_dtype="float16"),
+    dict(optimizer=AdamConfig(lr=0.01), row_dtype="bfloat16", weight_bound=0.02),
+    dict(optimizer=AdagradConfig(lr=0.1, vectorwise_shared=True), row_dtype="float16",
+         stochastic_rounding=False),
+    dict(optimizer=AdagradConfig(lr=0.1), capacity=150, admit_probability=0.7),
+    dict(optimizer=SGDConfig(lr=0.1), min_occurrences=2, expire_after_steps=3, dim=3),
+    dict(optimizer=AdagradConfig(lr=0.1), num_shards=2),
+    dict(optimizer=AdamConfig(lr=0.01)),
+]
+TWICE = len(TABLES) - 1
+"""The table a request names twice."""
+
+
+def _tables() -> list[EmbeddingTable]:
+    tables = [EmbeddingTable(**{"dim": 8, "seed": 3, "capacity": 10_000, **kwargs})
+              for kwargs in TABLES]
+    for table in tables:
+        table.track_changes()
+    return tables
+
+
+def _request(rng: np.random.Generator, step: int) -> list[np.ndarray]:
+    # Distinct ids per entry (as embedding workers send), some read-only (wire buffers).
+    ids = [np.unique(rng.integers(1, 400, 60).astype(np.uint64)) for _ in range(len(TABLES) + 1)]
+    ids[1] = np.frombuffer(ids[1].tobytes(), np.uint64)
+    return ids if step % 3 else [np.zeros(0, np.uint64), *ids[1:]]
+
+
+def _export(table: EmbeddingTable) -> list[np.ndarray]:
+    rows = table.export_rows()
+    order = np.argsort(np.asarray(rows["ids"]))
+    return [np.asarray(rows[key])[order] for key in ("ids", "weights", "state", "last_access")]
+
+
+@pytest.mark.parametrize("wire", ["float32", "float16"])
+def test_a_request_over_tables_is_the_same_as_table_by_table(wire: str) -> None:
+    fused, alone = _tables(), _tables()
+    named = [*range(len(TABLES)), TWICE]
+    rng = np.random.default_rng(5)
+    for step in range(12):
+        ids = _request(rng, step)
+        dtypes = [np.dtype(wire if t.row_type.answers_float16 else np.float32)
+                  for t in (fused[k] for k in named)]
+        groups, by_table = request_tables._groups(
+            [fused[k] for k in named], [(i, np.zeros((0, 1), d)) for i, d in zip(ids, dtypes)])
+        assert sum(len(members) for members in groups) == len(TABLES) - 2  # served together
+        assert sorted(by_table) == [len(TABLES) - 2, len(TABLES) - 1, len(TABLES)]
+        got = request_tables.lookup_tables([fused[k] for k in named], ids, True,
+                                           [None] * len(named), dtypes)
+        want = [alone[k].lookup(i, True, dtype=d) for k, i, d in zip(named, ids, dtypes)]
+        for k, g, w in zip(named, got, want):
+            np.testing.assert_array_equal(g, w, err_msg=f"table {k}, step {step}")
+        # Gradients with a repeated id in some entries (summed first), float16 in others.
+        grads = []
+        for j, (k, entry) in enumerate(zip(named, ids)):
+            if j % 2 and entry.shape[0]:
+                ids[j] = entry = np.concatenate([entry, entry[:3]])
+            g = rng.normal(0, 1, (entry.shape[0], fused[k].dim))
+            grads.append(g.astype(np.float16 if j % 3 == 1 else np.float32))
+        checked = [fused[k].check_update(i, g) for k, i, g in zip(named, ids, grads)]
+        num = request_tables.update_tables([fused[k] for k in named], checked)
+        assert num == sum(alone[k].update(i, g) for k, i, g in zip(named, ids, grads))
+    for k, (f, a) in enumerate(zip(fused, alone)):
+        assert f.stats() == a.stats(), f"table {k}"
+        for x, y in zip(_export(f), _export(a)):
+            np.testing.assert_array_equal(x, y, err_msg=f"table {k}")
+        (f_rows, f_gone), (a_rows, a_gone) = f.export_changed_rows(), a.export_changed_rows()
+        np.testing.assert_array_equal(np.sort(np.asarray(f_rows["ids"])),
+                                      np.sort(np.asarray(a_rows["ids"])))
+        np.testing.assert_array_equal(np.sort(f_gone), np.sort(a_gone))
+
+
+def test_more_tables_than_one_call_takes_are_served_in_several() -> None:
+    count = TABLES_PER_CALL + 3
+    fused = [EmbeddingTable(dim=4, optimizer=SGDConfig(lr=1.0), seed=k) for k in range(count)]
+    alone = [EmbeddingTable(dim=4, optimizer=SGDConfig(lr=1.0), seed=k) for k in range(count)]
+    ids = [np.arange(1, 20 + k, dtype=np.uint64) for k in range(count)]
+    groups, by_table = request_tables._groups(fused, [(i, i) for i in ids])
+    assert [len(members) for members in groups] == [TABLES_PER_CALL, 3] and not by_table
+    got = request_tables.lookup_tables(fused, ids, True, [None] * count, [np.float32] * count)
+    for table, i, g in zip(alone, ids, got):
+        np.testing.assert_array_equal(g, table.lookup(i, True))
+    grads = [np.ones((i.shape[0], 4), np.float32) for i in ids]
+    checked = [t.check_update(i, g) for t, i, g in zip(fused, ids, grads)]
+    assert request_tables.update_tables(fused, checked) == sum(i.shape[0] for i in ids)
+    for f, a, i, g in zip(fused, alone, ids, grads):
+        a.update(i, g)
+        np.testing.assert_array_equal(f.lookup(i, False), a.lookup(i, False))
