@@ -239,7 +239,7 @@ def _measure(client: PSClient, args: argparse.Namespace, ram_rows: int, device: 
     print(f"one slot: {slot['steps_per_s']:.2f} steps/s, hit rate {slot['hit_rate']:.3f} "
           f"of {slot['hit_rate_ceiling']:.3f}", flush=True)
     draws = min(args.heavy_draws, ram_rows)  # a batch's rows must fit in RAM
-    # The disk is shared (other jobs' reads move its rate by 2x within minutes): measured
+    # The disk may be shared (other jobs' reads move its rate within minutes): measured
     # again just before the heavy batches, beside the run's first figure.
     adjacent = _device(args)
     heavy = {}

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
                              "temporary folder, removed)")
     # The smoke's checkpoint period: its first checkpoint (the NN rank's kill waits for
     # one) comes after ~20 steps, and the ~75 steps the restarted training trains pay for
-    # 3 more, not 15 (each ~1 s on a loaded machine).
+    # 3 more, not 15.
     args = parse_args_with_smoke(parser, argv, train_samples=24_000, every_steps=20,
                                  replicas=1, test_samples=500)
     if args.replicas < 1:

@@ -6,8 +6,8 @@ A block is ``rows_per_block`` packed records (``id``, the weights' bits, the flo
 state: :func:`persia_py.servers.disk_tier.record_layout`) and zeros up to its end; a slot
 with no row holds the id ``EMPTY`` and zeros. Built with numpy, a write took four passes
 over every row (a structured array filled field by field, its bytes copied into the
-aligned buffer, the tail of each block zeroed) and a fresh buffer per write, which this VM
-faults in at a few hundred MB/s (docs/benchmarks.md, "Disk tier"). Here each byte is
+aligned buffer, the tail of each block zeroed) and a fresh buffer per write, whose pages the kernel faults
+in and zeroes each time (docs/benchmarks.md, "Disk tier"). Here each byte is
 written once, into a staging buffer the tier keeps (:class:`BlockStager`), and a
 checkpoint's load packs its next rows while the last ones are written.
 """

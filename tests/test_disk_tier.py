@@ -332,7 +332,8 @@ def test_free_reserve_bounds_compaction_and_counts_evictions(tmp_path) -> None:
             relocated[free] = tier.num_relocated / (tier.num_written - written)
             # Dead index entries (rows taken back) never pile onto one home: probes stay
             # short. A pile-up would reach the 8,000 rows taken back; the keyed hash is
-            # random per tier, and 80 tiers of this loop probed 31 (median) to 77 at most.
+            # random per tier, so the bound varies between tiers and this one leaves room
+            # for that (docs/benchmarks.md#disk-tier).
             assert tier.index.index.probe_bound() < 128
             found, got, _ = tier.peek(ids)
             assert found.all() and np.array_equal(got, w)  # every row intact
