@@ -67,3 +67,10 @@ class ChangeLog:
         self.changed, self.num_changed = [], 0
         self.removed, self.num_removed = [], 0
         return changed, removed
+
+
+def followed_by(rows: tuple[np.ndarray, ...], more: tuple[np.ndarray, ...]
+                ) -> tuple[np.ndarray, ...]:
+    """Exported rows (ids, weights, state, last access: one array each) followed by
+    ``more`` of the same (a shard's rows in RAM, then those read back from its tier)."""
+    return tuple(np.concatenate([a, b]) for a, b in zip(rows, more))

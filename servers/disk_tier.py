@@ -56,6 +56,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
+from persia_py.servers import tier_reads
 from persia_py.servers.disk_expiry import DiskStamps
 from persia_py.servers.page_file import PageFile, aligned_empty
 from persia_py.servers.tier_index import FREE, CorruptTier, TierIndex
@@ -369,7 +370,7 @@ class DiskTier:
         slots = np.flatnonzero(self.stamps.older_than(cutoff) & (self.slot_fp != FREE))
         if not slots.shape[0]:
             return np.zeros(0, np.uint64)
-        ids = np.ascontiguousarray(self._records(slots)["id"])
+        ids = np.ascontiguousarray(tier_reads.records_at(self, slots)["id"])
         self.index.check_slots(slots, ids)
         self.index.remove(slots)
         self.num_rows -= slots.shape[0]
@@ -382,12 +383,29 @@ class DiskTier:
         """Read and delete the stored rows of ``ids`` (distinct uint64): ``(found,
         weights, state)``, ``found`` a bool mask over ``ids`` and the rows of the found
         ones, in their order. Disk reads: one block per distinct block, in one batch."""
-        found, slots, weights, state = self._read(ids)
+        read = tier_reads.plan(self, ids)
+        return self.take_read(read, tier_reads.fetch(self, read), recheck=False)
+
+    def plan_read(self, ids: np.ndarray) -> tier_reads.PlannedRead:
+        """Where the rows of ``ids`` (distinct) may be: for :meth:`read_planned` without
+        the shard's lock, then :meth:`take_read` (:mod:`persia_py.servers.tier_reads`)."""
+        return tier_reads.plan(self, ids)
+
+    def read_planned(self, read: tier_reads.PlannedRead) -> np.ndarray:
+        """The records :meth:`plan_read` located, read from disk; the only call here
+        made without the shard's lock."""
+        return tier_reads.fetch(self, read, locked=False)
+
+    def take_read(self, read: tier_reads.PlannedRead, records: np.ndarray, *,
+                  recheck: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`take` of the planned ids whose ``records`` are still their rows
+        (``recheck``: read without the lock; the others count as not found)."""
+        found, slots, rows = tier_reads.settle(self, read, records, recheck=recheck)
         self.index.remove(slots)
         self.num_rows -= slots.shape[0]
         self.num_hits += slots.shape[0]
-        self.num_misses += ids.shape[0] - slots.shape[0]
-        return found, weights, state
+        self.num_misses += read.ids.shape[0] - slots.shape[0]
+        return (found, *self._columns(rows))
 
     def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`take` without deleting the rows."""
@@ -397,42 +415,26 @@ class DiskTier:
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """:meth:`peek`, and the found rows' last access (absolute ticks; None where the
         tier keeps no :attr:`stamps`)."""
-        found, slots, weights, state = self._read(ids)
-        return found, weights, state, None if self.stamps is None else self.stamps.get(slots)
+        found, slots, rows = self._locate(ids)
+        return (found, *self._columns(rows),
+                None if self.stamps is None else self.stamps.get(slots))
 
     def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(found, slots, rows)``: which ids are stored, and the slots and records of
         those, read from disk (one block per distinct block, in one batch)."""
-        slots, exact = self.index.candidates(ids)
-        found = slots >= 0
-        slots, exact = slots[found], exact[found]
-        if slots.shape[0] == 0:
-            return found, slots, np.zeros(0, self.record)
-        rows = self._records(slots)
-        match = self.index.verify(slots, exact, rows["id"], ids[found])
-        found[found] = match
-        return found, slots[match], rows[match]
+        read = tier_reads.plan(self, ids)
+        return tier_reads.settle(self, read, tier_reads.fetch(self, read))
 
-    def _records(self, slots: np.ndarray) -> np.ndarray:
-        """The records of ``slots``, read from disk: one block per distinct block, in
-        one batch."""
-        rpb = self.rows_per_block
-        blocks, where = np.unique(slots // rpb, return_inverse=True)
-        data = self.file.read_blocks(blocks)
-        # (blocks, rpb) records: a view, as long as it stays 2-D.
-        records = data[:, :rpb * self.record.itemsize].view(self.record)
-        return records[where, slots % rpb]
-
-    def _read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        found, slots, rows = self._locate(ids)
-        if slots.shape[0] == 0:
-            return (found, slots, np.zeros((0, self.dim), self.weight_dtype),
+    def _columns(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Weights and state of records read by random reads (counted as such)."""
+        self.num_read += rows.shape[0]
+        self.num_read_random += rows.shape[0]
+        if rows.shape[0] == 0:
+            return (np.zeros((0, self.dim), self.weight_dtype),
                     np.zeros((0, self.state_width), np.float32))
-        self.num_read += slots.shape[0]
-        self.num_read_random += slots.shape[0]
         state = (np.ascontiguousarray(rows["state"]) if self.state_width
-                 else np.zeros((slots.shape[0], 0), np.float32))
-        return found, slots, np.ascontiguousarray(rows["weights"]), state
+                 else np.zeros((rows.shape[0], 0), np.float32))
+        return np.ascontiguousarray(rows["weights"]), state
 
     def scan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every stored row, ``(ids, weights, state)``, in log order; sequential reads of

@@ -39,6 +39,8 @@ from persia_py.ids.hashing import HashKey, keyed_hash_one
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers import memory
 from persia_py.servers.access_clock import STAMP_DTYPE
+from persia_py.servers.hash_probe import candidate, home_and_tag, homes_and_tags, next_slot, probe
+from persia_py.servers.hash_removal import delete_kernel, repoint_kernel
 from persia_py.servers.kernels import PREFETCH_AHEAD, prefetch_item, prefetch_row
 from persia_py.servers.row_types import as_answered
 
@@ -53,63 +55,6 @@ MAX_SLOTS = 1 << 32
 MIN_TAG_BITS = 4
 """Fewest tag bits of a uint32 slot; a shard whose row numbers leave fewer gets uint64
 slots (past about 161M rows in one internal shard: 2**28 slots at the load bound)."""
-
-
-@njit(cache=True, nogil=True)
-def _homes_and_tags(ids: np.ndarray, start: int, num_slots: int, words: np.ndarray,
-                    tag_mask: np.uint64, row_bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Home slot of every id in ``ids[start:]``, and its tag shifted into place (the slot
-    value of the id, less its row)."""
-    n = ids.shape[0] - start
-    home = np.empty(n, np.int64)
-    tags = np.empty(n, np.uint64)
-    for i in range(n):
-        home[i], tags[i] = _home_and_tag(keyed_hash_one(ids[start + i], words), num_slots,
-                                         tag_mask, row_bits)
-    return home, tags
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _home_and_tag(h: np.uint64, num_slots: int, tag_mask: np.uint64, row_bits: int
-                  ) -> tuple[np.int64, np.uint64]:
-    """The home slot is the hash's top 32 bits scaled to ``num_slots``, the tag its low
-    bits: independent (but for uint64 slots, whose tags reach past bit 31)."""
-    home = np.int64(((h >> np.uint64(32)) * np.uint64(num_slots)) >> np.uint64(32))
-    return home, (h & tag_mask) << np.uint64(row_bits)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _next(s: int, num_slots: int) -> int:
-    s += 1
-    return 0 if s == num_slots else s
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _candidate(slots: np.ndarray, tag: np.uint64, row_mask: np.uint64, s: int
-               ) -> tuple[int, int]:
-    """``(slot, row)`` of the first slot from ``s`` on whose tag is ``tag``, or of the
-    empty slot that ends the probe (row -1). Reads no id."""
-    num_slots = slots.shape[0]
-    while True:
-        v = np.uint64(slots[s])
-        if v == 0:
-            return s, -1
-        if v & ~row_mask == tag:
-            return s, np.int64(v & row_mask) - 1
-        s = _next(s, num_slots)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _probe(slots: np.ndarray, row_ids: np.ndarray, key: np.uint64, tag: np.uint64,
-           row_mask: np.uint64, s: int) -> tuple[int, int]:
-    """``(slot, row)`` of ``key`` from slot ``s`` on, or of the empty slot where its probe
-    ends (row -1)."""
-    num_slots = slots.shape[0]
-    while True:
-        s, r = _candidate(slots, tag, row_mask, s)
-        if r < 0 or row_ids[r] == key:
-            return s, r
-        s = _next(s, num_slots)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -139,7 +84,7 @@ def _find_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
             prefetch_item(slots, home[i + 2 * PREFETCH_AHEAD])
         j = i + PREFETCH_AHEAD
         if 0 <= j < n:
-            s, c = _candidate(slots, tags[j], row_mask, home[j])
+            s, c = candidate(slots, tags[j], row_mask, home[j])
             at[j] = s
             rows[j] = c
             if c >= 0:
@@ -151,7 +96,7 @@ def _find_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
             continue
         r = rows[i]
         if r >= 0 and row_ids[r] != ids[i]:
-            r = _probe(slots, row_ids, ids[i], tags[i], row_mask, _next(at[i], num_slots))[1]
+            r = probe(slots, row_ids, ids[i], tags[i], row_mask, next_slot(at[i], num_slots))[1]
             rows[i] = r
         if not gather:
             continue
@@ -183,7 +128,7 @@ def _find_or_insert_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.
         if j + PREFETCH_AHEAD < n:
             prefetch_item(slots, home[j + PREFETCH_AHEAD])
         i = start + j
-        s, r = _probe(slots, row_ids, ids[i], tags[j], row_mask, home[j])
+        s, r = probe(slots, row_ids, ids[i], tags[j], row_mask, home[j])
         if r >= 0:
             rows[i] = r
             continue
@@ -208,7 +153,7 @@ def _insert_all_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint
     for i in range(n):
         if i + PREFETCH_AHEAD < n:
             prefetch_item(slots, home[i + PREFETCH_AHEAD])
-        s, r = _probe(slots, row_ids, ids[i], tags[i], row_mask, home[i])
+        s, r = probe(slots, row_ids, ids[i], tags[i], row_mask, home[i])
         if r >= 0:
             return i
         slots[s] = tags[i] | np.uint64(rows[i] + 1)
@@ -230,11 +175,11 @@ def _rehash_kernel(old: np.ndarray, old_row_mask: np.uint64, slots: np.ndarray,
         if v == 0:
             continue
         r = np.int64(v & old_row_mask) - 1
-        home, tag = _home_and_tag(keyed_hash_one(row_ids[r], words), num_slots, tag_mask,
+        home, tag = home_and_tag(keyed_hash_one(row_ids[r], words), num_slots, tag_mask,
                                   row_bits)
         s = int(home)
         while slots[s] != 0:
-            s = _next(s, num_slots)
+            s = next_slot(s, num_slots)
         slots[s] = tag | np.uint64(r + 1)
 
 
@@ -336,7 +281,7 @@ class HashIndex:
         self._count = 0
 
     def _homes(self, ids: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        return _homes_and_tags(ids, start, self.slots, self._key.words, self._tag_mask,
+        return homes_and_tags(ids, start, self.slots, self._key.words, self._tag_mask,
                                self._row_bits)
 
     def _ensure_rows(self, row_end: int) -> None:
@@ -372,7 +317,7 @@ class HashIndex:
 
     def probe_args(self) -> tuple[np.ndarray, np.ndarray, np.uint64, np.ndarray, np.uint64,
                                   int]:
-        """What ``_homes_and_tags`` and ``_find_kernel`` take of this index, for kernels
+        """What ``homes_and_tags`` and ``_find_kernel`` take of this index, for kernels
         that probe many indexes in one call (:mod:`persia_py.servers.request_kernels`):
         slots, row_ids, row mask, key words, tag mask, row bits."""
         return (self._slots, self.row_ids, self._row_mask, self._key.words, self._tag_mask,
@@ -440,6 +385,29 @@ class HashIndex:
         self._count += rows.shape[0] if dup < 0 else dup
         if dup >= 0:
             raise ValueError(f"id {int(ids[dup])} is already in the index")
+
+    def delete(self, ids: np.ndarray) -> int:
+        """Remove the ids present (``row_ids`` must still hold their rows' ids), in
+        ``O(len(ids))`` (:mod:`persia_py.servers.hash_removal`); returns how many were."""
+        ids = _check_ids(ids)
+        removed = delete_kernel(self._slots, self.row_ids, self._row_mask, ids,
+                                *self._homes(ids), self._key.words, self._tag_mask,
+                                self._row_bits)
+        self._count -= removed
+        return removed
+
+    def repoint(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Give present ``ids`` (at the rows ``row_ids`` still says) rows ``rows`` instead
+        (a compaction, before it moves the ids in ``row_ids``)."""
+        ids = _check_ids(ids)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if rows.shape != ids.shape or (rows.size and int(rows.max()) >= self._row_limit):
+            raise ValueError(f"rows must have shape {ids.shape} and stay below "
+                             f"{self._row_limit}")
+        missing = repoint_kernel(self._slots, self.row_ids, self._row_mask, ids,
+                                 *self._homes(ids), rows)
+        if missing >= 0:
+            raise ValueError(f"id {int(ids[missing])} is not in the index")
 
     def _grow(self, slots: int, row_limit: int) -> None:
         old, old_row_mask, count = self._slots, self._row_mask, self._count

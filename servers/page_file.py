@@ -126,7 +126,8 @@ class PageFile:
     """``num_blocks`` blocks of ``block_bytes`` (a multiple of 512) in an unnamed file.
 
     Not thread-safe: its owner serializes calls (the disk tier runs under its shard's
-    lock). :meth:`close` joins the reader threads and frees the disk space.
+    lock), but for :meth:`read_blocks` without flushing or counting. :meth:`close` joins
+    the reader threads and frees the disk space.
     """
 
     def __init__(self, directory: str, *, block_bytes: int, num_blocks: int,
@@ -190,10 +191,15 @@ class PageFile:
         self.flush()
         return self._pool
 
-    def read_blocks(self, blocks: np.ndarray) -> np.ndarray:
+    def read_blocks(self, blocks: np.ndarray, *, counted: bool = True, flush: bool = True
+                    ) -> np.ndarray:
         """Blocks ``blocks`` (int64, in range; sorted ascending reads best) as an
-        aligned ``uint8`` array ``(len(blocks), block_bytes)``."""
-        pool = self._check_open()
+        aligned ``uint8`` array ``(len(blocks), block_bytes)``. ``flush`` False and
+        ``counted`` False: from another thread than the owner's, which flushed before and
+        counts after (:meth:`count_reads`): the call then touches only the file."""
+        if self._pool is None:
+            raise ValueError("the page file is closed")
+        pool = self._check_open() if flush else self._pool
         blocks = np.ascontiguousarray(blocks, dtype=np.int64)
         n = blocks.shape[0]
         out = aligned_empty((n, self.block_bytes))
@@ -207,8 +213,8 @@ class PageFile:
         futures = [pool.submit(_read_kernel, self.fd, blocks[a:b], self.block_bytes,
                                out[a:b]) for a, b in zip(bounds, bounds[1:])]
         failed = [f.result() for f in futures]
-        self.num_block_reads += n
-        self.num_bytes_read += n * self.block_bytes
+        if counted:
+            self.count_reads(n)
         for a, f in zip(bounds, failed):
             if f >= 0:
                 block = int(blocks[a + f])
@@ -216,6 +222,11 @@ class PageFile:
                 raise OSError(f"disk tier: short read of block {block} ({got} of "
                               f"{self.block_bytes} bytes)")
         return out
+
+    def count_reads(self, n: int) -> None:
+        """Count ``n`` blocks read by :meth:`read_blocks`."""
+        self.num_block_reads += n
+        self.num_bytes_read += n * self.block_bytes
 
     def write_blocks(self, first_block: int, data: np.ndarray, *, wait: bool = True) -> None:
         """Write ``data`` (aligned ``uint8`` ``(n, block_bytes)``, C-contiguous) to blocks

@@ -13,8 +13,10 @@ empty (a batch looked up as soon as it is put), or when the disk cannot keep up.
 A hint is advisory: ids stored nowhere are not created (the lookup inserts them), and a
 hint that finds ``max_pending`` hints still queued is not queued but counted
 (:attr:`Prefetcher.num_dropped`): the lookup then reads those rows itself, as without
-prefetch. Prefetch moves rows between disk and RAM only, under the shard's lock as any
-lookup does: values, the update log and checkpoints are untouched by it.
+prefetch. Prefetch moves rows between disk and RAM only: values, the update log and
+checkpoints are untouched by it. It reads the disk with the shard's lock released
+(:mod:`persia_py.servers.tier_reads`), so the updates of the batches training meanwhile
+go on; a lookup waits for a read in flight instead of reading the same rows again.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ import numpy as np
 from numba import njit
 
 from persia_py.servers.access_clock import STAMP_DTYPE
-from persia_py.servers.hash_index import _find_kernel, _homes_and_tags
+from persia_py.servers.hash_index import _find_kernel
+from persia_py.servers.hash_probe import homes_and_tags
 from persia_py.servers.kernels import SGD, _rows_repeat, adaptive_step, sgd_step
 
 TABLES_PER_CALL = 32
@@ -32,7 +33,7 @@ def _find(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64, words: np
           tag_mask: np.uint64, row_bits: int, ids: np.ndarray, weights: np.ndarray,
           out: np.ndarray, stamps: np.ndarray, tick: int) -> np.ndarray:
     """``HashIndex.find_gather`` of one table (``out`` with no rows: find only)."""
-    home, tags = _homes_and_tags(ids, 0, slots.shape[0], words, tag_mask, row_bits)
+    home, tags = homes_and_tags(ids, 0, slots.shape[0], words, tag_mask, row_bits)
     return _find_kernel(slots, row_ids, row_mask, ids, home, tags, weights, out,
                         np.empty(0, np.int64), stamps, tick)
 

@@ -7,8 +7,10 @@ the id of each row, and the row's last access on the table's clock (2 bytes:
 (:mod:`persia_py.servers.hash_index`). Rows are dense (``0..size-1``): lookups and
 optimizer steps are fused numba kernels (:mod:`persia_py.servers.kernels`) that read and
 write each id's row in place, and eviction compacts by moving surviving tail rows into
-the holes. Where the OS allows, the arrays take the shard's whole share of the capacity
-as address space at once, so rows never move to grow.
+the holes, deleting and repointing only the index entries of the rows it removes and
+moves (:mod:`persia_py.servers.hash_removal`). Where the OS allows, the arrays take
+the shard's whole share of the capacity as address space at once, so rows never move to
+grow.
 
 With a disk tier (:mod:`persia_py.servers.disk_tier`, opt-in), eviction spills the rows
 (weights and optimizer state) to it instead of deleting them, the least frequently looked
@@ -25,71 +27,27 @@ or by a TTL (counted as expired: :meth:`Shard.expire`, stamps in
 from __future__ import annotations
 
 import threading
-from typing import Protocol
 
 import numpy as np
 
 from persia_py.ids.dedup import unique_in_order
 from persia_py.servers import kernels, memory, row_types
-from persia_py.servers.access_clock import STAMP_DTYPE, AccessClock
+from persia_py.servers.access_clock import AccessClock
 from persia_py.servers.admission import Admission, frequency_sketch
-from persia_py.servers.change_log import ChangeLog
+from persia_py.servers.change_log import ChangeLog, followed_by
 from persia_py.servers.disk_tier import DiskTier
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
-from persia_py.servers.optimizers import OptimizerConfig, initial_state
-from persia_py.servers.row_step import RowStep
+from persia_py.servers.optimizers import initial_state
 from persia_py.servers.row_types import kernel_view
+from persia_py.servers.shard_arrays import INITIAL_ROWS, ShardOwner, row_arrays
 
-_INITIAL_ROWS = 1024
-"""Rows of a shard's arrays at first where they cannot be reserved (then they grow)."""
 _EVICT_FRACTION = 16
-"""Evict at least 1/_EVICT_FRACTION of a shard's share at once, so the O(share) index
-rebuild after an eviction is amortized over many inserts."""
+"""Evict at least 1/_EVICT_FRACTION of a shard's share at once, so the O(share) pass
+that picks the victims is amortized over many inserts."""
 
 _TOUCHED = 1 << 30
 """Eviction order of the rows a batch touches: above every stamp."""
-_DTYPES: dict[str, np.dtype] = {"ids": np.dtype(np.uint64), "weights": np.dtype(np.float32),
-                                "state": np.dtype(np.float32), "last_access": STAMP_DTYPE}
-"""Element types of a shard's row arrays (weights: of a float32 table)."""
-
-
-def row_dtypes() -> dict[str, np.dtype]:
-    """Element types of a shard's row arrays, by array name (for sizing)."""
-    return dict(_DTYPES)
-
-
-class ShardOwner(Protocol):
-    """What a shard reads of its table (:class:`persia_py.servers.storage.EmbeddingTable`)."""
-
-    dim: int
-    state_width: int
-    row_dtype: str
-    optimizer: OptimizerConfig
-    init_lower: float
-    init_upper: float
-    seed: int
-    capacity: int
-    admit_probability: float
-    min_occurrences: int
-    row_step: RowStep
-
-
-def _row_arrays(table: ShardOwner, share: int) -> tuple[dict[str, np.ndarray], bool]:
-    """A shard's row arrays by name, and whether they hold the whole share (reserved
-    address space) rather than ``_INITIAL_ROWS`` rows to grow from."""
-    shapes = {"ids": (share,), "weights": (share, table.dim),
-              "state": (share, table.state_width), "last_access": (share,)}
-    dtypes = dict(_DTYPES, weights=row_types.numpy_dtype(table.row_dtype))
-    reserved = {name: memory.reserve(shape, dtypes[name]) for name, shape in shapes.items()}
-    arrays = {name: array for name, array in reserved.items() if array is not None}
-    if len(arrays) == len(shapes):
-        return arrays, True
-    rows = min(share, _INITIAL_ROWS)
-    return {name: memory.empty((rows, *shape[1:]), dtypes[name])
-            for name, shape in shapes.items()}, False
-
-
 class Shard:
     """One internal shard; every method that reads or writes rows holds ``lock``."""
 
@@ -99,7 +57,7 @@ class Shard:
         """Where evicted rows go (None: they are deleted)."""
         self.share = share
         self.lock = threading.Lock()
-        arrays, self.reserved = _row_arrays(table, share)
+        arrays, self.reserved = row_arrays(table, share)
         self.ids, self.weights = arrays["ids"], arrays["weights"]
         self.state, self.last_access = arrays["state"], arrays["last_access"]
         self.index = HashIndex(row_ids=self.ids)
@@ -121,6 +79,11 @@ class Shard:
         ages); eviction spills the least frequent rows first, then the least recent."""
         self.changes = ChangeLog()
         """Ids changed and removed since the last ``take_changes`` (increments)."""
+        self._removed_since_rekey = 0
+        """Rows removed since the index was last rebuilt (under a new key)."""
+        self._tier_reads = 0
+        """Prefetches reading the disk now, without the lock: lookups wait for them."""
+        self._tier_read_done = threading.Condition(self.lock)
 
     def nbytes(self) -> int:
         """Bytes of the rows in use (with reserved arrays: ever used), index, sketch and
@@ -139,6 +102,8 @@ class Shard:
         ``out`` has the weights' type, else converted (:func:`row_types.as_answered`), as it probes."""
         out = kernel_view(out)
         with self.lock:
+            while self._tier_reads:  # a prefetch brings rows this lookup would read again
+                self._tier_read_done.wait()
             stamp = self.clock.stamp(tick, self.last_access[:self.size])
             rows = self.index.find_gather(ids, kernel_view(self.weights), out, self.last_access,
                                           stamp, positions)
@@ -176,43 +141,70 @@ class Shard:
         """Bring the rows of ``ids`` absent from RAM that the tier holds back into RAM,
         stamped ``tick``, counted as sightings (they will be looked up); evicts as a
         lookup does, and spares rows of the latest stamp (a batch between its lookup and
-        its update) where they leave room. Returns how many came back."""
+        its update) where they leave room. The disk is read with the lock released, so
+        updates go on meanwhile (lookups wait: they would read the same rows); a row moved
+        in that time stays where it went. Returns how many came back."""
+        tier = self.tier
         with self.lock:
             rows = self.index.find(ids)
-            if self.tier is None or not self.tier.num_rows or bool((rows >= 0).all()):
+            if tier is None or not tier.num_rows or bool((rows >= 0).all()):
                 return 0
             if self.frequency is not None:
                 self.frequency.seen_enough(ids, 0)
-            stamp = self.clock.stamp(tick, self.last_access[:self.size])
-            spare = np.flatnonzero(self.last_access[:self.size] == stamp)
-            before = self.restored
-            self._bring_back(ids, rows, stamp, spare if spare.shape[0] + ids.shape[0]
-                             <= self.share // 2 else None)
-            return self.restored - before
+            read = tier.plan_read(unique_in_order(ids[rows < 0])[0])
+            self._tier_reads += 1
+        try:
+            records = tier.read_planned(read)  # the disk's wait, without the lock
+            with self.lock:
+                found, weights, state = tier.take_read(read, records)
+                if found.any():
+                    stamp = self.clock.stamp(tick, self.last_access[:self.size])
+                    spare = np.flatnonzero(self.last_access[:self.size] == stamp)
+                    rows = self.index.find(ids)
+                    touched = rows[rows >= 0]
+                    if spare.shape[0] + ids.shape[0] <= self.share // 2:
+                        touched = np.concatenate([touched, spare])
+                    self._install(read.ids[found], weights, state, stamp, touched)
+                return int(np.count_nonzero(found))
+        finally:  # lookups waiting for this read go on, and find its rows in RAM
+            with self.lock:
+                self._tier_reads -= 1
+                self._tier_read_done.notify_all()
 
-    def _bring_back(self, ids: np.ndarray, rows: np.ndarray, stamp: int,
-                    protect: np.ndarray | None = None) -> np.ndarray:
+    def _bring_back(self, ids: np.ndarray, rows: np.ndarray, stamp: int) -> np.ndarray:
         """Move the rows of ``ids`` absent from RAM (``rows`` -1) that the tier holds into
         RAM, stamped ``stamp``, evicting (spilling) others if the share is full but never
-        rows of ``ids`` or rows ``protect``; returns ``rows`` with theirs filled in."""
+        rows of ``ids``; returns ``rows`` with theirs filled in."""
         tier = self.tier
         assert tier is not None
         missing = rows < 0
         wanted, inverse = unique_in_order(ids[missing])
         found, weights, state = tier.take(wanted)
-        n_back = weights.shape[0]
-        if n_back == 0:
+        if weights.shape[0] == 0:
             return rows
-        back_ids = wanted[found]
+        hit_rows = rows[~missing]
+        new_rows, remap = self._install(wanted[found], weights, state, stamp, hit_rows)
+        if remap is not None:
+            rows[~missing] = remap[hit_rows]
+        per_wanted = np.full(wanted.shape[0], -1, np.int64)
+        per_wanted[found] = new_rows
+        rows[missing] = per_wanted[inverse]
+        return rows
+
+    def _install(self, back_ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
+                 stamp: int, touched: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Put rows taken from the tier into RAM, stamped ``stamp``, evicting (spilling)
+        others if the share is full but never rows ``touched``; returns their rows and
+        the eviction's old -> new rows (None: none)."""
+        assert self.tier is not None
+        n_back = back_ids.shape[0]
+        remap = None
         try:
             overflow = self.size + n_back - self.share
             if overflow > 0:
-                hit_rows = rows[~missing]
-                remap = self._evict(overflow, n_back, hit_rows if protect is None
-                                    else np.concatenate([hit_rows, protect]))
-                rows[~missing] = remap[hit_rows]
+                remap = self._evict(overflow, n_back, touched)
         except BaseException:
-            tier.write(back_ids, weights, state, fresh=True)  # refused before anything moved
+            self.tier.write(back_ids, weights, state, fresh=True)  # refused before anything moved
             raise
         self._reserve(self.size + n_back)
         start, end = self.size, self.size + n_back
@@ -223,10 +215,7 @@ class Shard:
         self.last_access[start:end] = stamp
         self.size = end
         self.restored += n_back
-        per_wanted = np.full(wanted.shape[0], -1, np.int64)
-        per_wanted[found] = new_rows
-        rows[missing] = per_wanted[inverse]
-        return rows
+        return new_rows, remap
 
     def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, tick: int, stamp: int
                         ) -> np.ndarray:
@@ -338,13 +327,22 @@ class Shard:
         # rows instead of shifting everything down.
         holes = np.sort(victims[victims < n_keep])
         movers = np.flatnonzero(keep[n_keep:]) + n_keep
+        self._removed_since_rekey += count
+        if self._removed_since_rekey < n_keep:  # the index edited: O(count) probes
+            self.index.delete(self.ids[victims])
+            self.index.repoint(self.ids[movers], holes)
         for array in (self.ids, self.weights, self.state, self.last_access):
             array[holes] = array[movers]
         remap = np.arange(size, dtype=np.int64)
         remap[victims] = -1
         remap[movers] = holes
         self.size = n_keep
-        self.index.rebuild(self.ids[:n_keep], np.arange(n_keep, dtype=np.int64), room=size)
+        if self._removed_since_rekey >= n_keep:
+            # Rebuilt under a new key once as many rows have left as remain, so that a
+            # key never outlives the rows' turnover (hash_index: keys are not to be learned).
+            self._removed_since_rekey = 0
+            self.index.rebuild(self.ids[:n_keep], np.arange(n_keep, dtype=np.int64),
+                               room=size)
         # A pass over the rows like this one: the stamps' unit may be finer without the
         # oldest rows.
         self.clock.rebase(self.clock.latest, self.last_access[:n_keep])
@@ -368,10 +366,10 @@ class Shard:
 
     def _log_changes(self, ids: np.ndarray) -> None:
         """Remember ``ids`` as changed (ids no longer stored are dropped on export)."""
-        self.changes.log_changed(ids, 4 * max(self.size, _INITIAL_ROWS))
+        self.changes.log_changed(ids, 4 * max(self.size, INITIAL_ROWS))
 
     def _log_removed(self, ids: np.ndarray) -> None:
-        self.changes.log_removed(ids, 4 * max(self.share // _EVICT_FRACTION, _INITIAL_ROWS),
+        self.changes.log_removed(ids, 4 * max(self.share // _EVICT_FRACTION, INITIAL_ROWS),
                                  lambda merged: self.index.find(merged) >= 0)
 
     def take_changes(self) -> tuple[np.ndarray, ...]:
@@ -394,18 +392,15 @@ class Shard:
             return (*self._with_disk_rows(parts, on_disk[found], weights, state, stamps),
                     removed)
 
-    def _with_disk_rows(self, parts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-                        ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
-                        stamps: np.ndarray | None
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``parts`` (ids, weights, state, absolute last access) and rows from the tier
-        after them, stamped with their last access where the tier keeps it (``stamps``: a
-        TTL), else the oldest unit (they left RAM as least recently used)."""
-        if stamps is None:  # no stamps kept: the oldest unit
+    def _with_disk_rows(self, parts: tuple[np.ndarray, ...], ids: np.ndarray,
+                        weights: np.ndarray, state: np.ndarray, stamps: np.ndarray | None
+                        ) -> tuple[np.ndarray, ...]:
+        """``parts`` (ids, weights, state, absolute last access) followed by rows from the
+        tier, stamped with their last access where it keeps it (a TTL), else the oldest
+        unit (they left RAM as least recently used)."""
+        if stamps is None:
             stamps = self.clock.absolute(np.zeros(ids.shape[0], self.last_access.dtype))
-        kept_ids, kept_weights, kept_state, kept_stamps = parts
-        return (np.concatenate([kept_ids, ids]), np.concatenate([kept_weights, weights]),
-                np.concatenate([kept_state, state]), np.concatenate([kept_stamps, stamps]))
+        return followed_by(parts, (ids, weights, state, stamps))
 
     def remove_ids(self, ids: np.ndarray) -> int:
         """Delete the rows of ``ids`` (distinct) that are stored; returns how many."""
@@ -440,7 +435,7 @@ class Shard:
         return self.table.row_step(self.weights, self.state, rows, grads, self.last_access,
                                    stamp, ids)
 
-    def copy_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def copy_rows(self) -> tuple[np.ndarray, ...]:
         """Copies of every stored row: ids, weights, state and last access (absolute)."""
         with self.lock:
             n = self.size

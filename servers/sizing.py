@@ -32,7 +32,7 @@ from persia_py.servers.hash_index import index_bytes
 from persia_py.servers.memory import HUGE_PAGE
 from persia_py.servers.optimizers import optimizer_from_dict, state_width
 from persia_py.servers.row_types import bytes_per_weight
-from persia_py.servers.shard import row_dtypes
+from persia_py.servers.shard_arrays import row_dtypes
 
 FLOAT_BYTES = 4
 ID_AND_STAMP_BYTES = row_dtypes()["ids"].itemsize + row_dtypes()["last_access"].itemsize

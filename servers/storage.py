@@ -36,7 +36,8 @@ from persia_py.servers.optimizers import OptimizerConfig, state_width
 from persia_py.servers.row_step import RowStep
 from persia_py.servers.row_stream import RowChunks, RowSink, load_table, stream_table
 from persia_py.servers.row_transfer import check_import, check_int, exported_rows
-from persia_py.servers.shard import Shard, row_dtypes
+from persia_py.servers.shard import Shard
+from persia_py.servers.shard_arrays import row_dtypes
 from persia_py.wire.finite import all_finite
 
 __all__ = ["STAT_KEYS", "EmbeddingTable", "row_dtypes"]

@@ -8,6 +8,7 @@ import pytest
 from persia_py.servers import sizing
 from persia_py.servers.access_clock import STAMP_DTYPE, AccessClock
 from persia_py.servers.hash_index import HashIndex, index_bytes, slot_dtype, slots_for
+from persia_py.servers.initializer import initial_rows
 from persia_py.servers.optimizers import SGDConfig
 from persia_py.servers.storage import EmbeddingTable
 
@@ -182,3 +183,56 @@ def test_checkpoint_stamps_past_32_bits_round_trip_and_steer_eviction() -> None:
 def test_sizing_row_bytes_counts_the_new_bookkeeping() -> None:
     assert sizing.ID_AND_STAMP_BYTES == 10
     assert sizing.row_bytes(16, 16) == 4 * 32 + 10 + sizing.INDEX_BYTES_PER_ROW
+
+
+def test_index_deletes_and_repoints_in_place_leaving_no_tombstones() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = np.unique(rng.integers(0, 2**63, int(rng.integers(10, 20_000)), dtype=np.uint64))
+        n = ids.shape[0]
+        index = HashIndex()
+        index.find_or_insert(ids, 0)
+        slots = index.slots
+        # A compaction: delete random rows, move the tail's survivors into the holes.
+        victims = rng.choice(n, int(rng.integers(1, n)), replace=False)
+        keep = np.ones(n, bool)
+        keep[victims] = False
+        n_keep = int(keep.sum())
+        holes = np.sort(victims[victims < n_keep])
+        movers = np.flatnonzero(keep[n_keep:]) + n_keep
+        assert index.delete(index.row_ids[victims].copy()) == victims.shape[0]
+        index.repoint(index.row_ids[movers].copy(), holes)
+        index.row_ids[holes] = index.row_ids[movers]
+        expect = np.arange(n)
+        expect[movers] = holes
+        expect[victims] = -1
+        np.testing.assert_array_equal(index.find(ids), expect)
+        # No tombstone: every occupied slot is a live entry, and the array kept its size.
+        assert len(index) == n_keep == int(np.count_nonzero(index._slots))
+        assert index.slots == slots and index.delete(ids[victims]) == 0
+        rows, is_new = index.find_or_insert(ids[victims], n_keep)
+        assert is_new.all() and (index.find(ids) >= 0).all()
+    with pytest.raises(ValueError, match="not in the index"):
+        index.repoint(np.array([2**63 + 5], np.uint64), np.array([0]))
+
+
+def test_a_shard_edits_its_index_on_eviction_and_redraws_its_key_once_rows_turned_over() -> None:
+    with _table(capacity=1600, num_shards=1, init_lower=-1.0, init_upper=1.0) as table:
+        shard = table._shards[0]
+        table.lookup(np.arange(1600, dtype=np.uint64), True)
+        key, first = shard.index._key, 1600
+        evictions = 0
+        while shard.index._key is key:
+            ids = np.arange(first, first + 50, dtype=np.uint64)  # 100 rows leave per eviction
+            first += 50
+            np.testing.assert_array_equal(table.lookup(ids, True),
+                                          initial_rows(ids, 4, -1.0, 1.0, 0))
+            evictions = table.stats()["evicted"] // 100
+            assert evictions <= 16, "the key outlived a turnover of the shard's rows"
+        # Edited, not rebuilt, until as many rows had left as stayed (1,500).
+        assert evictions == 15
+        stored = np.flatnonzero(table.lookup(np.arange(first, dtype=np.uint64), False).any(1))
+        assert stored.shape[0] == shard.size
+        np.testing.assert_array_equal(shard.index.find(stored.astype(np.uint64)) >= 0, True)
+        np.testing.assert_array_equal(shard.ids[shard.index.find(stored.astype(np.uint64))],
+                                      stored)
