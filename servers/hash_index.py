@@ -26,8 +26,10 @@ The home slot and tag are a keyed hash (:mod:`persia_py.ids.hashing`) under a ke
 this index: ids are chosen by whoever sends them, and under a public hash they could be
 chosen to share one home, which makes linear probing quadratic (a flood of such ids held
 the shard lock for seconds and left the index slow for good). The key is redrawn
-whenever the slot array is rebuilt (growth, eviction), so it never lives long enough to
-be learned from timings. ``probe_bound`` reports the longest probe any lookup can make.
+whenever the slot array is rebuilt: at each growth, and by a shard that evicts once as
+many rows have left as remain (between, evictions edit the index in place:
+:mod:`persia_py.servers.hash_removal`), so it never outlives the rows' turnover and is
+not learned from timings. ``probe_bound`` reports the longest probe any lookup can make.
 """
 
 from __future__ import annotations
