@@ -57,6 +57,12 @@ def resident_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), seconds (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _tier_file_bytes(pid: int, folder: Path) -> int:
     """Bytes the disk holds for process ``pid``'s open files in ``folder`` (its tier's,
     unnamed: found through ``/proc/PID/fd``)."""

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import parse_args_with_smoke
-from benchmarks.density import resident_bytes
+from benchmarks.density import cpu_seconds, resident_bytes
 from benchmarks.disk_tier import DIM, HEAVY_DRAWS, ZipfIds, device_read_iops
 from benchmarks.ps_process import parameter_server_process
 from persia_py.checkpoint import layout as fmt
@@ -128,19 +128,22 @@ def table_stats(client: PSClient) -> dict[str, int]:
 
 
 def stream(client: PSClient, sampler: ZipfIds, batches: int, draws: int, ram_rows: int,
-           sequence: itertools.count, hint: bool = False) -> dict:
+           sequence: itertools.count, hint: bool = False, pid: int | None = None) -> dict:
     """``batches`` steps of ``draws`` ids (deduplicated): a training lookup and an update
     each, back to back; the server's counters before and after, hit rate and ceiling.
     ``hint``: after each lookup the next batch's ids are sent as a Prefetch, as an
     embedding worker sends a batch's when it is put (its rows on disk are read on the
-    server's background thread meanwhile)."""
+    server's background thread meanwhile). The batches are drawn before the clock starts,
+    as an embedding worker has them at hand (drawing one from the Zipf CDF of 100M rows
+    takes the client about as long as the server's lookup). ``pid``: the server's, whose
+    CPU seconds over the steps are reported."""
     grads = np.full((draws, DIM), 1e-3, np.float32)
+    drawn = [np.unique(sampler.ranks(draws)) for _ in range(batches + 1)]
     before = table_stats(client)
     distinct = in_ceiling = 0
+    cpu0 = 0.0 if pid is None else cpu_seconds(pid)
     t0 = time.perf_counter()
-    upcoming = np.unique(sampler.ranks(draws))
-    for _ in range(batches):
-        ranks, upcoming = upcoming, np.unique(sampler.ranks(draws))
+    for ranks, upcoming in zip(drawn, drawn[1:]):
         ids = ZipfIds.ids(ranks)
         client.lookup([(SLOT, ids)], training=True, as_float32=False)
         if hint:
@@ -150,6 +153,7 @@ def stream(client: PSClient, sampler: ZipfIds, batches: int, draws: int, ram_row
         distinct += ids.shape[0]
         in_ceiling += int(np.count_nonzero(ranks < ram_rows))
     seconds = time.perf_counter() - t0
+    server_cpu = None if pid is None else cpu_seconds(pid) - cpu0
     after = table_stats(client)
     delta = {k: after[k] - before[k] for k in after}
     asked = delta["hits"] + delta["misses"]
@@ -161,6 +165,9 @@ def stream(client: PSClient, sampler: ZipfIds, batches: int, draws: int, ram_row
             "distinct_ids_per_batch": distinct / max(batches, 1),
             "misses_per_batch": delta["disk_answered"] / max(batches, 1),
             "disk_reads_per_s": delta["disk_block_reads"] / max(seconds, 1e-9),
+            "server_cpu_per_step": None if server_cpu is None else server_cpu / max(batches, 1),
+            "disk_reads_per_server_cpu_s": None if not server_cpu
+                                           else delta["disk_block_reads"] / server_cpu,
             "delta": delta, "after": after}
 
 
@@ -212,7 +219,7 @@ def run(args: argparse.Namespace) -> dict:
             figures.update(fill(workdir, address, rows))
             client = PSClient(address, CommonConfig(rpc_timeout_sec=3600.0, embedding_fp16=True))
             try:
-                figures.update(_measure(client, args, ram_rows, device))
+                figures.update(_measure(client, args, ram_rows, device, pid))
                 figures["process_rss_bytes"] = resident_bytes(pid)
             finally:
                 client.close()
@@ -223,7 +230,8 @@ def run(args: argparse.Namespace) -> dict:
     return figures
 
 
-def _measure(client: PSClient, args: argparse.Namespace, ram_rows: int, device: float) -> dict:
+def _measure(client: PSClient, args: argparse.Namespace, ram_rows: int, device: float,
+             pid: int) -> dict:
     sampler = ZipfIds(args.rows, 1.05, seed=2)
     sequence = itertools.count(1)
     warm = []  # the warm-up in parts, to show the hit rate converging
@@ -246,7 +254,7 @@ def _measure(client: PSClient, args: argparse.Namespace, ram_rows: int, device: 
     for hint in (False, True):
         stream(client, sampler, args.heavy_warmup, draws, ram_rows, sequence, hint)
         heavy[hint] = got = stream(client, sampler, args.heavy_batches, draws, ram_rows,
-                                   sequence, hint)
+                                   sequence, hint, pid)
         print(f"embedding-heavy, {'' if hint else 'no '}prefetch: {got['steps_per_s']:.3f} "
               f"steps/s, {got['disk_reads_per_s']:,.0f} disk reads/s", flush=True)
     disk_rows = max(after["disk_rows"], 1)
@@ -277,6 +285,10 @@ def _measure(client: PSClient, args: argparse.Namespace, ram_rows: int, device: 
         "heavy_steps_per_s": heavy[True]["steps_per_s"],
         "heavy_disk_reads_per_s": heavy[True]["disk_reads_per_s"],
         "disk_utilization": heavy[True]["disk_reads_per_s"] / device,
+        # The server's own pace: reads per second of its CPU (the bound where it has a core).
+        "heavy_server_cpu_per_step": heavy[True]["server_cpu_per_step"],
+        "heavy_server_cpu_per_step_no_prefetch": heavy[False]["server_cpu_per_step"],
+        "heavy_disk_reads_per_server_cpu_s": heavy[True]["disk_reads_per_server_cpu_s"],
         "device_read_iops_before_heavy": adjacent,
         "disk_utilization_vs_device_before_heavy": heavy[True]["disk_reads_per_s"] / adjacent,
         "table_bytes_ram": after["bytes"],

@@ -32,20 +32,12 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import parse_args_with_smoke
+from benchmarks.density import cpu_seconds
 from benchmarks.throughput.workloads import SLOT_NAMES, workload
 from persia_py.config import CommonConfig
 from persia_py.wire.security import ENV_AUTH_TOKEN
 from persia_py.workers.embedding_worker_service import EmbeddingWorkerClient
 from persia_py.workers.ps_client import configure_request
-
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads), seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def _start(role: str, *args: str) -> tuple[subprocess.Popen, int]:
@@ -118,9 +110,9 @@ def _measure(clients, w, ps_pid: int, ew_pid: int, args) -> dict[bool, dict[str,
         _run(clients[on], batches[:2], w)
     for r in range(args.rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
-            before = _cpu(ew_pid), time.process_time(), _cpu(ps_pid)
+            before = cpu_seconds(ew_pid), time.process_time(), cpu_seconds(ps_pid)
             _run(clients[on], batches, w)
-            after = _cpu(ew_pid), time.process_time(), _cpu(ps_pid)
+            after = cpu_seconds(ew_pid), time.process_time(), cpu_seconds(ps_pid)
             for role, b, a in zip(results[on], before, after):
                 results[on][role].append((a - b) / len(batches))
     return results
