@@ -17,7 +17,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, start_server
+from checkout import ROOT
+from role_processes import start_server
 
 from persia_py.config import (
     CheckpointConfig,

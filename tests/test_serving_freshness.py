@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, RoleProcess, launcher_command, start_server
+from checkout import ROOT
 from prometheus_client.parser import text_string_to_metric_families
+from role_processes import RoleProcess, launcher_command, start_server
 
 from persia_py.checkpoint.dense_export import (
     KEEP_VERSIONS,

@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import ROOT
+from checkout import ROOT
 
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
