@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from role_processes import start_server
+from child_processes import start_server
 
 from persia_py.config import CommonConfig, GlobalConfig
 from persia_py.ctx import TrainCtx

@@ -3,7 +3,7 @@ small config files, emulated hosts, the Slurm cluster and the type check; the ho
 and guard the tests that start processes, restore SIGINT for them, start the type check
 early and group tests for pytest-xdist. Plain helpers live beside this file, each module
 for one concept: :mod:`checkout` (ROOT, the example, the package as installed),
-:mod:`role_processes` (starting, waiting on and stopping roles), :mod:`grpc_calls` (calls
+:mod:`child_processes` (starting, waiting on and stopping roles), :mod:`grpc_calls` (calls
 with or without the job token) and :mod:`auc_reference` (a job's AUC against reference
 runs)."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 from checkout import ROOT
-from role_processes import RoleProcess, launcher_command
+from child_processes import RoleProcess, launcher_command
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.ops import safe_files

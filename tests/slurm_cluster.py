@@ -42,8 +42,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
+from child_processes import RoleProcess, stop_all
 from netns import Host, Network
-from role_processes import RoleProcess, stop_all
 
 T = TypeVar("T")
 

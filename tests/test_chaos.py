@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkout import EXAMPLE, ROOT
-from role_processes import RoleProcess, launcher_command
+from child_processes import RoleProcess, launcher_command
 
 from benchmarks.role_processes import ROLE_KINDS, role_pid
 from persia_py.checkpoint import layout as fmt

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 from checkout import ROOT
-from role_processes import RoleProcess, launcher_command, processes_with_marker
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 
 pytestmark = pytest.mark.processes
 

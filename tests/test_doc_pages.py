@@ -24,8 +24,8 @@ import grpc
 import numpy as np
 import pytest
 from checkout import ROOT
+from child_processes import RoleProcess, launcher_command, stop_all
 from grpc_calls import env_without_token
-from role_processes import RoleProcess, launcher_command, stop_all
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from checkout import EXAMPLE, ROOT
-from role_processes import RoleProcess, start_server
+from child_processes import RoleProcess, start_server
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.dense import read_full_model

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from child_processes import RoleProcess, launcher_command, start_server
 from fuzz_messages import (
     ALLOWED,
     COMMON,
@@ -46,7 +47,6 @@ from fuzz_messages import (
     ps_message,
 )
 from grpc_calls import token_channel
-from role_processes import RoleProcess, launcher_command, start_server
 
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.proto import checkpoint_pb2 as ckpt_pb

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from checkout import EXAMPLE, ROOT
-from role_processes import RoleProcess, launcher_command, processes_with_marker
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 
 pytestmark = pytest.mark.processes
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from checkout import EXAMPLE
-from role_processes import RoleProcess, launcher_command, processes_with_marker
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 
 from persia_py.checkpoint import rewind
 from persia_py.launcher.local import LocalCluster, Role

@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 from checkout import EXAMPLE
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 from prometheus_client.parser import text_string_to_metric_families
-from role_processes import RoleProcess, launcher_command, processes_with_marker
 
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 

@@ -17,9 +17,9 @@ import yaml
 from auc_reference import auc_like_reference
 from certs import make_tls_files
 from checkout import EXAMPLE, ROOT
+from child_processes import RoleProcess, launcher_command, stop_all
 from grpc_calls import env_without_token
 from netns import HOST_IFACE
-from role_processes import RoleProcess, launcher_command, stop_all
 
 pytestmark = pytest.mark.processes
 

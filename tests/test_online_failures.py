@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from child_processes import RoleProcess, launcher_command
 from online_jobs import ROWS_PER_FILE, add_file, csv_rows, run_to_its_end, start, write_config
-from role_processes import RoleProcess, launcher_command
 from test_online_training import COLUMNS
 
 from benchmarks.role_processes import role_pid

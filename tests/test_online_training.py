@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from child_processes import RoleProcess, run_ranks
 from online_jobs import ROWS_PER_FILE, add_file, start, trained_ids, write_config
-from role_processes import RoleProcess, run_ranks
 
 from persia_py.input.readers import BadRecordError, CsvColumn, CsvReaderConfig
 from persia_py.input.stream_reader import CsvFormat, ParquetFormat, StreamPosition, StreamReader

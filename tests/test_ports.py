@@ -17,7 +17,7 @@ import sys
 
 import pytest
 from checkout import EXAMPLE, ROOT
-from role_processes import launcher_command
+from child_processes import launcher_command
 
 from persia_py.launcher import ports
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from checkout import EXAMPLE
-from role_processes import launcher_command
+from child_processes import launcher_command
 
 from persia_py.checkpoint import rewind
 from persia_py.config import GlobalConfig

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import yaml
 from checkout import EXAMPLE, ROOT
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 from grpc_calls import LogWaiter
-from role_processes import RoleProcess, launcher_command, processes_with_marker
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, SlotConfig

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from checkout import ROOT
-from role_processes import RoleProcess, launcher_command, processes_with_marker
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 
 SECTION = "## Your first job"
 FILES = {"embedding_config.yml", "data_loader.py", "train.py"}

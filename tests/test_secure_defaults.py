@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 from checkout import EXAMPLE
+from child_processes import RoleProcess, launcher_command, processes_with_marker, start_server
 from grpc_calls import env_without_token
-from role_processes import RoleProcess, launcher_command, processes_with_marker, start_server
 
 from persia_py.config import CommonConfig
 from persia_py.launcher.job_token import give_job_token

@@ -10,8 +10,8 @@ import grpc
 import lz4.block
 import numpy as np
 import pytest
+from child_processes import RoleProcess, launcher_command, start_server
 from grpc_calls import token_channel
-from role_processes import RoleProcess, launcher_command, start_server
 
 from persia_py.config import CommonConfig
 from persia_py.ids.routing import replica_of

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 from checkout import ROOT
+from child_processes import RoleProcess, launcher_command, start_server
 from prometheus_client.parser import text_string_to_metric_families
-from role_processes import RoleProcess, launcher_command, start_server
 
 from persia_py.checkpoint.dense_export import (
     KEEP_VERSIONS,

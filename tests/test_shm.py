@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from checkout import EXAMPLE
-from role_processes import RoleProcess, launcher_command, start_server
+from child_processes import RoleProcess, launcher_command, start_server
 
 from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, embedding_worker_pb2, embedding_worker_pb2_grpc

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from auc_reference import auc_like_reference
 from checkout import ROOT
+from child_processes import RoleProcess, launcher_command
 from online_jobs import ROWS_PER_FILE, add_file, start, write_config, write_test_rows
-from role_processes import RoleProcess, launcher_command
 
 pytestmark = pytest.mark.processes
 

@@ -25,7 +25,7 @@ import textwrap
 
 import pytest
 from checkout import EXAMPLE
-from role_processes import RoleProcess, held_until_sigterm, launcher_command, processes_with_marker
+from child_processes import RoleProcess, held_until_sigterm, launcher_command, processes_with_marker
 
 from persia_py.launcher.local import LocalCluster, Role
 from persia_py.launcher.role_kinds import NN_WORKER

@@ -17,8 +17,8 @@ import lz4.block
 import numpy as np
 import pytest
 import yaml
+from child_processes import RoleProcess, start_server
 from grpc_calls import token_channel
-from role_processes import RoleProcess, start_server
 
 from persia_py.config import CommonConfig, GlobalConfig, embedding_config_from_dict
 from persia_py.proto import common_pb2

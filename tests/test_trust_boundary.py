@@ -55,8 +55,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from child_processes import start_server
 from grpc_calls import refused, token_channel
-from role_processes import start_server
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig, GlobalConfig, embedding_config_from_dict

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from checkout import EXAMPLE
-from role_processes import RoleProcess, held_until_sigterm, launcher_command, processes_with_marker
+from child_processes import RoleProcess, held_until_sigterm, launcher_command, processes_with_marker
 
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 

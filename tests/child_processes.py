@@ -1,9 +1,10 @@
-"""Role processes for tests: a child process whose output a test waits on
-(:class:`RoleProcess`), a server role started on a free port (:func:`start_server`), the
-launcher's command line, what is left of a process's tree (every process a test starts
-carries a marker in its environment: :func:`processes_with_marker`, :func:`process_report`,
-:func:`kill_marked`), a role held on a config error, and ranks spawned in a process group
-of their own (:func:`run_ranks`)."""
+"""The processes a test starts, as its children: a role or other command whose output the
+test waits on (:class:`RoleProcess`), a server role started on a free port
+(:func:`start_server`), the launcher's command line, what is left of a process's tree
+(every process a test starts carries a marker in its environment:
+:func:`processes_with_marker`, :func:`process_report`, :func:`kill_marked`), a role held on
+a config error, and ranks spawned in a process group of their own (:func:`run_ranks`).
+Finding one role's process inside a running job is :mod:`benchmarks.role_processes`."""
 
 from __future__ import annotations
 
