@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from conftest import RoleProcess, stop_all
+from child_processes import RoleProcess, stop_all
 
 SUBNET = "10.77.0"
 """The hosts' /24: host i (from 0) is SUBNET.(i + 1)."""

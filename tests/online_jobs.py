@@ -9,7 +9,8 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-from conftest import ROOT, RoleProcess, launcher_command
+from checkout import ROOT
+from child_processes import RoleProcess, launcher_command
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.ops import safe_files

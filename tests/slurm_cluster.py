@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
-from conftest import RoleProcess, stop_all
+from child_processes import RoleProcess, stop_all
 from netns import Host, Network
 
 T = TypeVar("T")

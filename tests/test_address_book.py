@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LogWaiter
+from grpc_calls import LogWaiter
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.coordinator import PSCheckpointClient

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from checkout import ROOT
 
 BENCHMARKS = ROOT / "benchmarks"
 HELPERS = {

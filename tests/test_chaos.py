@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command
+from checkout import EXAMPLE, ROOT
+from child_processes import RoleProcess, launcher_command
 
 from benchmarks.role_processes import ROLE_KINDS, role_pid
 from persia_py.checkpoint import layout as fmt

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RoleProcess
+from child_processes import RoleProcess
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig, SlotConfig

@@ -5,7 +5,7 @@ allocated, after which the group still works."""
 from __future__ import annotations
 
 import pytest
-from conftest import run_ranks
+from child_processes import run_ranks
 
 pytestmark = pytest.mark.processes
 

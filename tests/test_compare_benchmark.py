@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT
+from checkout import ROOT
 
 from benchmarks.compare import checkout, remove
 from benchmarks.role_cpu import ROLES, OwnNetwork, _Window, own_network_unavailable, role_of, run_job

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE
+from checkout import EXAMPLE
 
 from persia_py.config import (
     ConfigError,

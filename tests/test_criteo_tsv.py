@@ -11,7 +11,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, RoleProcess, launcher_command, processes_with_marker
+from checkout import ROOT
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 
 pytestmark = pytest.mark.processes
 

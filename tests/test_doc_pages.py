@@ -23,7 +23,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import ROOT, RoleProcess, env_without_token, launcher_command, stop_all
+from checkout import ROOT
+from child_processes import RoleProcess, launcher_command, stop_all
+from grpc_calls import env_without_token
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig

@@ -10,7 +10,7 @@ import json
 import re
 import typing
 
-from conftest import ROOT
+from checkout import ROOT
 
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import EXAMPLE, ROOT, RoleProcess, start_server
+from checkout import EXAMPLE, ROOT
+from child_processes import RoleProcess, start_server
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.dense import read_full_model

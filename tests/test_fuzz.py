@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from conftest import RoleProcess, launcher_command, start_server, token_channel
+from child_processes import RoleProcess, launcher_command, start_server
 from fuzz_messages import (
     ALLOWED,
     COMMON,
@@ -46,6 +46,7 @@ from fuzz_messages import (
     ps_harmless,
     ps_message,
 )
+from grpc_calls import token_channel
 
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.proto import checkpoint_pb2 as ckpt_pb

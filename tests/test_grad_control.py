@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import run_ranks, start_server
+from child_processes import run_ranks, start_server
 
 from persia_py.config import CheckpointConfig, CommonConfig, GlobalConfig
 from persia_py.ctx import TrainCtx

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command, processes_with_marker
+from checkout import EXAMPLE, ROOT
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 
 pytestmark = pytest.mark.processes
 

@@ -15,7 +15,7 @@ import argparse
 
 import pytest
 import yaml
-from conftest import EXAMPLE
+from checkout import EXAMPLE
 
 from persia_py.config import ConfigError
 from persia_py.launcher import slurm_run

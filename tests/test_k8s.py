@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import EXAMPLE
+from checkout import EXAMPLE
 
 from persia_py.config import ConfigError
 from persia_py.launcher.cli import build_parser, main

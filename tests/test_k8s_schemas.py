@@ -11,7 +11,7 @@ import shlex
 
 import kubernetes_validate
 import pytest
-from conftest import ROOT
+from checkout import ROOT
 from test_k8s import FLAGS, _render
 
 from persia_py.launcher.k8s_flags import MAX_JOB_NAME

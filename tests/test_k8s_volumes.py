@@ -16,7 +16,7 @@ import posixpath
 
 import pytest
 import yaml
-from conftest import EXAMPLE
+from checkout import EXAMPLE
 from test_k8s import _render
 from test_k8s_schemas import _schema_errors
 

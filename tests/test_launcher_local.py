@@ -13,7 +13,8 @@ import threading
 import time
 
 import pytest
-from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
+from checkout import EXAMPLE
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 
 from persia_py.checkpoint import rewind
 from persia_py.launcher.local import LocalCluster, Role

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import RoleProcess, launcher_command
+from child_processes import RoleProcess, launcher_command
 
 from persia_py.ops.final_errors import CONFIG_EXIT_CODE
 

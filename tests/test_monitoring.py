@@ -8,7 +8,8 @@ import re
 import urllib.request
 
 import pytest
-from conftest import EXAMPLE, RoleProcess, launcher_command, processes_with_marker
+from checkout import EXAMPLE
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 from prometheus_client.parser import text_string_to_metric_families
 
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE

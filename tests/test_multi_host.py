@@ -14,16 +14,11 @@ import time
 
 import pytest
 import yaml
+from auc_reference import auc_like_reference
 from certs import make_tls_files
-from conftest import (
-    EXAMPLE,
-    ROOT,
-    RoleProcess,
-    auc_like_reference,
-    env_without_token,
-    launcher_command,
-    stop_all,
-)
+from checkout import EXAMPLE, ROOT
+from child_processes import RoleProcess, launcher_command, stop_all
+from grpc_calls import env_without_token
 from netns import HOST_IFACE
 
 pytestmark = pytest.mark.processes
@@ -182,7 +177,7 @@ def test_three_hosts_train_like_one_machine(emulated_hosts, tmp_path) -> None:
     dl_args, nn_args = parsed["b"][0], parsed["b"][1]
 
     # The same job on one machine: same config, data, roles and ranks; the 3-host job's
-    # AUC lies within conftest.AUC_TOLERANCE of the range of its runs (auc_like_reference).
+    # AUC lies within auc_reference.AUC_TOLERANCE of the range of its runs (auc_like_reference).
     def start_one_machine(name: str) -> RoleProcess:
         return RoleProcess(launcher_command(
             "local", "--nn-worker", str(EXAMPLE / "train.py"),

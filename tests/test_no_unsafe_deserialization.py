@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 
 import pytest
-from conftest import ROOT
+from checkout import ROOT
 
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve",
                   "jsonpickle"}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import RoleProcess, launcher_command
+from child_processes import RoleProcess, launcher_command
 from online_jobs import ROWS_PER_FILE, add_file, csv_rows, run_to_its_end, start, write_config
 from test_online_training import COLUMNS
 

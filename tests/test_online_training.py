@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import RoleProcess, run_ranks
+from child_processes import RoleProcess, run_ranks
 from online_jobs import ROWS_PER_FILE, add_file, start, trained_ids, write_config
 
 from persia_py.input.readers import BadRecordError, CsvColumn, CsvReaderConfig

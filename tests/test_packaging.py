@@ -12,7 +12,7 @@ import venv
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from checkout import ROOT
 
 pytestmark = pytest.mark.processes
 

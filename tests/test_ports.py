@@ -16,7 +16,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import EXAMPLE, ROOT, launcher_command
+from checkout import EXAMPLE, ROOT
+from child_processes import launcher_command
 
 from persia_py.launcher import ports
 

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, launcher_command
+from checkout import EXAMPLE
+from child_processes import launcher_command
 
 from persia_py.checkpoint import rewind
 from persia_py.config import GlobalConfig

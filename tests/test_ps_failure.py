@@ -22,14 +22,9 @@ import grpc
 import numpy as np
 import pytest
 import yaml
-from conftest import (
-    EXAMPLE,
-    ROOT,
-    LogWaiter,
-    RoleProcess,
-    launcher_command,
-    processes_with_marker,
-)
+from checkout import EXAMPLE, ROOT
+from child_processes import RoleProcess, launcher_command, processes_with_marker
+from grpc_calls import LogWaiter
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, SlotConfig

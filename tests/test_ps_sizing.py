@@ -10,7 +10,7 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import start_server
+from child_processes import start_server
 
 from persia_py.config import embedding_config_from_dict, global_config_from_dict
 from persia_py.servers.optimizers import optimizer_from_dict, state_width

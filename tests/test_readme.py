@@ -9,7 +9,8 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, RoleProcess, launcher_command, processes_with_marker
+from checkout import ROOT
+from child_processes import RoleProcess, launcher_command, processes_with_marker
 
 SECTION = "## Your first job"
 FILES = {"embedding_config.yml", "data_loader.py", "train.py"}

@@ -13,14 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import (
-    EXAMPLE,
-    RoleProcess,
-    env_without_token,
-    launcher_command,
-    processes_with_marker,
-    start_server,
-)
+from checkout import EXAMPLE
+from child_processes import RoleProcess, launcher_command, processes_with_marker, start_server
+from grpc_calls import env_without_token
 
 from persia_py.config import CommonConfig
 from persia_py.launcher.job_token import give_job_token

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import yaml
 from certs import make_tls_files
-from conftest import env_without_token, start_server
+from child_processes import start_server
+from grpc_calls import env_without_token
 
 from persia_py.config import CommonConfig, ConfigError, global_config_from_dict
 from persia_py.launcher.cli import build_parser

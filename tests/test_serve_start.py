@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RoleProcess, launcher_command
+from child_processes import RoleProcess, launcher_command
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import GlobalConfig, load_embedding_config

@@ -10,7 +10,8 @@ import grpc
 import lz4.block
 import numpy as np
 import pytest
-from conftest import RoleProcess, launcher_command, start_server, token_channel
+from child_processes import RoleProcess, launcher_command, start_server
+from grpc_calls import token_channel
 
 from persia_py.config import CommonConfig
 from persia_py.ids.routing import replica_of

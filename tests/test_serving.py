@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE, ROOT, RoleProcess, launcher_command
+from checkout import EXAMPLE, ROOT
+from child_processes import RoleProcess, launcher_command
 
 from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, SlotConfig
 from persia_py.servers.parameter_server import ParameterServer
@@ -205,7 +206,7 @@ def test_failed_exports_and_applies_are_retried_and_lose_no_row(tmp_path: Path) 
     import threading
     import urllib.request
 
-    from conftest import start_server
+    from child_processes import start_server
 
     from persia_py.servers.increments import IncrementFollower, newest_increments, write_increment
     from persia_py.workers.ps_client import PSClient, configure_request

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, RoleProcess, launcher_command, start_server
+from checkout import ROOT
+from child_processes import RoleProcess, launcher_command, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from persia_py.checkpoint.dense_export import (

@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import EXAMPLE, RoleProcess, launcher_command, start_server
+from checkout import EXAMPLE
+from child_processes import RoleProcess, launcher_command, start_server
 
 from persia_py.config import CommonConfig
 from persia_py.proto import common_pb2, embedding_worker_pb2, embedding_worker_pb2_grpc

@@ -16,7 +16,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from conftest import start_server
+from child_processes import start_server
 
 from persia_py.config import CommonConfig, EmbeddingTablesConfig, GlobalConfig, SlotConfig
 from persia_py.proto import common_pb2, parameter_server_pb2, parameter_server_pb2_grpc

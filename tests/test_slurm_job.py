@@ -6,7 +6,7 @@
   embedding worker and data loader beside them, each role a job step. It trains a finite
   stream and every sample exactly once (the ranks write the ids they trained), and trains
   like the same job on one machine (``persia-launcher local``): its test AUC on rows it
-  never trained lies within the three-host test's tolerance (conftest.AUC_TOLERANCE).
+  never trained lies within the three-host test's tolerance (auc_reference.AUC_TOLERANCE).
 * The parameter server's step killed mid-run (its process on node1, SIGKILL) is restarted
   by the job itself, on the same node and port, its update log replayed; then
   ``scontrol requeue`` stops the job in order (the NN workers' final checkpoint first,
@@ -26,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, RoleProcess, auc_like_reference, launcher_command
+from auc_reference import auc_like_reference
+from checkout import ROOT
+from child_processes import RoleProcess, launcher_command
 from online_jobs import ROWS_PER_FILE, add_file, start, write_config, write_test_rows
 
 pytestmark = pytest.mark.processes
@@ -78,7 +80,7 @@ def test_a_three_host_job_trains_every_sample_once_like_one_machine(slurm, tmp_p
     test_rows = write_test_rows(tmp_path / "test.csv")
     # The same job on one machine (persia-launcher local: same scripts, configs, stream,
     # roles and ranks, a folder of its own); the 3-host job's test AUC lies within
-    # conftest.AUC_TOLERANCE of the range of its runs (auc_like_reference). The first
+    # auc_reference.AUC_TOLERANCE of the range of its runs (auc_like_reference). The first
     # runs beside the Slurm job: neither waits for the other's CPU for long.
     def start_one_machine(name: str) -> RoleProcess:
         work = tmp_path / name

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import launcher_command
+from child_processes import launcher_command
 from test_slurm_job import JOB, KILL_FILES, _stream, _trained
 
 from persia_py.launcher import slurm_run

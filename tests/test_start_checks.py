@@ -24,7 +24,8 @@ import sys
 import textwrap
 
 import pytest
-from conftest import EXAMPLE, RoleProcess, held_until_sigterm, launcher_command, processes_with_marker
+from checkout import EXAMPLE
+from child_processes import RoleProcess, held_until_sigterm, launcher_command, processes_with_marker
 
 from persia_py.launcher.local import LocalCluster, Role
 from persia_py.launcher.role_kinds import NN_WORKER

@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import RoleProcess
+from child_processes import RoleProcess
 
 from persia_py.launcher import stop_signals
 

@@ -17,7 +17,8 @@ import lz4.block
 import numpy as np
 import pytest
 import yaml
-from conftest import RoleProcess, start_server, token_channel
+from child_processes import RoleProcess, start_server
+from grpc_calls import token_channel
 
 from persia_py.config import CommonConfig, GlobalConfig, embedding_config_from_dict
 from persia_py.proto import common_pb2

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import start_server
+from child_processes import start_server
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.checkpoint.coordinator import Checkpointer

@@ -55,11 +55,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import (
-    refused,
-    start_server,
-    token_channel,
-)
+from child_processes import start_server
+from grpc_calls import refused, token_channel
 
 from persia_py.checkpoint import layout as fmt
 from persia_py.config import CommonConfig, GlobalConfig, embedding_config_from_dict

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import PACKAGE_DIRS, ROOT
+from checkout import PACKAGE_DIRS, ROOT
 
 
 def _checked_files() -> int:

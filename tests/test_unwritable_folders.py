@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, RoleProcess, held_until_sigterm, launcher_command, processes_with_marker
+from checkout import EXAMPLE
+from child_processes import RoleProcess, held_until_sigterm, launcher_command, processes_with_marker
 
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 

@@ -25,13 +25,8 @@ import lz4.block
 import numpy as np
 import pytest
 import yaml
-from conftest import (
-    RoleProcess,
-    env_without_token,
-    launcher_command,
-    processes_with_marker,
-    start_server,
-)
+from child_processes import RoleProcess, launcher_command, processes_with_marker, start_server
+from grpc_calls import env_without_token
 
 from persia_py.config import CommonConfig, GlobalConfig, embedding_config_from_dict
 from persia_py.ids.hashing import HASH_STACK_SALT, inverse_mix64

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,27 +17,25 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, start_server
+from api_calls import COMMON, GLOBAL, Cluster, batch, model, raised, serving_cluster, train_ctx
+from checkout import ROOT
 
 from persia_py.config import (
     CheckpointConfig,
     CommonConfig,
-    GlobalConfig,
     ParameterServerConfig,
     load_embedding_config,
     load_global_config,
 )
 from persia_py.ctx import DataCtx, InferCtx, TrainCtx, eval_ctx
-from persia_py.data import DataLoader, IterableDataset, StreamingDataset
-from persia_py.embedding import EmbeddingConfig
+from persia_py.data import DataLoader, StreamingDataset
 from persia_py.embedding.data import (
     IDTypeFeature,
     IDTypeFeatureWithSingleID,
-    Label,
     NonIDTypeFeature,
     PersiaBatch,
 )
-from persia_py.embedding.optim import SGD, Adagrad
+from persia_py.embedding.optim import Adagrad
 from persia_py.env import PersiaEnv
 from persia_py.launcher.job_token import require_token
 from persia_py.ops.start_checks import Written, check_checkpoint_paths, check_writable, this_user
@@ -73,66 +71,11 @@ def faq_entries() -> list[Entry]:
 # -- what the triggers need ------------------------------------------------------------------
 
 
-def model() -> torch.nn.Module:
-    return torch.nn.Linear(6, 1)
-
-
-def single(slot: str, ids) -> IDTypeFeatureWithSingleID:
-    return IDTypeFeatureWithSingleID(slot, np.asarray(ids, dtype=np.uint64))
-
-
-def batch(slots=("user", "item"), requires_grad: bool = True) -> PersiaBatch:
-    return PersiaBatch([single(s, [1, 2]) for s in slots],
-                       non_id_type_features=[NonIDTypeFeature(np.zeros((2, 2), np.float32))],
-                       labels=[Label(np.zeros((2, 1), np.float32))],
-                       requires_grad=requires_grad)
-
-
-def train_ctx(cluster: Cluster | None = None, **kwargs) -> TrainCtx:
-    m = kwargs.pop("model", None) or model()
-    params = (m if isinstance(m, torch.nn.Module) else model()).parameters()
-    args = dict(model=m, embedding_optimizer=SGD(lr=0.1),
-                dense_optimizer=torch.optim.SGD(params, lr=0.1), global_config=GLOBAL,
-                env=PersiaEnv(embedding_worker_addrs=(cluster.embedding_worker,) if cluster
-                              else ()))
-    return TrainCtx(**{**args, **kwargs})
-
-
-def raised(call: Callable[[], object]) -> BaseException:
-    """The exception ``call`` raises; fails the test if it returns."""
-    try:
-        call()
-    except BaseException as exc:  # noqa: BLE001 - SystemExit is one of the listed errors
-        return exc
-    raise AssertionError("no error was raised")
-
-
-COMMON = CommonConfig(rpc_timeout_sec=30, startup_timeout_sec=60)
-GLOBAL = GlobalConfig(common_config=COMMON)
-EMBEDDING_CONFIG = "slots_config:\n  user:\n    dim: 2\n  item:\n    dim: 2\n"
-
-
-@dataclass(frozen=True)
-class Cluster:
-    embedding_worker: str
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A parameter server and an embedding worker serving slots ``user`` and ``item``."""
-    root = tmp_path_factory.mktemp("faq")
-    (root / "embedding_config.yml").write_text(EMBEDDING_CONFIG)
-    config = ["--embedding-config", str(root / "embedding_config.yml")]
-    ps, ps_port = start_server("embedding-parameter-server", *config)
-    try:
-        ew, ew_port = start_server("embedding-worker", *config,
-                                   "--ps-addrs", f"127.0.0.1:{ps_port}")
-        try:
-            yield Cluster(f"127.0.0.1:{ew_port}")
-        finally:
-            ew.stop()
-    finally:
-        ps.stop()
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The entries in ``NEEDS_SERVERS`` send to it (:func:`api_calls.serving_cluster`)."""
+    with serving_cluster(tmp_path_factory.mktemp("faq")) as running:
+        yield running
 
 
 class Fixtures:
@@ -167,11 +110,6 @@ def send(fx: Fixtures, made: PersiaBatch) -> BaseException:
 def in_training(fx: Fixtures, call: Callable[[TrainCtx], object]) -> BaseException:
     with train_ctx(fx.cluster) as ctx:
         return raised(lambda: call(ctx))
-
-
-class Empty(IterableDataset):
-    def __iter__(self):
-        return iter(())
 
 
 # -- one trigger per entry: (exception, placeholder values) ------------------------------------
@@ -426,94 +364,3 @@ def test_the_listed_error_is_raised_with_exactly_its_text(entry: Entry, request,
     kinds = {c.__name__ for c in type(exc).__mro__}
     assert entry.kind.rsplit(".", 1)[-1] in kinds, (entry.kind, type(exc).__mro__)
 
-
-# -- the checks behind the entries, on every argument ------------------------------------------
-
-WRONG_TYPES = [  # (call, the start of its message)
-    (lambda: train_ctx(mixed_precision="yes"), "TrainCtx(mixed_precision=...): expected a bool"),
-    (lambda: train_ctx(embedding_config={"seed": 1}), "TrainCtx(embedding_config=...): expected "
-     "a persia_py.embedding.EmbeddingConfig"),
-    (lambda: train_ctx(distributed_option="ddp"), "TrainCtx(distributed_option=...): expected "
-     "a persia_py.distributed.DDPOption or FSDPOption"),
-    (lambda: train_ctx(device_id="cuda:0"), "TrainCtx(device_id=...): expected an int"),
-    (lambda: train_ctx(grad_clip_norm="1"), "TrainCtx(grad_clip_norm=...): expected a finite "
-     "number > 0 or None"),
-    (lambda: train_ctx(grad_accumulation_steps=2.5), "TrainCtx(grad_accumulation_steps=...): "
-     "expected an int >= 1"),
-    (lambda: train_ctx(env="x"), "TrainCtx(env=...): expected a persia_py.env.PersiaEnv"),
-    (lambda: train_ctx(global_config={}), "TrainCtx(global_config=...): expected a "
-     "persia_py.config.GlobalConfig"),
-    (lambda: InferCtx("127.0.0.1:9"), "InferCtx(embedding_worker_address_list=...): expected "
-     "a list of 'host:port' addresses"),
-    (lambda: InferCtx(embedding_worker_addresses=[9]), "InferCtx(embedding_worker_addresses="
-     "...)[0]: expected a 'host:port' address"),
-    (lambda: DataCtx(buffer_size="3"), "DataCtx(buffer_size=...): expected an int >= 1"),
-    (lambda: DataCtx(port="9"), "DataCtx(port=...): expected an int"),
-    (lambda: DataCtx(env={}), "DataCtx(env=...): expected a persia_py.env.PersiaEnv"),
-    (lambda: DataCtx(global_config={}), "DataCtx(global_config=...): expected a "
-     "persia_py.config.GlobalConfig"),
-    (lambda: InferCtx(model="m"), "InferCtx(model=...): expected a torch.nn.Module"),
-    (lambda: eval_ctx("m").__enter__(), "eval_ctx(model=...): expected a torch.nn.Module"),
-    (lambda: StreamingDataset(buffer_size="8"), "StreamingDataset(buffer_size=...): expected "
-     "an int >= 1"),
-    (lambda: Empty(buffer_size=2.5), "Empty(buffer_size=...): expected an int >= 1"),
-    (lambda: PersiaBatch(single("user", [1])), "PersiaBatch(id_type_features=...): expected "
-     "a list of IDTypeFeature"),
-    (lambda: PersiaBatch([np.ones(1, np.uint64)]), "PersiaBatch(id_type_features=...)[0]: "
-     "expected an IDTypeFeature or IDTypeFeatureWithSingleID"),
-    (lambda: PersiaBatch([single("user", [1])], labels=Label(np.zeros((1, 1)))),
-     "PersiaBatch(labels=...): expected a list or None"),
-    (lambda: PersiaBatch([single("user", [1])], meta="x"), "PersiaBatch(meta=...): expected "
-     "bytes or None"),
-    (lambda: PersiaBatch([single("user", [1])], non_id_type_features=[Label(np.zeros((1, 1)))]),
-     "non_id_type_feature: expected a NonIDTypeFeature or a numpy array"),
-    (lambda: PersiaBatch([single("user", [1])], labels=[[0.0]]),
-     "label: expected a Label or a numpy array"),
-    (lambda: IDTypeFeature(7, []), "IDTypeFeature(name=...): expected the slot's name, a str"),
-    (lambda: Label(torch.zeros(1)), "Label(data=...): expected a numpy array"),
-    (lambda: SGD(lr=None), "lr: expected a number"),
-    (lambda: EmbeddingConfig(seed="0"), "seed: expected an int"),
-    (lambda: EmbeddingConfig(emb_initialization=0.01), "emb_initialization: expected (lower, "
-     "upper)"),
-    (lambda: EmbeddingConfig(weight_bound="10"), "weight_bound: expected a number"),
-]
-
-
-@pytest.mark.parametrize("call, start", WRONG_TYPES, ids=[s.split(":")[0] for _, s in WRONG_TYPES])
-def test_a_wrong_argument_type_is_a_type_error_naming_the_argument(call, start: str) -> None:
-    exc = raised(call)
-    assert isinstance(exc, TypeError), repr(exc)
-    assert str(exc).startswith(start), str(exc)
-
-
-OUT_OF_RANGE = [  # (call, the start of its message): the right type, a wrong value
-    (lambda: DataCtx(buffer_size=0), "DataCtx(buffer_size=...): expected an int >= 1, got 0"),
-    (lambda: DataCtx(port=-1), "DataCtx(port=...): expected 0 <= port <= 65535"),
-    (lambda: train_ctx(grad_clip_norm=0), "TrainCtx(grad_clip_norm=...): expected a finite "
-     "number > 0"),
-    (lambda: train_ctx(grad_accumulation_steps=0), "TrainCtx(grad_accumulation_steps=...): "
-     "expected an int >= 1"),
-]
-
-
-@pytest.mark.parametrize("call, start", OUT_OF_RANGE,
-                         ids=[s.split(":")[0] for _, s in OUT_OF_RANGE])
-def test_a_value_out_of_range_is_a_value_error_not_a_type_error(call, start: str) -> None:
-    exc = raised(call)
-    assert type(exc) is ValueError, repr(exc)
-    assert str(exc).startswith(start), str(exc)
-
-
-@pytest.mark.processes
-def test_a_context_refuses_use_after_its_with_block(cluster) -> None:
-    with train_ctx(cluster) as ctx:
-        loader = DataLoader(Empty())
-        assert list(loader) == []  # usable inside
-    assert str(raised(lambda: iter(loader))) == (
-        "a DataLoader is used outside its context; use it inside `with TrainCtx(...) as ctx:`")
-    assert str(raised(lambda: ctx.backward(torch.zeros(())))) == (
-        "ctx.backward is used outside its context; use it inside `with TrainCtx(...) as ctx:`")
-    with train_ctx(cluster) as outer, eval_ctx(outer.model) as evaluation:
-        pass
-    assert str(raised(lambda: evaluation.prepare(batch(requires_grad=False)))) == (
-        "ctx.prepare is used outside its context; use it inside `with eval_ctx(model) as ctx:`")
