@@ -240,9 +240,13 @@ def _write_all(fd: int, data: np.ndarray, offset: int, name: str) -> None:
 
 class NpyReader:
     """The ``.npy`` file ``name`` in folder ``dir_fd``: its header checked, its rows read
-    chunk by chunk (:meth:`chunks`). CheckpointError says what is wrong with the file."""
+    chunk by chunk (:meth:`chunks`). CheckpointError says what is wrong with the file.
+    ``reads``: the one thread that reads the files of a table in turn (one sequential
+    read at a time is the device's fastest here: docs/benchmarks.md), shut down by its
+    owner before :meth:`close`; None: a thread of its own."""
 
-    def __init__(self, dir_fd: int, name: str, field: str = "file name") -> None:
+    def __init__(self, dir_fd: int, name: str, field: str = "file name",
+                 reads: ThreadPoolExecutor | None = None) -> None:
         safe_files.check_name(name, field)
         try:
             self.fd = os.open(name, _FLAGS_READ, dir_fd=dir_fd)
@@ -254,7 +258,8 @@ class NpyReader:
                                                  "refused") from None
             raise
         self.name = name
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = reads
+        self._own_pool = reads is None
         try:
             self._read_header()
         except BaseException:
@@ -363,7 +368,7 @@ class NpyReader:
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
+        if pool is not None and self._own_pool:
             pool.shutdown(wait=True)
         fd, self.fd = self.fd, -1
         if fd >= 0:
