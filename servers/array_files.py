@@ -12,9 +12,11 @@ choices that let them move at the device's rate rather than the page cache's:
   4096 bytes, then the file cut to its length); :class:`NpyReader` reads chunk by chunk
   into its own aligned buffers, the next chunk in a thread while the caller works on
   this one (the thread also hashes it and, for float32 and float16 files, checks that
-  every value is finite). Measured on this VM: buffered writes and ``fsync`` of 512 MB took 0.4-6.9 s,
-  the same bytes with ``O_DIRECT`` 0.4 s (docs/benchmarks.md "Checkpoints"). Where the
-  file system refuses ``O_DIRECT`` (tmpfs), the same calls go through the page cache.
+  every value is finite; a table's files share one such thread, so that the device
+  gets one sequential read at a time). Measured on this VM: buffered writes and
+  ``fsync`` of 512 MB took 0.4-6.9 s, the same bytes with ``O_DIRECT`` 0.4 s
+  (docs/benchmarks.md "Checkpoints"). Where the file system refuses ``O_DIRECT``
+  (tmpfs), the same calls go through the page cache.
 
 **Checksums.** Each chunk's bytes are hashed with ``lanes64``
 (:mod:`persia_py.servers.record_sum`, memory speed) while they are in the buffer, and the
