@@ -202,13 +202,16 @@ def load_table(table: EmbeddingTable, rows: RowChunks, name: str = "") -> int:
     n = ids.shape[0]
     stamps, clock = check_stamps(rows.last_access, rows.clock, n)
     clock = max(clock, table._clock.current())
-    order, bounds = table._split_by_shard(ids)
+    one = len(table._shards) == 1  # every row its: no routing, no copies of ids and stamps
+    order, bounds = ((np.arange(n, dtype=np.int64), np.array([0, n])) if one
+                     else table._split_by_shard(ids))
     plans, in_ram = [], []  # per shard: its rows' positions in the load (ascending), rows
     for k, shard in enumerate(table._shards):
         pos = order[bounds[k]:bounds[k + 1]]
-        shard_ids = ids[pos]
+        shard_ids = ids if one else ids[pos]
         with shard.lock:
-            shard_rows, ram_ids = _plan_shard(shard, shard_ids, stamps[pos], clock)
+            shard_rows, ram_ids = _plan_shard(shard, shard_ids, stamps if one else stamps[pos],
+                                              clock)
         plans.append((pos, shard_rows))
         in_ram.append((ram_ids, None if ram_ids.shape[0] == pos.shape[0] else shard_ids))
     # The indexes are built, and the ids going to disk checked, in a thread while the rows
