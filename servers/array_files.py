@@ -11,10 +11,12 @@ choices that let them move at the device's rate rather than the page cache's:
   buffer of a chunk and writes it with one ``pwrite`` when full (the last one padded to
   4096 bytes, then the file cut to its length); :class:`NpyReader` reads chunk by chunk
   into its own aligned buffers, the next chunk in a thread while the caller works on
-  this one (the thread also hashes it and, for float32 files, checks that every value
-  is finite). Measured on this VM: buffered writes and ``fsync`` of 512 MB took 0.4-6.9 s,
-  the same bytes with ``O_DIRECT`` 0.4 s (docs/benchmarks.md "Checkpoints"). Where the
-  file system refuses ``O_DIRECT`` (tmpfs), the same calls go through the page cache.
+  this one (the thread also hashes it and, for float32 and float16 files, checks that
+  every value is finite; a table's files share one such thread, so that the device
+  gets one sequential read at a time). Measured on this VM: buffered writes and
+  ``fsync`` of 512 MB took 0.4-6.9 s, the same bytes with ``O_DIRECT`` 0.4 s
+  (docs/benchmarks.md "Checkpoints"). Where the file system refuses ``O_DIRECT``
+  (tmpfs), the same calls go through the page cache.
 
 **Checksums.** Each chunk's bytes are hashed with ``lanes64``
 (:mod:`persia_py.servers.record_sum`, memory speed) while they are in the buffer, and the
@@ -41,6 +43,7 @@ from persia_py.ids.hashing import mix64_one
 from persia_py.ops import safe_files
 from persia_py.servers.page_file import ALIGN, aligned_empty
 from persia_py.servers.record_sum import lanes64
+from persia_py.wire.finite import F16_EXPONENT, halves_finite
 
 __all__ = ["HEADER_BYTES", "NpyReader", "NpyWriter", "all_finite32", "chunk_rows",
            "fold_sum"]
@@ -239,9 +242,13 @@ def _write_all(fd: int, data: np.ndarray, offset: int, name: str) -> None:
 
 class NpyReader:
     """The ``.npy`` file ``name`` in folder ``dir_fd``: its header checked, its rows read
-    chunk by chunk (:meth:`chunks`). CheckpointError says what is wrong with the file."""
+    chunk by chunk (:meth:`chunks`). CheckpointError says what is wrong with the file.
+    ``reads``: the one thread that reads the files of a table in turn (one sequential
+    read at a time is the device's fastest here: docs/benchmarks.md), shut down by its
+    owner before :meth:`close`; None: a thread of its own."""
 
-    def __init__(self, dir_fd: int, name: str, field: str = "file name") -> None:
+    def __init__(self, dir_fd: int, name: str, field: str = "file name",
+                 reads: ThreadPoolExecutor | None = None) -> None:
         safe_files.check_name(name, field)
         try:
             self.fd = os.open(name, _FLAGS_READ, dir_fd=dir_fd)
@@ -253,7 +260,8 @@ class NpyReader:
                                                  "refused") from None
             raise
         self.name = name
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = reads
+        self._own_pool = reads is None
         try:
             self._read_header()
         except BaseException:
@@ -287,7 +295,8 @@ class NpyReader:
         self.direct = self.data_offset % ALIGN == 0 and _set_direct(self.fd)
         self.sum = 0
         self.finite: bool | None = None
-        """Of the chunk :meth:`chunks` gave last (float32 files; None: not checked)."""
+        """Of the chunk :meth:`chunks` gave last (float32 and float16 files; None: not
+        checked)."""
 
     @property
     def num_rows(self) -> int:
@@ -332,7 +341,7 @@ class NpyReader:
     def _read(self, first: int, count: int, buffer: np.ndarray
               ) -> tuple[np.ndarray, int, bool | None]:
         """Rows ``first .. first + count - 1`` into ``buffer``; returns their bytes, their
-        ``lanes64`` and (float32 files) whether every value is finite."""
+        ``lanes64`` and (float32 and float16 files) whether every value is finite."""
         offset = self.data_offset + first * self.row_bytes
         nbytes = count * self.row_bytes
         length = -(-nbytes // ALIGN) * ALIGN if self.direct else nbytes
@@ -345,8 +354,11 @@ class NpyReader:
                                                  f"{offset + done} came back empty")
             done += got
         data = buffer[:nbytes]
-        finite = (bool(all_finite32(data.view(np.uint32))) if self.dtype == np.float32
-                  else None)
+        finite = None
+        if self.dtype == np.float32:
+            finite = bool(all_finite32(data.view(np.uint32)))
+        elif self.dtype == np.float16:  # (bfloat16 rows are stored as their uint16 bits)
+            finite = halves_finite(data, F16_EXPONENT)
         return data, lanes64(data), finite
 
     def check_sum(self, expected: int | None) -> None:
@@ -358,7 +370,7 @@ class NpyReader:
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
+        if pool is not None and self._own_pool:
             pool.shutdown(wait=True)
         fd, self.fd = self.fd, -1
         if fd >= 0:

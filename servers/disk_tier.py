@@ -58,14 +58,14 @@ import numpy as np
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers import tier_reads
 from persia_py.servers.disk_expiry import DiskStamps
-from persia_py.servers.page_file import PageFile, aligned_empty
+from persia_py.servers.page_file import PageFile
 from persia_py.servers.tier_index import FREE, CorruptTier, TierIndex
 from persia_py.servers.tier_records import (
     SEGMENT_BYTES,
     BlockStager,
     byte_columns,
+    compact_live,
     file_geometry,
-    gather_live,
     pack_blocks,
     record_layout,
 )
@@ -80,7 +80,6 @@ disk takes 1.48x its rows' bytes at dim 64 float16 row-wise Adagrad (issue 42: <
 
 EMPTY = np.uint64(RESERVED_ID)
 """Id of a record that holds no row (the reserved id is never stored)."""
-_SCAN_BLOCKS_BYTES = 16 << 20  # bytes per sequential read of a scan
 
 
 class DiskTier:
@@ -457,28 +456,30 @@ class DiskTier:
     def scan_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray,
                                             np.ndarray | None]]:
         """Every stored row as ``(ids, weights, state, last access)`` chunks in log order,
-        one per sequential read of up to 16 MiB (checkpoints stream them to their files);
-        the first three views of one array of records, reused: valid until the next
-        chunk is asked for; the last access in absolute ticks (None: no :attr:`stamps`)."""
+        one per sequential read of up to 8 MiB (checkpoints stream them to their files);
+        the first three views into the tier's staging buffers, valid until the next chunk
+        is asked for (no write before); last access in absolute ticks (None: no stamps)."""
         rpb, nb = self.rows_per_block, self.file.num_blocks
-        step = max(1, _SCAN_BLOCKS_BYTES // self.file.block_bytes)
+        step = max(1, SEGMENT_BYTES // self.file.block_bytes)  # a write's blocks
         ranges = [(f, min(step, nb - f)) for f in range(0, nb, step)
                   if self.slot_fp[f * rpb:(f + step) * rpb].any()]
         if not ranges:
             return
-        # Reused buffers (fresh memory is faulted in slower than the disk reads it), and
-        # the next range read in a thread while this one is gathered and written out.
-        most = max(n for _, n in ranges)
-        buffers = [aligned_empty((most, self.file.block_bytes)) for _ in range(2)]
-        rows, slots = np.empty(step * rpb, self.record), np.empty(step * rpb, np.int64)
+        # The writes' staging buffers (faulted in already), the next range read meanwhile.
+        self.flush()  # no write of them in flight
+        buffers = [self._stager.blocks(step), self._stager.blocks(step)]
+        handed = self._stager.num_handed
+        slots = np.empty(step * rpb, np.int64)
         ahead = self.file.read_range_ahead(*ranges[0], buffers[0][:ranges[0][1]])
         for i, (first, n) in enumerate(ranges):
             data = ahead.result()
+            if self._stager.num_handed != handed:  # a write took one: a caller's bug
+                raise RuntimeError("disk tier: written to during a scan")
             if i + 1 < len(ranges):
                 ahead = self.file.read_range_ahead(*ranges[i + 1],
                                                    buffers[(i + 1) % 2][:ranges[i + 1][1]])
-            live, where = gather_live(data, self.slot_fp[first * rpb:(first + n) * rpb],
-                                      first * rpb, rpb, rows, slots)
+            live, where = compact_live(data, self.slot_fp[first * rpb:(first + n) * rpb],
+                                       first * rpb, rpb, self.record, slots)
             self.index.check_slots(where, live["id"])
             self.num_read += live.shape[0]
             state = (live["state"] if self.state_width

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -124,14 +125,21 @@ class TableFiles:
         self.per_chunk = table.get("chunk_rows") or chunk_rows(
             max(dtypes["weights"].itemsize * dim, 4 * width, 8))
         self.readers: dict[str, NpyReader] = {}
-        for key, dtype in dtypes.items():
-            reader = NpyReader(dir_fd, table["files"][key], field=f"{where}: files.{key}")
-            stack.callback(reader.close)
-            if reader.dtype != dtype or reader.shape != shapes[key]:
-                raise safe_files.CheckpointError(
-                    f"{where}: {table['files'][key]} holds {reader.dtype} {reader.shape}, the "
-                    f"description says {dtype.name} {shapes[key]}")
-            self.readers[key] = reader
+        # One thread reads the four files in turn, a chunk of each ahead (shut down
+        # first, files closed after: callbacks run last registered first).
+        reads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npy-read")
+        try:
+            for key, dtype in dtypes.items():
+                reader = NpyReader(dir_fd, table["files"][key], field=f"{where}: files.{key}",
+                                   reads=reads)
+                stack.callback(reader.close)
+                if reader.dtype != dtype or reader.shape != shapes[key]:
+                    raise safe_files.CheckpointError(
+                        f"{where}: {table['files'][key]} holds {reader.dtype} "
+                        f"{reader.shape}, the description says {dtype.name} {shapes[key]}")
+                self.readers[key] = reader
+        finally:
+            stack.callback(reads.shutdown, wait=True)
         self.ids = self._whole("ids")
         self.last_access = self._whole("last_access")
         self.mine: np.ndarray | None = None

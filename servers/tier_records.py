@@ -20,7 +20,7 @@ from numba import njit
 from persia_py.ids.routing import RESERVED_ID
 from persia_py.servers.page_file import SECTOR, aligned_empty
 
-__all__ = ["SEGMENT_BYTES", "BlockStager", "byte_columns", "file_geometry", "gather_live",
+__all__ = ["SEGMENT_BYTES", "BlockStager", "byte_columns", "compact_live", "file_geometry",
            "pack_blocks", "record_layout"]
 
 SEGMENT_BYTES = 8 << 20
@@ -68,9 +68,10 @@ def _pack_kernel(out: np.ndarray, block_bytes: int, head: np.ndarray, skip: int,
 
 
 @njit(cache=True, nogil=True)
-def _gather_kernel(data: np.ndarray, block_bytes: int, rpb: int, record: int,
-                   slot_fp: np.ndarray, first_slot: int, out: np.ndarray,
-                   slots: np.ndarray) -> int:
+def _compact_kernel(data: np.ndarray, block_bytes: int, rpb: int, record: int,
+                    slot_fp: np.ndarray, first_slot: int, slots: np.ndarray) -> int:
+    # In place: the k-th live record moves to byte k * record, never past where it was
+    # (rpb * record <= block_bytes), so a forward copy never overwrites a record unread.
     k = 0
     for blk in range(data.shape[0] // block_bytes):
         for j in range(rpb):
@@ -79,27 +80,33 @@ def _gather_kernel(data: np.ndarray, block_bytes: int, rpb: int, record: int,
                 continue
             src = np.uint64(blk * block_bytes + j * record)
             dst = np.uint64(k * record)
-            for x in range(record):
-                out[dst + np.uint64(x)] = data[src + np.uint64(x)]
+            if dst != src:
+                for x in range(record):
+                    data[dst + np.uint64(x)] = data[src + np.uint64(x)]
             slots[k] = first_slot + s
             k += 1
     return k
 
 
-def gather_live(data: np.ndarray, slot_fp: np.ndarray, first_slot: int, rows_per_block: int,
-                rows: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def compact_live(data: np.ndarray, slot_fp: np.ndarray, first_slot: int, rows_per_block: int,
+                 record: np.dtype, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The records of the live slots (``slot_fp`` not ``FREE``) of blocks ``data`` (``uint8``
-    ``(n, block bytes)``, whose first slot is ``first_slot``; ``slot_fp`` their slots'),
-    copied in slot order to the start of ``rows`` (a record array of at least
-    ``n x rows_per_block``), their slots to ``slots``: returns views of both, ``k`` long."""
+    ``(n, block bytes)``, C-contiguous, whose first slot is ``first_slot``; ``slot_fp``
+    their slots'), moved in slot order to the start of ``data`` itself (no scratch
+    array: fresh memory is faulted in slower than the disk reads it), their slots to
+    ``slots``: returns a ``record`` array viewing ``data``, and a view of ``slots``, both
+    ``k`` long."""
     n, block_bytes = data.shape
-    if slot_fp.shape[0] != n * rows_per_block or rows.shape[0] < slot_fp.shape[0] or (
-            slots.shape[0] < slot_fp.shape[0]):
-        raise ValueError(f"{n} blocks of {rows_per_block} slots: slot_fp, rows and slots "
-                         f"must hold {n * rows_per_block}")
-    k = _gather_kernel(data.reshape(-1), block_bytes, rows_per_block, rows.dtype.itemsize,
-                       slot_fp, first_slot, rows.view(np.uint8), slots)
-    return rows[:k], slots[:k]
+    record = np.dtype(record)
+    if (slot_fp.shape[0] != n * rows_per_block or slots.shape[0] < slot_fp.shape[0]
+            or rows_per_block * record.itemsize > block_bytes or not data.flags.c_contiguous):
+        raise ValueError(f"{n} contiguous blocks of {rows_per_block} records of "
+                         f"{record.itemsize} bytes: slot_fp and slots must hold "
+                         f"{n * rows_per_block}")
+    flat = data.reshape(-1)
+    k = _compact_kernel(flat, block_bytes, rows_per_block, record.itemsize, slot_fp,
+                        first_slot, slots)
+    return flat[:k * record.itemsize].view(record), slots[:k]
 
 
 def byte_columns(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -168,17 +175,22 @@ class BlockStager:
     """Two aligned staging buffers of whole blocks, kept and reused (each write would
     otherwise fault in fresh memory), handed out in turn: the one a write in the
     background still reads is never the one filled next, as long as a write waits for
-    the one before it (:meth:`persia_py.servers.page_file.PageFile.write_blocks`)."""
+    the one before it (:meth:`persia_py.servers.page_file.PageFile.write_blocks`). A
+    scan reads into both (:meth:`persia_py.servers.disk_tier.DiskTier.scan_chunks`) and
+    checks :attr:`num_handed` to know that no write took one meanwhile."""
 
     def __init__(self, block_bytes: int) -> None:
         self.block_bytes = block_bytes
         self._buffers = [aligned_empty((0, block_bytes)), aligned_empty((0, block_bytes))]
         self._turn = 0
+        self.num_handed = 0
+        """Buffers handed out so far."""
 
     def blocks(self, n: int) -> np.ndarray:
         """The first ``n`` blocks of the next buffer (grown to them if needed; contents
         undefined)."""
         self._turn ^= 1
+        self.num_handed += 1
         if self._buffers[self._turn].shape[0] < n:
             self._buffers[self._turn] = aligned_empty((n, self.block_bytes))
         return self._buffers[self._turn][:n]

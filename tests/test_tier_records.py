@@ -1,6 +1,7 @@
 """The disk tier's record packing (servers/tier_records.py): byte for byte the blocks that
-numpy's structured records give, for any record shape, offset in a block and count; and a
-tier written in several staging pieces reads every row back."""
+numpy's structured records give, for any record shape, offset in a block and count; a
+tier written in several staging pieces reads every row back; a scan's live records
+compacted in place are those numpy reads, and a write during a scan stops it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from persia_py.servers.disk_tier import EMPTY, DiskTier, record_layout
-from persia_py.servers.tier_records import byte_columns, pack_blocks
+from persia_py.servers.tier_records import byte_columns, compact_live, pack_blocks
 
 
 def _reference(record: np.dtype, block: int, rpb: int, head: np.ndarray, skip: int,
@@ -83,5 +84,51 @@ def test_a_write_larger_than_the_staging_piece_reads_back(tmp_path) -> None:
         order = {int(i): p for p, i in enumerate(ids.tolist())}
         rows = np.array([order[int(i)] for i in asked.tolist()])
         assert np.array_equal(w.view(np.uint16), weights[rows].view(np.uint16))
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize(("dim", "dtype", "width"), [(64, np.float16, 1), (5, np.float32, 2),
+                                                     (120, np.float32, 0)])
+def test_live_records_are_compacted_in_place(dim: int, dtype: type, width: int) -> None:
+    # A scan's blocks: the live slots' records, in slot order, moved to the buffer's
+    # start over the records they pass; compared with the records read by numpy first.
+    record, block, rpb = record_layout(dim, np.dtype(dtype), width)
+    rng = np.random.default_rng(dim)
+    for live_share in (0.0, 0.3, 1.0):
+        n = 37
+        data = rng.integers(0, 256, (n, block), np.uint8)
+        slot_fp = (rng.random(n * rpb) < live_share).astype(np.uint32) * np.uint32(7)
+        records = data[:, :rpb * record.itemsize].copy().view(record).reshape(-1)
+        want_slots = np.flatnonzero(slot_fp) + 1000
+        want = records[slot_fp != 0].view(np.uint8).copy()
+        slots = np.full(n * rpb, -1, np.int64)
+        got, got_slots = compact_live(data, slot_fp, 1000, rpb, record, slots)
+        assert got.dtype == record and got.shape == (want_slots.shape[0],)
+        assert np.array_equal(got.view(np.uint8), want)
+        assert np.array_equal(got_slots, want_slots)
+    with pytest.raises(ValueError, match="must hold"):
+        compact_live(np.zeros((2, block), np.uint8), np.zeros(rpb, np.uint32), 0, rpb,
+                     record, np.zeros(2 * rpb, np.int64))
+
+
+def test_a_write_during_a_scan_is_refused(tmp_path) -> None:
+    # A scan hands out views of the staging buffers: a write taking one before the next
+    # chunk would change rows already handed out, so the scan stops with an error.
+    rng = np.random.default_rng(1)
+    n = 60_000  # two 8 MiB ranges of 140-byte records
+    tier = DiskTier(str(tmp_path), capacity_rows=n + 10, dim=64, weight_dtype=np.float16,
+                    state_width=1)
+    try:
+        ids = rng.choice(2**40, n + 1, replace=False).astype(np.uint64) + np.uint64(1)
+        weights = rng.standard_normal((n + 1, 64)).astype(np.float16)
+        state = rng.random((n + 1, 1), dtype=np.float32)
+        tier.append(ids[:n], weights[:n], state[:n])
+        chunks = tier.scan_chunks()
+        first = next(chunks)[0]
+        assert np.array_equal(first, ids[:first.shape[0]]) and first.shape[0] < n
+        tier.write(ids[n:], weights[n:], state[n:], fresh=True)
+        with pytest.raises(RuntimeError, match="during a scan"):
+            next(chunks)
     finally:
         tier.close()
