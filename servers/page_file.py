@@ -166,6 +166,11 @@ class PageFile:
         """Bytes read, random reads and scans."""
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._pool is None
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the file (all reserved at start)."""
         return self.block_bytes * self.num_blocks

@@ -78,7 +78,7 @@ def fetch(tier: DiskTier, read: PlannedRead, *, locked: bool = True) -> np.ndarr
     """The records of ``read``'s candidate slots, read from disk (one block per distinct
     block, in one batch). ``locked`` False: the caller does not hold the shard's lock
     (nothing of the tier but its file is touched; :func:`settle` counts the reads)."""
-    if read.slots.shape[0] == 0:
+    if read.slots.shape[0] == 0 or (not locked and tier.file.closed):
         return np.zeros(0, tier.record)
     data = tier.file.read_blocks(read.blocks, counted=locked, flush=locked)
     return _records(tier, data, read.where, read.slots)
@@ -103,10 +103,13 @@ def settle(tier: DiskTier, read: PlannedRead, records: np.ndarray, *, recheck: b
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(found, slots, rows)``: which of ``read.ids`` are stored, their slots and records
     (the caller holds the shard's lock). ``recheck``: the records were fetched without
-    the lock; those whose slot was freed or whose segment was opened again since the plan
-    count as not found (where the row is now, the caller's next look will tell)."""
+    the lock; those whose slot was freed or whose segment was opened again since the plan,
+    or all where the tier was closed since, count as not found (where the row is now, the
+    caller's next look will tell)."""
     found = read.candidate.copy()
     slots, exact = read.slots, read.exact
+    if recheck and tier.file.closed:  # its table is gone: nothing to keep
+        return np.zeros_like(found), slots[:0], np.zeros(0, tier.record)
     if recheck:
         tier.file.count_reads(read.blocks.shape[0])
         still = ((tier.slot_fp[slots] != FREE)

@@ -127,3 +127,35 @@ def test_updates_go_on_while_a_prefetch_waits_on_the_disk_and_lookups_wait_for_i
     finally:
         hinted.close()
         plain.close()
+
+
+def test_a_table_closed_while_a_prefetch_reads_keeps_nothing_and_raises_nothing(tmp_path,
+                                                                                monkeypatch
+                                                                                ) -> None:
+    (tmp_path / "a").mkdir()
+    table = _tiered(tmp_path, "a")
+    try:
+        ids = np.arange(1, 1_001, dtype=np.uint64)
+        for first in range(0, 1_000, 200):
+            table.lookup(ids[first:first + 200], True)
+        shard = table._shards[0]
+        assert shard.tier.holds(ids[:200]).all()
+        reading, go = threading.Event(), threading.Event()
+        read_planned = shard.tier.read_planned
+
+        def held_read(read):
+            reading.set()
+            assert go.wait(30)
+            return read_planned(read)
+
+        monkeypatch.setattr(shard.tier, "read_planned", held_read)
+        moved: list[int] = []
+        prefetch = threading.Thread(target=lambda: moved.append(table.prefetch(ids[:200])))
+        prefetch.start()
+        assert reading.wait(60)
+        table.close()  # a Load swapping tables closes the old ones so
+        go.set()
+        prefetch.join(60)
+        assert moved == [0]
+    finally:
+        table.close()
