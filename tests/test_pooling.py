@@ -109,17 +109,20 @@ def test_one_id_per_sample_matches_embedding_bag(pooling: str, sqrt_scaling: boo
 @pytest.mark.parametrize("mode, weighted", [("sum", False), ("mean", False), ("sum", True)])
 def test_the_one_pass_backward_adds_as_index_add_does(mode: str, weighted: bool) -> None:
     """The CPU backward (a numba pass) gives bit for bit what gathering each entry's
-    gradient and one ``index_add_`` give (the path off the CPU), empty samples included."""
+    gradient and one ``index_add_`` onto zeros give (the path off the CPU), empty samples
+    and rows no entry names included, whatever its output array held before."""
     rng = np.random.default_rng(7)
     entries = torch.from_numpy(rng.integers(0, 40, 300))
-    index = torch.from_numpy(rng.integers(0, 500, int(entries.sum())))
+    num_rows = 8000  # more than the ~6,000 entries: some rows get none
+    index = torch.from_numpy(rng.integers(0, num_rows, int(entries.sum())))
     grad = torch.from_numpy(rng.normal(size=(300, 16)).astype(np.float32))
     weights = torch.from_numpy(rng.random(index.numel()).astype(np.float32)) if weighted else None
-    fused = torch.zeros(500, 16)
-    pooling_module._add_entry_grads(grad.numpy(), index.numpy(), entries.numpy(),
+    fused = torch.full((num_rows, 16), float("nan"))  # never read: every row is set
+    pooling_module._sum_entry_grads(grad.numpy(), index.numpy(), entries.numpy(),
                                     weights.numpy() if weighted else pooling_module._NO_WEIGHTS,
                                     mode == "mean", fused.numpy())
-    gathered = pooling_module._index_add_entry_grads(torch.zeros(500, 16), grad, index,
+    assert not bool(torch.isin(torch.arange(num_rows), index).all())
+    gathered = pooling_module._index_add_entry_grads(torch.zeros(num_rows, 16), grad, index,
                                                      entries, weights, mode)
     assert torch.equal(fused, gathered)
 
@@ -128,8 +131,8 @@ def test_the_one_pass_backward_refuses_an_index_that_does_not_fit() -> None:
     grad, out = np.ones((2, 4), np.float32), np.zeros((3, 4), np.float32)
     entries = np.array([1, 2])
     with pytest.raises(ValueError, match="do not add up"):
-        pooling_module._add_entry_grads(grad, np.array([0, 1]), entries,
+        pooling_module._sum_entry_grads(grad, np.array([0, 1]), entries,
                                         pooling_module._NO_WEIGHTS, False, out)
     with pytest.raises(ValueError, match="past the rows"):
-        pooling_module._add_entry_grads(grad, np.array([0, 1, 3]), entries,
+        pooling_module._sum_entry_grads(grad, np.array([0, 1, 3]), entries,
                                         pooling_module._NO_WEIGHTS, False, out)

@@ -64,18 +64,18 @@ def _native_bag(rows, index, offsets, entries, mode, weights):
     return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
 
 
-def _add_entry_grads(grad: np.ndarray, index: np.ndarray, entries: np.ndarray,
+def _sum_entry_grads(grad: np.ndarray, index: np.ndarray, entries: np.ndarray,
                      weights: np.ndarray, mean: bool, out: np.ndarray) -> None:
-    """:func:`persia_py.workers.entry_grads.add_entry_grads`, imported on the first call:
+    """:func:`persia_py.workers.entry_grads.sum_entry_grads`, imported on the first call:
     numba comes with it, and a rank whose slots never take this path does not import it."""
-    from persia_py.workers.entry_grads import add_entry_grads
+    from persia_py.workers.entry_grads import sum_entry_grads
 
-    add_entry_grads(grad, index, entries, weights, mean, out)
+    sum_entry_grads(grad, index, entries, weights, mean, out)
 
 
 class _Bag(torch.autograd.Function):
     """``F.embedding_bag`` whose backward adds each entry's gradient onto its row in one
-    pass (:func:`_add_entry_grads`; ``index_add_`` of the gathered gradients off the CPU):
+    pass (:func:`_sum_entry_grads`; ``index_add_`` of the gathered gradients off the CPU):
     the built-in dense backward sorts the index and adds row by row, several times slower
     with many entries per sample, and gathering a gradient per entry first writes and
     reads an array ``ids per sample`` times the gradient's size (docs/benchmarks.md)."""
@@ -89,21 +89,23 @@ class _Bag(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         index, entries, weights = ctx.saved_tensors
-        rows_grad = grad.new_zeros(ctx.num_rows, grad.shape[1])
         if grad.device.type == "cpu" and grad.dtype == torch.float32:
-            _add_entry_grads(grad.detach().contiguous().numpy(), index.numpy(), entries.numpy(),
+            # Not zeroed here: the kernel sets every row (a pass over ~1 MB a slot saved).
+            rows_grad = grad.new_empty(ctx.num_rows, grad.shape[1])
+            _sum_entry_grads(grad.detach().contiguous().numpy(), index.numpy(), entries.numpy(),
                              _NO_WEIGHTS if weights is None else weights.contiguous().numpy(),
                              ctx.mode == "mean", rows_grad.numpy())
         else:
-            _index_add_entry_grads(rows_grad, grad, index, entries, weights, ctx.mode)
+            rows_grad = _index_add_entry_grads(grad.new_zeros(ctx.num_rows, grad.shape[1]),
+                                               grad, index, entries, weights, ctx.mode)
         return rows_grad, None, None, None, None, None
 
 
 def _index_add_entry_grads(rows_grad: torch.Tensor, grad: torch.Tensor, index: torch.Tensor,
                            entries: torch.Tensor, weights: torch.Tensor | None,
                            mode: str) -> torch.Tensor:
-    """:func:`_add_entry_grads` in torch ops, for gradients off the CPU or not float32:
-    each entry's gradient gathered, then one ``index_add_``."""
+    """:func:`_sum_entry_grads` onto ``rows_grad`` (zeros) in torch ops, for gradients off
+    the CPU or not float32: each entry's gradient gathered, then one ``index_add_``."""
     sample = torch.repeat_interleave(torch.arange(entries.numel(), device=grad.device),
                                      entries)
     per_entry = grad.index_select(0, sample)  # each entry gets its sample's gradient

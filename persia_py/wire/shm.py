@@ -39,6 +39,7 @@ from __future__ import annotations
 import errno
 import hmac
 import logging
+import math
 import mmap
 import os
 import re
@@ -101,7 +102,7 @@ def layout(specs: list[tuple[str, tuple[int, ...]]]) -> tuple[list[int], int]:
     offsets, end = [], HEADER_BYTES
     for dtype_name, shape in specs:
         offsets.append(end)
-        end = _align(end + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype_name).itemsize)
+        end = _align(end + math.prod(shape) * np.dtype(dtype_name).itemsize)
     return offsets, end
 
 
@@ -211,7 +212,7 @@ class Segment:
     def array(self, offset: int, dtype_name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A writable array at ``offset`` (bounds checked), for the side that writes."""
         dtype = np.dtype(dtype_name).newbyteorder("<")
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         return np.frombuffer(self.at(offset, count * dtype.itemsize, writable=True), dtype,
                              count=count).reshape(shape)
 
