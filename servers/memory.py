@@ -1,4 +1,4 @@
-"""Big row arrays backed by transparent huge pages.
+"""Big row arrays backed by transparent huge pages where they pay.
 
 A parameter server reads rows at random over gigabytes, so nearly every row costs a
 TLB miss, and under a hypervisor each miss is a two-level page walk. Backing the
@@ -6,7 +6,8 @@ arrays with 2 MiB pages instead of 4 KiB ones cuts those walks ~500-fold. numpy
 advises huge pages for its own big allocations too, but only over the part of a
 ``malloc`` block that happens to be 2 MiB aligned, and only when the kernel's policy is
 not "never"; here every big array is its own aligned anonymous mapping, advised
-explicitly. Pages are still allocated on first touch, so reserved but unused capacity
+explicitly, unless ``PERSIA_HUGE_PAGES`` (by default: the machine) says otherwise.
+Pages are still allocated on first touch, so reserved but unused capacity
 costs address space, not memory.
 """
 
@@ -16,6 +17,8 @@ import mmap
 import sys
 
 import numpy as np
+
+from persia_py.ops import huge_pages
 
 HUGE_PAGE = 2 << 20
 _MIN_BYTES = 2 * HUGE_PAGE
@@ -55,7 +58,8 @@ def reserve(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray 
 
 def _mapped(shape: int | tuple[int, ...], dtype: np.dtype | type, flags: int = 0
             ) -> np.ndarray | None:
-    """The array as its own huge-page mapping (zero-filled); None when it is too small."""
+    """The array as its own mapping (zero-filled), advised for huge pages where they pay
+    (:func:`persia_py.ops.huge_pages.enabled`); None when it is too small."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -68,7 +72,8 @@ def _mapped(shape: int | tuple[int, ...], dtype: np.dtype | type, flags: int = 0
     base = np.frombuffer(buffer, dtype=np.uint8)
     offset = -base.ctypes.data % HUGE_PAGE
     try:
-        buffer.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)  # mmap memory is page aligned
+        if huge_pages.enabled():
+            buffer.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)  # mmap memory is page aligned
     except OSError:  # a kernel without THP: plain pages, same semantics
         pass
     return base[offset:offset + nbytes].view(dtype).reshape(shape)

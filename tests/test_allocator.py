@@ -37,11 +37,18 @@ def _faults(env: dict[str, str]) -> int:
 
 
 def test_with_tunables_adds_them_but_a_users_choice_wins() -> None:
-    env = allocator.with_tunables({"PATH": "/bin"})
+    huge = {"PATH": "/bin", "PERSIA_HUGE_PAGES": "on"}
+    small = {"PATH": "/bin", "PERSIA_HUGE_PAGES": "off"}
     if sys.platform == "linux":
-        assert env == {"PATH": "/bin", "GLIBC_TUNABLES": allocator.TUNABLES}
-    mine = {"GLIBC_TUNABLES": "glibc.malloc.perturb=0"}
+        assert allocator.with_tunables(huge) == {**huge, "GLIBC_TUNABLES": allocator.TUNABLES}
+        assert allocator.with_tunables(small) == {
+            **small, "GLIBC_TUNABLES": allocator.BASE_TUNABLES, "NUMPY_MADVISE_HUGEPAGE": "0"}
+        assert "hugetlb" not in allocator.BASE_TUNABLES
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.perturb=0", "NUMPY_MADVISE_HUGEPAGE": "1",
+            "PERSIA_HUGE_PAGES": "off"}
     assert allocator.with_tunables(mine) == mine
+    with pytest.raises(ValueError, match="PERSIA_HUGE_PAGES='maybe'"):
+        allocator.with_tunables({"PERSIA_HUGE_PAGES": "maybe"})
 
 
 @pytest.mark.processes

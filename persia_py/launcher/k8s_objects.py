@@ -72,7 +72,7 @@ def env(spec: K8sJob, role: str) -> list[dict]:
         embedding_config=f"{CONFIG_DIR}/embedding_config.yml",
         global_config=f"{CONFIG_DIR}/global_config.yml")
     variables.update({ENV_METRICS_PORT: str(spec.metrics_port), "PYTHONUNBUFFERED": "1",
-                      "GLIBC_TUNABLES": allocator.TUNABLES})
+                      "GLIBC_TUNABLES": allocator.BASE_TUNABLES})
     return [*({"name": k, "value": v} for k, v in variables.items()),
             {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index_field}}}]
 
