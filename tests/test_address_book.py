@@ -105,7 +105,12 @@ def test_a_client_redials_where_the_book_says_once_its_server_is_gone(
         book.publish({"ps": [first.address]})
         first.stop()
         waiter = LogWaiter(r"parameter server \S+ unavailable")
-        logging.getLogger("persia_py.wire.rpc").addHandler(waiter)
+        [port] = free_ports(1, "127.0.0.1")
+        # The server there starts only once a call was refused there: one up before the
+        # client's next attempt would leave no outage there to log.
+        refused = LogWaiter(rf"parameter server 127\.0\.0\.1:{port} unavailable")
+        for handler in (waiter, refused):
+            logging.getLogger("persia_py.wire.rpc").addHandler(handler)
         result: dict = {}
 
         def train() -> None:
@@ -122,15 +127,16 @@ def test_a_client_redials_where_the_book_says_once_its_server_is_gone(
                 # The book names the replica's new place before it answers there (the
                 # supervisor writes it as it starts the server, which then loads its
                 # checkpoint and replays its update log; empty here).
-                [port] = free_ports(1, "127.0.0.1")
-                assert book.publish({"ps": [f"127.0.0.1:{port}"]}) == 2  # the first removed
                 waiter.pattern = re.compile("redialling")
                 waiter.event.clear()
+                assert book.publish({"ps": [f"127.0.0.1:{port}"]}) == 2  # the first removed
                 assert waiter.event.wait(timeout=15), "no line about the redial"
+                assert refused.event.wait(timeout=15), "no line about the new address refusing"
                 second = servers(port)
                 thread.join(timeout=30)
         finally:
-            logging.getLogger("persia_py.wire.rpc").removeHandler(waiter)
+            for handler in (waiter, refused):
+                logging.getLogger("persia_py.wire.rpc").removeHandler(handler)
         assert not thread.is_alive() and result == {"updated": 2}, result
         assert client.address == second.address
         assert second.ps.configured and second.ps.num_updates == 1
