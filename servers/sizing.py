@@ -19,6 +19,7 @@ table by dim and optimizer and the measured figure it is checked against.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from persia_py.config import EmbeddingTablesConfig, GlobalConfig
 from persia_py.config.table_policy import MAX_CAPACITY
+from persia_py.ops import huge_pages
 from persia_py.servers.admission import frequency_sketch_bytes
 from persia_py.servers.disk_tier import file_geometry, record_layout
 from persia_py.servers.hash_index import index_bytes
@@ -124,8 +126,10 @@ def tier_bytes(capacity_rows: int, disk_rows: int, dim: int, state_width: int, *
 
 def huge_page_slack(num_shards: int) -> int:
     """Resident bytes past the rows in ``num_shards`` shards' reserved arrays: each of
-    the four is backed by 2 MiB huge pages, and its last one is half full on average."""
-    return num_shards * 4 * HUGE_PAGE // 2
+    the four is backed by 2 MiB huge pages (4 KiB pages where they do not pay,
+    :mod:`persia_py.ops.huge_pages`), and its last one is half full on average."""
+    page = HUGE_PAGE if huge_pages.enabled() else mmap.PAGESIZE
+    return num_shards * 4 * page // 2
 
 
 @dataclass(frozen=True)
