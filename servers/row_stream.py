@@ -154,10 +154,15 @@ def _plan_shard(shard: Shard, ids: np.ndarray, stamps: np.ndarray, clock: int
     returns the row of each in the shard's arrays (-1: to its disk tier) and the ids in
     RAM (rows ``0..``), for its index (:func:`_index_shard`, in a thread meanwhile)."""
     n = ids.shape[0]
-    rows = np.arange(n, dtype=np.int64)
     ram_ids, ram_stamps = ids, stamps
-    if n > shard.share:  # a ValueError if even the disk tier cannot take the rest
-        shard.check_fits(ids)
+    if n <= shard.share:
+        rows = np.arange(n, dtype=np.int64)
+    else:
+        # The shard and its tier are empty (load_table): the rest fits if the tier can
+        # take it; else check_fits raises, saying what does not fit (its probes of the
+        # empty index and tier, over every id, are not worth making when it fits).
+        if n > shard.share + (0 if shard.tier is None else shard.tier.capacity_rows):
+            shard.check_fits(ids)
         # The most recently used rows in RAM, the others on disk (as store_rows).
         ram = _most_recent(stamps, shard.share)
         rows = np.full(n, -1, np.int64)
