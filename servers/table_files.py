@@ -190,10 +190,7 @@ def row_chunks(parts: list[TableFiles]) -> RowChunks:
                 yield first, weights, state, part.row_dtype, checked
                 first += weights.shape[0]
 
-    def whole(arrays: list[np.ndarray]) -> np.ndarray:  # one part: no copy of 8 B a row
-        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-    return RowChunks(ids=whole([p.ids for p in parts]),
-                     last_access=whole([p.last_access for p in parts]),
+    return RowChunks(ids=np.concatenate([p.ids for p in parts]),
+                     last_access=np.concatenate([p.last_access for p in parts]),
                      clock=max(p.clock for p in parts), chunks=chunks,
                      row_dtypes=tuple(sorted({p.row_dtype for p in parts})))
