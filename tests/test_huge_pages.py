@@ -91,3 +91,14 @@ def test_a_server_started_without_the_launcher_turns_numpys_advice_off_too() -> 
                              env={**base, "PERSIA_HUGE_PAGES": setting}, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == advised, (setting, out.stdout)
+
+
+@pytest.mark.processes
+def test_a_launcher_with_a_wrong_setting_stops_before_anything_starts() -> None:
+    from persia_py.ops.start_checks import CONFIG_EXIT_CODE
+    out = subprocess.run(
+        [sys.executable, "-m", "persia_py.launcher.cli", "embedding-parameter-server",
+         "--port", "1"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PERSIA_HUGE_PAGES": "bogus"})
+    assert out.returncode == CONFIG_EXIT_CODE, out.stderr
+    assert "config error: PERSIA_HUGE_PAGES='bogus': expected one of auto, on, off" in out.stderr

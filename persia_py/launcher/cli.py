@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from persia_py.config import ConfigError
 from persia_py.launcher.job_token import add_insecure_flag, add_insecure_token_flag
+from persia_py.ops import huge_pages
 from persia_py.ops.final_errors import DATA_EXIT_CODE
 from persia_py.ops.start_checks import CONFIG_EXIT_CODE
 from persia_py.wire.security import ENV_INSECURE_TOKEN
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         # Read by every token check in this process and in those it starts.
         os.environ[ENV_INSECURE_TOKEN] = "1"
     try:
+        _check_environment()
         code = _SUBCOMMANDS[args.command].run(args)
     except ConfigError as exc:
         # Final: a supervisor that restarted the role would meet the same error.
@@ -310,6 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         # a restart would meet it again.
         return roles.hold_after_config_error(args.command, code)
     return code
+
+
+def _check_environment() -> None:
+    """Settings this process and the ones it starts read from the environment, checked
+    before anything starts."""
+    try:
+        huge_pages.choice()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _run_role_from_flags(args: argparse.Namespace) -> int:
