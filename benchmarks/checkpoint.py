@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             best["np_save"] = min(best["np_save"], time.perf_counter() - t)
             # numpy.load before and after ours: each load then faults in memory the other
             # has just freed (on this VM memory freed a few seconds ago is handed back to
-            # the host and costs ~12 ms/MB to fault in again: docs/benchmarks.md)
+            # the host and costs more to fault in again than the disk's reads: docs/benchmarks.md)
             with _timed(best, cpu, "np_load"):
                 back = _np_load(plain, arrays)
             assert back["ids"].shape[0] == args.rows

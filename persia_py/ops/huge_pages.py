@@ -5,12 +5,11 @@ Huge pages spare a parameter server's random row reads most TLB misses
 512 times (:mod:`persia_py.ops.allocator`), so where the memory is the machine's own they
 are worth their first touch. A virtual machine whose balloon reports free pages to its
 host (virtio-balloon free page reporting) gives every free 2 MiB block back: a huge page
-faulted later is one the host must back again, page by page. On such a VM (the ones this
-project is measured on) a fresh huge page cost 9-16 ms per MB against 0.5 ms for 4 KiB
-pages, a table's growth made a parameter server's CPU per sample 1.5x, and a checkpoint's
-load 1.7x; in a long run's steady state 4 KiB pages were as fast (docs/benchmarks.md,
-"Huge pages"). Where the host backs a guest's memory with 4 KiB pages, a guest's huge
-page also saves it few TLB misses.
+faulted later is one the host must back again, page by page, and that costs many times
+a 4 KiB page's first touch, on the batch's path while a table grows; in a long run's
+steady state 4 KiB pages were as fast there (docs/benchmarks.md, "Huge pages"). Where the
+host backs a guest's memory with 4 KiB pages, a guest's huge page also saves it few TLB
+misses.
 
 ``PERSIA_HUGE_PAGES`` chooses, for every role a launcher starts and for the tables of a
 process that imports persia_py: ``auto`` (the default: off where the host takes free
