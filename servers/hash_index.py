@@ -163,26 +163,46 @@ def _insert_all_kernel(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint
     return -1
 
 
+_REHASH_CHUNK = 4096
+"""Entries a growth moves per round: its temporaries stay in the first-level caches."""
+
+
 @njit(cache=True, nogil=True)
 def _rehash_kernel(old: np.ndarray, old_row_mask: np.uint64, slots: np.ndarray,
                    row_ids: np.ndarray, row_mask: np.uint64, words: np.ndarray,
                    tag_mask: np.uint64, row_bits: int) -> None:
     """Insert every entry of the slot array ``old`` into the empty ``slots`` (a growth:
-    the entries are distinct). Works slot by slot with no batch-sized temporaries: a
-    process keeps its peak heap (``persia_py.ops.allocator``), so arrays the size of the
-    index, made at each growth, would stay resident for good."""
+    the entries are distinct). A chunk of entries at a time, in three passes that each
+    prefetch what the next needs: their rows from the old slots (read in order), their
+    ids (random reads of ``row_ids``) into homes and tags, then the new slots (random).
+    Done entry by entry, each entry waited on its id's miss and then its new slot's.
+    The temporaries are chunk-sized, not index-sized: a process keeps its peak heap
+    (``persia_py.ops.allocator``), so arrays the size of the index, made at each
+    growth, would stay resident for good."""
     num_slots = slots.shape[0]
-    for i in range(old.shape[0]):
-        v = np.uint64(old[i])
-        if v == 0:
-            continue
-        r = np.int64(v & old_row_mask) - 1
-        home, tag = home_and_tag(keyed_hash_one(row_ids[r], words), num_slots, tag_mask,
-                                  row_bits)
-        s = int(home)
-        while slots[s] != 0:
-            s = next_slot(s, num_slots)
-        slots[s] = tag | np.uint64(r + 1)
+    rows = np.empty(_REHASH_CHUNK, np.int64)
+    home = np.empty(_REHASH_CHUNK, np.int64)
+    tags = np.empty(_REHASH_CHUNK, np.uint64)
+    i = 0
+    while i < old.shape[0]:
+        n = 0
+        while i < old.shape[0] and n < _REHASH_CHUNK:
+            v = np.uint64(old[i])
+            i += 1
+            if v != 0:
+                r = np.int64(v & old_row_mask) - 1
+                prefetch_item(row_ids, r)
+                rows[n] = r
+                n += 1
+        for j in range(n):
+            home[j], tags[j] = home_and_tag(keyed_hash_one(row_ids[rows[j]], words),
+                                            num_slots, tag_mask, row_bits)
+            prefetch_item(slots, home[j])
+        for j in range(n):
+            s = int(home[j])
+            while slots[s] != 0:
+                s = next_slot(s, num_slots)
+            slots[s] = tags[j] | np.uint64(rows[j] + 1)
 
 
 @njit(cache=True, nogil=True)

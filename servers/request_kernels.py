@@ -19,10 +19,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from persia_py.ids.hashing import keyed_hash_one
 from persia_py.servers.access_clock import STAMP_DTYPE
 from persia_py.servers.hash_index import _find_kernel
-from persia_py.servers.hash_probe import homes_and_tags
-from persia_py.servers.kernels import SGD, _rows_repeat, adaptive_step, sgd_step
+from persia_py.servers.hash_probe import home_and_tag, homes_and_tags, probe
+from persia_py.servers.kernels import (
+    PREFETCH_AHEAD,
+    SGD,
+    _rows_repeat,
+    adaptive_step,
+    prefetch_item,
+    sgd_step,
+)
 
 TABLES_PER_CALL = 32
 """Tables of one kernel call (more: several calls)."""
@@ -36,6 +44,33 @@ def _find(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64, words: np
     home, tags = homes_and_tags(ids, 0, slots.shape[0], words, tag_mask, row_bits)
     return _find_kernel(slots, row_ids, row_mask, ids, home, tags, weights, out,
                         np.empty(0, np.int64), stamps, tick)
+
+
+@njit(cache=True, nogil=True)
+def _find_hinted(slots: np.ndarray, row_ids: np.ndarray, row_mask: np.uint64,
+                 words: np.ndarray, tag_mask: np.uint64, row_bits: int, ids: np.ndarray,
+                 hint: np.ndarray, size: int) -> tuple[np.ndarray, int]:
+    """What :func:`_find` returns (no gather) where ``hint`` guesses each id's row
+    (:mod:`persia_py.servers.row_hints`): a guess is taken where it is below ``size``
+    and holds the id, other ids are probed. Also returns how many guesses held."""
+    n = ids.shape[0]
+    num_slots = slots.shape[0]
+    rows = np.empty(n, np.int64)
+    held = 0
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:
+            ahead = hint[i + PREFETCH_AHEAD]
+            if 0 <= ahead < size:
+                prefetch_item(row_ids, ahead)
+        r = np.int64(hint[i])
+        if 0 <= r < size and row_ids[r] == ids[i]:
+            held += 1
+        else:
+            home, tag = home_and_tag(keyed_hash_one(ids[i], words), num_slots, tag_mask,
+                                     row_bits)
+            r = probe(slots, row_ids, ids[i], tag, row_mask, int(home))[1]
+        rows[i] = r
+    return rows, held
 
 
 @njit(cache=True, nogil=True)
@@ -56,22 +91,30 @@ def find_gather_tables(count: int, slots: tuple, row_ids: tuple, row_masks: np.n
 @njit(cache=True, nogil=True)
 def step_tables(count: int, slots: tuple, row_ids: tuple, row_masks: np.ndarray,
                 words: tuple, tag_masks: np.ndarray, row_bits: np.ndarray, sizes: np.ndarray,
-                ids: tuple, grads: tuple, weights: tuple, state: tuple, stamps: tuple,
-                ticks: np.ndarray, offsets: np.ndarray, kinds: np.ndarray,
+                ids: tuple, hints: tuple, grads: tuple, weights: tuple, state: tuple,
+                stamps: tuple, ticks: np.ndarray, offsets: np.ndarray, kinds: np.ndarray,
                 sr_keys: np.ndarray, stochastic: np.ndarray, floats: np.ndarray,
-                betas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                betas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One optimizer step on the stored rows of every table's ids; returns the rows of
-    the ids (-1: absent) and how many rows each table stepped, -1 for a table whose ids
+    the ids (-1: absent), how many rows each table stepped, -1 for a table whose ids
     meet one row twice: its rows are not stepped (its caller sums their gradients first:
-    ``Shard.step_rows``). ``floats[t]``: lr, weight decay, bound, eps, momentum;
-    ``betas[t]``: Adam's two (``optimizers.KernelStep``)."""
+    ``Shard.step_rows``), and how many of each table's ``hints`` held (a table's hints:
+    int32 guesses of its ids' rows, one per id, or none: :func:`_find_hinted`).
+    ``floats[t]``: lr, weight decay, bound, eps, momentum; ``betas[t]``: Adam's two
+    (``optimizers.KernelStep``)."""
     no_weights = np.zeros((0, 1), np.float32)
     no_stamps = np.zeros(0, STAMP_DTYPE)
     rows = np.empty(offsets[count], np.int64)
     stepped = np.empty(count, np.int64)
+    held = np.zeros(count, np.int64)
     for t in range(count):
-        found = _find(slots[t], row_ids[t], row_masks[t], words[t], tag_masks[t],
-                      row_bits[t], ids[t], no_weights, no_weights, no_stamps, 0)
+        if hints[t].shape[0] == ids[t].shape[0] and ids[t].shape[0]:
+            found, held[t] = _find_hinted(slots[t], row_ids[t], row_masks[t], words[t],
+                                          tag_masks[t], row_bits[t], ids[t], hints[t],
+                                          sizes[t])
+        else:
+            found = _find(slots[t], row_ids[t], row_masks[t], words[t], tag_masks[t],
+                          row_bits[t], ids[t], no_weights, no_weights, no_stamps, 0)
         rows[offsets[t]:offsets[t + 1]] = found
         if _rows_repeat(found, sizes[t]):
             stepped[t] = -1
@@ -86,4 +129,4 @@ def step_tables(count: int, slots: tuple, row_ids: tuple, row_masks: np.ndarray,
                                        stamps[t], ticks[t], ids[t], sr_keys[t],
                                        stochastic[t], lr, decay, bound, eps, momentum,
                                        betas[t, 0], betas[t, 1])
-    return rows, stepped
+    return rows, stepped, held

@@ -10,7 +10,9 @@ locks for that call. Everything around the kernels stays each table's and each s
 own code, in the same order: the checks, the clock's tick and expiry sweeps
 (:meth:`EmbeddingTable.start_lookup`), admission, insertion and eviction of the ids not
 found (:meth:`Shard.found`), the change log and stamps (:meth:`Shard.start_update`), the
-summing of repeated rows (:meth:`Shard.step_rows`). Other tables (several internal
+summing of repeated rows (:meth:`Shard.step_rows`). A training lookup leaves each shard
+the rows it found, and the update of the same ids starts from them instead of probing
+the index again (:mod:`persia_py.servers.row_hints`; each checked). Other tables (several internal
 shards, a disk tier, a table named twice in one request, a custom optimizer, arrays
 the kernels cannot take as they are) are served table by table as before.
 
@@ -35,6 +37,9 @@ from persia_py.servers.shard import Shard
 from persia_py.servers.storage import EmbeddingTable
 
 __all__ = ["lookup_tables", "update_tables"]
+
+_NO_HINT = np.zeros(0, np.int32)
+"""The hints of an update whose lookup left none (:mod:`persia_py.servers.row_hints`)."""
 
 
 def lookup_tables(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], insert: bool,
@@ -62,8 +67,10 @@ def lookup_tables(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], i
                 _padded([shard.last_access for shard in shards]),
                 np.array(stamps, np.int64), offsets)
             for j, (k, shard) in enumerate(members):
-                shard.found(ids_k[j], rows[offsets[j]:offsets[j + 1]], insert, started[k][2],
-                            stamps[j], outs_k[j], None)
+                found = shard.found(ids_k[j], rows[offsets[j]:offsets[j + 1]], insert,
+                                    started[k][2], stamps[j], outs_k[j], None)
+                if insert:  # a training lookup: its update comes with the same ids
+                    shard.hints.remember(ids_k[j], found)
     return [out for _, out, _ in started]
 
 
@@ -88,10 +95,12 @@ def update_tables(tables: Sequence[EmbeddingTable],
         with _holding(shards):
             stamps = [shard.start_update(ids_j, tick)
                       for shard, ids_j, tick in zip(shards, ids_k, ticks)]
-            rows, stepped = step_tables(
+            hints = [shard.hints.take(ids_j) for shard, ids_j in zip(shards, ids_k)]
+            rows, stepped, held = step_tables(
                 len(members), *_index_args(shards),
                 np.array([shard.size for shard in shards], np.int64), _padded(ids_k),
-                _padded(grads_k), _padded([kernel_view(shard.weights) for shard in shards]),
+                _padded([_NO_HINT if h is None else h for h in hints]), _padded(grads_k),
+                _padded([kernel_view(shard.weights) for shard in shards]),
                 _padded([shard.state for shard in shards]),
                 _padded([shard.last_access for shard in shards]),
                 np.array(stamps, np.int64), offsets,
@@ -99,6 +108,7 @@ def update_tables(tables: Sequence[EmbeddingTable],
                 np.array([step.rounding[0] for step in steps], np.uint64),
                 np.array([step.rounding[1] for step in steps], np.bool_), params, betas)
             for j, shard in enumerate(shards):
+                shard.hints.held += int(held[j])
                 if stepped[j] < 0:  # a row met twice: its gradients are summed first
                     stepped[j] = shard.step_rows(ids_k[j], rows[offsets[j]:offsets[j + 1]],
                                                  checked[members[j][0]][1], stamps[j])

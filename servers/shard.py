@@ -39,6 +39,7 @@ from persia_py.servers.disk_tier import DiskTier
 from persia_py.servers.hash_index import HashIndex
 from persia_py.servers.initializer import initial_rows
 from persia_py.servers.optimizers import initial_state
+from persia_py.servers.row_hints import RowHints
 from persia_py.servers.row_types import kernel_view
 from persia_py.servers.shard_arrays import INITIAL_ROWS, ShardOwner, row_arrays
 
@@ -79,6 +80,8 @@ class Shard:
         ages); eviction spills the least frequent rows first, then the least recent."""
         self.changes = ChangeLog()
         """Ids changed and removed since the last ``take_changes`` (increments)."""
+        self.hints = RowHints()
+        """Rows of recent training lookups, for their updates (request_tables)."""
         self._removed_since_rekey = 0
         """Rows removed since the index was last rebuilt (under a new key)."""
         self._tier_reads = 0
@@ -110,9 +113,10 @@ class Shard:
             self.found(ids, rows, insert, tick, stamp, out, positions)
 
     def found(self, ids: np.ndarray, rows: np.ndarray, insert: bool, tick: int, stamp: int,
-              out: np.ndarray, positions: np.ndarray | None) -> None:
+              out: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
         """:meth:`lookup` once the index gave the ``rows`` of ``ids`` (found ones copied to
-        ``out``, a kernel view, and stamped ``stamp``); the caller holds ``lock``."""
+        ``out``, a kernel view, and stamped ``stamp``); the caller holds ``lock``. Returns
+        the rows of ``ids`` after it (-1: not stored)."""
         num_missing = int(np.count_nonzero(rows < 0))
         if self.frequency is not None:
             self.frequency.seen_enough(ids, 0)
@@ -136,6 +140,7 @@ class Shard:
             # The weights again: arrays that could not be reserved grow by moving.
             kernels.gather_rows_at(kernel_view(self.weights), rows[new], at, out,
                                    self.last_access, stamp)
+        return rows
 
     def prefetch(self, ids: np.ndarray, tick: int) -> int:
         """Bring the rows of ``ids`` absent from RAM that the tier holds back into RAM,
@@ -220,8 +225,7 @@ class Shard:
     def _insert_missing(self, ids: np.ndarray, rows: np.ndarray, tick: int, stamp: int
                         ) -> np.ndarray:
         found, missing = rows >= 0, rows < 0
-        hit_rows = rows[found]
-        self.last_access[hit_rows] = stamp
+        hit_rows = rows[found]  # stamped ``stamp`` already, as they were copied out
         new_ids, inverse = unique_in_order(ids[missing])
         keep = self.admission.admit(new_ids, tick)
         admitted = new_ids if keep.all() else new_ids[keep]

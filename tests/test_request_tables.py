@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from persia_py.config.optimizer import AdagradConfig, AdamConfig, SGDConfig
-from persia_py.servers import request_tables
+from persia_py.servers import request_tables, row_hints
 from persia_py.servers.request_kernels import TABLES_PER_CALL
+from persia_py.servers.row_hints import RowHints
 from persia_py.servers.storage import EmbeddingTable
 
 # Every kind of table: row types, optimizers, admission, capacity (eviction), expiry;
@@ -105,3 +106,82 @@ def test_more_tables_than_one_call_takes_are_served_in_several() -> None:
     for f, a, i, g in zip(fused, alone, ids, grads):
         a.update(i, g)
         np.testing.assert_array_equal(f.lookup(i, False), a.lookup(i, False))
+
+
+def _hinted_and_probing(capacity: int) -> tuple[list[EmbeddingTable], list[EmbeddingTable]]:
+    """Twin tables; the second set's updates never get a lookup's rows (they probe)."""
+    make = [dict(optimizer=AdagradConfig(lr=0.1)),
+            dict(optimizer=SGDConfig(lr=0.5), row_dtype="float16", capacity=capacity)]
+    hinted, probing = ([EmbeddingTable(dim=4, seed=2, **kwargs) for kwargs in make]
+                       for _ in range(2))
+    for table in probing:
+        table.single_shard().hints.take = lambda ids: None  # type: ignore[method-assign]
+    return hinted, probing
+
+
+def test_updates_start_from_their_lookups_rows_and_check_each() -> None:
+    # Three batches in flight (as with embedding staleness): later lookups insert and,
+    # in the small table, evict and move rows of earlier batches before their updates.
+    hinted, probing = _hinted_and_probing(capacity=120)
+    rng = np.random.default_rng(9)
+    in_flight: list[list[np.ndarray]] = []
+    updated = 0  # ids of the big table updated
+    for step in range(30):
+        ids = [np.unique(rng.integers(1, 300, 50).astype(np.uint64)) for _ in hinted]
+        for group in (hinted, probing):
+            request_tables.lookup_tables(group, ids, True, [None, None],
+                                         [np.float32, np.float32])
+        in_flight.append(ids)
+        if len(in_flight) < 3:
+            continue
+        done = in_flight.pop(0)
+        updated += done[0].shape[0]
+        grads = [rng.normal(0, 1, (i.shape[0], 4)).astype(np.float32) for i in done]
+        counts = [request_tables.update_tables(group, [t.check_update(i, g) for t, i, g
+                                                       in zip(group, done, grads)])
+                  for group in (hinted, probing)]
+        assert counts[0] == counts[1], f"step {step}"
+    for k, (h, p) in enumerate(zip(hinted, probing)):
+        for x, y in zip(_export(h), _export(p)):
+            np.testing.assert_array_equal(x, y, err_msg=f"table {k}")
+    held = [t.single_shard().hints.held for t in hinted]
+    assert held[0] == updated  # the big table's rows never move: every hint held
+    assert 0 < held[1] < updated, held  # the small one's moved rows were probed
+    assert all(t.single_shard().hints.held == 0 for t in probing)
+
+
+def test_wrong_hints_change_nothing() -> None:
+    # Another batch's rows filed under the same fingerprint, rows past the end, none.
+    hinted, probing = _hinted_and_probing(capacity=10_000)
+    ids = [np.arange(1, 200, dtype=np.uint64) * 7 for _ in hinted]
+    for group in (hinted, probing):
+        request_tables.lookup_tables(group, ids, True, [None, None], [np.float32] * 2)
+    for table, wrong in zip(hinted, (np.arange(198, -1, -1), np.full(199, 10**6))):
+        table.single_shard().hints.take(ids[0])
+        table.single_shard().hints.remember(ids[0], wrong.astype(np.int64))
+    grads = [np.ones((199, 4), np.float32) for _ in hinted]
+    for group in (hinted, probing):
+        assert request_tables.update_tables(
+            group, [t.check_update(i, g) for t, i, g in zip(group, ids, grads)]) == 2 * 199
+    for k, (h, p) in enumerate(zip(hinted, probing)):
+        for x, y in zip(_export(h), _export(p)):
+            np.testing.assert_array_equal(x, y, err_msg=f"table {k}")
+    # The reversed rows held where they met their own id (the middle one) only.
+    assert [t.single_shard().hints.held for t in hinted] == [1, 0]
+
+
+def test_a_shard_keeps_a_bounded_number_of_hints() -> None:
+    hints = RowHints()
+    batches = [np.arange(k, k + 100, dtype=np.uint64) for k in range(row_hints.MAX_HINTS + 8)]
+    for ids in batches:
+        hints.remember(ids, np.arange(100, dtype=np.int64))
+    assert hints.take(batches[7]) is None  # the oldest went first
+    np.testing.assert_array_equal(hints.take(batches[8]), np.arange(100))
+    assert hints.take(batches[8]) is None  # taken once
+    big = np.arange(1, row_hints.MAX_HINT_ROWS + 2, dtype=np.uint64)
+    hints.remember(big, np.zeros(big.shape[0], np.int64))  # more rows than all hints hold
+    assert hints.take(big) is None and hints.take(batches[-1]) is not None
+    half = np.arange(1, row_hints.MAX_HINT_ROWS // 2 + 1, dtype=np.uint64)
+    for shift in range(3):  # rows beyond the bound push out the oldest
+        hints.remember(half + np.uint64(shift), np.zeros(half.shape[0], np.int64))
+    assert hints.take(half) is None and hints.take(half + np.uint64(2)) is not None
