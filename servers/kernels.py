@@ -45,6 +45,8 @@ VM, 16-24 on a newer one; 16 is within the best range of both (docs/benchmarks.m
 "Parameter server")."""
 _LINE_BYTES = 64
 _S40 = np.uint64(40)
+_GOLDEN64 = np.uint64(0x9E3779B97F4A7C15)
+"""Fibonacci hashing's multiplier: spreads consecutive row numbers over a set's slots."""
 
 
 def _prefetch_codegen(context, builder, signature, args):
@@ -127,11 +129,12 @@ def _rows_repeat(rows: np.ndarray, num_rows: int) -> bool:
 
     One bit per table row: the bitmap of even a 4M-row shard (512 KB) stays in cache,
     so this is ~4x cheaper than the hashing in :func:`sum_duplicate_rows`, and most
-    batches (the embedding worker sends distinct ids) stop here. Answers True
-    ("maybe") without looking when the bitmap would be large beside the batch.
+    batches (the embedding worker sends distinct ids) stop here. Where the bitmap would
+    be large beside the batch (a few ids a table from a big shard), a hash set of the
+    batch's rows instead: answering "maybe" there sent every such batch the slow way.
     """
     if num_rows > 64 * rows.shape[0]:
-        return True
+        return _rows_repeat_hashed(rows)
     seen = np.zeros((num_rows >> 6) + 1, np.uint64)
     one = np.uint64(1)
     for i in range(rows.shape[0]):
@@ -143,6 +146,29 @@ def _rows_repeat(rows: np.ndarray, num_rows: int) -> bool:
         if seen[word] & bit:
             return True
         seen[word] |= bit
+    return False
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _rows_repeat_hashed(rows: np.ndarray) -> bool:
+    """:func:`_rows_repeat` by an open-addressing set of at least twice the batch's
+    slots (rows are the shard's own numbers, not a caller's: no crafted collisions)."""
+    size, bits = 16, 4
+    while size < 2 * rows.shape[0]:
+        size, bits = size << 1, bits + 1
+    shift = np.uint64(64 - bits)
+    mask = size - 1
+    table = np.full(size, -1, np.int64)
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            continue
+        s = np.int64((np.uint64(r) * _GOLDEN64) >> shift)
+        while table[s] >= 0:
+            if table[s] == r:
+                return True
+            s = (s + 1) & mask
+        table[s] = r
     return False
 
 

@@ -12,7 +12,7 @@ import pytest
 from persia_py.ids import hashing
 from persia_py.ids.dedup import rows_in_order, unique_in_order
 from persia_py.ids.hashing import HashKey, inverse_mix64, keyed_buckets, mix64
-from persia_py.servers.kernels import sum_duplicate_rows
+from persia_py.servers.kernels import _rows_repeat, sum_duplicate_rows
 
 KEYED_CODE = """
 import sys
@@ -110,3 +110,14 @@ def test_rows_in_order_drops_absent_rows_and_sum_duplicate_rows_sums() -> None:
     first_grads = grads[:3]
     same_rows, same_grads, summed = sum_duplicate_rows(distinct, first_grads, 10)
     assert not summed and same_rows is distinct and same_grads is first_grads
+
+
+@pytest.mark.parametrize("num_rows", [1 << 8, 1 << 30])  # by bitmap; by hash set (big shard)
+def test_repeated_rows_are_told_apart_from_distinct_ones(num_rows: int) -> None:
+    rng = np.random.default_rng(4)
+    for n in (1, 2, 17, 100):
+        distinct = rng.choice(min(num_rows, 10**6), n, replace=False).astype(np.int64)
+        distinct[1::5] = -1  # absent ids' rows may repeat
+        assert not _rows_repeat(distinct, num_rows), n
+        repeated = np.insert(distinct, rng.integers(0, n + 1), distinct[0])
+        assert _rows_repeat(repeated, num_rows), n
