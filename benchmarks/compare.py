@@ -7,7 +7,9 @@
 Checks REF out into a temporary git worktree and runs ``benchmarks.train_throughput``'s
 job alternately with REF's persia_py and with the working tree's (same Python
 environment, nothing installed; the harness, workloads and measurement are this tree's
-for both, so only the library differs). Prints, per workload, the samples/s medians and
+for both, so only the library differs; each side's numba kernels are compiled for the
+state of its sources, never taken from a cache an earlier state left:
+``train_throughput.numba_cache_dir``). Prints, per workload, the samples/s medians and
 their ratio (working tree / REF), and core-seconds per 1,000 samples per role for both.
 ``--json`` writes ``throughput_ratio`` and ``cpu_per_sample_ratio`` (working tree / REF,
 all roles; of the first workload) beside every figure per workload.

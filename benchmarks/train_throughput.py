@@ -24,6 +24,7 @@ after ~100 steps.)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -61,22 +62,41 @@ def _configs(workdir: Path, workload: str, fp16: bool = True,
     return embedding, global_
 
 
+def numba_cache_dir(tree: Path) -> str:
+    """Where the job's processes keep numba's compiled kernels of ``tree``'s sources as
+    they are now: a directory named by every source file's path, size and time.
+
+    numba checks a cached kernel against its own file only, so a kernel whose callee in
+    another file changed runs the callee's old machine code: an edited tree measured
+    with a cache its last version left would run code no longer there."""
+    digest = hashlib.sha256()
+    for sub in ("persia_py", "servers", "workers"):
+        for path in sorted((tree / sub).rglob("*.py")):
+            stat = path.stat()
+            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return str(Path(tempfile.gettempdir()) / "persia-benchmark-numba" / digest.hexdigest()[:20])
+
+
 def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = True,
          tree: Path | None = None, smoke: bool = False, *, launcher_args: Sequence[str] = (),
          script_args: str = "", nn_args: str = "", loader_args: str = "",
          own_network: bool = False, max_message_bytes: int | None = None) -> JobResult:
     """One ``local`` job of ``workload`` (its tiny version if ``smoke``); ``tree``: the
     checkout whose persia_py runs it (default: the one installed), the harness being this
-    one either way. ``launcher_args`` go to ``persia-launcher local`` (the roles' counts),
-    ``script_args`` to both scripts (the workload's sizes), ``nn_args`` to the NN worker's
-    and ``loader_args`` to the data loader's (``benchmarks.scaling``'s); ``own_network``:
-    see ``role_cpu.run_job``; ``max_message_bytes``: ``common_config``'s, for batches whose
-    lookup answers could pass the default."""
+    one either way, with numba's kernels cached by the state of its sources
+    (:func:`numba_cache_dir`) unless ``smoke``. ``launcher_args`` go to ``persia-launcher
+    local`` (the roles' counts), ``script_args`` to both scripts (the workload's sizes),
+    ``nn_args`` to the NN worker's and ``loader_args`` to the data loader's
+    (``benchmarks.scaling``'s); ``own_network``: see ``role_cpu.run_job``;
+    ``max_message_bytes``: ``common_config``'s, for batches whose lookup answers could
+    pass the default."""
     tiny = "".join(f" {a}" for a in ("--smoke" if smoke else "", script_args) if a)
     embedding, global_ = _configs(workdir, workload, fp16, max_message_bytes)
     env = None
-    if tree is not None:
+    if tree is not None:  # a comparison's side: measured code only (a smoke checks it runs)
         env = {**os.environ, "PYTHONPATH": str(tree)}
+        if not smoke:
+            env["NUMBA_CACHE_DIR"] = numba_cache_dir(tree)
     run_dir = workdir / "run"  # holds update logs of GBs in trees that kept them
     try:
         return run_job([

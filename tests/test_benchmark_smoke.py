@@ -186,3 +186,21 @@ def test_benchmark_smoke(name: str, smoke_runs: dict[str, Future[SmokeRun]]) -> 
     result = json.loads(run.json_path.read_text())
     if name in CHECKS:
         CHECKS[name](result)
+
+
+def test_a_comparison_side_never_runs_kernels_cached_from_older_sources(tmp_path: Path) -> None:
+    # numba checks a cached kernel against its own file only; the cache is chosen by all.
+    from benchmarks.train_throughput import numba_cache_dir
+    for sub in ("persia_py", "servers/deep"):
+        (tmp_path / sub).mkdir(parents=True)
+        (tmp_path / sub / "kernels.py").write_text("x = 1\n")
+    first = numba_cache_dir(tmp_path)
+    assert numba_cache_dir(tmp_path) == first
+    callee = tmp_path / "servers" / "deep" / "kernels.py"
+    callee.write_text("x = 2\n")
+    os.utime(callee, ns=(1, 1))
+    second = numba_cache_dir(tmp_path)
+    assert second != first
+    callee.write_text("x = 22\n")
+    os.utime(callee, ns=(1, 1))  # same time, other size
+    assert numba_cache_dir(tmp_path) not in (first, second)
