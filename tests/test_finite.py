@@ -1,11 +1,12 @@
 """``persia_py.wire.finite.all_finite``: what the embedding workers and parameter servers
-check every gradient array with, float16 by its exponent bits; and ``row_types.all_finite``,
-stored rows of each type."""
+check every gradient array with, float16 by its exponent bits; ``row_types.all_finite``,
+stored rows of each type; and the NN worker's check of its dense gradients."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from persia_py.servers import row_types
 from persia_py.wire.finite import all_finite
@@ -44,3 +45,16 @@ def test_stored_rows_of_every_type_are_checked_by_their_bits(row_dtype) -> None:
             stored = rows.copy()
             stored[at] = _bits_of(bad, row_dtype)
             assert not row_types.all_finite(stored, row_dtype), (bad, at)
+
+
+def test_dense_gradients_are_finite_unless_an_element_is_not() -> None:
+    from persia_py.dense.parallel import _local_grads_finite
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 3, 0)]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    params[0].grad = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    assert _local_grads_finite(optimizer)  # the second has no gradient, the third no elements
+    params[1].grad = torch.tensor([3e38, 3e38, -1.0])  # finite, though its sum overflows
+    assert _local_grads_finite(optimizer)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        params[1].grad = torch.tensor([1.0, bad, 2.0])
+        assert not _local_grads_finite(optimizer), bad

@@ -34,12 +34,18 @@ step (they came over gRPC, each message within ``common_config.max_message_bytes
 
 def _local_grads_finite(optimizer: torch.optim.Optimizer) -> bool:
     """Whether this rank's gradients (its shards under FSDP) of ``optimizer``'s
-    parameters are all finite; one reduction per parameter, not per element."""
+    parameters are all finite; one reduction per parameter, not per element.
+
+    First by their sums (one pass, nothing allocated: a NaN or an infinity makes a sum
+    non-finite); only where a sum is not finite, which finite values can also give by
+    overflowing, element by element."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"]
              if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     local = [g for g in local if g.numel()]
     if not local:
+        return True
+    if bool(torch.isfinite(torch.stack([g.sum() for g in local])).all()):
         return True
     return bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
 
