@@ -52,7 +52,7 @@ def initial_rows(ids: np.ndarray, dim: int, lower: float, upper: float, seed: in
 @functools.lru_cache(maxsize=64)
 def _column_keys(dim: int) -> np.ndarray:
     """``mix64(d ^ column salt)`` of every column ``d`` (read-only): made once per
-    ``dim``, where a table inserting rows made it again every batch (~5 us a call)."""
+    ``dim``, not again for every batch that inserts rows."""
     keys = mix64(np.arange(dim, dtype=np.uint64), INIT_COLUMN_SALT)
     keys.flags.writeable = False
     return keys

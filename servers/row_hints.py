@@ -1,11 +1,10 @@
 """Rows a training lookup found, kept for the update of the same ids.
 
 An embedding worker sends a batch's gradients for exactly the ids it looked up, in the
-same order, a few batches later. Probing the index for them again (hashing every id,
-reading its slot) is a tenth of what a parameter server spends on an embedding-heavy
-batch; with the rows the lookup found, the update only checks that each row still holds
-its id. Nothing here is trusted: a hint is taken by a cheap fingerprint of the ids
-(their count, first, middle and last), and the kernel that uses it
+same order, a few batches later. Probing the index for them again hashes every id and
+reads its slot, a cache miss each; with the rows the lookup found, the update only
+checks that each row still holds its id. Nothing here is trusted: a hint is taken by a
+cheap fingerprint of the ids (their count, first, middle and last), and the kernel that uses it
 (:func:`persia_py.servers.request_kernels.step_tables`) accepts a row only where it is
 below the shard's size and ``row_ids`` there is the id (a row moved by eviction, spilled,
 or a fingerprint that matched other ids: that id is probed as without a hint). Every
@@ -68,7 +67,3 @@ class RowHints:
         if rows is not None:
             self._rows -= rows.shape[0]
         return rows
-
-    def clear(self) -> None:
-        self._hints.clear()
-        self._rows = 0
