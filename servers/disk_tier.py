@@ -52,11 +52,12 @@ records of the ids whose fingerprint they find, for the same reason.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future
 
 import numpy as np
 
 from persia_py.ids.routing import RESERVED_ID
-from persia_py.servers import tier_reads
+from persia_py.servers import tier_reads, tier_scan
 from persia_py.servers.disk_expiry import DiskStamps
 from persia_py.servers.page_file import PageFile
 from persia_py.servers.tier_index import FREE, CorruptTier, TierIndex
@@ -64,7 +65,6 @@ from persia_py.servers.tier_records import (
     SEGMENT_BYTES,
     BlockStager,
     byte_columns,
-    compact_live,
     file_geometry,
     pack_blocks,
     record_layout,
@@ -125,7 +125,9 @@ class DiskTier:
         self._head_block = np.zeros(block_bytes, np.uint8)
         """The block the head is in, as last written (rewritten whole when the head's next
         write fills it on)."""
-        self._stager = BlockStager(block_bytes)
+        self.stager = BlockStager(block_bytes)
+        self._indexing: list[Future] = []
+        """Index inserts of :meth:`append`'s rows in its ``indexer``, not waited for yet."""
         self.num_rows = 0
         """Rows on disk now."""
         self.num_written = 0
@@ -153,8 +155,14 @@ class DiskTier:
         self.file.close()
 
     def flush(self) -> None:
-        """Wait for the write :meth:`append` left in flight; raises its error."""
-        self.file.flush()
+        """Wait for the write :meth:`append` left in flight and the indexing it gave its
+        ``indexer``; raises their first error."""
+        pending, self._indexing = self._indexing, []
+        try:
+            for future in pending:
+                future.result()
+        finally:
+            self.file.flush()
 
     # -- sizes -------------------------------------------------------------------------
 
@@ -234,14 +242,20 @@ class DiskTier:
         return np.concatenate(gone) if gone else np.zeros(0, np.uint64)
 
     def append(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
-               ticks: np.ndarray | None = None) -> None:
+               ticks: np.ndarray | None = None, *, indexer: Executor | None = None) -> None:
         """Store rows (distinct, none stored here; ``ticks`` their last access, as for
         :meth:`write`) at the head of a tier only ever appended to since it was made: a
         checkpoint's load into a fresh table. One sequential write of whole blocks, no
         segment compacted, no row replaced (:meth:`write` would look for the emptiest
         segment, an O(slots) count, at every segment boundary). The write's last 8 MiB
         may still be in flight on return (the caller packs its next rows meanwhile): any
-        other call waits for it; :meth:`flush` raises its error."""
+        other call waits for it; :meth:`flush` raises its error.
+
+        ``indexer``: an executor of one thread that indexes the rows meanwhile (``ids``
+        must not change until then): the index's inserts, random accesses over all of
+        a load's rows, are most of a load's CPU after the copies, and the next rows'
+        packing and writes need not wait for them. Nothing but :meth:`append` may
+        be called until :meth:`flush` has waited for them."""
         n = ids.shape[0]
         self._check_rows(ids, weights, state)
         if self.num_rows != self.head or self.head + n > min(self.num_slots,
@@ -255,7 +269,8 @@ class DiskTier:
             if seg > first or self.head % self.segment_slots == 0:
                 self._num_opened += 1
                 self.segment_epoch[seg] = self._num_opened
-        self._write_at(self.head, ids, byte_columns(ids, weights, state), background=True)
+        self._write_at(self.head, ids, byte_columns(ids, weights, state), background=True,
+                       indexer=indexer)
         if self.stamps is not None:  # the rows' last access, for a TTL
             ticks = (np.full(n, self._latest_tick, np.int64) if ticks is None
                      else np.asarray(ticks, np.int64))
@@ -305,12 +320,13 @@ class DiskTier:
         return live, rows
 
     def _write_at(self, start: int, ids: np.ndarray, columns: tuple[np.ndarray, ...],
-                  background: bool = False) -> None:
+                  background: bool = False, indexer: Executor | None = None) -> None:
         """Write rows ``ids`` (their records' bytes: :func:`tier_records.byte_columns`) at
         free slots ``start .. start + k - 1`` (no wrap), packed straight into the staging
         blocks, up to 8 MiB a ``pwrite`` (``background``: the last one still in flight on
-        return). A block the head is inside is written again whole, its earlier records
-        from :attr:`_head_block` (no read)."""
+        return), and index them (in ``indexer``: :meth:`append`). A block the head is
+        inside is written again whole, its earlier records from :attr:`_head_block` (no
+        read)."""
         k = ids.shape[0]
         rpb = self.rows_per_block
         assert not self.slot_fp[start:start + k].any(), "a write over live rows"
@@ -320,13 +336,17 @@ class DiskTier:
             at = start + done
             skip = at % rpb
             take = min(k - done, per_write - skip)
-            blocks = self._stager.blocks(-(-(skip + take) // rpb))
+            blocks = self.stager.blocks(-(-(skip + take) // rpb))
             pack_blocks(blocks, self._head_block, skip,
                         tuple(c[done:done + take] for c in columns), rpb)
             self.file.write_blocks(at // rpb, blocks, wait=not background)
             self._head_block = blocks[-1].copy()
             done += take
-        self.index.add(ids, np.arange(start, start + k, dtype=np.int64))
+        slots = np.arange(start, start + k, dtype=np.int64)
+        if indexer is None:
+            self.index.add(ids, slots)
+        else:
+            self._indexing.append(indexer.submit(self.index.add, ids, slots))
         self.num_rows += k
 
     def _drop_oldest(self, count: int) -> np.ndarray:
@@ -455,37 +475,9 @@ class DiskTier:
 
     def scan_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray,
                                             np.ndarray | None]]:
-        """Every stored row as ``(ids, weights, state, last access)`` chunks in log order,
-        one per sequential read of up to 8 MiB (checkpoints stream them to their files);
-        the first three views into the tier's staging buffers, valid until the next chunk
-        is asked for (no write before); last access in absolute ticks (None: no stamps)."""
-        rpb, nb = self.rows_per_block, self.file.num_blocks
-        step = max(1, SEGMENT_BYTES // self.file.block_bytes)  # a write's blocks
-        ranges = [(f, min(step, nb - f)) for f in range(0, nb, step)
-                  if self.slot_fp[f * rpb:(f + step) * rpb].any()]
-        if not ranges:
-            return
-        # The writes' staging buffers (faulted in already), the next range read meanwhile.
-        self.flush()  # no write of them in flight
-        buffers = [self._stager.blocks(step), self._stager.blocks(step)]
-        handed = self._stager.num_handed
-        slots = np.empty(step * rpb, np.int64)
-        ahead = self.file.read_range_ahead(*ranges[0], buffers[0][:ranges[0][1]])
-        for i, (first, n) in enumerate(ranges):
-            data = ahead.result()
-            if self._stager.num_handed != handed:  # a write took one: a caller's bug
-                raise RuntimeError("disk tier: written to during a scan")
-            if i + 1 < len(ranges):
-                ahead = self.file.read_range_ahead(*ranges[i + 1],
-                                                   buffers[(i + 1) % 2][:ranges[i + 1][1]])
-            live, where = compact_live(data, self.slot_fp[first * rpb:(first + n) * rpb],
-                                       first * rpb, rpb, self.record, slots)
-            self.index.check_slots(where, live["id"])
-            self.num_read += live.shape[0]
-            state = (live["state"] if self.state_width
-                     else np.zeros((live.shape[0], 0), np.float32))
-            stamps = None if self.stamps is None else self.stamps.get(where)
-            yield live["id"], live["weights"], state, stamps  # strided views of the records
+        """Every stored row as ``(ids, weights, state, last access)`` chunks in log order
+        (:func:`persia_py.servers.tier_scan.scan_chunks`)."""
+        return tier_scan.scan_chunks(self)
 
     def _check_rows(self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray) -> None:
         n = ids.shape[0]

@@ -29,10 +29,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+from numba import njit
 
 from persia_py.servers import kernels, row_types
 from persia_py.servers.array_files import all_finite32
@@ -136,16 +137,56 @@ def _finite(values: np.ndarray, row_dtype: str) -> bool:
 
 def _most_recent(stamps: np.ndarray, k: int) -> np.ndarray:
     """Positions (ascending) of the ``k`` largest ``stamps``, the first ones among equal
-    stamps: what a stable sort by recency picks, by one partition instead of a sort."""
+    stamps: what a stable sort by recency picks, by a radix select instead of a sort."""
     n = stamps.shape[0]
     if k >= n:
         return np.arange(n, dtype=np.int64)
     if k <= 0:
         return np.zeros(0, np.int64)
-    cut = np.partition(stamps, n - k)[n - k]  # the k-th largest
-    chosen = stamps > cut
-    chosen[np.flatnonzero(stamps == cut)[:k - int(np.count_nonzero(chosen))]] = True
-    return np.flatnonzero(chosen)
+    return _most_recent_kernel(np.ascontiguousarray(stamps, np.int64), k)
+
+
+@njit(cache=True, nogil=True)
+def _most_recent_kernel(stamps: np.ndarray, k: int) -> np.ndarray:
+    """:func:`_most_recent` for ``0 < k < len(stamps)``: the k-th largest stamp found
+    by histograms of 2**16 buckets, each pass over the stamps in the bucket where it is
+    narrowing the range by 16 bits (np.partition took a load's largest serial step);
+    then one pass takes the stamps above it and the first of those equal to it."""
+    n = stamps.shape[0]
+    lo, hi = stamps[0], stamps[0]
+    for i in range(n):
+        lo, hi = min(lo, stamps[i]), max(hi, stamps[i])
+    above = np.int64(0)  # stamps > hi (taken)
+    counts = np.zeros(1 << 16, np.int64)
+    wide = np.uint64(1 << 16)
+    while lo < hi:
+        span = np.uint64(hi) - np.uint64(lo)  # two's complement: exact for hi > lo
+        shift = np.uint64(0)
+        while (span >> shift) >= wide:
+            shift += np.uint64(16)
+        counts[:] = 0
+        for i in range(n):
+            v = stamps[i]
+            if lo <= v <= hi:
+                counts[np.int64((np.uint64(v) - np.uint64(lo)) >> shift)] += 1
+        b = np.int64(span >> shift)
+        while above + counts[b] < k:  # the bucket where the k-th largest is
+            above += counts[b]
+            b -= 1
+        base = np.uint64(lo) + (np.uint64(b) << shift)
+        top = min(np.uint64(hi) - base, (np.uint64(1) << shift) - np.uint64(1))
+        lo, hi = np.int64(base), np.int64(base + top)
+    ties = k - above  # of the stamps equal to the cut, the first ones
+    out = np.empty(k, np.int64)
+    j = 0
+    for i in range(n):
+        v = stamps[i]
+        if v > lo or (v == lo and ties > 0):
+            if v == lo:
+                ties -= 1
+            out[j] = i
+            j += 1
+    return out
 
 
 def _plan_shard(shard: Shard, ids: np.ndarray, stamps: np.ndarray, clock: int
@@ -220,12 +261,13 @@ def load_table(table: EmbeddingTable, rows: RowChunks, name: str = "") -> int:
         plans.append((pos, shard_rows))
         in_ram.append((ram_ids, None if ram_ids.shape[0] == pos.shape[0] else shard_ids))
     # The indexes are built, and the ids going to disk checked, in a thread while the rows
-    # stream in (numba and sorts: no GIL).
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-index") as pool:
+    # stream in (numba and sorts: no GIL); the tiers index the rows they take in another.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-index") as pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-tier-index") as tiers:
         futures = [pool.submit(_index_shard, shard, *ram)
                    for shard, ram in zip(table._shards, in_ram)]
         try:
-            done = _store_chunks(table, ids, stamps, rows, plans)
+            done = _store_chunks(table, ids, stamps, rows, plans, tiers)
         finally:
             wait(futures)
         for future in futures:
@@ -241,8 +283,10 @@ def load_table(table: EmbeddingTable, rows: RowChunks, name: str = "") -> int:
 
 
 def _store_chunks(table: EmbeddingTable, ids: np.ndarray, stamps: np.ndarray,
-                  rows: RowChunks, plans: list[tuple[np.ndarray, np.ndarray]]) -> int:
-    """Check, convert and store every chunk of ``rows``; returns the rows they held."""
+                  rows: RowChunks, plans: list[tuple[np.ndarray, np.ndarray]],
+                  tiers: Executor) -> int:
+    """Check, convert and store every chunk of ``rows`` (the tiers index theirs in
+    ``tiers``); returns the rows they held."""
     n = ids.shape[0]
     done = 0
     for first, weights, state, row_dtype, checked in rows.chunks():
@@ -260,7 +304,7 @@ def _store_chunks(table: EmbeddingTable, ids: np.ndarray, stamps: np.ndarray,
             lo, hi = np.searchsorted(pos, (first, first + k))
             if hi > lo:
                 parts.append((shard, ids, stamps, pos[lo:hi], shard_rows[lo:hi], first,
-                              weights, state))
+                              weights, state, tiers))
         executor = table._executor
         if executor is None or len(parts) < 2:
             for part in parts:
@@ -271,14 +315,16 @@ def _store_chunks(table: EmbeddingTable, ids: np.ndarray, stamps: np.ndarray,
             for future in futures:
                 future.result()
         done = first + k
-    for shard in table._shards:  # the tiers' last appends are on disk (or raise here)
+    for shard in table._shards:  # the tiers' last appends are on disk and indexed (or
+        # raise here)
         if shard.tier is not None:
             shard.tier.flush()
     return done
 
 
 def _store_part(shard: Shard, ids: np.ndarray, stamps: np.ndarray, pos: np.ndarray,
-                rows: np.ndarray, first: int, weights: np.ndarray, state: np.ndarray) -> None:
+                rows: np.ndarray, first: int, weights: np.ndarray, state: np.ndarray,
+                tiers: Executor) -> None:
     """Rows ``pos`` of the load (of the chunk from row ``first``) to their ``rows`` of
     ``shard`` (-1: its disk tier)."""
     at = pos - first
@@ -296,9 +342,10 @@ def _store_part(shard: Shard, ids: np.ndarray, stamps: np.ndarray, pos: np.ndarr
             # dumped first): views, not copies into fresh memory
             a, b = int(disk[0]), int(disk[-1]) + 1
             shard.tier.append(ids[first + a:first + b], weights[a:b], state[a:b],
-                              stamps[first + a:first + b])
+                              stamps[first + a:first + b], indexer=tiers)
         else:
-            shard.tier.append(ids[pos[~ram]], weights[disk], state[disk], stamps[pos[~ram]])
+            shard.tier.append(ids[pos[~ram]], weights[disk], state[disk], stamps[pos[~ram]],
+                              indexer=tiers)
 
 
 def _check_chunk(table: EmbeddingTable, weights: np.ndarray, state: np.ndarray,
