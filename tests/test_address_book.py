@@ -88,8 +88,21 @@ def servers(tmp_path: Path):
         s.stop()
 
 
+def _counting_reads(monkeypatch) -> list[int]:
+    """Reads of any address book from now on, one entry each."""
+    reads: list[int] = []
+    read = AddressBook.read
+
+    def counted(book: AddressBook) -> tuple[int, dict[str, list[str]]]:
+        reads.append(1)
+        return read(book)
+
+    monkeypatch.setattr(AddressBook, "read", counted)
+    return reads
+
+
 def test_a_client_redials_where_the_book_says_once_its_server_is_gone(
-        tmp_path: Path, servers, caplog) -> None:
+        tmp_path: Path, servers, caplog, monkeypatch) -> None:
     first = servers()
     book = AddressBook(str(tmp_path / "addresses.json"))
     book.publish({"ps": [first.address]})
@@ -99,10 +112,15 @@ def test_a_client_redials_where_the_book_says_once_its_server_is_gone(
     worker = EmbeddingWorker(GLOBAL, EMBEDDING, [client])
     try:
         worker.configure(CONFIGURE)
-        # While the server stays, calls never read the book: none there now.
-        os.unlink(book.path)
-        assert _train_one(worker, [1, 2]) == 2
-        book.publish({"ps": [first.address]})
+        # While the server stays, calls never read the book, unless an attempt failed
+        # (a loaded machine can fail one: the call then looks whether it moved).
+        reads = _counting_reads(monkeypatch)
+        with caplog.at_level(logging.DEBUG, logger="persia_py.wire.rpc"):
+            assert _train_one(worker, [1, 2]) == 2
+        if "retrying in" not in caplog.text and "redialling" not in caplog.text:
+            assert not reads
+        monkeypatch.undo()
+        caplog.clear()
         first.stop()
         waiter = LogWaiter(r"parameter server \S+ unavailable")
         [port] = free_ports(1, "127.0.0.1")
@@ -196,3 +214,43 @@ def test_a_client_waiting_for_its_server_to_start_finds_it_where_the_book_says(
     finally:
         thread.join(timeout=30)
         client.close()
+
+
+def test_a_book_unreadable_when_a_call_fails_leaves_it_retrying_where_it_is(
+        tmp_path: Path, servers, caplog) -> None:
+    first = servers()
+    book = AddressBook(str(tmp_path / "addresses.json"))
+    book.publish({"ps": [first.address]})
+    [(address, entry)] = servers_now(["unused:1"], book)
+    client = PSClient(address, GLOBAL.common_config, book=entry)
+    client.wait_ready()
+    worker = EmbeddingWorker(GLOBAL, EMBEDDING, [client])
+    try:
+        worker.configure(CONFIGURE)
+        port = int(first.address.rsplit(":", 1)[1])
+        first.stop()
+        os.unlink(book.path)  # gone while the server is away
+        waiter = LogWaiter(r"addresses\.json: missing .*; retrying at this address")
+        logging.getLogger("persia_py.wire.rpc").addHandler(waiter)
+        result: dict = {}
+
+        def train() -> None:
+            try:
+                result["updated"] = _train_one(worker, [1, 3])
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                result["error"] = exc
+
+        try:
+            with caplog.at_level(logging.INFO):
+                thread = threading.Thread(target=train)
+                thread.start()
+                assert waiter.event.wait(timeout=15), "no line about the book"
+                second = servers(port)  # back where it was
+                thread.join(timeout=30)
+        finally:
+            logging.getLogger("persia_py.wire.rpc").removeHandler(waiter)
+        assert not thread.is_alive() and result == {"updated": 2}, result
+        assert second.ps.num_updates == 1
+        assert caplog.text.count("retrying at this address") == 1, caplog.text
+    finally:
+        worker.close()

@@ -23,7 +23,7 @@ from google.protobuf import descriptor_pool
 from persia_py.config import CommonConfig
 from persia_py.wire import codec
 from persia_py.wire import raw_methods as wire_rpc
-from persia_py.wire.address_book import BookEntry
+from persia_py.wire.address_book import BookEntry, BookError
 from persia_py.wire.security import TransportSecurity
 
 logger = logging.getLogger(__name__)
@@ -338,6 +338,8 @@ class ServiceClient:
         self._book = book
         """Where the service's address is kept, when it may move (None: it never does)."""
         self._redial_lock = threading.RLock()
+        self._book_error = ""
+        """The book's error at the last redial, logged once ("": it was read)."""
         self._retired: list[grpc.Channel] = []
         self._dial(address)
 
@@ -395,9 +397,20 @@ class ServiceClient:
         """After a failed attempt at ``used[0]`` (the address the call is at, updated
         here): if the book says the service is elsewhere, dial it there (once, whichever
         thread sees it first); the method there and its name in logs, or None (it has
-        not moved since the call went there)."""
+        not moved since the call went there, or the book cannot be read now: logged)."""
         with self._redial_lock:
-            self._follow_book()
+            try:
+                self._follow_book()
+            except BookError as exc:
+                # Unreadable now (a shared file system's hiccup, an edit by hand): the
+                # call goes on retrying where it is and looks again at its next failure,
+                # where raising would fail a call its server may still answer.
+                if str(exc) != self._book_error:
+                    logger.warning("%s %s: %s; retrying at this address", self.service_name,
+                                   self.address, exc)
+                self._book_error = str(exc)
+                return None
+            self._book_error = ""
             if self.address == used[0]:
                 return None
             used[0] = self.address
