@@ -12,18 +12,19 @@ import torch
 import torch.distributed as dist
 
 from persia_py.checkpoint.coordinator import Checkpointer
-from persia_py.checkpoint.dense_export import (
-    DenseExporter,
-    check_dense_export,
-    dense_exporter_for,
-)
+from persia_py.checkpoint.dense_export import DenseExporter, dense_exporter_for
 from persia_py.checkpoint.rewind import restart_count, rewind_after_restart
 from persia_py.checkpoint.stateful import TrainState
-from persia_py.config import ConfigError, GlobalConfig
+from persia_py.config import GlobalConfig
 from persia_py.config.checks import check_type
 from persia_py.ctx.dense_step import DenseStep
 from persia_py.ctx.embedding_ctx import check_looked_up
 from persia_py.ctx.train_checkpoints import CheckpointedCtx, entered
+from persia_py.ctx.train_checks import (
+    check_arguments,
+    check_checkpoint_config,
+    check_sharded_options,
+)
 from persia_py.dense.graceful_stop import StopOnSignal
 from persia_py.dense.grad_control import GradControl
 from persia_py.dense.process_group import (
@@ -49,7 +50,6 @@ from persia_py.ops.final_errors import (
     refusals_are_config_errors,
     report_failure,
 )
-from persia_py.ops.start_checks import check_checkpoint_paths
 from persia_py.progressive import ProgressiveValidation
 from persia_py.telemetry.progress import StepReporter
 from persia_py.wire.address_book import book_at
@@ -111,34 +111,23 @@ class TrainCtx(CheckpointedCtx):
                  grad_accumulation_steps: int = 1,
                  progressive_validation: ProgressiveValidation | None = None) -> None:
         # Every argument's type first, before any file or environment is read.
-        check_type("TrainCtx(model=...)", model, torch.nn.Module,
-                   "a torch.nn.Module (the dense tower)")
-        check_type("TrainCtx(embedding_optimizer=...)", embedding_optimizer, Optimizer,
-                   "an optimizer from persia_py.embedding.optim (SGD, Adagrad or Adam)")
-        check_type("TrainCtx(dense_optimizer=...)", dense_optimizer, torch.optim.Optimizer,
-                   "a torch.optim optimizer over model.parameters()")
-        check_type("TrainCtx(embedding_config=...)", embedding_config, EmbeddingConfig,
-                   "a persia_py.embedding.EmbeddingConfig or None", optional=True)
-        check_type("TrainCtx(mixed_precision=...)", mixed_precision, bool, "a bool")
-        check_type("TrainCtx(stop_on_signal=...)", stop_on_signal, bool, "a bool")
-        check_type("TrainCtx(progressive_validation=...)", progressive_validation,
-                   ProgressiveValidation, "a persia_py.progressive.ProgressiveValidation or None",
-                   optional=True)
-        check_type("TrainCtx(distributed_option=...)", distributed_option,
-                   (DDPOption, FSDPOption), "a persia_py.distributed.DDPOption or FSDPOption",
-                   optional=True)
+        check_arguments(model, embedding_optimizer, dense_optimizer, embedding_config,
+                        mixed_precision, stop_on_signal, progressive_validation,
+                        distributed_option)
         self.grad_control = GradControl(grad_clip_norm=grad_clip_norm,
                                         grad_accumulation_steps=grad_accumulation_steps)
         """Clipping and accumulation of the dense gradients (see persia_py.dense.grad_control)."""
         super().__init__(model=model, global_config=global_config, device_id=device_id, env=env)
-        self._check_checkpoint_config(stop_on_signal)
+        check_checkpoint_config(self.global_config.checkpoint_config, self.grad_control,
+                                stop_on_signal)
         self.distributed_option = distributed_option or DDPOption()
         if isinstance(self.distributed_option, FSDPOption):
             self.distributed_option = self.distributed_option.with_config_bound(
                 self.global_config.nn_worker_config.fsdp_max_unsharded_bytes)
         # A bound below one unit's need is refused here, before any process starts.
         self.distributed_option.check(model, self.env.world_size)
-        self._check_sharded_options()
+        check_sharded_options(self.distributed_option, self.env.world_size, self.grad_control,
+                              self.global_config.checkpoint_config)
         self.dense: DenseParallel = DenseParallel(model, model)
         """The dense tower as the ranks share it (DDP, FSDP, or whole with one rank)."""
         self.mixed_precision = mixed_precision
@@ -174,26 +163,6 @@ class TrainCtx(CheckpointedCtx):
         if self.progressive is not None:  # its reports go to the log at the job's step
             self.progressive.bind(self.device, lambda report: self.reporter.log(
                 self.train_state.job_step, **report))
-
-    def _check_checkpoint_config(self, stop_on_signal: bool) -> None:
-        """Config errors now, not at the first checkpoint or the end (start_checks)."""
-        checkpoints = self.global_config.checkpoint_config
-        check_checkpoint_paths(checkpoints)
-        if stop_on_signal and not checkpoints.dir:
-            raise ConfigError("checkpoint_config.dir: required with TrainCtx(stop_on_signal="
-                              "True): the training ends with a checkpoint there, which the job "
-                              "started again goes on from")
-        self.grad_control.check_checkpoint_period(checkpoints.every_steps)
-
-    def _check_sharded_options(self) -> None:
-        """What FSDP over several ranks cannot do, refused now, not after joining the
-        process group (``__enter__`` shards the model then)."""
-        sharded = isinstance(self.distributed_option, FSDPOption) and self.env.world_size > 1
-        if sharded and self.grad_control.grad_accumulation_steps > 1:
-            raise ValueError(
-                "TrainCtx(grad_accumulation_steps=...) > 1 is not supported with "
-                "FSDPOption on several ranks; use DDPOption or a larger batch")
-        check_dense_export(self.global_config.checkpoint_config, sharded=sharded)
 
     def __enter__(self) -> TrainCtx:
         super().__enter__()
