@@ -75,6 +75,23 @@ def _train_one(worker: EmbeddingWorker, ids: list[int]) -> int:
     return worker.update_gradients(ref, {"user": np.ones((len(set(ids)), 4), np.float32)})
 
 
+def _training_in_thread(worker: EmbeddingWorker, ids: list[int]
+                        ) -> tuple[threading.Thread, dict]:
+    """:func:`_train_one` in a thread of its own, started: its answer (``updated``) or
+    its error (``error``) lands in the dict."""
+    result: dict = {}
+
+    def train() -> None:
+        try:
+            result["updated"] = _train_one(worker, ids)
+        except BaseException as exc:  # noqa: BLE001 - the caller checks it
+            result["error"] = exc
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    return thread, result
+
+
 @pytest.fixture
 def servers(tmp_path: Path):
     made: list[_Server] = []
@@ -129,18 +146,9 @@ def test_a_client_redials_where_the_book_says_once_its_server_is_gone(
         refused = LogWaiter(rf"parameter server 127\.0\.0\.1:{port} unavailable")
         for handler in (waiter, refused):
             logging.getLogger("persia_py.wire.rpc").addHandler(handler)
-        result: dict = {}
-
-        def train() -> None:
-            try:
-                result["updated"] = _train_one(worker, [1, 3])
-            except BaseException as exc:  # noqa: BLE001 - checked below
-                result["error"] = exc
-
         try:
             with caplog.at_level(logging.INFO):
-                thread = threading.Thread(target=train)
-                thread.start()
+                thread, result = _training_in_thread(worker, [1, 3])
                 assert waiter.event.wait(timeout=15), "no line about the outage"
                 # The book names the replica's new place before it answers there (the
                 # supervisor writes it as it starts the server, which then loads its
@@ -232,18 +240,9 @@ def test_a_book_unreadable_when_a_call_fails_leaves_it_retrying_where_it_is(
         os.unlink(book.path)  # gone while the server is away
         waiter = LogWaiter(r"addresses\.json: missing .*; retrying at this address")
         logging.getLogger("persia_py.wire.rpc").addHandler(waiter)
-        result: dict = {}
-
-        def train() -> None:
-            try:
-                result["updated"] = _train_one(worker, [1, 3])
-            except BaseException as exc:  # noqa: BLE001 - checked below
-                result["error"] = exc
-
         try:
             with caplog.at_level(logging.INFO):
-                thread = threading.Thread(target=train)
-                thread.start()
+                thread, result = _training_in_thread(worker, [1, 3])
                 assert waiter.event.wait(timeout=15), "no line about the book"
                 second = servers(port)  # back where it was
                 thread.join(timeout=30)
