@@ -27,11 +27,11 @@ from numba.extending import overload
 
 from persia_py.ids.dedup import rows_in_order
 from persia_py.ids.hashing import mix64_one
+from persia_py.ops.f16 import numba_intrinsic
 from persia_py.servers.row_types import (
     as_answered,
     narrow,
     next_column_key,
-    numba_intrinsic,
     rounding_args,
     row_key,
     widen,

@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from persia_py.ids.hashing import MIX_M1, MIX_M2
+from persia_py.ops.f16 import f16_bits, f16_value, fma32, llvm_f32, numba_intrinsic
 
 # The registry of storage types by name; re-exported for the code that converts rows.
 from persia_py.servers.row_type_registry import (  # noqa: F401 - re-exported
@@ -79,33 +79,10 @@ def kernel_view(array: np.ndarray) -> np.ndarray:
 # -- scalar conversions (numba) -----------------------------------------------------------
 
 
-def numba_intrinsic(typer: Callable[..., Any]) -> Callable[..., Any]:
-    """``numba.extending.intrinsic``, typed as numba code calls what it makes: numba's
-    stubs count ``typingctx`` among the call's arguments, which no call passes."""
-    return intrinsic(typer)
-
-
-@numba_intrinsic
-def _f16_value(typingctx, bits):
-    """float16 bits (int16) as float32: the CPU's conversion (F16C on x86), exact."""
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.int16), codegen
-
-
-@numba_intrinsic
-def _f16_bits(typingctx, value):
-    """float32 as float16 bits (int16), rounded to nearest even by the CPU: exact for the
-    values :func:`float_to_f16` hands it, which float16 holds."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return types.int16(types.float32), codegen
-
-
 @njit(cache=True, nogil=True, inline="always")
 def f16_to_float(bits: np.int16) -> np.float32:
     """The float32 value of float16 bits (exact)."""
-    return _f16_value(bits)
+    return f16_value(bits)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -171,28 +148,12 @@ def float_to_bf16(value: np.float32, rand16: np.uint32) -> np.uint16:
     return np.uint16(_or32(sign, _min32(kept, _BF16_MAX_BITS)))
 
 
-def _llvm_f32(builder: ir.IRBuilder, name: str, *args: ir.Value) -> ir.Value:
-    """A call of LLVM's float32 intrinsic ``name`` (which vectorizes)."""
-    f32 = ir.FloatType()
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * len(args)),
-                                        name)
-    return builder.call(fn, list(args))
-
-
-@numba_intrinsic
-def _fma32(typingctx, x, y, z):
-    """``x * y + z`` in float32, rounded once."""
-    def codegen(context, builder, signature, args):
-        return _llvm_f32(builder, "llvm.fma.f32", *args)
-    return types.float32(types.float32, types.float32, types.float32), codegen
-
-
 @numba_intrinsic
 def _floor32(typingctx, x):
     """The largest integer not above ``x``, in float32 (one instruction, which numba's
     ``math.floor`` is not: it answers an integer)."""
     def codegen(context, builder, signature, args):
-        return _llvm_f32(builder, "llvm.floor.f32", *args)
+        return llvm_f32(builder, "llvm.floor.f32", *args)
     return types.float32(types.float32), codegen
 
 
@@ -262,9 +223,9 @@ def _f16_round(value: np.float32, rand_high: np.uint32, k: tuple) -> np.int16:
     ulp = np.uint32(_sub32(base, k[3])).view(np.float32)
     magnitude = np.uint32(_and32(bits, k[4])).view(np.float32)
     draw: np.float32 = _draw_fraction(np.uint32(rand_high), np.uint32(k[7]).view(np.float32))
-    quanta = _floor32(_fma32(magnitude, inv_ulp, draw))
+    quanta = _floor32(fma32(magnitude, inv_ulp, draw))
     kept: np.float32 = _below32(quanta * ulp, np.uint32(k[6]).view(np.float32))  # NaN saturates too
-    return _f16_bits(np.uint32(_or32(_and32(bits, k[5]), np.float32(kept).view(np.uint32))).view(np.float32))
+    return f16_bits(np.uint32(_or32(_and32(bits, k[5]), np.float32(kept).view(np.uint32))).view(np.float32))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -391,7 +352,7 @@ def _as_answered(stored, like):
     if like == types.float32:
         return lambda stored, like: widen(stored)
     if stored == types.float32 and like == types.int16:
-        return lambda stored, like: _f16_bits(stored)
+        return lambda stored, like: f16_bits(stored)
     return None  # a typing error: no such answer
 
 

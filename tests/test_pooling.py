@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from persia_py.workers import pooling as pooling_module
+from persia_py.workers import slots as slots_module
 from persia_py.workers.embedding_worker import SlotRows
 from persia_py.workers.pooling import pool_slot
+from persia_py.workers.slots import pooled_by_kernel
 
 ROWS = np.arange(12, dtype=np.float32).reshape(4, 3)  # 4 distinct ids, dim 3
 INDEX = np.array([0, 1, 1, 3, 2, 0], np.int64)  # id occurrences -> rows
@@ -69,7 +71,7 @@ def test_backward_matches_embedding_bag_autograd(pooling: str, sqrt_scaling: boo
                                                  rounds: int, native_up_to: int,
                                                  monkeypatch) -> None:
     # Both backward paths: the scatter of _Bag and torch's own.
-    monkeypatch.setattr(pooling_module, "_NATIVE_BACKWARD_MAX_ENTRIES", native_up_to)
+    monkeypatch.setattr(slots_module, "FEW_ENTRIES_PER_SAMPLE", native_up_to)
     index = np.repeat(INDEX, rounds) if rounds > 1 else INDEX
     slot = SlotRows("s", ROWS, index, LENGTHS, pooling, sqrt_scaling, 3, rounds)
     upstream = torch.linspace(-1, 1, 12).reshape(4, 3)
@@ -136,3 +138,74 @@ def test_the_one_pass_backward_refuses_an_index_that_does_not_fit() -> None:
     with pytest.raises(ValueError, match="past the rows"):
         pooling_module._sum_entry_grads(grad, np.array([0, 1, 3]), entries,
                                         pooling_module._NO_WEIGHTS, False, out)
+
+
+# -- float16 rows as they arrived -------------------------------------------------------
+
+def _many_entries_slot(rng: np.random.Generator, rows: np.ndarray, pooling: str,
+                       sqrt_scaling: bool, rounds: int) -> SlotRows:
+    lengths = rng.integers(0, 12, 200).astype(np.int32)  # ~5.5 ids a sample, empty ones too
+    lengths[:3] = [0, 11, 1]
+    index = rng.integers(0, rows.shape[0], int(lengths.sum()) * rounds)
+    slot = SlotRows("s", rows, index, lengths, pooling, sqrt_scaling, 3, rounds)
+    assert pooled_by_kernel(pooling, index.size, lengths.size)
+    return slot
+
+
+@pytest.mark.parametrize("pooling, sqrt_scaling, rounds", [
+    ("sum", False, 1), ("mean", False, 1), ("sum", True, 1), ("mean", True, 1),
+    ("sum", False, 2), ("mean", False, 2)])
+def test_float16_rows_pool_and_backpropagate_as_their_widened_rows(
+        pooling: str, sqrt_scaling: bool, rounds: int) -> None:
+    """float16 rows pooled as they are give what their float32 widening gives, and a
+    float16 gradient equal to the float32 one rounded to nearest (what the wire's cast
+    made of it): bit for bit unweighted; weighted sums round once per entry, as
+    embedding_bag's fused multiply-add on x86 does."""
+    rng = np.random.default_rng(11)
+    halves = (rng.normal(size=(500, 16)) * 0.1).astype(np.float16)
+    halves[7, 3] = np.float16(60000)  # large values widen exactly as well
+    slot = _many_entries_slot(rng, halves, pooling, sqrt_scaling, rounds)
+    upstream = torch.from_numpy(rng.normal(size=(200, 16)).astype(np.float32) * 3e4)
+    got_rows = torch.from_numpy(halves.copy()).requires_grad_(True)
+    got = pool_slot(got_rows, slot)
+    (got * upstream).sum().backward()
+    wide_rows = torch.from_numpy(halves.astype(np.float32)).requires_grad_(True)
+    wide = pool_slot(wide_rows, slot)
+    (wide * upstream).sum().backward()
+    assert got.dtype == torch.float32 and got_rows.grad.dtype == torch.float16
+    if sqrt_scaling or (pooling == "mean" and rounds > 1):
+        np.testing.assert_allclose(got.detach().numpy(), wide.detach().numpy(), rtol=1e-6,
+                                   atol=1e-7)
+    else:
+        assert torch.equal(got, wide)
+    # Some sums pass float16's range: infinity, as the cast to the wire gives.
+    assert bool(got_rows.grad.isinf().any()) and bool(got_rows.grad.isfinite().any())
+    assert torch.equal(got_rows.grad, wide_rows.grad.half())
+
+
+@pytest.mark.parametrize("pooling, lengths", [("raw", [3, 0, 2, 1]), ("sum", [3, 0, 2, 1]),
+                                              ("sum", [1, 1, 1, 1])],
+                         ids=["raw", "few-entries", "one-id"])
+def test_float16_rows_pooled_by_torch_are_widened_first(pooling: str, lengths: list) -> None:
+    lengths = np.array(lengths, np.int32)
+    index = INDEX[:int(lengths.sum())]
+    slot = SlotRows("s", ROWS.astype(np.float16), index, lengths, pooling, False, 3)
+    assert not pooled_by_kernel(pooling, index.size, lengths.size)
+    halves = torch.from_numpy(ROWS.astype(np.float16)).requires_grad_(True)
+    pool_slot(halves, slot).sum().backward()
+    wide = torch.from_numpy(ROWS.copy()).requires_grad_(True)
+    expected = pool_slot(wide, SlotRows("s", ROWS, index, lengths, pooling, False, 3))
+    expected.sum().backward()
+    assert halves.grad.dtype == torch.float16
+    assert torch.equal(halves.grad, wide.grad.half())
+
+
+def test_float16_pooling_refuses_an_index_that_does_not_fit() -> None:
+    halves = torch.zeros(3, 4, dtype=torch.float16)
+    for index, match in (([0, 1], "do not add up"), ([0, 1, 3], "past the rows"),
+                         ([0, 1, -1], "past the rows")):
+        slot = SlotRows("s", halves.numpy(), np.array(index), np.array([1, 2], np.int32),
+                        "sum", False, 3)
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(ValueError, match=match):
+            patch.setattr(slots_module, "FEW_ENTRIES_PER_SAMPLE", 0)
+            pool_slot(halves, slot)

@@ -17,7 +17,7 @@ from persia_py.wire import codec, shm
 from persia_py.wire import raw_methods as wire_rpc
 from persia_py.wire.rpc import ServiceClient, create_server, grpc_method
 from persia_py.wire.shm_calls import MappedSegments, SegmentLender, TensorData, segment_message
-from persia_py.workers.slots import SlotIds, SlotRows
+from persia_py.workers.slots import SlotIds, SlotRows, pooled_by_kernel
 
 if TYPE_CHECKING:  # the servicer's; a client does not import the worker
     from persia_py.workers.embedding_worker import EmbeddingWorker
@@ -88,7 +88,8 @@ def _encode_rows_in(rows: list[SlotRows], wire: pb.WireOptions,
 def _decode_rows(response: pb.LookupBatchResponse,
                  in_segment: TensorData | None = None) -> list[SlotRows]:
     """The answer's slots; with ``in_segment``, their arrays are read (copied) from the
-    shared-memory segment it reads."""
+    shared-memory segment it reads. float16 rows are widened to float32 but where the NN
+    worker pools them as they are (:func:`pooled_by_kernel`)."""
     out = []
     for i, s in enumerate(response.slots):
         data: list = [None, None, None]
@@ -98,14 +99,17 @@ def _decode_rows(response: pb.LookupBatchResponse,
                                        "offsets, expected 3 (rows, index, lengths)")
             data = [in_segment(t, o)
                     for t, o in zip((s.rows, s.index, s.lengths), s.shm_offsets)]
+        index = codec.decode(s.index, name=f"slots[{i}].index", dtypes=("int64",), ndim=1,
+                             data=data[1])
+        lengths = codec.decode(s.lengths, name=f"slots[{i}].lengths", dtypes=("int32",),
+                               ndim=1, data=data[2])
+        widen = not pooled_by_kernel(s.pooling, index.shape[0], lengths.shape[0])
         out.append(SlotRows(
             slot=s.slot,
-            rows=codec.decode(s.rows, name=f"slots[{i}].rows", ndim=2, as_float32=True,
+            rows=codec.decode(s.rows, name=f"slots[{i}].rows", ndim=2, as_float32=widen,
                               data=data[0]),
-            index=codec.decode(s.index, name=f"slots[{i}].index", dtypes=("int64",), ndim=1,
-                               data=data[1]),
-            lengths=codec.decode(s.lengths, name=f"slots[{i}].lengths", dtypes=("int32",),
-                                 ndim=1, data=data[2]),
+            index=index,
+            lengths=lengths,
             pooling=s.pooling, sqrt_scaling=s.sqrt_scaling, sample_fixed_size=s.sample_fixed_size,
             hash_stack_rounds=max(1, s.hash_stack_rounds),
         ))

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from persia_py.workers.slots import SlotRows
+from persia_py.workers.slots import SlotRows, pooled_by_kernel
 
 __all__ = ["pool_slot"]
 
@@ -18,11 +18,16 @@ def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
 
     A hash-stacked id has ``hash_stack_rounds`` consecutive index entries whose rows are
     summed into its embedding; pooling, ``sqrt_scaling`` and raw positions count ids.
+    ``rows`` float32, or float16 as they arrived (pooled by :class:`_Bag` as they are on
+    the CPU where :func:`pooled_by_kernel` says so, widened first elsewhere).
     """
     lengths = torch.from_numpy(slot.lengths.astype(np.int64))
     index = torch.from_numpy(slot.index)
     batch_size = lengths.numel()
     rounds = slot.hash_stack_rounds
+    kernel = pooled_by_kernel(slot.pooling, index.numel(), batch_size)
+    if rows.dtype == torch.float16 and not (kernel and rows.device.type == "cpu"):
+        rows = rows.float()
     entries = lengths * rounds  # index entries per sample
     if slot.pooling == "raw":
         fixed = slot.sample_fixed_size
@@ -39,12 +44,11 @@ def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
         return rows.index_select(0, index)
     offsets = torch.cumsum(entries, 0) - entries
     mode = slot.pooling
-    bag = (_Bag.apply if index.numel() > _NATIVE_BACKWARD_MAX_ENTRIES * max(batch_size, 1)
-           else _native_bag)
+    bag = _Bag.apply if kernel else _native_bag
     if not slot.sqrt_scaling and (mode == "sum" or rounds == 1):
         return bag(rows, index, offsets, entries, mode, None)
     # A per-entry weight of the sample: 1/sqrt(n) for sqrt_scaling, 1/n for mean.
-    count = lengths.clamp(min=1).to(rows.dtype)
+    count = lengths.clamp(min=1).to(torch.float32 if rows.dtype == torch.float16 else rows.dtype)
     scale = count.rsqrt() if slot.sqrt_scaling else torch.ones_like(count)
     if mode == "mean":
         scale = scale / count
@@ -53,11 +57,6 @@ def pool_slot(rows: torch.Tensor, slot: SlotRows) -> torch.Tensor:
 
 
 _NO_WEIGHTS = np.zeros(0, np.float32)
-_NATIVE_BACKWARD_MAX_ENTRIES = 4
-"""Up to this many index entries per sample, pooling keeps torch's own backward: with
-few entries :class:`_Bag`'s gain is small, and its backward runs Python code that must
-win the GIL from the worker's lookup and gradient threads, which costs more than it
-saves (docs/benchmarks.md)."""
 
 
 def _native_bag(rows, index, offsets, entries, mode, weights):
@@ -73,23 +72,60 @@ def _sum_entry_grads(grad: np.ndarray, index: np.ndarray, entries: np.ndarray,
     sum_entry_grads(grad, index, entries, weights, mean, out)
 
 
+def _pool_halves(rows: torch.Tensor, index: torch.Tensor, entries: torch.Tensor,
+                 weights: torch.Tensor | None, mean: bool) -> torch.Tensor:
+    """The pooled float32 ``[batch, dim]`` of float16 ``rows``
+    (:func:`persia_py.workers.half_pooling.pool_halves`, imported as
+    :func:`_sum_entry_grads` imports its kernel)."""
+    from persia_py.workers.half_pooling import pool_halves
+
+    out = torch.empty(entries.numel(), rows.shape[1], dtype=torch.float32)
+    pool_halves(rows.numpy().view(np.int16), index.numpy(), entries.numpy(),
+                _NO_WEIGHTS if weights is None else weights.contiguous().numpy(), mean,
+                out.numpy())
+    return out
+
+
+def _entry_grads_as_halves(grad: np.ndarray, index: np.ndarray, entries: np.ndarray,
+                           weights: np.ndarray, mean: bool, num_rows: int) -> torch.Tensor:
+    """The float16 gradient of float16 rows
+    (:func:`persia_py.workers.half_pooling.entry_grads_as_halves`)."""
+    from persia_py.workers.half_pooling import entry_grads_as_halves
+
+    out = torch.empty(num_rows, grad.shape[1], dtype=torch.float16)
+    entry_grads_as_halves(grad, index, entries, weights, mean,
+                          np.empty((num_rows, grad.shape[1]), np.float32),
+                          out.numpy().view(np.int16))
+    return out
+
+
 class _Bag(torch.autograd.Function):
     """``F.embedding_bag`` whose backward adds each entry's gradient onto its row in one
     pass (:func:`_sum_entry_grads`; ``index_add_`` of the gathered gradients off the CPU):
     the built-in dense backward sorts the index and adds row by row, several times slower
     with many entries per sample, and gathering a gradient per entry first writes and
-    reads an array ``ids per sample`` times the gradient's size (docs/benchmarks.md)."""
+    reads an array ``ids per sample`` times the gradient's size (docs/benchmarks.md).
+    float16 rows (CPU) are pooled as they are and get a float16 gradient
+    (:mod:`persia_py.workers.half_pooling`): no float32 copy of either."""
 
     @staticmethod
     def forward(ctx, rows, index, offsets, entries, mode, weights):
         ctx.save_for_backward(index, entries, weights)
         ctx.mode, ctx.num_rows = mode, rows.shape[0]
+        ctx.halves = rows.dtype == torch.float16
+        if ctx.halves:
+            return _pool_halves(rows.detach(), index, entries, weights, mode == "mean")
         return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights)
 
     @staticmethod
     def backward(ctx, grad):
         index, entries, weights = ctx.saved_tensors
-        if grad.device.type == "cpu" and grad.dtype == torch.float32:
+        if ctx.halves:
+            rows_grad = _entry_grads_as_halves(
+                grad.detach().float().contiguous().numpy(), index.numpy(), entries.numpy(),
+                _NO_WEIGHTS if weights is None else weights.contiguous().numpy(),
+                ctx.mode == "mean", ctx.num_rows)
+        elif grad.device.type == "cpu" and grad.dtype == torch.float32:
             # Not zeroed here: the kernel sets every row (a pass over ~1 MB a slot saved).
             rows_grad = grad.new_empty(ctx.num_rows, grad.shape[1])
             _sum_entry_grads(grad.detach().contiguous().numpy(), index.numpy(), entries.numpy(),

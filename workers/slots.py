@@ -8,7 +8,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SlotIds", "SlotRows"]
+__all__ = ["SlotIds", "SlotRows", "pooled_by_kernel"]
+
+FEW_ENTRIES_PER_SAMPLE = 4
+"""Up to this many index entries per sample, the NN worker pools a slot with torch's own
+``embedding_bag`` and its backward: with few entries its kernels' gain is small, and
+their backward runs Python code that must win the GIL from the worker's lookup and
+gradient threads, which costs more than it saves (docs/benchmarks.md)."""
+
+
+def pooled_by_kernel(pooling: str, num_entries: int, batch_size: int) -> bool:
+    """Whether the NN worker pools a slot of ``num_entries`` index entries over
+    ``batch_size`` samples with its own kernels (:mod:`persia_py.workers.pooling`): sum
+    and mean pooling with more than :data:`FEW_ENTRIES_PER_SAMPLE` entries a sample.
+    Those take float16 rows as they arrived, so such a slot's rows are not widened
+    when they arrive (:mod:`persia_py.workers.half_pooling`)."""
+    return pooling != "raw" and num_entries > FEW_ENTRIES_PER_SAMPLE * max(batch_size, 1)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 
+import numpy as np
 import torch
 
 from persia_py.config import GlobalConfig, load_global_config
@@ -162,9 +163,17 @@ class EmbeddingCtx:
                            "requires_grad=False")
 
     def _embedding_tensors(self, batch: TrainingBatch, requires_grad: bool):
-        rows = [torch.from_numpy(s.rows).to(self.device).requires_grad_(requires_grad)
-                for s in batch.slots]
+        rows = [self._rows_tensor(s.rows).requires_grad_(requires_grad) for s in batch.slots]
         return rows, [pool_slot(r, s) for r, s in zip(rows, batch.slots)]
+
+    def _rows_tensor(self, rows: np.ndarray) -> torch.Tensor:
+        """A slot's rows on the context's device: float16 rows (those the CPU pools as they
+        are, :func:`persia_py.workers.slots.pooled_by_kernel`) are widened on an
+        accelerator, after the copy (half the bytes), and trained there in float32."""
+        tensor = torch.from_numpy(rows).to(self.device)
+        if tensor.dtype == torch.float16 and tensor.device.type != "cpu":
+            tensor = tensor.float()
+        return tensor
 
     def _autocast(self):
         if not self.mixed_precision:

@@ -442,8 +442,8 @@ class TrainCtx(CheckpointedCtx):
             if r.grad is None:  # the model did not use this slot
                 grads.append((s.slot, np.zeros(tuple(r.shape), np.float32)))
                 continue
-            g = r.grad.detach().float().cpu().numpy()
-            grads.append((s.slot, g if unscale is None else g * unscale))
+            g = r.grad.detach().cpu()  # float16 where pooled as it arrived: sent as it is
+            grads.append((s.slot, g.numpy() if unscale is None else g.float().numpy() * unscale))
         entered(self._sender, "TrainCtx's gradient sender").submit(batch, grads)
         if self._num_steps == 1:  # a config error from now on is no longer one at start
             made_progress()
