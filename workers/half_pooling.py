@@ -5,10 +5,12 @@ Rows travel as float16 (``embedding_fp16``). Widened to float32 when they arrive
 rows take twice the memory, and their gradients, float32 again, are narrowed to float16
 for the way back: two passes over every row, plus the pooling's own. These kernels read the
 float16 rows where pooling reads them and write the gradients as float16 where the
-backward writes them, so neither copy is made. Results are bit for bit those of the
-float32 path: widening is exact, sums are float32 in the order ``F.embedding_bag`` adds
-(one rounding per weighted entry: a fused multiply-add, as its kernel does), and each
-gradient is rounded once to nearest even, as the cast to the wire does.
+backward writes them, so neither copy is made. Results are those of the float32 path:
+widening is exact, sums are float32 in the order ``F.embedding_bag`` adds, and each
+gradient is rounded once to nearest even, as the cast to the wire does; bit for bit,
+but for weighted entries (``sqrt_scaling``, mean over hash-stacked ids), which round
+once each by a fused multiply-add as ``embedding_bag``'s x86 kernel does: the same bits
+there, within a rounding per entry where its kernel multiplies and adds apart.
 """
 
 from __future__ import annotations
