@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from numba import njit
 
+from persia_py.ids.dedup import repeated_id
 from persia_py.servers import kernels, row_types
 from persia_py.servers.array_files import all_finite32
 from persia_py.servers.row_transfer import check_stamps
@@ -228,9 +229,9 @@ def _index_shard(shard: Shard, ids: np.ndarray, every: np.ndarray | None) -> Non
     the table is not shared yet, and the rows stored meanwhile touch neither the index
     nor ``shard.ids``."""
     if every is not None:
-        ordered = np.sort(every)
-        if bool((ordered[1:] == ordered[:-1]).any()):
-            raise ValueError("ids are not distinct")
+        repeat = repeated_id(every)
+        if repeat is not None:
+            raise ValueError(f"ids are not distinct: id {repeat} repeats")
     try:
         shard.index.rebuild(ids, np.arange(ids.shape[0], dtype=np.int64), room=ids.shape[0])
     except ValueError as exc:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from persia_py.ids.dedup import repeated_id
 from persia_py.servers import row_types
 
 MAX_CLOCK = 2**62
@@ -51,10 +52,9 @@ def check_import(ids: np.ndarray, weights: np.ndarray, state: np.ndarray,
     if not bool(np.isfinite(state).all()):
         raise ValueError("state contain NaN or infinite values")
     weights = row_types.convert(weights, row_dtype, table_dtype)
-    ordered = np.sort(ids)  # repeats are neighbours once sorted (cheaper than np.unique)
-    repeats = int(np.count_nonzero(ordered[1:] == ordered[:-1]))
-    if repeats:
-        raise ValueError(f"ids are not distinct ({repeats} repeats)")
+    repeat = repeated_id(ids)
+    if repeat is not None:
+        raise ValueError(f"ids are not distinct: id {repeat} repeats")
     return weights, stamps, clock
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from persia_py.ids import hashing
-from persia_py.ids.dedup import rows_in_order, unique_in_order
+from persia_py.ids.dedup import repeated_id, rows_in_order, unique_in_order
 from persia_py.ids.hashing import HashKey, inverse_mix64, keyed_buckets, mix64
 from persia_py.servers.kernels import _rows_repeat, sum_duplicate_rows
 
@@ -96,6 +96,26 @@ def test_unique_in_order_on_random_and_crafted_ids() -> None:
         assert unique.dtype == np.uint64 and inverse.dtype == np.int64
     with pytest.raises(ValueError, match="expected a 1-D array"):
         unique_in_order(np.zeros((2, 2), np.uint64))
+
+
+def test_repeated_id_finds_a_repeat_wherever_it_is() -> None:
+    rng = np.random.default_rng(2)
+    distinct = rng.choice(2**62, size=300_000, replace=False).astype(np.uint64) * np.uint64(3)
+    assert repeated_id(distinct) is None
+    for at in (0, 1, 77_777, 299_999):  # a repeat of the first, the last, one in between
+        ids = distinct.copy()
+        ids[at] = distinct[(at + 150_001) % 300_000]
+        assert repeated_id(ids) == int(ids[at])
+    assert repeated_id(np.zeros(0, np.uint64)) is None
+    assert repeated_id(np.array([7], np.uint64)) is None
+    assert repeated_id(np.array([0, 0], np.uint64)) == 0  # hash 0 and value 0 are values
+    assert repeated_id(np.array([2**64 - 1, 3, 2**64 - 1], np.uint64)) == 2**64 - 1
+    assert repeated_id(np.arange(100_000, dtype=np.uint64)) is None
+    assert repeated_id(np.full(5_000, 9, np.uint64)) == 9  # one bucket holds them all
+    crafted = _old_hash_collisions(20_000, 0)  # buckets come from the keyed hash
+    assert repeated_id(crafted) is None and repeated_id(np.repeat(crafted, 2)) is not None
+    with pytest.raises(ValueError, match="expected a 1-D array"):
+        repeated_id(np.zeros((2, 2), np.uint64))
 
 
 def test_rows_in_order_drops_absent_rows_and_sum_duplicate_rows_sums() -> None:

@@ -235,6 +235,9 @@ def test_half_tables_refuse_bad_imports_and_take_others_converted() -> None:
         table.import_rows(ids, inf, state, row_dtype="bfloat16")
     with pytest.raises(ValueError, match="row_dtype"):
         table.import_rows(ids, np.zeros((2, 2), np.float32), state, row_dtype="float8")
+    with pytest.raises(ValueError, match="ids are not distinct: id 2 repeats"):
+        table.import_rows(np.array([2, 2], np.uint64), np.zeros((2, 2), np.float16), state,
+                          row_dtype="float16")
     assert table.num_entries == 0
     table.import_rows(ids, np.array([[1.0, 2.0], [3.0, -4.0]], np.float16), state,
                       row_dtype="float16")

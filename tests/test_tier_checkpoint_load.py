@@ -14,7 +14,7 @@ from persia_py.config import DiskTierConfig
 from persia_py.ops import safe_files
 from persia_py.servers.disk_tier import DiskTier
 from persia_py.servers.optimizers import AdagradConfig
-from persia_py.servers.row_stream import _most_recent
+from persia_py.servers.row_stream import RowChunks, _most_recent
 from persia_py.servers.storage import EmbeddingTable
 from persia_py.servers.table_files import TableFiles, row_chunks, write_table
 
@@ -55,6 +55,25 @@ def test_a_load_fills_ram_then_the_tier_and_refuses_what_neither_holds(tmp_path)
                     assert fresh.num_entries == 32
                     assert fresh.disk_stats()["disk_rows"] == description["num_rows"] - 32
                     assert _rows(fresh) == _rows(table)
+
+
+def test_a_load_whose_ids_repeat_between_ram_and_the_tier_is_refused(tmp_path) -> None:
+    """An id twice in the files, once among the rows kept in RAM and once among those
+    sent to disk (each shard's index would hold one copy and its tier the other): the
+    load fails naming it, and so does one whose repeat is within the tier's rows."""
+    n = 60
+    ids = np.arange(1, n + 1, dtype=np.uint64)
+    stamps = np.arange(n, dtype=np.int64)  # the highest stamps stay in RAM
+    weights = np.ones((n, DIM), np.float32)
+    state = np.zeros((n, DIM), np.float32)
+    for a, b in ((0, n - 1), (0, 1)):  # disk and RAM; disk and disk
+        repeated = ids.copy()
+        repeated[a] = repeated[b]
+        rows = RowChunks(ids=repeated, last_access=stamps, clock=n,
+                         chunks=lambda: iter([(0, weights, state, "float32", True)]))
+        with _table(tmp_path, capacity=16, disk_rows=200) as fresh:
+            with pytest.raises(ValueError, match=f"not distinct: id {int(repeated[b])} "):
+                fresh.load_chunks(rows)
 
 
 @pytest.mark.parametrize("stamps", [

@@ -84,3 +84,64 @@ def rows_in_order(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows = _checked(np.ascontiguousarray(rows, dtype=np.int64))
     unique, inverse = _group_in_order(rows.view(np.uint64), _KEY.words, True)
     return unique.view(np.int64), inverse
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _any_repeat(values: np.ndarray, words: np.ndarray) -> bool:
+    """Whether some value of ``values`` occurs twice. The keyed hash is a bijection of
+    uint64, so the values repeat where their hashes do: the hashes are spread into
+    buckets of ~256 by their top bits (a counting pass, then a scatter), and each
+    bucket is checked with a small set that stays in cache, where one set over all the
+    values would miss the cache at nearly every probe (and a sort costs ~4x this)."""
+    n = values.shape[0]
+    bits = 1
+    while (1 << bits) * 256 < n:
+        bits += 1
+    shift = np.uint64(64 - bits)
+    starts = np.zeros((1 << bits) + 1, np.int64)
+    for i in range(n):
+        starts[np.int64(keyed_hash_one(values[i], words) >> shift) + 1] += 1
+    for b in range(1 << bits):
+        starts[b + 1] += starts[b]
+    fill = starts[:-1].copy()
+    spread = np.empty(n, np.uint64)
+    for i in range(n):
+        h = keyed_hash_one(values[i], words)
+        b = np.int64(h >> shift)
+        spread[fill[b]] = h
+        fill[b] += 1
+    size = 16
+    table = np.zeros(size, np.uint64)
+    used = np.zeros(size, np.bool_)
+    for b in range(1 << bits):
+        lo, hi = starts[b], starts[b + 1]
+        while size < 2 * (hi - lo):
+            size *= 2
+        if size > table.shape[0]:
+            table = np.zeros(size, np.uint64)
+            used = np.zeros(size, np.bool_)
+        used[:size] = False
+        mask = np.uint64(size - 1)
+        for j in range(lo, hi):
+            h = spread[j]
+            s = np.int64(h & mask)  # the low bits: random, unlike the bucket's top bits
+            while used[s]:
+                if table[s] == h:
+                    return True
+                s = (s + 1) & np.int64(mask)
+            used[s] = True
+            table[s] = h
+    return False
+
+
+def repeated_id(ids: np.ndarray) -> int | None:
+    """An id that occurs more than once in ``ids`` (1-D uint64), None when all are
+    distinct. O(n) over buckets that fit in cache (:func:`_any_repeat`); the sort that
+    names the repeated id runs only when there is one."""
+    ids = np.ascontiguousarray(ids, dtype=np.uint64)
+    if ids.ndim != 1:
+        raise ValueError(f"expected a 1-D array, got shape {ids.shape}")
+    if not _any_repeat(ids, _KEY.words):
+        return None
+    ordered = np.sort(ids)
+    return int(ordered[1:][ordered[1:] == ordered[:-1]][0])
