@@ -1,7 +1,8 @@
 """Deduplication of ids (and row numbers) in order of first position, with a keyed hash set.
 
 Shared by the embedding worker (distinct ids of a batch) and the parameter server
-(distinct new ids, distinct rows of an update). O(n) with a scratch open-addressing set,
+(distinct new ids, distinct rows of an update, and whether a load's or an import's ids
+repeat: :func:`repeated_id`). O(n) with a scratch open-addressing set,
 unlike ``numpy.unique``'s sort. The set is hashed with a secret key drawn once per
 process (:class:`persia_py.ids.hashing.HashKey`): its input comes from the wire, and with a
 public hash ids that all share one slot could be computed offline, making the linear
@@ -92,7 +93,8 @@ def _any_repeat(values: np.ndarray, words: np.ndarray) -> bool:
     uint64, so the values repeat where their hashes do: the hashes are spread into
     buckets of ~256 by their top bits (a counting pass, then a scatter), and each
     bucket is checked with a small set that stays in cache, where one set over all the
-    values would miss the cache at nearly every probe (and a sort costs ~4x this)."""
+    values would miss the cache at nearly every probe, and a sort does more work
+    (docs/benchmarks.md, "Disk tier")."""
     n = values.shape[0]
     bits = 1
     while (1 << bits) * 256 < n:
