@@ -169,8 +169,17 @@ def _check_disk_tier_process(result: dict) -> None:
     assert result["disk_utilization"] > 0 and result["disk_utilization_no_prefetch"] > 0
 
 
+def _check_checkpoint(result: dict) -> None:
+    # The ratios issue 43's checkpoint bars are read from, with their durable (fsync) and
+    # on-device (page cache dropped) variants.
+    for key in ("dump_ratio", "dump_ratio_fsync", "load_ratio", "load_ratio_cold",
+                "load_rows_per_s"):
+        assert result[key] > 0, (key, result)
+
+
 CHECKS = {"ps_load": _check_ps_load, "hash_flood": _check_hash_flood,
           "recovery": _check_recovery, "scaling": _check_scaling,
+          "checkpoint": _check_checkpoint,
           "disk_tier": _check_disk_tier, "disk_tier_process": _check_disk_tier_process}
 """What a smoke run's figures must show beyond a clean exit, where that is machine-free."""
 
