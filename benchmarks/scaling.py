@@ -2,7 +2,8 @@
 and the NN worker's p50/p99 step time, as the parameter servers, embedding workers, table,
 batch and ids per sample grow, one factor at a time from a base point.
 
-    python -m benchmarks.scaling [--factors F,...] [--json PATH] [--plot PATH.png] [--smoke]
+    python -m benchmarks.scaling [--factors F,...] [--no-shared-memory] [--json PATH]
+                                 [--plot PATH.png] [--smoke]
 
 The job is ``benchmarks.train_throughput``'s embedding-heavy one (``persia-launcher local``,
 one NN worker and one data loader, 26 slots of dim 32, Zipf ids, Adagrad, staleness 4,
@@ -29,8 +30,11 @@ other point changes one factor of it (:data:`FACTORS`), so the grid is 12 jobs, 
 * network: each job runs in a network namespace of its own (``unshare --net``, where it
   can: as root), and ``network_bytes_per_sample`` is what its processes sent
   each other over loopback inside the window, TCP/IP headers included: the parameter
-  servers' and embedding workers' messages and the data loader's batches (the NN worker's
-  exchange with its embedding worker goes through shared memory).
+  servers' and embedding workers' messages and the data loader's batches. Roles on one
+  host pass lookup answers and gradients through shared memory (``common_config
+  .shared_memory``), so those arrays are not in it; ``--no-shared-memory`` puts them in the
+  messages, as between roles on different hosts: its figure is what would cross the
+  network if every role had a host of its own.
 
 Every process of a job shares this machine's cores: where the job has more processes than
 the machine has cores, the figures show what more processes cost, not what more machines
@@ -161,7 +165,8 @@ def check_memory(point: Point, smoke: bool) -> tuple[int, int]:
     return needed, available
 
 
-def measure(point: Point, workdir: Path, *, smoke: bool, own_network: bool) -> dict:
+def measure(point: Point, workdir: Path, *, smoke: bool, own_network: bool,
+            shared_memory: bool = True) -> dict:
     """Run ``point``'s job once; its figures."""
     warmup, timed = steps_of(point, smoke)
     if point.table_rows < NUM_SLOTS:
@@ -175,7 +180,8 @@ def measure(point: Point, workdir: Path, *, smoke: bool, own_network: bool) -> d
                   launcher_args=["--num-ps", str(point.num_ps), "--num-embedding-workers",
                                  str(point.num_embedding_workers), "--no-metrics"],
                   script_args=sizes, nn_args=f"--warmup {warmup}", loader_args="--count-rows",
-                  own_network=own_network, max_message_bytes=MAX_MESSAGE_BYTES)
+                  own_network=own_network, max_message_bytes=MAX_MESSAGE_BYTES,
+                  shared_memory=shared_memory)
     load = (load_before, os.getloadavg()[0])
     cpu = result.cpu_per_1000()
     ids_per_1000 = 1000 * point.ids_per_slot * NUM_SLOTS
@@ -277,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--factors", default=",".join(FACTORS),
                         help="comma-separated, of " + ", ".join(FACTORS))
+    parser.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
+                        help="arrays in the messages, as between roles on different hosts "
+                             "(common_config.shared_memory: false)")
     parser.add_argument("--json", default=None, help="write the grid here")
     parser.add_argument("--plot", default=None, help="draw the grid into this PNG (matplotlib)")
     parser.add_argument("--from-json", default=None, metavar="PATH",
@@ -304,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="persia-scaling-") as tmp:
         for varied, point in jobs:
             figures = measure(point, Path(tmp), smoke=args.smoke,
-                              own_network=unavailable is None)
+                              own_network=unavailable is None,
+                              shared_memory=args.shared_memory)
             points.append({"varied": varied, **figures})
             print(f"{varied:22s} {point}: {figures['samples_per_sec']:9.0f} samples/s  "
                   f"all roles {figures['cpu_per_1000_samples']['all']:.3f} core-s/1k  "
@@ -313,9 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "title": f"benchmarks.scaling: {WORKLOAD}, one factor at a time from "
                  f"{', '.join(f'{k}={v:,}' for k, v in asdict(base).items())} "
-                 f"({os.cpu_count()} cores)",
+                 f"({os.cpu_count()} cores"
+                 f"{'' if args.shared_memory else ', no shared memory'})",
         "workload": WORKLOAD, "base": asdict(base), "factors": factors,
-        "cpu_count": os.cpu_count(), "network_unavailable": unavailable, "points": points}
+        "cpu_count": os.cpu_count(), "network_unavailable": unavailable,
+        "shared_memory": args.shared_memory, "points": points}
     print(table(points))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

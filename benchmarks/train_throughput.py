@@ -49,14 +49,16 @@ workloads); embedding-heavy also at <= 0.6x plain's CPU per sample."""
 
 
 def _configs(workdir: Path, workload: str, fp16: bool = True,
-             max_message_bytes: int | None = None) -> tuple[Path, Path]:
+             max_message_bytes: int | None = None, shared_memory: bool = True
+             ) -> tuple[Path, Path]:
     w = WORKLOADS[workload]
     embedding = workdir / f"{workload}_embedding_config.yml"
     embedding.write_text("slots_config:\n" + "".join(
         f"  {name}:\n    dim: {w.dim}\n" for name in SLOT_NAMES))
     global_ = workdir / "global_config.yml"
     limit = "" if max_message_bytes is None else f"  max_message_bytes: {max_message_bytes}\n"
-    global_.write_text(f"common_config:\n  embedding_fp16: {str(fp16).lower()}\n{limit}"
+    shm = "" if shared_memory else "  shared_memory: false\n"
+    global_.write_text(f"common_config:\n  embedding_fp16: {str(fp16).lower()}\n{limit}{shm}"
                        "embedding_parameter_server_config:\n  capacity: 100000000\n"
                        "embedding_worker_config:\n  forward_buffer_size: 64\n")
     return embedding, global_
@@ -80,7 +82,8 @@ def numba_cache_dir(tree: Path) -> str:
 def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = True,
          tree: Path | None = None, smoke: bool = False, *, launcher_args: Sequence[str] = (),
          script_args: str = "", nn_args: str = "", loader_args: str = "",
-         own_network: bool = False, max_message_bytes: int | None = None) -> JobResult:
+         own_network: bool = False, max_message_bytes: int | None = None,
+         shared_memory: bool = True) -> JobResult:
     """One ``local`` job of ``workload`` (its tiny version if ``smoke``); ``tree``: the
     checkout whose persia_py runs it (default: the one installed), the harness being this
     one either way, with numba's kernels cached by the state of its sources
@@ -89,9 +92,10 @@ def ours(workload: str, steps: int, staleness: int, workdir: Path, fp16: bool = 
     ``nn_args`` to the NN worker's and ``loader_args`` to the data loader's
     (``benchmarks.scaling``'s); ``own_network``: see ``role_cpu.run_job``;
     ``max_message_bytes``: ``common_config``'s, for batches whose lookup answers could
-    pass the default."""
+    pass the default; ``shared_memory``: ``common_config``'s (off: every array in the
+    messages, as between roles on different hosts)."""
     tiny = "".join(f" {a}" for a in ("--smoke" if smoke else "", script_args) if a)
-    embedding, global_ = _configs(workdir, workload, fp16, max_message_bytes)
+    embedding, global_ = _configs(workdir, workload, fp16, max_message_bytes, shared_memory)
     env = None
     if tree is not None:  # a comparison's side: measured code only (a smoke checks it runs)
         env = {**os.environ, "PYTHONPATH": str(tree)}

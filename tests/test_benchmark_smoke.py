@@ -138,6 +138,7 @@ def _check_recovery(result: dict) -> None:
 def _check_scaling(result: dict) -> None:
     # one job per value of each factor, the base shared; every figure measured
     assert [(p["varied"], p["num_ps"]) for p in result["points"]] == [("base", 1), ("num_ps", 2)]
+    assert result["shared_memory"] is True  # the default, as one host runs a job
     for point in result["points"]:
         assert point["samples"] > 0 and point["step_ms_p99"] >= point["step_ms_p50"] > 0
         assert point["cpu_per_1000_samples"]["all"] > 0

@@ -12,6 +12,8 @@ from checkout import ROOT
 
 from benchmarks.compare import checkout, remove
 from benchmarks.role_cpu import ROLES, OwnNetwork, _Window, own_network_unavailable, role_of, run_job
+from benchmarks.train_throughput import _configs
+from persia_py.config import load_global_config
 
 _JOB = textwrap.dedent("""
     import subprocess, sys, time
@@ -170,3 +172,15 @@ def test_a_process_polled_before_its_exec_counts_for_the_role_it_becomes(tmp_pat
         child.wait(timeout=30)
     assert window.role[child.pid] == "parameter_server"
     assert window.seconds()["parameter_server"] > 0.2, window.seconds()
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_the_jobs_global_config_says_whether_arrays_go_through_shared_memory(
+        tmp_path, shared_memory: bool) -> None:
+    # benchmarks.scaling --no-shared-memory: its network figure is then what roles on
+    # different hosts would send each other
+    _, path = _configs(tmp_path, "embedding_heavy", max_message_bytes=1 << 30,
+                       shared_memory=shared_memory)
+    common = load_global_config(path).common_config
+    assert common.shared_memory is shared_memory
+    assert common.max_message_bytes == 1 << 30 and common.embedding_fp16
