@@ -1,7 +1,8 @@
 """Paired A/B of the training throughput job: a git ref against the working tree.
 
     python -m benchmarks.compare REF [--workload embedding_heavy|dense_heavy|both]
-                                     [--pairs N] [--steps N] [--staleness S] [--json PATH]
+                                     [--pairs N] [--steps N] [--staleness S] [--num-ps N]
+                                     [--json PATH]
     python -m benchmarks.compare --smoke [REF]     # HEAD by default; one tiny pair
 
 Checks REF out into a temporary git worktree and runs ``benchmarks.train_throughput``'s
@@ -55,7 +56,7 @@ def compare(ref_tree: Path, workload: str, args: argparse.Namespace,
         for side in order:
             tree = ref_tree if side == "ref" else REPO
             result = ours(workload, args.steps, args.staleness, workdir, tree=tree,
-                          smoke=args.smoke)
+                          smoke=args.smoke, launcher_args=["--num-ps", str(args.num_ps)])
             runs[side].append(result)
             print(f"  {workload} {side:4s} {result.samples_per_sec:9.0f} samples/s  "
                   f"all roles {result.cpu_per_1000()['all']:.3f} core-s/1k", flush=True)
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", type=int, default=3, help="runs of each side")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--staleness", type=int, default=4)
+    parser.add_argument("--num-ps", type=int, default=1,
+                        help="parameter servers of the job (a batch's ids split among them)")
     parser.add_argument("--json", default=None, help="write every figure here")
     # The smoke's workload is the one ``train_throughput --smoke`` leaves out.
     args = parse_args_with_smoke(parser, argv, ref="HEAD", workload="dense_heavy", pairs=1,

@@ -350,7 +350,9 @@ class EmbeddingTable:
             if positions is None:
                 counts.append(shard.update(ids, grads, tick))
             else:
-                counts.append(shard.update(ids[positions], grads[positions], tick))
+                # np.take copies whole rows; grads[positions] goes element by element, slower
+                counts.append(shard.update(ids[positions], np.take(grads, positions, axis=0),
+                                           tick))
 
         self._per_shard(ids, work)
         return sum(counts)

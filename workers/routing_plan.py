@@ -8,6 +8,10 @@ hashed, grouped or split twice. Everything is vectorized over the batch.
 
 The slots of a feature group share one table: the plan holds the table's distinct ids
 once (sorted) and, per slot, where the slot's own distinct ids sit among them.
+
+Rows are gathered with ``numpy.take(..., axis=0)``, which copies a whole row at a time:
+indexing a 2-D array with an array of positions goes element by element, several times
+slower (docs/benchmarks.md#scaling).
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ class RoutingPlan:
     def slot_rows(self, table: str, slot: str, rows: np.ndarray) -> np.ndarray:
         """The rows of ``slot``'s distinct ids, from its table's ``rows``."""
         index = self.tables[table].slot_rows[slot]
-        return rows if index is None else rows[index]
+        return rows if index is None else np.take(rows, index, axis=0)
 
     def update_requests(self, grads: dict[str, np.ndarray]
                         ) -> list[list[tuple[str, np.ndarray, np.ndarray]]]:
@@ -137,7 +141,8 @@ class RoutingPlan:
             for r, positions in enumerate(by_replica):
                 ids = t.ids[positions]
                 if ids.size:
-                    out[r].append((table, ids, g[positions]))
+                    rows = g if isinstance(positions, slice) else np.take(g, positions, axis=0)
+                    out[r].append((table, ids, rows))
         return out
 
 

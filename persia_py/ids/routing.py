@@ -13,15 +13,27 @@ import numpy as np
 from numba import njit
 
 from persia_py.ids import RESERVED_ID
-from persia_py.ids.hashing import HASH_STACK_SALT, REPLICA_SALT, mix64
+from persia_py.ids.hashing import HASH_STACK_SALT, REPLICA_SALT, mix64, mix64_one
 
 __all__ = ["RESERVED_ID", "hash_stack", "mix64", "replica_of", "split_by"]
 
 def replica_of(ids: np.ndarray, num_replicas: int) -> np.ndarray:
-    """Index of the parameter-server replica that owns each id (int64 array)."""
+    """Index of the parameter-server replica that owns each id (int64 array):
+    ``mix64(ids, REPLICA_SALT) % num_replicas``, in one pass (every embedding worker's
+    batch and every parameter server's request goes through it)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    return (mix64(ids, REPLICA_SALT) % np.uint64(num_replicas)).astype(np.int64)
+    ids = np.asarray(ids, dtype=np.uint64)
+    flat = np.ascontiguousarray(ids).reshape(-1)
+    return _replicas(flat, REPLICA_SALT, np.uint64(num_replicas)).reshape(ids.shape)
+
+
+@njit(cache=True, nogil=True)
+def _replicas(ids: np.ndarray, salt: np.uint64, num_replicas: np.uint64) -> np.ndarray:
+    out = np.empty(ids.shape[0], np.int64)
+    for i in range(ids.shape[0]):
+        out[i] = np.int64(mix64_one(ids[i] ^ salt) % num_replicas)
+    return out
 
 
 def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
