@@ -345,8 +345,8 @@ def _store_part(shard: Shard, ids: np.ndarray, stamps: np.ndarray, pos: np.ndarr
             shard.tier.append(ids[first + a:first + b], weights[a:b], state[a:b],
                               stamps[first + a:first + b], indexer=tiers)
         else:
-            shard.tier.append(ids[pos[~ram]], weights[disk], state[disk], stamps[pos[~ram]],
-                              indexer=tiers)
+            shard.tier.append(ids[pos[~ram]], np.take(weights, disk, axis=0),
+                              np.take(state, disk, axis=0), stamps[pos[~ram]], indexer=tiers)
 
 
 def _check_chunk(table: EmbeddingTable, weights: np.ndarray, state: np.ndarray,

@@ -288,11 +288,12 @@ class Shard:
         """Write rows ``victims`` to the tier; rows the tier drops to make room are gone
         from the table: counted as evicted (and logged as removed)."""
         assert self.tier is not None
-        victims = np.sort(victims)  # sequential gathers
+        victims = np.sort(victims)  # sequential gathers, whole rows (np.take)
         ticks = (None if self.tier.stamps is None
                  else self.clock.absolute(self.last_access[victims]))
-        gone = self.tier.write(self.ids[victims], self.weights[victims], self.state[victims],
-                               ticks, fresh=True)  # a row is in RAM or on disk, never both
+        ids, weights, state = (np.take(a, victims, axis=0)
+                               for a in (self.ids, self.weights, self.state))
+        gone = self.tier.write(ids, weights, state, ticks, fresh=True)  # RAM or disk, not both
         self.spilled += victims.shape[0]
         self.evicted += gone.shape[0]
         if gone.shape[0]:
@@ -386,7 +387,7 @@ class Shard:
             on_disk = ids[rows < 0]
             rows = rows[rows >= 0]
             removed = removed[self.index.find(removed) < 0]
-            parts = (self.ids[rows], self.weights[rows], self.state[rows],
+            parts = (*(np.take(a, rows, axis=0) for a in (self.ids, self.weights, self.state)),
                      self.clock.absolute(self.last_access[rows]))
             if self.tier is None:
                 return (*parts, removed)
