@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import re
+import time
+
 import grpc
 import pytest
 
@@ -65,3 +69,32 @@ def test_calls_without_arrays_get_the_control_message_limit(method: str, control
                                               if control else
                                               (common.max_message_bytes,
                                                "common_config.max_message_bytes"))
+
+
+
+def test_a_call_that_runs_out_its_deadline_unavailable_names_the_peer(caplog) -> None:
+    # A peer whose host stopped answering ARP: the connect waits out the whole deadline,
+    # then fails UNAVAILABLE (no route to host), with no earlier attempt to log the outage.
+    common = CommonConfig()
+    server, port = create_server("127.0.0.1:0", common, max_workers=1)
+    server.start()
+    server.stop(None)  # nothing listens there now: a real UNAVAILABLE from the channel
+    channel = create_channel(f"127.0.0.1:{port}", common)
+    echo = channel.unary_unary("/test.Echo/Echo")
+
+    def unreachable(request, timeout, **kwargs):
+        with pytest.raises(grpc.RpcError) as failed:
+            echo(request, timeout=timeout, **kwargs)
+        time.sleep(timeout)
+        raise failed.value
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="persia_py.wire.rpc"):
+            with pytest.raises(grpc.RpcError) as info:
+                call(unreachable, b"x", timeout=0.05, idempotent=True,
+                     what=f"echo at 127.0.0.1:{port}")
+    finally:
+        channel.close()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert re.search(rf"echo at 127\.0\.0\.1:{port} unavailable \(.*\); gave up at the "
+                     r"call's deadline", caplog.text), caplog.text

@@ -303,11 +303,18 @@ def call(
                              "or send smaller batches", what, exc.details())
                 raise
             if not retryable or time.monotonic() + delay >= deadline:
+                # Name the peer here, or the caller's error names no one. A peer cut off
+                # silently (no reset, no carrier lost) never answers UNAVAILABLE; one whose
+                # host stopped answering ARP fails UNAVAILABLE only after the connect ran
+                # out the whole deadline, with no earlier attempt to log its outage.
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    # A peer cut off silently (no reset, no carrier lost) never answers
-                    # UNAVAILABLE: name it here, or the caller's error names no one.
                     logger.warning("%s did not answer within %.0f s "
                                    "(common_config.rpc_timeout_sec)", what, timeout)
+                elif code in _GONE:
+                    logger.warning("%s unavailable (%s); %s", what, exc.details(),
+                                   f"gave up at the call's deadline ({timeout:.0f} s, "
+                                   "common_config.rpc_timeout_sec)" if retryable
+                                   else "not retried: the call is not idempotent")
                 raise
             if code in _GONE:
                 outages.failed(what, exc.details(), timeout)
