@@ -49,8 +49,9 @@ def lookup_tables(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], i
     same results; the tables checked and ticked first, all of them."""
     started = [table.start_lookup(table_ids, out, dtype)
                for table, table_ids, out, dtype in zip(tables, ids, outs, dtypes)]
+    read_ids = [_read_only(table_ids) for table_ids, _, _ in started]
     groups, alone = _groups(tables, [(table_ids, kernel_view(out))
-                                     for table_ids, out, _ in started])
+                                     for table_ids, (_, out, _) in zip(read_ids, started)])
     for k in alone:
         tables[k].lookup_started(started[k][0], insert, started[k][2], started[k][1])
     for members in groups:
@@ -58,7 +59,7 @@ def lookup_tables(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], i
         with _holding(shards):
             stamps = [shard.clock.stamp(started[k][2], shard.last_access[:shard.size])
                       for k, shard in members]
-            ids_k = [started[k][0] for k, _ in members]
+            ids_k = [read_ids[k] for k, _ in members]
             outs_k = [kernel_view(started[k][1]) for k, _ in members]
             offsets = _offsets(ids_k)
             rows = find_gather_tables(
@@ -78,13 +79,13 @@ def update_tables(tables: Sequence[EmbeddingTable],
                   checked: Sequence[tuple[np.ndarray, np.ndarray]]) -> int:
     """``sum(table.apply_update(ids, grads) ...)`` of every entry (input as
     :meth:`EmbeddingTable.check_update` returns it), with the same results."""
-    groups, alone = _groups(tables, [(ids, kernel_view(grads)) for ids, grads in checked],
-                            update=True)
+    read = [(_read_only(ids), _read_only(kernel_view(grads))) for ids, grads in checked]
+    groups, alone = _groups(tables, read, update=True)
     num_updated = sum(tables[k].apply_update(*checked[k]) for k in alone)
     for members in groups:
         shards = [shard for _, shard in members]
-        ids_k = [checked[k][0] for k, _ in members]
-        grads_k = [kernel_view(checked[k][1]) for k, _ in members]
+        ids_k = [read[k][0] for k, _ in members]
+        grads_k = [read[k][1] for k, _ in members]
         steps = [tables[k].row_step for k, _ in members]
         kinds = [cast(KernelStep, step.step) for step in steps]  # as _groups checked
         params = np.array([(s.lr, s.weight_decay, s.bound, s.eps, s.momentum) for s in kinds],
@@ -132,8 +133,7 @@ def _groups(tables: Sequence[EmbeddingTable], arrays: list[tuple[np.ndarray, np.
                                 or not isinstance(table.row_step.step, KernelStep)))):
             alone.append(k)
             continue
-        key = (kernel_view(shard.weights).dtype, other.dtype, ids.flags.writeable,
-               other.flags.writeable)
+        key = (kernel_view(shard.weights).dtype, other.dtype, other.flags.writeable)
         by_key.setdefault(key, []).append((k, shard))
     groups = [members[at:at + TABLES_PER_CALL] for members in by_key.values()
               for at in range(0, len(members), TABLES_PER_CALL)]
@@ -147,6 +147,17 @@ def _index_args(shards: list[Shard]) -> tuple[tuple, tuple, np.ndarray, tuple, n
     return (_padded([a[0] for a in args]), _padded([a[1] for a in args]),
             np.array([a[2] for a in args], np.uint64), _padded([a[3] for a in args]),
             np.array([a[4] for a in args], np.uint64), np.array([a[5] for a in args], np.int64))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, or a read-only view of it, for what the kernels only read: a wire's
+    buffers are read-only, a caller's arrays mostly not, and numba compiles a kernel once
+    per array type, read-only or not (each variant some seconds)."""
+    if not array.flags.writeable:
+        return array
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _offsets(ids: list[np.ndarray]) -> np.ndarray:

@@ -3,6 +3,7 @@ answers exactly what the same request served table by table does."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from persia_py.config.optimizer import AdagradConfig, AdamConfig, SGDConfig
 from persia_py.servers import request_tables, row_hints
-from persia_py.servers.request_kernels import TABLES_PER_CALL
+from persia_py.servers.request_kernels import TABLES_PER_CALL, find_gather_tables, step_tables
 from persia_py.servers.row_hints import RowHints
 from persia_py.servers.storage import EmbeddingTable
 
@@ -88,6 +89,26 @@ def test_a_request_over_tables_is_the_same_as_table_by_table(wire: str) -> None:
         np.testing.assert_array_equal(np.sort(np.asarray(f_rows["ids"])),
                                       np.sort(np.asarray(a_rows["ids"])))
         np.testing.assert_array_equal(np.sort(f_gone), np.sort(a_gone))
+
+
+def test_read_only_and_writable_arrays_share_one_compiled_kernel() -> None:
+    # A wire's arrays are read-only, a caller's writable: the kernels get both read-only,
+    # so numba compiles each once per element types, not once more per flag.
+    tables = [EmbeddingTable(dim=4, optimizer=SGDConfig(lr=1.0), seed=k) for k in range(2)]
+    for writable in (True, False):
+        ids = [np.arange(1, 9, dtype=np.uint64) for _ in tables]
+        grads = [np.ones((8, 4), np.float32) for _ in tables]
+        for array in (*ids, *grads):
+            array.flags.writeable = writable
+        request_tables.lookup_tables(tables, ids, True, [None, None], [np.float32] * 2)
+        assert request_tables.update_tables(
+            tables, [t.check_update(i, g) for t, i, g in zip(tables, ids, grads)]) == 16
+    for kernel, names in ((find_gather_tables, ("ids",)), (step_tables, ("ids", "grads"))):
+        params = list(inspect.signature(kernel.py_func).parameters)
+        assert kernel.signatures
+        for signature in kernel.signatures:
+            for name in names:
+                assert not signature[params.index(name)].dtype.mutable, (kernel, name)
 
 
 def test_more_tables_than_one_call_takes_are_served_in_several() -> None:
