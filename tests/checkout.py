@@ -1,6 +1,8 @@
 """The checkout the tests run in: its root (``ROOT``), the example job the tests start
 (``EXAMPLE``), and the package as it is installed from it (:func:`package_tree`), which
-the type check (:func:`start_type_check`; conftest's ``type_check`` fixture) runs over."""
+the type check (:func:`start_type_check`; conftest's ``type_check`` fixture) runs over,
+and numba's cached kernels of the checkout dropped when they may be stale
+(:func:`drop_stale_kernel_caches`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,34 @@ EXAMPLE = ROOT / "examples" / "criteo_synthetic"
 
 PACKAGE_DIRS = {"persia_py/servers": ROOT / "servers", "persia_py/workers": ROOT / "workers"}
 """setup.cfg's ``package_dir``: folders at the top that are installed inside persia_py."""
+
+
+KERNEL_FOLDERS = ("persia_py", "servers", "workers")
+"""Where the package's numba kernels are."""
+KERNEL_STAMP = ".numba_sources"
+"""The file (in the checkout's root, ignored by git) that records the kernels' sources as
+they were when their cached compiles were last known to match them."""
+
+
+def drop_stale_kernel_caches(root: Path = ROOT) -> bool:
+    """Delete numba's cached kernels under ``root`` (``__pycache__/*.nbi``, ``*.nbc``) if a
+    file that defines a cached kernel changed (size or time) since the last call; returns
+    whether it did. numba checks a cached kernel against its own file only: a kernel whose
+    callee in another file changed would run the callee's old machine code, and the tests
+    would test code no longer there. A clean clone has nothing to delete."""
+    sources = sorted(path for folder in KERNEL_FOLDERS for path in (root / folder).rglob("*.py")
+                     if "cache=True" in path.read_text())
+    stamp = "".join(f"{path.relative_to(root)} {path.stat().st_size} "
+                    f"{path.stat().st_mtime_ns}\n" for path in sources)
+    recorded = root / KERNEL_STAMP
+    if recorded.exists() and recorded.read_text() == stamp:
+        return False
+    for folder in KERNEL_FOLDERS:
+        for cached in (*(root / folder).rglob("__pycache__/*.nbi"),
+                       *(root / folder).rglob("__pycache__/*.nbc")):
+            cached.unlink(missing_ok=True)
+    recorded.write_text(stamp)
+    return True
 
 
 def package_tree(folder: Path) -> Path:

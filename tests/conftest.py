@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from checkout import start_type_check
+from checkout import drop_stale_kernel_caches, start_type_check
 
 from persia_py.wire.security import ENV_AUTH_TOKEN
 
@@ -62,6 +62,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "xdist_group(name): tests run by one xdist worker")
     _guard_process_starts()
     _sigint_for_children()
+    if not hasattr(config, "workerinput"):  # xdist: once, before its workers start
+        drop_stale_kernel_caches()
 
 
 def _sigint_for_children() -> None:
